@@ -1,0 +1,23 @@
+"""ddp-course: learn PyTorch distributed training by running it.
+
+The engine's public names: :func:`run_ranks` runs a function on N ranks,
+:func:`backend` says which backend a job uses.
+"""
+
+from course.exceptions import LaunchError, RankFailedError, RankFailure, RankTimeoutError
+from course.launch import JobResult, backend, launch, run_ranks, warm_up
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JobResult",
+    "LaunchError",
+    "RankFailedError",
+    "RankFailure",
+    "RankTimeoutError",
+    "__version__",
+    "backend",
+    "launch",
+    "run_ranks",
+    "warm_up",
+]

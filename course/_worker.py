@@ -1,0 +1,177 @@
+"""The rank side of :func:`course.launch.run_ranks`.
+
+Each rank process is forked from a warm forkserver that has this module (and
+torch) preloaded. ``rank_main`` sets the process up like a torchrun worker,
+runs the shipped function, and reports back through files in the job folder:
+``rank{r}.log`` (everything the rank printed), ``rank{r}.result`` or
+``rank{r}.error`` (cloudpickled dicts). It never returns: it ends with
+``os._exit`` so that no interpreter teardown (and none of its known deadlocks)
+runs in a rank.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import cloudpickle
+
+# Keeps process groups alive after the student's destroy_process_group():
+# freeing a DDP model after its process group is gone deadlocks inside
+# ~ProcessGroupGloo in forked children (DESIGN.md). Holding a reference here
+# and leaving with os._exit means that destructor never runs.
+_KEEP_ALIVE: list = []
+_STATE = {"destroy_called": False}
+_LOG_FILE = None  # faulthandler needs the file object to stay open
+
+
+def _redirect_output(log_path: str) -> None:
+    global _LOG_FILE
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    _LOG_FILE = sys.stderr
+    # On a deadline the launcher sends SIGUSR1 to learn where a rank is stuck.
+    faulthandler.register(signal.SIGUSR1, file=_LOG_FILE, all_threads=False, chain=False)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this rank (and its children) if the launching process disappears."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                try:
+                    os.killpg(0, signal.SIGKILL)
+                finally:
+                    os._exit(1)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="ddp-course-parent-watch", daemon=True).start()
+
+
+def _patch_destroy() -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    real_destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            _STATE["destroy_called"] = True
+            _KEEP_ALIVE.extend(list(c10d._world.pg_map.keys()))
+        else:
+            _KEEP_ALIVE.append(group)
+        real_destroy(group)
+
+    destroy_process_group.__doc__ = real_destroy.__doc__
+    destroy_process_group.__wrapped__ = real_destroy
+    dist.destroy_process_group = destroy_process_group
+    c10d.destroy_process_group = destroy_process_group
+
+
+def _student_traceback(exc: BaseException) -> str:
+    """The traceback without this module's own frames: the student's code first."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _write(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(cloudpickle.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _pg_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+def rank_main(rank: int, jobs: list[dict]) -> None:
+    """Entry point, called by torch.multiprocessing as ``rank_main(rank, jobs)``."""
+    job = jobs[rank]
+    # Everything preloaded by the forkserver (torch and friends) is long-lived:
+    # keep the collector from walking it (and copying its pages) in every rank.
+    gc.freeze()
+    try:
+        os.setsid()  # own process group: the launcher kills rank + children at once
+    except OSError:
+        pass
+    _redirect_output(job["log_path"])
+    _watch_parent(job["parent_pid"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    for name, entry in job["linecache"].items():
+        linecache.cache.setdefault(name, entry)
+
+    import torch
+
+    torch.set_num_threads(job["num_threads"])
+    _patch_destroy()
+
+    code = 0
+    try:
+        fn, args = cloudpickle.loads(job["payload"])
+        value = fn(rank, *args)
+        try:
+            _write(
+                job["result_path"],
+                {
+                    "value": value,
+                    "pg_initialized": _pg_initialized(),
+                    "destroy_called": _STATE["destroy_called"],
+                },
+            )
+        except Exception as exc:  # the value could not be pickled
+            raise TypeError(
+                f"rank {rank} returned a {type(value).__name__} that cannot be sent "
+                f"back to the launcher ({exc}); return plain Python values or tensors"
+            ) from None
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        code = 1
+        report = {
+            "traceback": _student_traceback(exc),
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "exception": None,
+        }
+        try:
+            report["exception"] = cloudpickle.dumps(exc)
+        except Exception:
+            pass
+        try:
+            _write(job["error_path"], report)
+        except Exception:
+            sys.stderr.write(report["traceback"])
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

@@ -1,0 +1,46 @@
+"""The ``ddp-course`` command line: a thin layer over the course's modules.
+
+Each verb lives in its own module and is imported only when used, so
+``ddp-course --help`` stays fast (no torch import).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from course import __version__
+
+#: verb -> "module:attribute" of a click command. One module per verb.
+COMMANDS = {
+    "lab": "course.lab:command",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ddp-course")
+def main() -> None:
+    """ddp-course: learn PyTorch distributed training by running it.
+
+    Lessons and exercises run real multi-process jobs (gloo on a CPU, nccl on GPUs);
+    exercises are autograded on nbgrader.
+    """
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,540 @@
+"""Run a Python function as N real ranks of a torch.distributed job.
+
+``run_ranks(fn, world_size)`` calls ``fn(rank, *args)`` in ``world_size``
+processes with the torchrun environment set (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``dist.init_process_group(backend)``
+works with no other arguments. The backend chosen for the job is in the
+``DDP_COURSE_BACKEND`` environment variable (see :func:`course.backend`).
+
+How (DESIGN.md has the measurements behind each choice):
+
+* ranks are forked from a multiprocessing *forkserver* with torch,
+  torch.distributed and torch._dynamo preloaded, through
+  ``torch.multiprocessing.start_processes``: fork speed after the first job,
+  safe when the caller has initialised CUDA or runs threads (a Jupyter kernel);
+* the function and its arguments travel by value with cloudpickle, so
+  functions, classes and globals defined in a notebook work;
+* the launcher hosts the rendezvous TCPStore itself on a port the OS picks and
+  holds for the job's lifetime (as torchrun's agent does), so concurrent jobs
+  never race for a port;
+* each rank runs in its own session; on a failure or at the deadline the whole
+  session (rank and any children) is killed, and the error says which ranks
+  returned, which failed and which were stuck, with their last output.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import types
+from collections import ChainMap, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cloudpickle
+
+from course.exceptions import RankFailedError, RankFailure, RankTimeoutError
+
+BACKEND_ENV = "DDP_COURSE_BACKEND"
+DEFAULT_TIMEOUT = 120.0
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course._worker"]
+_KEEP_LINES = 200  # per rank, for error messages
+_ECHO_LIMIT = 2000  # lines per rank echoed to the caller before truncating
+_GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
+_CONNECTION_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _code_reduce(code):
+    """cloudpickle's code reducer, keeping the real file name (it writes "<dynamic-code>"),
+    so tracebacks from the ranks can show the student's notebook lines."""
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return ctor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj) -> bytes:
+    """Pickle ``obj`` by value where needed (notebook functions, classes, globals)."""
+    with io.BytesIO() as buf:
+        try:
+            _Pickler(buf).dump(obj)
+        except AttributeError:  # cloudpickle internals moved: lose only the file names
+            return cloudpickle.dumps(obj)
+        return buf.getvalue()
+
+
+@dataclass
+class JobResult:
+    """Everything a finished job reports, rank by rank (index = rank)."""
+
+    #: what ``fn`` returned on each rank
+    values: list[Any]
+    #: each rank's printed output (stdout and stderr interleaved), possibly truncated at the front
+    outputs: list[str]
+    #: whether the default process group was still initialised when ``fn`` returned
+    pg_initialized: list[bool]
+    #: whether ``fn`` called ``dist.destroy_process_group()``
+    destroy_called: list[bool]
+    backend: str = "gloo"
+    port: int = 0
+    elapsed: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def backend(world_size: int | None = None) -> str:
+    """The backend for this job: the launcher's choice inside ``run_ranks``, else detected.
+
+    Detection (under torchrun or anywhere else): ``nccl`` when CUDA is available
+    with at least ``world_size`` GPUs (one GPU cannot host two NCCL ranks), else ``gloo``.
+    """
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        return chosen
+    if world_size is None:
+        world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return resolve_backend("auto", world_size)
+
+
+def resolve_backend(name: str, world_size: int) -> str:
+    if name != "auto":
+        if name not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+            raise ValueError(f"unknown backend {name!r}: use 'auto', 'gloo' or 'nccl'")
+        return name
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def warm_up() -> None:
+    """Start the forkserver now (torch preloaded) so the first job is fast too."""
+    _context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    # Only effective before the forkserver first starts; later calls are harmless.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _notebook_sources() -> dict:
+    """Source lines of notebook cells, so rank tracebacks can show the student's code."""
+    return {
+        name: entry
+        for name, entry in list(linecache.cache.items())
+        if isinstance(entry, tuple)
+        and len(entry) == 4
+        and (name.startswith("<") or "ipykernel_" in name)
+    }
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _rank_env(rank: int, world_size: int, port: int, backend_name: str, extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store, like torchrun's agent
+        PYTHONUNBUFFERED="1",
+    )
+    env[BACKEND_ENV] = backend_name
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if backend_name == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
+        # gloo picks an interface from the hostname, which is flaky on CI
+        # machines and containers; all ranks are on this host, so use loopback.
+        lo = _loopback_interface()
+        if lo:
+            env["GLOO_SOCKET_IFNAME"] = lo
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class _Tail:
+    """Reads a rank's log file as it grows; echoes complete lines with a rank prefix."""
+
+    def __init__(self, rank: int, path: str, echo: bool):
+        self.rank, self.path, self.echo = rank, path, echo
+        self.offset = 0
+        self.partial = b""
+        self.lines: deque[str] = deque(maxlen=_KEEP_LINES)
+        self.head: list[str] = []
+        self.count = 0
+
+    def pump(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(4 << 20)
+                self.offset = fh.tell()
+        except FileNotFoundError:
+            data = b""
+        if not data and not (final and self.partial):
+            return
+        data = self.partial + data
+        *complete, self.partial = data.split(b"\n")
+        if final and self.partial:
+            complete.append(self.partial)
+            self.partial = b""
+        for raw in complete:
+            self._line(raw.decode("utf-8", "backslashreplace").rstrip("\r"))
+        if final:
+            # drain anything left past the 4 MiB read
+            while self._more():
+                pass
+
+    def _more(self) -> bool:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return False
+        if size <= self.offset:
+            return False
+        self.pump(final=True)
+        return True
+
+    def _line(self, line: str) -> None:
+        self.count += 1
+        self.lines.append(line)
+        if len(self.head) < _KEEP_LINES:
+            self.head.append(line)
+        if self.echo:
+            if self.count <= _ECHO_LIMIT:
+                sys.stdout.write(f"[rank {self.rank}] {line}\n")
+            elif self.count == _ECHO_LIMIT + 1:
+                sys.stdout.write(f"[rank {self.rank}] ... (more output hidden; ddp-course shows {_ECHO_LIMIT} lines per rank)\n")
+
+    def text(self) -> str:
+        """The output: the first and last lines kept, with a marker for any gap."""
+        if self.count <= _KEEP_LINES:
+            return "\n".join(self.head)
+        rest = self.count - _KEEP_LINES
+        tail = list(self.lines)[-min(rest, _KEEP_LINES):]
+        skipped = rest - len(tail)
+        gap = [f"... ({skipped} lines not kept) ..."] if skipped else []
+        return "\n".join(self.head + gap + tail)
+
+    def last(self, n: int = 20) -> list[str]:
+        return list(self.lines)[-n:]
+
+
+def _kill_rank(pid: int | None) -> None:
+    """SIGKILL a rank's whole session (its own process group): the rank and its children."""
+    if not pid:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _load(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as fh:
+            return cloudpickle.loads(fh.read())
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a half-written or unloadable report
+        return {"traceback": "", "type": type(exc).__name__, "message": f"(report unreadable: {exc})"}
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    echo: bool = True,
+    env: dict | None = None,
+    num_threads: int | None = None,
+) -> JobResult:
+    """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
+
+    Raises :class:`~course.exceptions.RankFailedError` if a rank raised or died and
+    :class:`~course.exceptions.RankTimeoutError` if the job passed ``timeout`` seconds.
+    With ``echo`` each line a rank prints is shown on the caller's stdout as
+    ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"run_ranks needs a function to run on each rank, got {type(fn).__name__}")
+    backend_name = resolve_backend(backend, world_size)
+    try:
+        payload = dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "
+            "Everything the function uses must be picklable (no open files, locks or live process groups)."
+        ) from exc
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // world_size)
+
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    _context()
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
+        os.chmod(jobdir, 0o700)
+        jobs = []
+        sources = _notebook_sources()
+        for rank in range(world_size):
+            jobs.append(
+                dict(
+                    payload=payload,
+                    env=_rank_env(rank, world_size, port, backend_name, env),
+                    cwd=os.getcwd(),
+                    parent_pid=os.getpid(),
+                    num_threads=num_threads,
+                    linecache=sources,
+                    log_path=os.path.join(jobdir, f"rank{rank}.log"),
+                    result_path=os.path.join(jobdir, f"rank{rank}.result"),
+                    error_path=os.path.join(jobdir, f"rank{rank}.error"),
+                )
+            )
+        tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
+        context = tmp.start_processes(
+            _rank_entry(), args=(jobs,), nprocs=world_size, join=False, start_method="forkserver"
+        )
+        processes = context.processes
+        try:
+            outcome = _wait(processes, tails, started + timeout)
+        finally:
+            for process in processes:
+                _kill_rank(process.pid)
+            for process in processes:
+                process.join(timeout=5)
+            for process in processes:
+                _kill_rank(process.pid)  # children that outlived their rank
+            for tail in tails:
+                tail.pump(final=True)
+            for path in context.error_files:
+                _remove(path)
+            del store
+        elapsed = time.monotonic() - started
+        return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed)
+
+
+def _rank_entry():
+    from course import _worker
+
+    return _worker.rank_main
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _wait(processes, tails, deadline: float) -> dict:
+    """Wait for all ranks, the first failure (plus a short grace) or the deadline."""
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    failed_at: dict[int, float] = {}
+    grace_end = None
+    while pending:
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        if now >= deadline:
+            if failed_at:
+                break
+            running = sorted(pending.values())
+            for tail in tails:
+                tail.pump()
+                tail.echo = False  # the stack dumps go into the error, not the live output
+            for rank in running:  # ask each stuck rank where it is (faulthandler)
+                try:
+                    os.kill(processes[rank].pid, signal.SIGUSR1)
+                except (ProcessLookupError, TypeError):
+                    pass
+            time.sleep(0.3)
+            return {"timeout": True, "running": running, "failed_at": failed_at}
+        limit = min(0.05, deadline - now)
+        ready = multiprocessing.connection.wait(list(pending), timeout=max(limit, 0))
+        for tail in tails:
+            tail.pump()
+        for sentinel in ready:
+            rank = pending.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                failed_at[rank] = time.monotonic()
+                if grace_end is None:
+                    grace_end = time.monotonic() + _GRACE
+    return {"timeout": False, "running": sorted(pending.values()), "failed_at": failed_at}
+
+
+def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed) -> JobResult:
+    values: list[Any] = [None] * world_size
+    meta: list[dict] = [{} for _ in range(world_size)]
+    returned: list[int] = []
+    failures: dict[int, RankFailure] = {}
+    for rank, job in enumerate(jobs):
+        result = _load(job["result_path"])
+        error = _load(job["error_path"])
+        last = tails[rank].last()
+        if result is not None and "value" in result and processes[rank].exitcode == 0:
+            values[rank] = result["value"]
+            meta[rank] = result
+            returned.append(rank)
+        elif error is not None:
+            exc = None
+            if error.get("exception"):
+                try:
+                    exc = cloudpickle.loads(error["exception"])
+                except Exception:
+                    exc = None
+            failures[rank] = RankFailure(
+                rank, "raised", error.get("traceback", ""), error.get("type", ""),
+                error.get("message", ""), processes[rank].exitcode, last, exc,
+            )
+        elif outcome["timeout"] and rank in outcome["running"]:
+            failures[rank] = RankFailure(rank, "timeout", exitcode=None, last_output=_user_frames(last))
+        elif rank in outcome["failed_at"]:
+            code = processes[rank].exitcode
+            failures[rank] = RankFailure(rank, "exited", exitcode=code, last_output=last,
+                                         message=_describe_exit(code))
+        else:
+            failures[rank] = RankFailure(rank, "stopped", exitcode=processes[rank].exitcode, last_output=last)
+
+    if not failures:
+        return JobResult(
+            values=values,
+            outputs=[t.text() for t in tails],
+            pg_initialized=[bool(m.get("pg_initialized")) for m in meta],
+            destroy_called=[bool(m.get("destroy_called")) for m in meta],
+            backend=backend_name,
+            port=port,
+            elapsed=elapsed,
+        )
+    if outcome["timeout"]:
+        running = [r for r, f in failures.items() if f.kind == "timeout"]
+        summary = (
+            f"the job ({world_size} ranks) did not finish within {timeout:g} s: "
+            f"{_were(running)} still running and killed"
+            + (f"; {_ranks(returned)} had returned" if returned else "; no rank had returned")
+            + ". A rank stuck here usually waits in a collective (all_reduce, barrier, a DDP "
+            "backward) that another rank never called, or loops forever: every rank must call the "
+            "same collectives in the same order. The last output of each stuck rank shows where it was."
+        )
+        raise RankTimeoutError(summary, failures, returned, world_size, timeout)
+    order = sorted(outcome["failed_at"], key=outcome["failed_at"].get)
+    first = order[0] if order else min(failures)
+    summary = _failure_summary(first, failures, returned, order, world_size)
+    raise RankFailedError(summary, failures, returned, world_size)
+
+
+_MACHINERY = ("multiprocessing/", "course/_worker.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
+
+
+def _user_frames(lines: list[str]) -> list[str]:
+    """Drop the launcher's own frames from a faulthandler stack dump."""
+    return [line for line in lines if not any(m in line for m in _MACHINERY)]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"exited with code {code} without a Python traceback (os._exit, a crash in C code, or a killed process)"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    if not ranks:
+        return "no rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _were(ranks) -> str:
+    return _ranks(ranks) + (" was" if len(ranks) == 1 else " were")
+
+
+def _failure_summary(first, failures, returned, order, world_size) -> str:
+    f = failures[first]
+    if f.kind == "raised":
+        what = f"rank {first} raised {f.exc_type}: {f.message}".rstrip(": ")
+    else:
+        what = f"rank {first} {f.message}"
+    lines = [f"{what}  ({world_size}-rank job)"]
+    later = [r for r in order[1:] if r in failures]
+    if later:
+        lines.append(f"then {_ranks(later)} failed too (often a consequence: a peer of a failed rank cannot finish its collectives)")
+    stopped = [r for r, x in failures.items() if x.kind == "stopped"]
+    if stopped:
+        lines.append(f"{_were(stopped)} stopped by the launcher")
+    if returned:
+        lines.append(f"{_ranks(returned)} returned normally")
+    if f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
+        lines.append(
+            "hint: this rank lost its connection to a peer, which usually means another rank "
+            "had already returned or died while this one waited in a collective: every rank must "
+            "call the same collectives in the same order"
+        )
+    return "\n".join(lines)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    echo: bool = True,
+    env: dict | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, *args)`` on ``world_size`` ranks and return their results in rank order.
+
+    Each rank has the torchrun environment, so inside ``fn``::
+
+        dist.init_process_group(course.backend())   # gloo on CPU, nccl on GPUs
+
+    works with no other arguments. See :func:`launch` for the errors raised.
+    """
+    return launch(fn, world_size, args=args, backend=backend, timeout=timeout, echo=echo, env=env).values
