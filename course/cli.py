@@ -15,6 +15,14 @@ from course import __version__
 #: verb -> "module:attribute" of a click command. One module per verb.
 COMMANDS = {
     "lab": "course.lab:command",
+    "init": "course.instructor.init:command",
+    "release": "course.instructor.release:command",
+    "collect": "course.instructor.collect:command",
+    "autograde": "course.instructor.autograde:command",
+    "feedback": "course.instructor.feedback:command",
+    "export": "course.instructor.export:command",
+    "status": "course.instructor.status:command",
+    "demo": "course.instructor.demo:command",
 }
 
 

@@ -34,8 +34,16 @@ def _indent(text: str, prefix: str = "    ") -> str:
 class LaunchError(RuntimeError):
     """Base class: a multi-rank job did not complete."""
 
-    def __init__(self, summary: str, failures: dict[int, RankFailure], returned: list[int], world_size: int):
+    def __init__(
+        self,
+        summary: str,
+        failures: dict[int, RankFailure],
+        returned: list[int],
+        world_size: int,
+        order: list[int] | None = None,
+    ):
         self.summary = summary
+        self.order = list(order or [])
         self.failures = failures
         self.returned = returned
         self.world_size = world_size
@@ -43,7 +51,8 @@ class LaunchError(RuntimeError):
 
     def _render(self) -> str:
         parts = [self.summary]
-        for rank in sorted(self.failures, key=lambda r: (self.failures[r].kind == "stopped", r)):
+        stopped = sorted(r for r, f in self.failures.items() if f.kind == "stopped")
+        for rank in self.ranks + stopped:  # the first rank to fail first
             failure = self.failures[rank]
             if failure.traceback:
                 parts.append(f"--- rank {rank} traceback ---\n{_indent(failure.traceback)}")
@@ -53,8 +62,11 @@ class LaunchError(RuntimeError):
 
     @property
     def ranks(self) -> list[int]:
-        """The ranks that failed (raised, died or were stuck), not those stopped by the launcher."""
-        return sorted(r for r, f in self.failures.items() if f.kind != "stopped")
+        """The ranks that failed (raised, died or were stuck), the first to fail first;
+        not those the launcher stopped."""
+        failed = [r for r, f in self.failures.items() if f.kind != "stopped"]
+        first = [r for r in self.order if r in failed]
+        return first + sorted(r for r in failed if r not in first)
 
 
 class RankFailedError(LaunchError):
@@ -64,9 +76,9 @@ class RankFailedError(LaunchError):
 class RankTimeoutError(LaunchError):
     """The job passed its deadline; the ranks still running were killed."""
 
-    def __init__(self, summary, failures, returned, world_size, timeout: float):
+    def __init__(self, summary, failures, returned, world_size, timeout: float, order=None):
         self.timeout = timeout
-        super().__init__(summary, failures, returned, world_size)
+        super().__init__(summary, failures, returned, world_size, order)
 
     @property
     def running(self) -> list[int]:

@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections import ChainMap, deque
@@ -120,16 +121,69 @@ def resolve_backend(name: str, world_size: int) -> str:
 def warm_up() -> None:
     """Start the forkserver now (torch preloaded) so the first job is fast too."""
     _context()
-    from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+
+_FORKSERVER_LOG = os.path.join(tempfile.gettempdir(), f"ddp-course-forkserver-{os.getuid()}.log")
+_NO_MAIN = threading.local()
 
 
 def _context():
+    """The forkserver context, started with torch preloaded and its output kept off the caller's.
+
+    The forkserver inherits the caller's stdout/stderr; in a Jupyter kernel those
+    are the cells' streams, and nbgrader zeroes a test cell with any stderr. So
+    it starts with both pointed at a log file (the ranks redirect their own output).
+    """
+    from multiprocessing import forkserver
+
     ctx = multiprocessing.get_context("forkserver")
     # Only effective before the forkserver first starts; later calls are harmless.
     ctx.set_forkserver_preload(_PRELOAD)
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
+        saved = [os.dup(1), os.dup(2)]
+        log = os.open(_FORKSERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            forkserver.ensure_running()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, log):
+                os.close(fd)
     return ctx
+
+
+def _preparation_data(name):
+    """multiprocessing's preparation data, minus re-running the caller's ``__main__`` in ranks.
+
+    Functions travel by value, so ranks never need the caller's main module; not
+    importing it means a script without an ``if __name__ == "__main__":`` guard
+    works, and nothing at its top level runs again on every rank.
+    """
+    data = _ORIGINAL_PREPARATION_DATA(name)
+    if getattr(_NO_MAIN, "active", False):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+def _install_preparation_hook() -> None:
+    global _ORIGINAL_PREPARATION_DATA
+    from multiprocessing import spawn
+
+    if getattr(spawn.get_preparation_data, "__module__", "") != __name__:
+        _ORIGINAL_PREPARATION_DATA = spawn.get_preparation_data
+        spawn.get_preparation_data = _preparation_data
+
+
+_ORIGINAL_PREPARATION_DATA = None
 
 
 def _notebook_sources() -> dict:
@@ -331,9 +385,14 @@ def launch(
                 )
             )
         tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
-        context = tmp.start_processes(
-            _rank_entry(), args=(jobs,), nprocs=world_size, join=False, start_method="forkserver"
-        )
+        _install_preparation_hook()
+        _NO_MAIN.active = True
+        try:
+            context = tmp.start_processes(
+                _rank_entry(), args=(jobs,), nprocs=world_size, join=False, start_method="forkserver"
+            )
+        finally:
+            _NO_MAIN.active = False
         processes = context.processes
         try:
             outcome = _wait(processes, tails, started + timeout)
@@ -458,10 +517,10 @@ def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, 
             "same collectives in the same order. The last output of each stuck rank shows where it was."
         )
         raise RankTimeoutError(summary, failures, returned, world_size, timeout)
-    order = sorted(outcome["failed_at"], key=outcome["failed_at"].get)
+    order = sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, jobs, outcome))
     first = order[0] if order else min(failures)
     summary = _failure_summary(first, failures, returned, order, world_size)
-    raise RankFailedError(summary, failures, returned, world_size)
+    raise RankFailedError(summary, failures, returned, world_size, order)
 
 
 _MACHINERY = ("multiprocessing/", "course/_worker.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
@@ -470,6 +529,18 @@ _MACHINERY = ("multiprocessing/", "course/_worker.py", "torch/multiprocessing/",
 def _user_frames(lines: list[str]) -> list[str]:
     """Drop the launcher's own frames from a faulthandler stack dump."""
     return [line for line in lines if not any(m in line for m in _MACHINERY)]
+
+
+def _failure_key(rank, failures, jobs, outcome):
+    """Root causes first: a rank that lost a peer's connection failed *because* of another rank;
+    then by when the rank wrote its report (more exact than when the launcher noticed)."""
+    failure = failures.get(rank)
+    secondary = failure is not None and any(h in failure.message for h in _CONNECTION_HINTS)
+    try:
+        written = os.stat(jobs[rank]["error_path"]).st_mtime_ns
+    except OSError:
+        written = float("inf")
+    return (secondary, written, outcome["failed_at"][rank])
 
 
 def _describe_exit(code: int | None) -> str:

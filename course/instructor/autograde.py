@@ -1,0 +1,451 @@
+"""``ddp-course autograde``: grade every submission on nbgrader, N at a time, and pick up where it stopped.
+
+nbgrader grades one submission at a time, and its SQLite gradebook is unsafe
+for parallel writers. Here each submission is graded by nbgrader's own
+autograde in a private scratch course with its own gradebook (see
+:mod:`course.instructor.gradebook`), on one of N worker processes
+(:mod:`course.instructor.pool`); the parent alone writes the real gradebook,
+one finished submission at a time, then moves the autograded notebooks into
+``autograded/``.
+
+A submission counts as graded when its autograded notebooks exist, are newer
+than the submitted ones (and than its timestamp.txt), and the gradebook holds
+its scores: the same test as nbgrader's own, plus the scores. Since the scores
+are committed before the notebooks are moved in, a run killed at any moment
+loses nothing already graded, and the next run grades only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import nbformat
+
+from course.instructor.coursedir import Course, course_dir_option
+from course.instructor.gradebook import copy_assignments, is_recorded, merge_submission, sqlite_url
+
+#: what a submission may take beyond the sum of its cells' time limits (kernel start, nbgrader's own work)
+STARTUP_MARGIN = 120.0
+
+
+@dataclass(frozen=True, order=True)
+class Job:
+    assignment: str
+    student: str
+
+    def __str__(self) -> str:
+        return f"{self.student} · {self.assignment}"
+
+
+@dataclass
+class Row:
+    """One line of the summary table."""
+
+    job: Job
+    #: "graded", "already graded", "failed", "timeout", "interrupted", "not graded"
+    status: str
+    elapsed: float | None = None
+    reason: str = ""
+    score: float | None = None
+    max_score: float | None = None
+    zeroed: tuple[str, ...] = ()
+    cell_timeouts: tuple[str, ...] = ()
+
+
+def default_jobs() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+# -- what is already done -------------------------------------------------------------------------------
+
+
+def _submitted_notebooks(course: Course, job: Job) -> list[Path]:
+    folder = course.folder("submitted", job.student, job.assignment)
+    known = set(course.notebooks(job.assignment))
+    return sorted(p for p in folder.glob("*.ipynb") if p.stem in known)
+
+
+def missing_notebook_reason(course: Course, job: Job) -> str | None:
+    """Why nbgrader would find nothing to grade in this submission, or None."""
+    if _submitted_notebooks(course, job):
+        return None
+    folder = course.folder("submitted", job.student, job.assignment)
+    found = ", ".join(p.name for p in sorted(folder.glob("*.ipynb"))) or "no notebook"
+    wanted = ", ".join(f"{n}.ipynb" for n in course.notebooks(job.assignment))
+    return f"no {wanted} in {folder.relative_to(course.root)}/ (found: {found})"
+
+
+def is_graded(course: Course, job: Job) -> bool:
+    """Whether this submission's autograded notebooks are current and its scores are in the gradebook."""
+    submitted = course.folder("submitted", job.student, job.assignment)
+    autograded = course.folder("autograded", job.student, job.assignment)
+    notebooks = _submitted_notebooks(course, job)
+    if not notebooks or not autograded.is_dir():
+        return False
+    for nb in notebooks:
+        graded = autograded / nb.name
+        if not graded.is_file() or graded.stat().st_mtime < nb.stat().st_mtime:
+            return False
+    new, old = (course.coursedir.get_existing_timestamp(str(p)) for p in (submitted, autograded))
+    if new is not None and old is not None and new > old:
+        return False
+    return is_recorded(course.db_url, course.course_id, job.assignment, job.student)
+
+
+def job_timeout(course: Course, assignment: str) -> float:
+    """The most one submission may take: the sum of its cells' limits (Execute.timeout_func) plus a margin."""
+    execute = course.config.Execute
+    timeout_func = execute.get("timeout_func")
+    default = execute.get("timeout", 30) or 30
+    total = STARTUP_MARGIN
+    for path in course.folder("source", assignment=assignment).glob("*.ipynb"):
+        for cell in nbformat.read(str(path), as_version=4).cells:
+            if cell.cell_type == "code":
+                limit = timeout_func(cell) if timeout_func else default
+                total += limit if limit and limit > 0 else default
+    return total
+
+
+# -- records of each outcome, for `ddp-course status` -------------------------------------------------------
+
+
+def record_path(course: Course, job: Job) -> Path:
+    return course.state_dir / "autograde" / job.assignment / f"{job.student}.json"
+
+
+def log_path(course: Course, job: Job) -> Path:
+    return course.state_dir / "logs" / job.assignment / f"{job.student}.log"
+
+
+def write_record(course: Course, job: Job, status: str, elapsed: float | None, reason: str = "", log: str = "") -> None:
+    path = record_path(course, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logfile = log_path(course, job)
+    if log:
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        logfile.write_text(log)
+    record = {
+        "status": status,
+        "reason": reason,
+        "elapsed": round(elapsed, 1) if elapsed is not None else None,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "log": str(logfile.relative_to(course.root)) if log else None,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def read_record(course: Course, job: Job) -> dict | None:
+    try:
+        return json.loads(record_path(course, job).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- scratch courses ------------------------------------------------------------------------------------------
+
+
+def _scratch_root(course: Course) -> Path:
+    return course.state_dir / "scratch"
+
+
+def scratch_course(course: Course, job: Job) -> Course:
+    """The private course a worker grades ``job`` in (same settings, its own root and SQLite gradebook)."""
+    from course.instructor.coursedir import load_config
+
+    root = _scratch_root(course) / f"{job.assignment}--{job.student}"
+    config = load_config(course.root)
+    config.CourseDirectory.root = str(root)
+    config.CourseDirectory.db_url = sqlite_url(root / "gradebook.db")
+    return Course(root, config=config)
+
+
+def prepare_scratch(course: Course, job: Job, template: Path) -> Course:
+    scratch = scratch_course(course, job)
+    if scratch.root.exists():
+        shutil.rmtree(scratch.root)
+    scratch.root.mkdir(parents=True)
+    scratch.folder("source").parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(course.folder("source"), scratch.folder("source"), target_is_directory=True)
+    shutil.copytree(course.folder("submitted", job.student, job.assignment),
+                    scratch.folder("submitted", job.student, job.assignment), copy_function=shutil.copy2)
+    shutil.copyfile(template, scratch.root / "gradebook.db")
+    return scratch
+
+
+def install_results(course: Course, scratch: Course, job: Job) -> None:
+    """Write the scores into the real gradebook (one transaction), then move the notebooks into autograded/."""
+    merge_submission(scratch.db_url, course.db_url, course.course_id, job.assignment, job.student)
+    source = scratch.folder("autograded", job.student, job.assignment)
+    dest = course.folder("autograded", job.student, job.assignment)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(source, dest)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- summary -------------------------------------------------------------------------------------------------
+
+
+def fill_scores(course: Course, row: Row) -> Row:
+    """Add the gradebook's score, zero-scored tests and timed-out cells to a summary row."""
+    from nbgrader.api import MissingEntry
+
+    with course.gradebook() as gb:
+        try:
+            submission = gb.find_submission(row.job.assignment, row.job.student)
+        except MissingEntry:
+            return row
+        if row.status in ("graded", "already graded"):
+            row.score, row.max_score = submission.score, submission.max_score
+            row.zeroed = tuple(
+                g.name for nb in submission.notebooks for g in nb.grades
+                if g.max_score and g.score == 0 and g.cell.cell_type == "code"
+            )
+    autograded = course.folder("autograded", row.job.student, row.job.assignment)
+    timeouts = []
+    for path in sorted(autograded.glob("*.ipynb")):
+        for cell in nbformat.read(str(path), as_version=4).cells:
+            for output in cell.get("outputs", []):
+                if output.get("ename") == "CellTimeoutError":
+                    timeouts.append(cell.metadata.get("nbgrader", {}).get("grade_id") or f"{path.stem} cell")
+    row.cell_timeouts = tuple(timeouts)
+    return row
+
+
+def summary_table(rows: list[Row]):
+    from rich.table import Table
+
+    table = Table(title="autograde summary")
+    for column in ("student", "assignment", "score", "status", "time", "notes"):
+        table.add_column(column, justify="right" if column in ("score", "time") else "left")
+    for row in sorted(rows, key=lambda r: (r.job.student, r.job.assignment)):
+        score = f"{row.score:g} / {row.max_score:g}" if row.score is not None else "-"
+        notes = []
+        if row.zeroed:
+            notes.append("0 points: " + ", ".join(row.zeroed))
+        if row.cell_timeouts:
+            notes.append("cell timed out: " + ", ".join(row.cell_timeouts))
+        if row.reason:
+            notes.append(row.reason)
+        style = {"failed": "red", "timeout": "red", "interrupted": "yellow", "not graded": "yellow"}.get(row.status)
+        table.add_row(row.job.student, row.job.assignment, score, row.status,
+                      f"{row.elapsed:.0f} s" if row.elapsed is not None else "", "; ".join(notes), style=style)
+    return table
+
+
+def _short_reason(result: dict) -> str:
+    """The most telling line of a failed nbgrader run (its last exception line)."""
+    text = "\n".join(filter(None, [result.get("log", ""), result.get("error", "")]))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if ("Error" in line or "Exception" in line) and "NbGraderException" not in line and not line.startswith("File "):
+            return line[:300]
+    return lines[-1][:300] if lines else "nbgrader failed without a message"
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM behaves like Ctrl-C, so a killed run cleans up its workers the same way."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _deferred_interrupts():
+    """Hold Ctrl-C/SIGTERM until the block ends, so a result is never half installed."""
+    caught = []
+
+    def hold(signum, frame):
+        caught.append(signum)
+
+    try:
+        previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
+def plan(course: Course, assignments: list[str], students: tuple[str, ...], force: bool):
+    """(jobs to grade, rows for the submissions that need no work)."""
+    todo, rows = [], []
+    for assignment, student in course.submitted(assignments):
+        if students and student not in students:
+            continue
+        job = Job(assignment, student)
+        reason = missing_notebook_reason(course, job)
+        if reason:
+            write_record(course, job, "failed", None, reason)
+            rows.append(Row(job, "failed", reason=reason))
+        elif not force and is_graded(course, job):
+            rows.append(Row(job, "already graded"))
+        else:
+            todo.append(job)
+    return todo, rows
+
+
+@dataclass
+class AutogradeRun:
+    """What a run did: one row per submission, and whether it was interrupted (Ctrl-C, SIGTERM)."""
+
+    rows: list[Row]
+    interrupted: bool = False
+
+
+def run_autograde(
+    course: Course,
+    assignments: list[str],
+    *,
+    jobs: int = 1,
+    students: tuple[str, ...] = (),
+    force: bool = False,
+    timeout: float | None = None,
+    console=None,
+) -> AutogradeRun:
+    """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    from course.instructor.pool import WorkerPool
+
+    console = console or Console()
+    todo, rows = plan(course, assignments, students, force)
+    if not todo:
+        return AutogradeRun([fill_scores(course, r) for r in rows])
+    with course.gradebook() as gb:
+        released = {a.name for a in gb.assignments}
+    unreleased = sorted({j.assignment for j in todo} - released)
+    if unreleased:
+        raise click.ClickException(f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release")
+
+    scratch_root = _scratch_root(course)
+    shutil.rmtree(scratch_root, ignore_errors=True)  # what an interrupted run left
+    scratch_root.mkdir(parents=True)
+    template = scratch_root / "template.db"
+    copy_assignments(course.db_url, course.course_id, sorted({j.assignment for j in todo}), template,
+                     [(j.assignment, j.student) for j in todo])
+    limits = {a: timeout or job_timeout(course, a) for a in {j.assignment for j in todo}}
+
+    pending = list(todo)
+    pool = WorkerPool(min(jobs, len(todo)), course.root, course.state_dir / "logs" / "workers")
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    started: dict[Job, float] = {}
+    slot_of: dict[Job, int] = {}
+    interrupted = False
+    try:
+        with _sigterm_as_interrupt(), Progress(*columns, console=console) as progress:
+            overall = progress.add_task(f"autograde, {pool.size} at a time", total=len(todo))
+            slots = [progress.add_task("", total=None, visible=False) for _ in range(pool.size)]
+            while pending or pool.running():
+                for index in pool.idle():
+                    if not pending:
+                        break
+                    job = pending.pop(0)
+                    scratch = prepare_scratch(course, job, template)
+                    pool.submit(index, job, {"scratch": str(scratch.root), "assignment": job.assignment,
+                                             "student": job.student}, limits[job.assignment])
+                    started[job], slot_of[job] = time.monotonic(), index
+                    progress.reset(slots[index], description=f"  {job}", total=None, visible=True)
+                for outcome in pool.poll(wait=0.5):
+                    progress.update(slots[slot_of.pop(outcome.job)], visible=False)
+                    with _deferred_interrupts():
+                        row = _finish(course, outcome)
+                        rows.append(row)
+                    progress.advance(overall)
+                    score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
+                    progress.console.print(f"{row.status:>8}  {row.job}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
+    except KeyboardInterrupt:
+        interrupted = True
+        running = [job for job, _ in pool.running()]
+        pool.close()
+        rows.extend(Row(job, "interrupted", time.monotonic() - started[job], "stopped: rerun to grade it")
+                    for job in running)
+        rows.extend(Row(job, "not graded", reason="rerun to grade it") for job in pending)
+    finally:
+        pool.close()
+        shutil.rmtree(scratch_root, ignore_errors=True)
+    return AutogradeRun([fill_scores(course, r) for r in rows], interrupted)
+
+
+def _finish(course: Course, outcome) -> Row:
+    """Install or record one ended job; its summary row."""
+    job: Job = outcome.job
+    scratch = scratch_course(course, job)
+    try:
+        if outcome.kind == "done" and outcome.result.get("success"):
+            install_results(course, scratch, job)
+            write_record(course, job, "graded", outcome.elapsed, log=outcome.result.get("log", ""))
+            return fill_scores(course, Row(job, "graded", outcome.elapsed))
+        if outcome.kind == "done":
+            reason = _short_reason(outcome.result)
+            log = (outcome.result.get("log") or "") + "\n" + (outcome.result.get("error") or "")
+            write_record(course, job, "failed", outcome.elapsed, reason, log)
+            return Row(job, "failed", outcome.elapsed, reason)
+        status = "timeout" if outcome.kind == "timeout" else "failed"
+        write_record(course, job, status, outcome.elapsed, outcome.detail)
+        return Row(job, status, outcome.elapsed, outcome.detail)
+    finally:
+        shutil.rmtree(scratch.root, ignore_errors=True)
+
+
+@click.command()
+@click.argument("assignments", nargs=-1)
+@click.option("--jobs", "-j", default=default_jobs(), show_default=True, help="Submissions graded at the same time.")
+@click.option("--student", "students", multiple=True, help="Grade only this student (repeatable).")
+@click.option("--force", is_flag=True, help="Grade again submissions that are already graded.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds one submission may take before it is stopped (default: the sum of its cells' limits + 120).")
+@course_dir_option
+def command(assignments, jobs, students, force, timeout, course_dir):
+    """Autograde every submission (of all or the named assignments) on nbgrader, N at a time."""
+    from rich.console import Console
+
+    course = Course.open(course_dir)
+    console = Console()
+    run = run_autograde(course, course.pick_assignments(assignments), jobs=max(1, jobs), students=students,
+                        force=force, timeout=timeout, console=console)
+    if not run.rows:
+        console.print("nothing submitted yet: file submissions with ddp-course collect ZIP_OR_DIR")
+        return
+    console.print(summary_table(run.rows))
+    bad = [r for r in run.rows if r.status in ("failed", "timeout")]
+    if bad:
+        console.print(f"[red]{len(bad)} submission(s) could not be graded; ddp-course status says why")
+    if run.interrupted:
+        console.print("[yellow]interrupted: everything graded so far is saved; run ddp-course autograde again for the rest")
+        raise SystemExit(130)

@@ -1,0 +1,132 @@
+"""An nbgrader course directory as the instructor verbs see it: config, paths, gradebook.
+
+Every verb loads the directory's own ``nbgrader_config.py`` (the file plain
+``nbgrader`` commands read there too) and only pins ``CourseDirectory.root``,
+so both kinds of commands agree on paths, course id and database URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cached_property
+from pathlib import Path
+
+import click
+
+CONFIG_FILE = "nbgrader_config.py"
+#: our own records (autograde outcomes, logs, scratch space); nbgrader never looks inside
+STATE_DIR = ".ddp-course"
+
+
+def load_config(root: Path):
+    """The traitlets config of the course at ``root`` (its nbgrader_config.py), rooted there."""
+    from traitlets.config import Config
+    from traitlets.config.loader import PyFileConfigLoader
+
+    config = Config()
+    if (root / CONFIG_FILE).is_file():
+        config = PyFileConfigLoader(CONFIG_FILE, path=str(root)).load_config()
+    config.CourseDirectory.root = str(root)
+    return config
+
+
+class Course:
+    """One nbgrader course directory: its config, folders, gradebook and nbgrader API."""
+
+    def __init__(self, root: Path | str, config=None):
+        from nbgrader.coursedir import CourseDirectory
+
+        self.root = Path(root).resolve()
+        self.config = config if config is not None else load_config(self.root)
+        self.coursedir = CourseDirectory(config=self.config)
+
+    @classmethod
+    def open(cls, root: Path | str | None = None) -> Course:
+        """The course at ``root`` (default: the current folder); a clear error if it is not one."""
+        root = Path(root or os.getcwd()).resolve()
+        if not (root / CONFIG_FILE).is_file():
+            raise click.ClickException(
+                f"{root} is not a course directory (no {CONFIG_FILE}); create one with: ddp-course init {root}"
+            )
+        return cls(root)
+
+    @property
+    def course_id(self) -> str:
+        return self.coursedir.course_id
+
+    @property
+    def db_url(self) -> str:
+        return self.coursedir.db_url
+
+    @cached_property
+    def api(self):
+        """nbgrader's own API on this course (generate_assignment, autograde, generate_feedback, ...)."""
+        from nbgrader.apps import NbGraderAPI
+
+        api = NbGraderAPI(coursedir=self.coursedir, config=self.config)
+        api.log.setLevel(logging.WARNING)
+        return api
+
+    def gradebook(self):
+        """A Gradebook on this course's database; use it as a context manager so it is closed."""
+        from nbgrader.api import Gradebook
+
+        return Gradebook(self.db_url, self.course_id)
+
+    def folder(self, kind: str, student: str = ".", assignment: str = ".") -> Path:
+        """``kind`` is source, release, submitted, autograded or feedback (names as configured)."""
+        name = getattr(self.coursedir, f"{kind}_directory")
+        return Path(os.path.normpath(self.coursedir.format_path(name, student, assignment)))
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / STATE_DIR
+
+    def source_assignments(self) -> list[str]:
+        """Assignments in source/ (folders holding at least one notebook), sorted."""
+        source = self.folder("source")
+        if not source.is_dir():
+            return []
+        return sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*.ipynb")))
+
+    def notebooks(self, assignment: str) -> list[str]:
+        """Notebook names (file stems) of one source assignment."""
+        return sorted(p.stem for p in self.folder("source", assignment=assignment).glob("*.ipynb"))
+
+    def submitted(self, assignments: list[str] | None = None) -> list[tuple[str, str]]:
+        """Every (assignment, student) with a folder in submitted/, sorted by assignment then student."""
+        wanted = set(assignments) if assignments else None
+        found = []
+        submitted = self.folder("submitted")
+        if not submitted.is_dir():
+            return []
+        for student_dir in submitted.iterdir():
+            if not student_dir.is_dir() or student_dir.name.startswith("."):
+                continue
+            for assignment_dir in student_dir.iterdir():
+                if assignment_dir.is_dir() and (wanted is None or assignment_dir.name in wanted):
+                    found.append((assignment_dir.name, student_dir.name))
+        return sorted(found)
+
+    def pick_assignments(self, names: tuple[str, ...] | list[str]) -> list[str]:
+        """The named assignments (all of source/ when none), with a clear error for unknown names."""
+        known = self.source_assignments()
+        if not names:
+            return known
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise click.ClickException(
+                f"unknown assignment(s): {', '.join(unknown)}; source/ has: {', '.join(known) or 'nothing'}"
+            )
+        return list(names)
+
+
+course_dir_option = click.option(
+    "--course-dir",
+    "-C",
+    "course_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The nbgrader course directory (default: the current folder).",
+)

@@ -1,0 +1,84 @@
+"""``ddp-course feedback``: an HTML page per student and assignment, without hidden tests.
+
+nbgrader's generate_feedback writes ``feedback/<student>/<assignment>/<notebook>.html``:
+each test cell with its score and output (a failed check's message says what
+went wrong and what to try). :class:`~course.instructor.redact.RedactHiddenTests`
+takes the hidden tests out first (nbgrader #917); then every page is read back
+and one that still shows a hidden test line is deleted and reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from course.instructor.coursedir import Course, course_dir_option
+from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secrets_of
+
+
+class FeedbackLeak(click.ClickException):
+    """A feedback page still shows hidden test source."""
+
+
+def ensure_redaction(config) -> None:
+    """Make GenerateFeedback run RedactHiddenTests even if the course's config predates it."""
+    from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+    from nbgrader.preprocessors import GetGrades
+
+    from course.instructor.redact import RedactHiddenTests
+
+    current = list(config.GenerateFeedback.get("preprocessors", [GetGrades, CSSHTMLHeaderPreprocessor]))
+    if RedactHiddenTests not in current:
+        at = current.index(GetGrades) + 1 if GetGrades in current else 0
+        current.insert(at, RedactHiddenTests)
+        config.GenerateFeedback.preprocessors = current
+
+
+def page_leaks(course: Course, assignment: str, page: Path) -> list[str]:
+    """Hidden test lines (or markers) a feedback page shows; empty when it is clean."""
+    source = course.folder("source", assignment=assignment) / f"{page.stem}.ipynb"
+    text = page.read_text(errors="replace")
+    secrets = secrets_of(source).hidden_tests if source.is_file() else set()
+    found = [m for m in markers_in(text) if m in HIDDEN_TESTS]
+    return found + find_in_text(text, secrets)
+
+
+def generate_feedback(course: Course, assignments: list[str], students: tuple[str, ...] = ()) -> list[Path]:
+    """Write feedback for every autograded submission of ``assignments``; returns the pages written."""
+    ensure_redaction(course.config)
+    pages, leaks = [], []
+    for assignment in assignments:
+        graded = sorted(p.parent.name for p in course.folder("autograded").glob(f"*/{assignment}"))
+        for student in graded:
+            if students and student not in students:
+                continue
+            result = course.api.generate_feedback(assignment, student, force=True)
+            if not result["success"]:
+                raise click.ClickException(
+                    f"nbgrader generate_feedback {assignment} --student {student} failed:\n"
+                    f"{result.get('error') or result.get('log')}"
+                )
+            for page in sorted(course.folder("feedback", student, assignment).glob("*.html")):
+                found = page_leaks(course, assignment, page)
+                if found:
+                    page.unlink()
+                    leaks.append(f"{page.relative_to(course.root)}: {', '.join(repr(s) for s in found)}")
+                else:
+                    pages.append(page)
+    if leaks:
+        raise FeedbackLeak("feedback pages showing hidden tests were deleted:\n  " + "\n  ".join(leaks))
+    return pages
+
+
+@click.command()
+@click.argument("assignments", nargs=-1)
+@click.option("--student", "students", multiple=True, help="Only this student (repeatable).")
+@course_dir_option
+def command(assignments, students, course_dir):
+    """Write HTML feedback (score per check, failure messages, no hidden tests) for every graded submission."""
+    course = Course.open(course_dir)
+    pages = generate_feedback(course, course.pick_assignments(assignments), students)
+    for page in pages:
+        click.echo(f"wrote {page.relative_to(course.root)}")
+    click.echo(f"{len(pages)} feedback page(s); none shows hidden tests")

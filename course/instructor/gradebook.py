@@ -1,0 +1,109 @@
+"""Private gradebooks for parallel autograding, and merging their results into the real one.
+
+SQLite is unsafe for parallel writers, and nbgrader writes the gradebook
+throughout an autograde. So each worker grades against its own SQLite copy of
+just what autograde reads (the assignment, its notebooks and cells, as the
+real gradebook recorded them at release), and the parent copies the resulting
+scores into the real gradebook, one submission at a time, in one transaction.
+This works the same whatever the real database is (SQLite or PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+from nbgrader.api import Gradebook
+
+
+@contextmanager
+def _quiet():
+    """nbgrader's gradebook code trips SQLAlchemy's autoflush warnings; they are harmless noise here."""
+    from sqlalchemy.exc import SAWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SAWarning)
+        yield
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite:///{Path(path).resolve()}"
+
+
+def copy_assignments(real_url: str, course_id: str, assignments: list[str], template: Path,
+                     submissions: list[tuple[str, str]] = ()) -> None:
+    """Write a fresh SQLite gradebook at ``template`` holding ``assignments`` as the real gradebook has them.
+
+    Extensions granted on any of ``submissions`` ((assignment, student) pairs) are copied too,
+    so nbgrader computes late penalties in the copy exactly as it would in the real gradebook.
+    """
+    from nbgrader.api import MissingEntry
+
+    template = Path(template)
+    if template.exists():
+        template.unlink()
+    with _quiet(), Gradebook(real_url, course_id) as real, Gradebook(sqlite_url(template), course_id) as copy:
+        for name in assignments:
+            assignment = real.find_assignment(name)
+            copy.update_or_create_assignment(name, duedate=assignment.duedate)
+            for notebook in assignment.notebooks:
+                copy.update_or_create_notebook(notebook.name, name, kernelspec=notebook.kernelspec)
+                for cell in notebook.grade_cells:
+                    copy.update_or_create_grade_cell(cell.name, notebook.name, name,
+                                                     max_score=cell.max_score, cell_type=cell.cell_type)
+                for cell in notebook.solution_cells:
+                    copy.update_or_create_solution_cell(cell.name, notebook.name, name)
+                for cell in notebook.task_cells:
+                    copy.update_or_create_task_cell(cell.name, notebook.name, name,
+                                                    max_score=cell.max_score, cell_type=cell.cell_type)
+                for cell in notebook.source_cells:
+                    copy.update_or_create_source_cell(cell.name, notebook.name, name, cell_type=cell.cell_type,
+                                                      locked=cell.locked, source=cell.source, checksum=cell.checksum)
+        for name, student in submissions:
+            try:
+                extension = real.find_submission(name, student).extension
+            except MissingEntry:
+                continue
+            if extension:
+                copy.update_or_create_student(student)
+                copy.update_or_create_submission(name, student, extension=extension)
+
+
+def merge_submission(scratch_url: str, real_url: str, course_id: str, assignment: str, student: str) -> None:
+    """Copy one autograded submission's scores and comments from a worker's gradebook into the real one.
+
+    Manual scores already in the real gradebook are kept, and (as nbgrader's
+    SaveAutoGrades does) a grade with one is flagged for review again.
+    """
+    with _quiet(), Gradebook(scratch_url, course_id) as scratch, Gradebook(real_url, course_id) as real:
+        graded = scratch.find_submission(assignment, student)
+        real.update_or_create_student(student)
+        real.update_or_create_submission(assignment, student, timestamp=graded.timestamp)
+        for graded_nb in graded.notebooks:
+            notebook = real.find_submission_notebook(graded_nb.name, assignment, student)
+            notebook.late_submission_penalty = graded_nb.late_submission_penalty
+            for graded_grade in graded_nb.grades:
+                grade = real.find_grade(graded_grade.name, graded_nb.name, assignment, student)
+                grade.auto_score = graded_grade.auto_score
+                grade.needs_manual_grade = grade.manual_score is not None or grade.auto_score is None
+            for graded_comment in graded_nb.comments:
+                comment = real.find_comment(graded_comment.name, graded_nb.name, assignment, student)
+                comment.auto_comment = graded_comment.auto_comment
+        real.db.commit()
+
+
+def is_recorded(real_url: str, course_id: str, assignment: str, student: str) -> bool:
+    """Whether the real gradebook holds autograder scores for this submission (every graded code cell scored)."""
+    from nbgrader.api import MissingEntry
+
+    with Gradebook(real_url, course_id) as gb:
+        try:
+            submission = gb.find_submission(assignment, student)
+        except MissingEntry:
+            return False
+        for notebook in submission.notebooks:
+            for grade in notebook.grades:
+                if grade.cell.cell_type == "code" and grade.auto_score is None and grade.manual_score is None:
+                    return False
+        return True

@@ -1,0 +1,211 @@
+"""``ddp-course init DIR``: an nbgrader course directory whose source/ is the course's exercises.
+
+It writes an ``nbgrader_config.py`` fit for grading DDP code (see
+:func:`render_config`) and copies each exercise into ``source/``. Running it
+again changes nothing; an instructor's edits (to the config or to a source
+notebook) are kept unless ``--force`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import click
+
+from course.instructor.coursedir import CONFIG_FILE
+
+DEFAULT_COURSE_ID = "ddp-course"
+DEFAULT_TEST_TIMEOUT = 300
+DEFAULT_CELL_TIMEOUT = 60
+_IGNORED = {".ipynb_checkpoints", "__pycache__"}
+
+#: A stderr output made only of warning lines (Python's "file:12: UserWarning: ..." with its
+#: indented source line, torch's C++ "[W... file.cpp:45] ..."): nbgrader's IgnorePattern drops
+#: it. Anything else on stderr still zeroes the cell, as nbgrader intends.
+WARNINGS_ONLY = (
+    r"\A(?:(?:"
+    r"[^\n]*:\d+: \w*Warning: [^\n]*"
+    r"|(?:\[rank\d+\]:)?\[W[^\]\n]*\][^\n]*"
+    r"|[ \t]+[^\n]*"
+    r"|[ \t]*"
+    r")(?:\n|\Z))+\Z"
+)
+
+CONFIG_TEMPLATE = '''\
+"""nbgrader settings for a ddp-course class (written by `ddp-course init`).
+
+Plain `nbgrader` commands run in this folder read this file too, so they grade
+exactly as `ddp-course autograde` does. Edit freely: `ddp-course init` keeps
+your changes unless it is run with --force.
+"""
+
+import os
+
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import GetGrades
+
+from course.instructor.redact import RedactHiddenTests
+
+c = get_config()  # noqa: F821 (nbgrader provides it)
+
+c.CourseDirectory.course_id = {course_id!r}
+{db_line}
+
+# Every notebook runs on the kernel the course uses (the one `ddp-course lab` starts).
+c.Execute.kernel_name = {kernel!r}
+
+# Per-cell time limits, in seconds. Test cells run real multi-rank jobs (exercise 4
+# starts torchrun, ~15 s per job here); a hung check is also stopped by its own
+# deadline. Other cells only define functions, so a stuck one is cut short.
+TEST_CELL_TIMEOUT = {test_timeout}
+OTHER_CELL_TIMEOUT = {cell_timeout}
+
+
+def cell_timeout(cell):
+    """nbclient asks this for every cell it runs (Execute.timeout_func)."""
+    meta = cell.get("metadata", {{}}).get("nbgrader", {{}})
+    is_test = meta.get("grade", False) and not meta.get("solution", False)
+    return TEST_CELL_TIMEOUT if is_test else OTHER_CELL_TIMEOUT
+
+
+c.Execute.timeout_func = cell_timeout
+
+# nbgrader gives a test cell 0 points if it wrote anything on stderr, and torch
+# warns a lot (deprecations, gloo hostname lookups). Kernels inherit this
+# environment, so library warnings stay quiet; a stderr output made only of
+# warnings is dropped as well. Any other stderr still fails the cell.
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+c.IgnorePattern.enabled = True
+c.IgnorePattern.pattern = {warnings_only!r}
+
+# Feedback shows each check's score and failure message but never hidden test
+# source (nbgrader issue #917).
+c.GenerateFeedback.preprocessors = [GetGrades, RedactHiddenTests, CSSHTMLHeaderPreprocessor]
+'''
+
+DB_DEFAULT_LINE = """\
+# The gradebook: SQLite (gradebook.db in this folder) unless set here. PostgreSQL works
+# the same way (pip install psycopg2-binary):
+# c.CourseDirectory.db_url = "postgresql://user:password@dbhost:5432/ddp_course\""""
+
+
+def default_exercises() -> Path:
+    from course.lab import course_root
+
+    return course_root() / "exercises"
+
+
+def exercise_assignments(exercises: Path) -> list[Path]:
+    """Assignment folders (holding at least one notebook) in an exercises folder."""
+    if not exercises.is_dir():
+        return []
+    return sorted(p for p in exercises.iterdir() if p.is_dir() and any(p.glob("*.ipynb")))
+
+
+def course_kernel(assignments: list[Path]) -> str:
+    """The kernel the exercise notebooks name (python3 when they name none)."""
+    for folder in assignments:
+        for path in sorted(folder.glob("*.ipynb")):
+            name = json.loads(path.read_text()).get("metadata", {}).get("kernelspec", {}).get("name")
+            if name:
+                return name
+    return "python3"
+
+
+def render_config(
+    course_id: str = DEFAULT_COURSE_ID,
+    db_url: str | None = None,
+    kernel: str = "python3",
+    test_timeout: int = DEFAULT_TEST_TIMEOUT,
+    cell_timeout: int = DEFAULT_CELL_TIMEOUT,
+) -> str:
+    """The text of a course's nbgrader_config.py."""
+    db_line = f"c.CourseDirectory.db_url = {db_url!r}" if db_url else DB_DEFAULT_LINE
+    return CONFIG_TEMPLATE.format(
+        course_id=course_id,
+        db_line=db_line,
+        kernel=kernel,
+        test_timeout=int(test_timeout),
+        cell_timeout=int(cell_timeout),
+        warnings_only=WARNINGS_ONLY,
+    )
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not _IGNORED.intersection(p.relative_to(folder).parts)
+    }
+
+
+def _place(target: Path, write, same: bool, force: bool) -> str:
+    """Create ``target`` with ``write()`` unless it exists; replace it only with force. Returns what happened."""
+    if not target.exists():
+        write()
+        return "created"
+    if same:
+        return "unchanged"
+    if not force:
+        return "kept"
+    write()
+    return "replaced"
+
+
+def init_course(
+    root: Path,
+    *,
+    exercises: Path | None = None,
+    force: bool = False,
+    course_id: str = DEFAULT_COURSE_ID,
+    db_url: str | None = None,
+    test_timeout: int = DEFAULT_TEST_TIMEOUT,
+    cell_timeout: int = DEFAULT_CELL_TIMEOUT,
+) -> list[tuple[str, str]]:
+    """Create or update the course directory at ``root``; returns (path, what happened) for each item."""
+    exercises = Path(exercises) if exercises else default_exercises()
+    assignments = exercise_assignments(exercises)
+    if not assignments:
+        raise click.ClickException(f"no exercises found in {exercises} (expected <assignment>/<notebook>.ipynb)")
+    root = Path(root)
+    (root / "source").mkdir(parents=True, exist_ok=True)
+    report = []
+
+    config = render_config(course_id, db_url, course_kernel(assignments), test_timeout, cell_timeout)
+    config_path = root / CONFIG_FILE
+    same = config_path.is_file() and config_path.read_text() == config
+    report.append((CONFIG_FILE, _place(config_path, lambda: config_path.write_text(config), same, force)))
+
+    for folder in assignments:
+        target = root / "source" / folder.name
+
+        def copy(folder=folder, target=target):
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(folder, target, ignore=shutil.ignore_patterns(*_IGNORED))
+
+        same = target.is_dir() and _files(target) == _files(folder)
+        report.append((f"source/{folder.name}", _place(target, copy, same, force)))
+    return report
+
+
+@click.command()
+@click.argument("root", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Replace a config or source notebook that differs from the course's.")
+@click.option("--course-id", default=DEFAULT_COURSE_ID, show_default=True, help="nbgrader course id.")
+@click.option("--db", "db_url", default=None, help="Gradebook database URL (default: sqlite in DIR/gradebook.db).")
+@click.option("--exercises", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Folder of <assignment>/<notebook>.ipynb source notebooks (default: the course's exercises).")
+@click.option("--test-timeout", default=DEFAULT_TEST_TIMEOUT, show_default=True, help="Seconds a test cell may run.")
+@click.option("--cell-timeout", default=DEFAULT_CELL_TIMEOUT, show_default=True, help="Seconds any other cell may run.")
+def command(root, force, course_id, db_url, exercises, test_timeout, cell_timeout):
+    """Create (or update) an nbgrader course directory DIR for the course's exercises."""
+    report = init_course(root, exercises=exercises, force=force, course_id=course_id, db_url=db_url,
+                         test_timeout=test_timeout, cell_timeout=cell_timeout)
+    for path, what in report:
+        note = " (yours differs from the course's; --force replaces it)" if what == "kept" else ""
+        click.echo(f"{what:>9}  {path}{note}")
+    click.echo(f"\nnext: cd {root} && ddp-course release")

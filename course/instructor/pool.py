@@ -1,0 +1,143 @@
+"""A pool of autograde workers with a deadline per job.
+
+Each slot holds one :mod:`course.instructor.worker` process (spawned, so the
+parent's threads and state never leak into it). A job that passes its deadline,
+or a worker that dies, costs that slot its worker: its whole process tree is
+killed and a fresh worker takes the next job.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from course.instructor import worker as worker_module
+
+_READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
+
+
+@dataclass
+class Outcome:
+    """How one job ended: nbgrader's result dict, or why there is none."""
+
+    job: Any
+    result: dict | None = None
+    #: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
+    kind: str = "done"
+    elapsed: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: Any = None
+    conn: Any = None
+    ready: bool = False
+    job: Any = None
+    payload: dict = field(default_factory=dict)
+    started: float = 0.0
+    timeout: float = 0.0
+    deadline: float = 0.0
+
+
+class WorkerPool:
+    """Run jobs on ``size`` workers; ``poll()`` returns the jobs that ended."""
+
+    def __init__(self, size: int, course_root: Path, log_dir: Path):
+        self.size = size
+        self.course_root = str(course_root)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots = [_Slot(i) for i in range(size)]
+
+    def _start(self, slot: _Slot) -> None:
+        parent_conn, child_conn = self._ctx.Pipe()
+        log = str(self.log_dir / f"worker-{slot.index}.log")
+        slot.process = self._ctx.Process(
+            target=worker_module.serve, args=(child_conn, self.course_root, log, os.getpid()),
+            name=f"ddp-course-autograde-{slot.index}",
+        )
+        slot.process.start()
+        child_conn.close()
+        slot.conn, slot.ready = parent_conn, False
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.process is not None:
+            worker_module.kill_tree(slot.process.pid)
+            slot.process.join(timeout=5)
+        if slot.conn is not None:
+            slot.conn.close()
+        slot.process = slot.conn = None
+        slot.ready = False
+
+    def idle(self) -> list[int]:
+        """Slots free for a job."""
+        return [s.index for s in self._slots if s.job is None]
+
+    def running(self) -> list[tuple[Any, float]]:
+        """(job, seconds running) for every running job."""
+        now = time.monotonic()
+        return [(s.job, now - s.started) for s in self._slots if s.job is not None]
+
+    def submit(self, index: int, job: Any, payload: dict, timeout: float) -> None:
+        """Start ``job`` on slot ``index``; ``payload`` goes to worker.grade; killed after ``timeout`` s."""
+        slot = self._slots[index]
+        if slot.process is None or not slot.process.is_alive():
+            self._kill(slot)
+            self._start(slot)
+        slot.job, slot.payload, slot.timeout = job, payload, timeout
+        slot.started = time.monotonic()
+        slot.deadline = slot.started + timeout + (0 if slot.ready else _READY_TIMEOUT)
+        if slot.ready:
+            slot.conn.send(payload)
+
+    def poll(self, wait: float = 0.5) -> list[Outcome]:
+        """Wait up to ``wait`` s for workers; return the jobs that finished, timed out or lost their worker."""
+        ended: list[Outcome] = []
+        busy = {s.conn: s for s in self._slots if s.job is not None and s.conn is not None}
+        for conn in multiprocessing.connection.wait(list(busy), timeout=wait) if busy else []:
+            slot = busy[conn]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                code = slot.process.exitcode if slot.process is not None else None
+                ended.append(self._end(slot, "died", f"the worker process exited (code {code})"))
+                self._kill(slot)
+                continue
+            if message.get("ready"):
+                slot.ready = True
+                slot.deadline = time.monotonic() + slot.timeout  # counted from when grading starts
+                conn.send(slot.payload)
+                continue
+            ended.append(self._end(slot, "done", result=message))
+        if not busy:
+            time.sleep(wait)
+        now = time.monotonic()
+        for slot in self._slots:
+            if slot.job is not None and now > slot.deadline:
+                ended.append(self._end(slot, "timeout", f"still running after {now - slot.started:.0f} s: stopped"))
+                self._kill(slot)
+        return ended
+
+    def _end(self, slot: _Slot, kind: str, detail: str = "", result: dict | None = None) -> Outcome:
+        outcome = Outcome(slot.job, result, kind, time.monotonic() - slot.started, detail)
+        slot.job, slot.payload = None, {}
+        return outcome
+
+    def close(self) -> None:
+        """Stop every worker (running jobs are killed with their process trees)."""
+        for slot in self._slots:
+            if slot.job is None and slot.conn is not None and slot.process is not None and slot.process.is_alive():
+                try:
+                    slot.conn.send(None)
+                    slot.process.join(timeout=5)
+                except (OSError, BrokenPipeError):
+                    pass
+            self._kill(slot)

@@ -1,0 +1,160 @@
+"""Run a student's training script as a torchrun worker, with the grader's probes installed.
+
+The ex4 grader starts ``torchrun ... graders/torchrun_probe.py train.py ARGS``:
+every worker runs this file, which records what the worker really did into a
+JSON-lines file per process (its torchrun environment, checkpoint writes and
+renames, optimizer steps, ``destroy_process_group``) and then runs the
+student's script as ``__main__``, exactly as ``python train.py ARGS`` would.
+The script needs no grading code of its own.
+
+With ``DDP_COURSE_PROBE_CRASH_RANK``/``_STEP`` set, the worker of that rank
+dies (``os._exit``) right after that optimizer step, in the first attempt
+only: an injected node failure for torchrun's ``--max-restarts`` to recover.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+PROBE_DIR = "DDP_COURSE_PROBE_DIR"
+CRASH_RANK = "DDP_COURSE_PROBE_CRASH_RANK"
+CRASH_STEP = "DDP_COURSE_PROBE_CRASH_STEP"
+CRASH_EXIT_CODE = 17
+
+_log_fd: int | None = None
+_in_hook = False
+_watched: tuple[str, ...] = ()
+_steps = 0
+
+
+def _log(kind: str, **fields) -> None:
+    """Append one event; written with a single os.write so it survives os._exit and SIGKILL."""
+    global _in_hook
+    if _log_fd is None:
+        return
+    _in_hook = True
+    try:
+        line = json.dumps({"event": kind, "t": time.time(), **fields}, default=str) + "\n"
+        os.write(_log_fd, line.encode())
+    finally:
+        _in_hook = False
+
+
+def _path(f) -> str | None:
+    """The file name behind a path or an open file object, absolute."""
+    name = getattr(f, "name", f)
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    return os.path.abspath(name) if isinstance(name, str) else None
+
+
+def _audit(event: str, args: tuple) -> None:
+    # An exception here would surface in the student's code: never raise.
+    if _in_hook or event not in ("open", "os.rename"):
+        return
+    try:
+        if event == "os.rename":
+            _log("rename", src=_path(args[0]), dst=_path(args[1]))
+            return
+        path = _path(args[0])
+        if path is None or not path.startswith(_watched):
+            return
+        mode, flags = args[1], args[2] or 0
+        if isinstance(mode, str):
+            write = any(c in mode for c in "wax+")
+        else:
+            write = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+        _log("open", path=path, write=write)
+    except Exception:
+        pass
+
+
+def _patch_torch() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    real_save, real_load = torch.serialization.save, torch.serialization.load
+
+    def save(obj, f, *args, **kwargs):
+        _log("save", path=_path(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    def load(f, *args, **kwargs):
+        _log("load", path=_path(f))
+        return real_load(f, *args, **kwargs)
+
+    for fn, real in ((save, real_save), (load, real_load)):
+        fn.__doc__, fn.__wrapped__ = real.__doc__, real
+    torch.save = torch.serialization.save = save
+    torch.load = torch.serialization.load = load
+
+    real_destroy = distributed_c10d.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        _log("destroy")
+        return real_destroy(*args, **kwargs)
+
+    destroy_process_group.__doc__, destroy_process_group.__wrapped__ = real_destroy.__doc__, real_destroy
+    dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_process_group
+
+    crash_rank = os.environ.get(CRASH_RANK)
+    crash_step = int(os.environ.get(CRASH_STEP, "0") or 0)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    crash_here = crash_rank == os.environ.get("RANK") and first_attempt and crash_step > 0
+
+    def after_step(optimizer, args, kwargs) -> None:
+        global _steps
+        _steps += 1
+        _log("step", n=_steps)
+        if crash_here and _steps == crash_step:
+            _log("crash", step=_steps)
+            os._exit(CRASH_EXIT_CODE)
+
+    register_optimizer_step_post_hook(after_step)
+
+
+def install(probe_dir: str, watched: list[str]) -> None:
+    """Start this worker's event log and install every probe."""
+    global _log_fd, _watched
+    os.makedirs(probe_dir, exist_ok=True)
+    pid = os.getpid()
+    _log_fd = os.open(os.path.join(probe_dir, f"events-{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    _watched = tuple(os.path.abspath(w).rstrip(os.sep) + os.sep for w in watched)
+    env = {k: os.environ.get(k) for k in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
+    _log("start", pid=pid, env=env)
+    # The worker's own output goes to a file per process: the grader shows it rank by rank.
+    out = os.open(os.path.join(probe_dir, f"output-{pid}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    stack_file = open(os.path.join(probe_dir, f"stack-{pid}.txt"), "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    atexit.register(_log, "exit")
+    sys.addaudithook(_audit)
+    _patch_torch()
+
+
+def main() -> None:
+    script, *argv = sys.argv[1:]
+    watched = [p for p in os.environ.get("DDP_COURSE_PROBE_WATCH", "").split(os.pathsep) if p]
+    install(os.environ[PROBE_DIR], watched)
+    script = os.path.abspath(script)
+    sys.argv = [script, *argv]
+    sys.path[0] = os.path.dirname(script)  # as `python train.py` would have it
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The launcher: real multi-rank jobs, their failures, deadlines and leftovers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import course
+from course.launch import resolve_backend
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def _descendants() -> set[int]:
+    """Live descendants of this process, except the forkserver and its resource tracker."""
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        if "forkserver" in cmdline or "resource_tracker" in cmdline:
+            continue
+        out.add(child.pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# --- functions that run on the ranks (module level: shipped by reference) --------
+
+
+def all_reduce_rank(rank):
+    dist.init_process_group(course.backend())
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    return {"rank": rank, "sum": t.item(), "world_size": world, "env_rank": int(os.environ["RANK"])}
+
+
+def ddp_step(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group(course.backend())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ddp_model = DDP(model)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)  # rank-dependent data
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    torch.nn.functional.mse_loss(ddp_model(x), y).backward()
+    opt.step()
+    params = [p.detach().clone() for p in ddp_model.module.parameters()]
+    grads_local_differ = True
+    dist.destroy_process_group()
+    return params, grads_local_differ
+
+
+def raise_on_rank_1(rank):
+    print(f"rank {rank} starting")
+    dist.init_process_group("gloo")
+    if rank == 1:
+        raise ValueError("bad value on purpose")
+    dist.barrier()  # rank 0 waits here for a peer that has died
+    time.sleep(60)
+    return rank
+
+
+def deadlock(rank):
+    dist.init_process_group("gloo")
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(3600)
+
+
+def stubborn_loop(rank):
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "600"])
+    print(f"child pid {child.pid}", flush=True)
+    while True:
+        pass
+
+
+def exit_hard(rank):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def unpicklable(rank):
+    return lambda: rank  # fine: cloudpickle handles lambdas
+
+
+def return_lock(rank):
+    import threading
+
+    return threading.Lock()
+
+
+def noisy(rank):
+    print(f"stdout from {rank}")
+    print(f"stderr from {rank}", file=sys.stderr)
+    return rank
+
+
+def scalar_job(rank, base):
+    return base + rank
+
+
+# --- tests -----------------------------------------------------------------
+
+
+def test_returns_values_in_rank_order_with_torchrun_env():
+    values = course.run_ranks(all_reduce_rank, 4, echo=False)
+    assert [v["rank"] for v in values] == [0, 1, 2, 3]
+    assert [v["env_rank"] for v in values] == [0, 1, 2, 3]
+    assert all(v["sum"] == 10.0 and v["world_size"] == 4 for v in values)
+
+
+def test_args_are_passed_after_rank():
+    assert course.run_ranks(scalar_job, 3, args=(10,), echo=False) == [10, 11, 12]
+
+
+def test_ddp_step_leaves_parameters_bitwise_equal():
+    values = course.run_ranks(ddp_step, 3, echo=False)
+    reference = values[0][0]
+    for params, _ in values[1:]:
+        for a, b in zip(reference, params):
+            assert torch.equal(a, b)
+
+
+def test_job_result_reports_destroy_and_output():
+    job = course.launch(all_reduce_rank, 2, echo=False)
+    assert job.destroy_called == [True, True]
+    assert job.pg_initialized == [False, False]
+    assert job.backend == "gloo"
+    job = course.launch(noisy, 2, echo=False)
+    assert "stdout from 1" in job.outputs[1] and "stderr from 1" in job.outputs[1]
+
+
+def test_rank_error_names_rank_and_stops_the_others():
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises(course.RankFailedError) as info:
+        course.run_ranks(raise_on_rank_1, 2, echo=False, timeout=60)
+    elapsed = time.monotonic() - start
+    err = info.value
+    text = str(err)
+    assert err.ranks[0] == 1
+    assert "rank 1 raised ValueError: bad value on purpose" in text
+    assert 'raise ValueError("bad value on purpose")' in text  # the student's frame, with source
+    assert "rank 1 starting" in text  # its output
+    assert err.failures[1].exc_type == "ValueError"
+    assert isinstance(err.failures[1].exception, ValueError)
+    assert elapsed < 20, f"rank 0 kept running for {elapsed:.1f} s"
+    assert _descendants() <= before
+
+
+def test_deadlock_fails_within_deadline_naming_the_stuck_rank():
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises((course.RankTimeoutError, course.RankFailedError)) as info:
+        course.run_ranks(deadlock, 2, echo=False, timeout=8)
+    elapsed = time.monotonic() - start
+    assert elapsed < 8 + 5
+    err = info.value
+    assert 0 in err.ranks
+    if isinstance(err, course.RankTimeoutError):
+        assert "ranks 0, 1 were still running" in str(err) or "rank 0" in str(err)
+        assert "deadlock" in err.failures[0].last_output[-1] or any(
+            "all_reduce" in line for line in err.failures[0].last_output
+        )
+    assert _descendants() <= before
+
+
+def test_sigint_ignoring_loop_and_its_child_are_killed_at_the_deadline():
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises(course.RankTimeoutError) as info:
+        course.run_ranks(stubborn_loop, 2, echo=False, timeout=4)
+    assert time.monotonic() - start < 4 + 5
+    err = info.value
+    assert err.running == [0, 1]
+    text = str(err)
+    assert "did not finish within 4 s" in text and "ranks 0, 1 were still running" in text
+    assert "stubborn_loop" in text  # where each rank was (faulthandler dump)
+    child_pids = [
+        int(line.split()[-1]) for f in err.failures.values() for line in f.last_output if line.startswith("child pid")
+    ]
+    assert len(child_pids) == 2
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in child_pids), "a rank's child survived the job"
+    assert _descendants() <= before
+
+
+def test_rank_that_dies_without_traceback():
+    with pytest.raises(course.RankFailedError) as info:
+        course.run_ranks(exit_hard, 2, echo=False, timeout=30)
+    assert info.value.failures[1].kind == "exited"
+    assert "exited with code 3" in str(info.value)
+
+
+def test_unpicklable_return_value_is_a_clear_error():
+    assert callable(course.run_ranks(unpicklable, 1, echo=False)[0])
+    with pytest.raises(course.RankFailedError, match="cannot be sent back"):
+        course.run_ranks(return_lock, 1, echo=False)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        course.run_ranks(scalar_job, 0)
+    with pytest.raises(TypeError):
+        course.run_ranks("not a function", 2)
+    with pytest.raises(ValueError):
+        course.run_ranks(scalar_job, 2, backend="carrier-pigeon")
+
+
+def test_backend_auto_is_gloo_without_enough_gpus():
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("machine has GPUs")
+    assert resolve_backend("auto", 2) == "gloo"
+
+
+@pytest.mark.slow
+def test_fifty_jobs_in_a_row_leave_nothing_behind():
+    before = _descendants()
+    ports = set()
+    for _ in range(50):
+        job = course.launch(all_reduce_rank, 2, echo=False)
+        assert [v["sum"] for v in job.values] == [3.0, 3.0]
+        ports.add(job.port)
+    assert _descendants() <= before
+    assert len(ports) > 1
+
+
+_CONCURRENT = textwrap.dedent(
+    """
+    import sys, course, torch, torch.distributed as dist
+    def work(rank):
+        dist.init_process_group(course.backend())
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return t.item()
+    if __name__ == "__main__":
+        for _ in range(int(sys.argv[1])):
+            assert course.run_ranks(work, 2, echo=False) == [1.0, 1.0]
+        print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_launching_processes_at_once_never_collide(tmp_path):
+    script = tmp_path / "launch_many.py"
+    script.write_text(_CONCURRENT)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), "15"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err
+        assert out.strip() == "ok"
+        assert err == ""  # and nothing on the caller's stderr
+
+
+_CLEAN = textwrap.dedent(
+    """
+    import sys, course
+    def work(rank):
+        import warnings, torch.distributed as dist
+        print("rank", rank, "says hi", file=sys.stderr)
+        warnings.warn("a warning in a rank")
+        dist.init_process_group(course.backend())
+        dist.barrier()
+        dist.destroy_process_group()
+        return rank
+    if __name__ == "__main__":
+        print(course.run_ranks(work, 2))
+    """
+)
+
+
+def test_a_clean_job_writes_nothing_on_the_callers_stderr(tmp_path):
+    script = tmp_path / "clean.py"
+    script.write_text(_CLEAN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "[rank 1] rank 1 says hi" in proc.stdout  # rank stderr is shown, on stdout, labelled
+    assert "[0, 1]" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_nccl_is_chosen_with_enough_gpus():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    n = torch.cuda.device_count()
+    assert resolve_backend("auto", n) == "nccl"
+    assert resolve_backend("auto", n + 1) == "gloo"

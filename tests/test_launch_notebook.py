@@ -1,0 +1,59 @@
+"""run_ranks from inside a real Jupyter kernel: notebook functions, classes and globals."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+CELLS = [
+    "import course, torch, torch.distributed as dist",
+    "SCALE = 10  # a notebook global\n"
+    "class Box:\n"
+    "    def __init__(self, value):\n"
+    "        self.value = value\n"
+    "    def doubled(self):\n"
+    "        return 2 * self.value",
+    "def work(rank):\n"
+    "    dist.init_process_group(course.backend())\n"
+    "    t = torch.tensor([float(rank)])\n"
+    "    dist.all_reduce(t)\n"
+    "    box = Box(t.item() * SCALE)\n"
+    "    print('world_size', dist.get_world_size())\n"
+    "    dist.destroy_process_group()\n"
+    "    return box.doubled()",
+    "print('two:', course.run_ranks(work, 2))",
+    "print('four:', course.run_ranks(work, 4))",
+    "def broken(rank):\n"
+    "    if rank == 1:\n"
+    "        raise KeyError('missing on purpose')\n"
+    "    return rank",
+    "try:\n"
+    "    course.run_ranks(broken, 2)\n"
+    "except course.RankFailedError as err:\n"
+    "    print(err)",
+]
+
+
+def test_notebook_functions_classes_and_globals_run_on_2_and_4_ranks():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    NotebookClient(nb, timeout=240, kernel_name="python3").execute()
+
+    def text(i):
+        return "".join(o.get("text", "") for o in nb.cells[i].outputs if o.output_type == "stream")
+
+    def stderr(i):
+        return "".join(o.get("text", "") for o in nb.cells[i].outputs if o.get("name") == "stderr")
+
+    # sum of ranks 0..n-1, times SCALE, doubled
+    assert "two: [20.0, 20.0]" in text(3)
+    assert "four: [120.0, 120.0, 120.0, 120.0]" in text(4)
+    assert "[rank 3] world_size 4" in text(4)
+    report = text(6)
+    assert "rank 1 raised KeyError" in report
+    assert "raise KeyError('missing on purpose')" in report  # the cell's source line travels with the function
+    for i in range(len(CELLS)):
+        assert stderr(i) == "", f"cell {i} wrote to stderr: {stderr(i)}"
