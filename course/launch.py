@@ -37,8 +37,9 @@ import threading
 import time
 import types
 from collections import ChainMap, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 

@@ -11,7 +11,8 @@ never a traceback from the graders' own code.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from course.exceptions import LaunchError, RankTimeoutError
 from course.launch import JobResult, launch
