@@ -96,10 +96,17 @@ def _student_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _write(path: str, obj: dict) -> None:
+def _write(path: str, obj: dict, safe: bool) -> None:
+    """Write a report for the launcher. ``safe``: only data torch.load(weights_only=True) accepts
+    (tensors, numbers, strings, lists, dicts), so a launcher that must not trust the rank can read it."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
-        fh.write(cloudpickle.dumps(obj))
+        if safe:
+            import torch
+
+            torch.save(obj, fh)
+        else:
+            fh.write(cloudpickle.dumps(obj))
     os.replace(tmp, path)
 
 
@@ -147,6 +154,7 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
                     "pg_initialized": _pg_initialized(),
                     "destroy_called": _STATE["destroy_called"],
                 },
+                job["safe"],
             )
         except Exception as exc:  # the value could not be pickled
             raise TypeError(
@@ -155,18 +163,18 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
             ) from None
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         code = 1
-        report = {
-            "traceback": _student_traceback(exc),
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "exception": None,
-        }
+        report = {"traceback": "", "type": "", "message": "", "exception": None}
+        try:  # str() of a hostile exception can raise too
+            report.update(traceback=_student_traceback(exc), type=type(exc).__name__, message=str(exc))
+        except BaseException:  # noqa: BLE001
+            report.update(type=type(exc).__name__, message="(the exception could not be printed)")
+        if not job["safe"]:
+            try:
+                report["exception"] = cloudpickle.dumps(exc)
+            except Exception:
+                pass
         try:
-            report["exception"] = cloudpickle.dumps(exc)
-        except Exception:
-            pass
-        try:
-            _write(job["error_path"], report)
+            _write(job["error_path"], report, job["safe"])
         except Exception:
             sys.stderr.write(report["traceback"])
     finally:

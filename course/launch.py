@@ -317,14 +317,19 @@ def _kill_rank(pid: int | None) -> None:
             pass
 
 
-def _load(path: str) -> dict | None:
+def _load(path: str, safe: bool) -> dict | None:
     try:
         with open(path, "rb") as fh:
+            if safe:
+                import torch
+
+                obj = torch.load(fh, weights_only=True)
+                return obj if isinstance(obj, dict) else None
             return cloudpickle.loads(fh.read())
     except FileNotFoundError:
         return None
     except Exception as exc:  # noqa: BLE001 - a half-written or unloadable report
-        return {"traceback": "", "type": type(exc).__name__, "message": f"(report unreadable: {exc})"}
+        return {"traceback": "", "type": type(exc).__name__, "message": f"(report unreadable: {type(exc).__name__})"}
 
 
 def launch(
@@ -337,6 +342,7 @@ def launch(
     echo: bool = True,
     env: dict | None = None,
     num_threads: int | None = None,
+    safe_results: bool = False,
 ) -> JobResult:
     """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
 
@@ -344,6 +350,12 @@ def launch(
     :class:`~course.exceptions.RankTimeoutError` if the job passed ``timeout`` seconds.
     With ``echo`` each line a rank prints is shown on the caller's stdout as
     ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
+
+    ``safe_results``: the caller does not trust the code on the ranks (a grader
+    running a submission): results travel as ``torch.save`` data and are read with
+    ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples,
+    dicts only), so a rank cannot make the caller run code by what it returns;
+    exception objects are not sent back, only their type name, text and traceback.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -383,6 +395,7 @@ def launch(
                     log_path=os.path.join(jobdir, f"rank{rank}.log"),
                     result_path=os.path.join(jobdir, f"rank{rank}.result"),
                     error_path=os.path.join(jobdir, f"rank{rank}.error"),
+                    safe=safe_results,
                 )
             )
         tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
@@ -410,7 +423,7 @@ def launch(
                 _remove(path)
             del store
         elapsed = time.monotonic() - started
-        return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed)
+        return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe_results)
 
 
 def _rank_entry():
@@ -464,29 +477,37 @@ def _wait(processes, tails, deadline: float) -> dict:
     return {"timeout": False, "running": sorted(pending.values()), "failed_at": failed_at}
 
 
-def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed) -> JobResult:
+def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe) -> JobResult:
     values: list[Any] = [None] * world_size
     meta: list[dict] = [{} for _ in range(world_size)]
     returned: list[int] = []
     failures: dict[int, RankFailure] = {}
     for rank, job in enumerate(jobs):
-        result = _load(job["result_path"])
-        error = _load(job["error_path"])
+        result = _load(job["result_path"], safe)
+        error = _load(job["error_path"], safe)
         last = tails[rank].last()
         if result is not None and "value" in result and processes[rank].exitcode == 0:
             values[rank] = result["value"]
             meta[rank] = result
             returned.append(rank)
+        elif result is not None and processes[rank].exitcode == 0:  # returned, but unreadable
+            failures[rank] = RankFailure(
+                rank, "raised", "", "TypeError",
+                f"rank {rank} returned a value the launcher cannot read {result.get('message', '')}: "
+                "return only tensors, numbers, strings, lists, tuples and dicts",
+                0, last,
+            )
+            outcome["failed_at"].setdefault(rank, time.monotonic())
         elif error is not None:
             exc = None
-            if error.get("exception"):
+            if error.get("exception") and not safe:
                 try:
                     exc = cloudpickle.loads(error["exception"])
                 except Exception:
                     exc = None
             failures[rank] = RankFailure(
-                rank, "raised", error.get("traceback", ""), error.get("type", ""),
-                error.get("message", ""), processes[rank].exitcode, last, exc,
+                rank, "raised", str(error.get("traceback", "")), str(error.get("type", "")),
+                str(error.get("message", "")), processes[rank].exitcode, last, exc,
             )
         elif outcome["timeout"] and rank in outcome["running"]:
             failures[rank] = RankFailure(rank, "timeout", exitcode=None, last_output=_user_frames(last))

@@ -322,3 +322,31 @@ def test_nccl_is_chosen_with_enough_gpus():
     n = torch.cuda.device_count()
     assert resolve_backend("auto", n) == "nccl"
     assert resolve_backend("auto", n + 1) == "gloo"
+
+
+class Opaque:
+    pass
+
+
+def return_plain(rank):
+    return {"rank": rank, "t": torch.ones(2) * rank, "items": [1, 2.5, "x", (3, 4)]}
+
+
+def return_object(rank):
+    return Opaque()
+
+
+def test_safe_results_accept_plain_data_only():
+    values = course.launch(return_plain, 2, echo=False, safe_results=True).values
+    assert values[1]["rank"] == 1 and torch.equal(values[1]["t"], torch.ones(2))
+    assert values[0]["items"] == [1, 2.5, "x", (3, 4)]
+    with pytest.raises(course.RankFailedError, match="cannot read"):
+        course.launch(return_object, 1, echo=False, safe_results=True)
+
+
+def test_safe_results_send_no_exception_objects():
+    with pytest.raises(course.RankFailedError) as info:
+        course.launch(raise_on_rank_1, 2, echo=False, safe_results=True, timeout=60)
+    failure = info.value.failures[1]
+    assert failure.exc_type == "ValueError" and failure.exception is None
+    assert "bad value on purpose" in failure.message
