@@ -15,6 +15,7 @@ from course import __version__
 #: verb -> "module:attribute" of a click command. One module per verb.
 COMMANDS = {
     "lab": "course.lab:command",
+    "grade": "course.grade:command",
     "init": "course.instructor.init:command",
     "release": "course.instructor.release:command",
     "collect": "course.instructor.collect:command",
@@ -37,7 +38,17 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            # Keep `ddp-course --help` and the other verbs working; say what is missing.
+            problem = f"{type(exc).__name__}: {exc}"
+
+            @click.command(name=name, help=f"(unavailable: {problem})")
+            def unavailable():
+                raise click.ClickException(f"`ddp-course {name}` cannot load: {problem}. Reinstall with pip install -e .")
+
+            return unavailable
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,40 +7,17 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+from lesson_output import output_of, world_sizes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-LESSON = Path(__file__).resolve().parent.parent / "lessons" / "03-syncbatchnorm-and-sharded-state.ipynb"
-BACKEND = r"backend=(?:gloo|nccl)"
-
 
 @pytest.fixture(scope="module")
-def nb(request):
-    """The executed lesson: the shared session fixture when conftest has it, else run it here."""
-    try:
-        executed_lesson = request.getfixturevalue("executed_lesson")
-    except pytest.FixtureLookupError:
-        notebook = nbformat.read(LESSON, as_version=4)
-        NotebookClient(notebook, timeout=240, kernel_name="python3",
-                       resources={"metadata": {"path": str(LESSON.parent)}}).execute()
-        return notebook
+def nb(executed_lesson):
+    """The executed lesson (run once per session by conftest's fixture)."""
     return executed_lesson("03")
-
-
-def out(nb, needle: str) -> str:
-    """stdout of the one code cell whose source contains ``needle``."""
-    cells = [c for c in nb.cells if c.cell_type == "code" and needle in c.source]
-    assert len(cells) == 1, f"expected one cell containing {needle!r}, found {len(cells)}"
-    return "".join(o.get("text", "") for o in cells[0].outputs if o.get("name") == "stdout")
-
-
-def ran_on(text: str) -> list[int]:
-    return [int(ws) for ws in re.findall(rf"\[rank 0\] ran on world_size=(\d+) \({BACKEND}\)", text)]
 
 
 def test_runs_cleanly_and_draws_the_plots(nb):
@@ -55,25 +32,26 @@ def test_runs_cleanly_and_draws_the_plots(nb):
 
 
 def test_per_rank_batchnorm_statistics_differ_from_the_global_batch(nb):
-    assert ran_on(out(nb, "course.run_ranks(bn_stats, 4)")) == [4]
+    assert world_sizes(output_of(nb, "course.run_ranks(bn_stats, 4)")) == [4]
     diffs = re.findall(r"rank (\d): running_mean .*?max diff from the global batch's: ([\d.]+)",
-                       out(nb, "reference = nn.BatchNorm1d(3)"))
+                       output_of(nb, "reference = nn.BatchNorm1d(3)"))
     assert [int(r) for r, _ in diffs] == [0, 1, 2, 3]
     assert all(float(d) > 0.005 for _, d in diffs), diffs
+    assert "after the next forward, every rank's running_mean is rank 0's: True" in output_of(nb, "reference = nn.BatchNorm1d(3)")
 
 
 def test_convert_sync_batchnorm_replaces_every_batchnorm(nb):
     m = re.search(r"BatchNorm layers before: (\d+); after: (\d+) SyncBatchNorm, (\d+) plain BatchNorm left",
-                  out(nb, "model = small_cnn()"))
+                  output_of(nb, "model = small_cnn()"))
     assert m, "conversion summary line missing"
     before, synced, left = map(int, m.groups())
     assert before == synced == 3 and left == 0
-    assert "the returned module is SyncBatchNorm" in out(nb, "bn = nn.BatchNorm1d(16)")
+    assert "the returned module is SyncBatchNorm" in output_of(nb, "bn = nn.BatchNorm1d(16)")
 
 
 def test_syncbatchnorm_on_cpu_raises_in_training_and_works_in_eval(nb):
-    text = out(nb, "course.run_ranks(syncbn_forward, 2)")
-    assert ran_on(text) == [2]
+    text = output_of(nb, "course.run_ranks(syncbn_forward, 2)")
+    assert world_sizes(text) == [2]
     for rank in (0, 1):
         if "backend=gloo" in text:
             assert f"[rank {rank}] rank {rank}: training forward on cpu raised ValueError: SyncBatchNorm expected" in text
@@ -84,8 +62,8 @@ def test_syncbatchnorm_on_cpu_raises_in_training_and_works_in_eval(nb):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_synced_batchnorm_matches_the_global_batch_and_plain_does_not(nb, world_size):
-    text = out(nb, "for synced in (False, True):")
-    assert ran_on(text) == [2, 2, 4, 4]
+    text = output_of(nb, "for synced in (False, True):")
+    assert world_sizes(text) == [2, 2, 4, 4]
     line = r"{} world_size={}: equals the global batch's: (True|False) \(max diff running_mean (\S+), running_var (\S+), grad (\S+)\)"
     synced = re.search(line.format("synced BN", world_size), text)
     plain = re.search(line.format("plain BN ", world_size), text)
@@ -97,8 +75,8 @@ def test_synced_batchnorm_matches_the_global_batch_and_plain_does_not(nb, world_
 
 
 def test_zero_shards_optimizer_state_and_needs_consolidation(nb):
-    text = out(nb, "shards = course.run_ranks(zero_demo, 2")
-    assert ran_on(text) == [2]
+    text = output_of(nb, "shards = course.run_ranks(zero_demo, 2")
+    assert world_sizes(text) == [2]
     shards = {}
     for rank, count, total, nbytes, names in re.findall(
             r"\[rank (\d)\] rank \1 holds Adam state for (\d+) of (\d+) parameters \((\d+) bytes\): (\[.*\])", text):
@@ -109,15 +87,15 @@ def test_zero_shards_optimizer_state_and_needs_consolidation(nb):
     assert not shards[0] & shards[1], "a parameter's state is held on both ranks"
     assert len(shards[0] | shards[1]) == 8
     assert text.count("state_dict() before consolidating raised RuntimeError: Optimizer state has not been consolidated") == 2
-    saved = out(nb, "saved = torch.load(ckpt_path)")
+    saved = output_of(nb, "saved = torch.load(ckpt_path")
     assert "every parameter in exactly one rank's shard: True" in saved
     assert "consolidated checkpoint holds Adam state for 8 of 8 parameters" in saved
     assert "loaded into a plain torch.optim.Adam: state for 8 parameters" in saved
 
 
 def test_fsdp2_shards_parameters_and_checkpoints_with_dcp(nb):
-    text = out(nb, "course.run_ranks(fsdp_demo, 2")
-    assert ran_on(text) == [2]
+    text = output_of(nb, "course.run_ranks(fsdp_demo, 2")
+    assert world_sizes(text) == [2]
     for rank in (0, 1):
         assert f"[rank {rank}] rank {rank}: 0.weight is a DTensor of shape (256, 64); this rank holds (128, 64)" in text
         m = re.search(rf"\[rank {rank}\] rank {rank}: model.state_dict\(\) holds (\d+) of (\d+) numbers", text)
@@ -127,14 +105,14 @@ def test_fsdp2_shards_parameters_and_checkpoints_with_dcp(nb):
         assert m and float(m.group(1)) > 0 and float(m.group(2)) == 0.0, m and m.group(0)
     assert "[rank 0] rank 0: full state dict has 8 tensors" in text
     assert "[rank 1] rank 1: full state dict has 0 tensors" in text
-    files = out(nb, 'print("files in the DCP checkpoint:"')
+    files = output_of(nb, 'print("files in the DCP checkpoint:"')
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "full-model.pt"):
         assert f"'{name}'" in files
 
 
 def test_optimizer_built_before_fully_shard_leaves_the_loss_flat(nb):
-    text = out(nb, "for optimizer_first in (True, False):")
-    assert ran_on(text) == [2, 2]
+    text = output_of(nb, "for optimizer_first in (True, False):")
+    assert world_sizes(text) == [2, 2]
     before = ast.literal_eval(re.search(r"built before fully_shard: rank 0 losses (\[.*\])", text).group(1))
     after = ast.literal_eval(re.search(r"built after fully_shard *: rank 0 losses (\[.*\])", text).group(1))
     assert len(set(before)) == 1, before
@@ -142,8 +120,8 @@ def test_optimizer_built_before_fully_shard_leaves_the_loss_flat(nb):
 
 
 def test_optimizer_memory_per_rank_with_and_without_sharding(nb):
-    text = out(nb, "memory = {ws:")
-    assert ran_on(text) == [2, 2, 2, 4, 4, 4]
+    text = output_of(nb, "memory = {ws:")
+    assert world_sizes(text) == [2, 2, 2, 4, 4, 4]
     table = {(int(ws), s): ast.literal_eval(b) for ws, s, b in
              re.findall(r"world_size=(\d) +(DDP \+ Adam|ZeRO|FSDP2): bytes per rank (\[[\d, ]+\])", text)}
     full = table[(2, "DDP + Adam")][0]

@@ -337,8 +337,15 @@ def run_autograde(
 ) -> AutogradeRun:
     """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from course.instructor.pool import WorkerPool
 

@@ -71,6 +71,8 @@ def cell_timeout(cell):
 
 
 c.Execute.timeout_func = cell_timeout
+# Each check stops a job of the student's ranks after DDP_COURSE_CHECK_TIMEOUT seconds (default 60):
+# os.environ.setdefault("DDP_COURSE_CHECK_TIMEOUT", "60")
 
 # nbgrader gives a test cell 0 points if it wrote anything on stderr, and torch
 # warns a lot (deprecations, gloo hostname lookups). Kernels inherit this

@@ -3,7 +3,7 @@
 A *secret line* is a line inside a ``### BEGIN SOLUTION`` / ``### BEGIN HIDDEN
 TESTS`` region of a source notebook that appears nowhere outside such regions
 (so ``import torch`` in a solution is not a secret when the visible code has it
-too). A student copy or a feedback page that contains a secret line, or a
+too, nor is a line the instructions quote on purpose). A student copy or a feedback page that contains a secret line, or a
 region marker, leaks.
 """
 
@@ -76,8 +76,11 @@ def secrets_of(source_nb) -> Secrets:
         public.update(line.strip() for line in rest)
     markers = (*SOLUTION, *HIDDEN_TESTS)  # reported on their own by markers_in
 
+    public_text = "\n".join(public)  # a line quoted in visible text (a hint in markdown) is no secret
+
     def keep(lines):
-        return {line for line in lines - public if is_meaningful(line) and not any(m in line for m in markers)}
+        return {line for line in lines if is_meaningful(line) and line not in public_text
+                and not any(m in line for m in markers)}
 
     return Secrets(solution=keep(solution), hidden_tests=keep(hidden))
 

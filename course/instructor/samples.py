@@ -49,7 +49,8 @@ class Mistake:
 
 MISTAKES = (
     Mistake("forgets sampler.set_epoch(epoch)", r"^(\s*)\S.*\.set_epoch\(.*$", r"\1pass  # (forgot set_epoch)"),
-    Mistake("saves on every rank", r"^(\s*)if (?:rank|dist\.get_rank\(\)) == 0:\s*$", r"\1if True:  # (every rank)"),
+    Mistake("saves on every rank", r"^(\s*)if (?:rank|dist\.get_rank\(\)) == 0:[ \t]*(?:#.*)?$",
+            r"\1if True:  # (every rank)"),
     Mistake("saves the DDP wrapper's state dict", r"\.module\.state_dict\(\)", ".state_dict()"),
     Mistake("sums gradients without averaging", r"\s*/\s*(?:world_size|dist\.get_world_size\(\))\b", ""),
     Mistake("skips the barrier", r"^(\s*)dist\.barrier\(\)\s*$", r"\1pass  # (no barrier)"),

@@ -1,0 +1,101 @@
+"""``ddp-course grade NOTEBOOK``: grade one exercise notebook as nbgrader's autograde would, without a gradebook.
+
+:func:`grade_notebook` is the reusable entry point: it finds the source notebook of
+a student's copy, restores the locked cells (hidden tests included) from it,
+executes the result in a fresh kernel (or, for tests, in this process) and scores
+every test cell by nbgrader's rules, giving the reason for every lost point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from course.notebook import NotebookError, Timeouts, clear_outputs, read
+from course.scoring import GradeReport, score_notebook
+from course.sources import find_source, graded_cells, restore
+
+
+def grade_notebook(
+    path: str | Path,
+    *,
+    exercises: str | Path | None = None,
+    timeouts: Timeouts = Timeouts(),
+    in_process: bool = False,
+) -> GradeReport:
+    """Grade the notebook at ``path`` (a source notebook, a released copy or a submission).
+
+    ``exercises`` is the folder of source notebooks (default: the course's ``exercises/``).
+    ``in_process=True`` runs the cells in this process instead of a fresh kernel (fast, shares
+    this process's warm rank pool; for trusted notebooks, e.g. tests). Raises
+    :class:`~course.notebook.NotebookError` for a notebook that cannot be read or matched.
+    """
+    path = Path(path)
+    student = read(path)
+    source_path = find_source(path, exercises)
+    source = read(source_path)
+    nb = restore(student, source)
+    clear_outputs(nb)
+    if in_process:
+        from course.inprocess import execute
+    else:
+        from course.notebook import execute
+    run = execute(nb, path.resolve().parent, timeouts)
+    return score_notebook(run, graded_cells(source), str(path))
+
+
+def print_report(report: GradeReport) -> None:
+    """The report as a table on stdout, then the full message of every failed test."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"{report.notebook}: {report.score:g} / {report.max_score:g} points")
+    table.add_column("test")
+    table.add_column("points", justify="right")
+    table.add_column("result")
+    for t in report.tests:
+        first = t.message.splitlines()[0] if t.message else ""
+        result = "[green]passed[/green]" if t.score >= t.max_score else f"[red]{_escape(first)}[/red]"
+        table.add_row(t.id, f"{t.score:g} / {t.max_score:g}", result)
+    console.print(table)
+    for t in report.tests:
+        if t.message and "\n" in t.message:
+            console.rule(f"{t.id}")
+            console.print(_escape(t.message), highlight=False)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+@click.command()
+@click.argument("notebook", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the scores) on stdout and nothing else.")
+@click.option("--exercises", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of the source notebooks (default: the course's exercises/).")
+@click.option("--test-timeout", type=float, default=Timeouts.test, show_default=True,
+              help="Seconds each test cell may run (they run multi-rank jobs).")
+@click.option("--timeout", type=float, default=Timeouts.other, show_default=True,
+              help="Seconds every other cell may run.")
+def command(notebook, as_json, exercises, test_timeout, timeout):
+    """Grade one exercise NOTEBOOK: run it in a fresh kernel with the hidden tests restored.
+
+    NOTEBOOK is a source notebook, a released copy or a student's submission; its
+    locked cells (tests, hidden tests) come back from the matching notebook in
+    exercises/. Exits 0 whenever grading ran, whatever the score.
+    """
+    try:
+        report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout))
+    except NotebookError as err:
+        raise click.ClickException(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise click.ClickException(f"{notebook}: grading did not run ({type(err).__name__}: {first})") from None
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        print_report(report)

@@ -1,0 +1,293 @@
+"""Executing a submission safely: sandboxed kernel, bounded cells, trusted verdicts (nbclient and nbgrader glue).
+
+* :class:`GuardedExecution` (an nbclient mixin): a kernel that dies (``os._exit``,
+  out of memory), a cell that ignores the interrupt after its time limit, or an
+  output flood costs the submission the cells from there on, with a clear
+  message in each, instead of aborting the whole notebook (nbclient raises
+  DeadKernelError; nbgrader then loses the entire submission).
+* :class:`SandboxedClient`: an nbclient NotebookClient with that behaviour and
+  the kernel in :class:`course.sandbox.SandboxKernelManager`.
+* :class:`SandboxedExecute` and :class:`VerifyTests`: the same for nbgrader's
+  autograde (``c.Autograde.autograde_preprocessors``), the second placed after
+  the first: it re-runs the checks in the trusted verifier and rewrites the test
+  cells' outputs to its verdicts (:mod:`course.verify`), so SaveAutoGrades
+  stores trusted scores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+from jupyter_core.utils import run_sync
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbconvert.preprocessors import Preprocessor
+from traitlets import Float, Integer, List, Unicode
+from traitlets.config import Configurable
+
+KILLED_ENAME = "KernelStopped"
+
+
+class GuardedExecution(Configurable):
+    """Mixin for nbclient.NotebookClient subclasses: every way a cell can wreck the kernel is bounded.
+
+    When the kernel dies or must be stopped, the cell gets an error output saying
+    why and every later cell is not run but marked (``ename`` NotRun, no
+    execution count), so graders score them 0 and say why.
+    """
+
+    max_cell_output = Integer(2 << 20, help="Bytes of output kept per cell; more is dropped.").tag(config=True)
+    interrupt_grace = Float(10.0, help="Seconds a timed-out cell has to honour the interrupt "
+                                       "before its kernel is stopped.").tag(config=True)
+
+    _stop_reason: str | None = None
+    _output_bytes: dict | None = None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the kernel was stopped (the later cells were not run), or None."""
+        return self._stop_reason
+
+    def _guard(self) -> None:
+        if self._output_bytes is None:
+            self._output_bytes = {}
+            # after an interrupt, a kernel that never goes idle raises CellTimeoutError: we stop it then
+            self.raise_on_iopub_timeout = True
+            self.iopub_timeout = max(self.iopub_timeout, int(self.interrupt_grace))
+
+    async def async_execute(self, reset_kc: bool = False, **kwargs):
+        self._stop_reason, self._output_bytes = None, None
+        self._guard()
+        return await super().async_execute(reset_kc=reset_kc, **kwargs)
+
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+        self._guard()
+        if self._stop_reason is not None and cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output(
+                "error", ename="NotRun", evalue=f"not run: {self._stop_reason}",
+                traceback=[f"NotRun: this cell was not run: {self._stop_reason}"])]
+            cell.execution_count = None
+            return cell
+        try:
+            return await super().async_execute_cell(cell, cell_index, execution_count=execution_count,
+                                                    store_history=store_history)
+        except DeadKernelError:
+            await self._stop(cell, cell_index, "the kernel died while this cell ran (os._exit, a crash, or more "
+                                               "memory than the grader allows)", kill=False)
+        except CellTimeoutError:
+            await self._stop(cell, cell_index, "this cell ran past its time limit and did not stop when "
+                                               "interrupted, so the grader stopped its kernel")
+        return cell
+
+    async def _stop(self, cell, cell_index: int, why: str, kill: bool = True) -> None:
+        from jupyter_core.utils import ensure_async
+
+        where = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") or f"cell {cell_index + 1}"
+        self._stop_reason = f"{why} (in {where}); the cells after it were not run and score 0"
+        cell.outputs = list(cell.get("outputs", [])) + [nbformat.v4.new_output(
+            "error", ename=KILLED_ENAME, evalue=self._stop_reason, traceback=[f"{KILLED_ENAME}: {self._stop_reason}"])]
+        if kill and self.km is not None:
+            try:
+                await ensure_async(self.km.shutdown_kernel(now=True))
+            except Exception:  # noqa: BLE001 - it is being killed anyway
+                pass
+
+    # nbclient binds its sync entry points to its own coroutines: rebind them to ours
+    execute = run_sync(async_execute)
+    execute_cell = run_sync(async_execute_cell)
+
+    def output(self, outs, msg, display_id, cell_index):
+        self._guard()
+        size = _size(msg)
+        before = self._output_bytes.get(cell_index, 0)
+        self._output_bytes[cell_index] = before + size
+        if before + size <= self.max_cell_output:
+            return super().output(outs, msg, display_id, cell_index)
+        out = None
+        if before < self.max_cell_output and "text" in msg.get("content", {}):  # keep the head of a stream
+            msg = {**msg, "content": {**msg["content"], "text": msg["content"]["text"][:self.max_cell_output - before]}}
+            out = super().output(outs, msg, display_id, cell_index)
+        if before <= self.max_cell_output:
+            note = (f"\n[ddp-course: this cell printed more than {self.max_cell_output >> 20} MB; "
+                    "the rest of its output was dropped]\n")
+            outs.append(nbformat.v4.new_output("stream", name="stdout", text=note))
+        return out
+
+
+def _size(msg) -> int:
+    content = msg.get("content", {})
+    if "text" in content:
+        return len(content["text"])
+    data = content.get("data") or {}
+    return sum(len(v) if isinstance(v, str) else len(str(v)) for v in data.values()) + len(str(content.get("traceback", "")))
+
+
+class SandboxedClient(GuardedExecution, NotebookClient):
+    """nbclient's NotebookClient with a sandboxed kernel and bounded cells (see the module doc)."""
+
+    def __init__(self, nb, **kw):
+        from course.sandbox import SandboxKernelManager
+
+        kw.setdefault("kernel_manager_class", SandboxKernelManager)
+        kw.setdefault("allow_errors", True)
+        kw.setdefault("interrupt_on_timeout", True)
+        kw.setdefault("error_on_timeout", {"ename": "CellTimeoutError", "evalue": "",
+                                           "traceback": ["CellTimeoutError: No reply from kernel before timeout"]})
+        super().__init__(nb, **kw)
+        self.on_cell_executed = _record_timeout_error
+
+    sandbox_summary = ""  # what protects the grader from this notebook (set when its kernel starts)
+
+    async def async_start_new_kernel(self, **kwargs):
+        await super().async_start_new_kernel(**kwargs)
+        box = getattr(self.km, "sandbox", None)
+        self.sandbox_summary = box.summary if box is not None else ""
+
+
+def _record_timeout_error(cell, cell_index, execute_reply):
+    """Put a timeout (an error reply without an error output) into the cell, as nbgrader's Execute does."""
+    content = execute_reply["content"]
+    if content.get("status") == "error" and not any(
+            o.get("output_type") == "error" and o.get("ename") == content.get("ename") for o in cell.outputs):
+        cell.outputs.append(nbformat.v4.new_output("error", ename=content.get("ename", ""),
+                                                   evalue=content.get("evalue", ""),
+                                                   traceback=content.get("traceback") or []))
+
+
+# --------------------------------------------------------------------------- nbgrader
+
+
+def _execute_base():
+    from nbgrader.preprocessors import Execute
+
+    return Execute
+
+
+class SandboxedExecute(GuardedExecution, _execute_base()):
+    """nbgrader's Execute with the kernel in the sandbox and bounded cells: use in place of Execute."""
+
+    def __init__(self, *args, **kwargs):
+        from course.sandbox import SandboxKernelManager
+
+        kwargs.setdefault("kernel_manager_class", SandboxKernelManager)
+        super().__init__(*args, **kwargs)
+
+
+class VerifyTests(Preprocessor):
+    """After SandboxedExecute: re-run the checks in the trusted verifier and rewrite the test cells' outputs.
+
+    ``resources["ddp_course"]`` gets the verdicts and the sandbox summary.
+    """
+
+    hide = List(Unicode(), help="Paths the verifier's ranks must not see (besides the course folder).").tag(config=True)
+    cell_timeout = Float(300.0, help="Seconds the verifier may spend on one test cell.").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        from course import verify
+        from course.sandbox import course_paths
+
+        workdir = resources.get("metadata", {}).get("path") or os.getcwd()
+        notes: list[str] = []
+        verdicts = verify.verify_notebook(nb, workdir, hide=[*self.hide, *course_paths(self.config)],
+                                          cell_timeout=self.cell_timeout, log=notes.append)
+        verify.apply_verdicts(nb, verdicts)
+        for line in notes:
+            self.log.info(line)
+        for line in verify.summary(verdicts):
+            self.log.warning(line)
+        remove_machinery(workdir)
+        resources.setdefault("ddp_course", {})["verdicts"] = [v.__dict__ for v in verdicts]
+        resources["ddp_course"]["sandbox"] = notes
+        return nb, resources
+
+
+def remove_machinery(workdir: str) -> None:
+    """Remove the sandbox's own folders (kernel sockets, home, snapshots) from a graded work folder."""
+    import shutil
+
+    from course.sandbox import HOME_DIR, KERNEL_DIR
+    from course.snapshot import FOLDER
+
+    for name in (KERNEL_DIR, HOME_DIR, FOLDER):
+        path = os.path.join(workdir, name)
+        if os.path.islink(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)  # fd-based: safe against links planted inside
+
+
+# --------------------------------------------------------------------------- ddp-course grade
+
+
+def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hide=(), cell_limit=None):
+    """:func:`course.notebook.execute`, sandboxed and verified: the drop-in for ``ddp-course grade``.
+
+    The submission's folder ``cwd`` is copied into a fresh work folder (regular
+    files only, at most 100 MB), the notebook runs there in a sandboxed kernel
+    with bounded cells, then every test cell is re-run by the trusted verifier
+    and its outputs rewritten to the verdict. ``hide``: paths the submission
+    must not see (the exercises' sources). Returns a ``course.notebook.Execution``
+    with two more attributes: ``notes`` (the sandbox summary, disagreements) and
+    ``verdicts``.
+    """
+    import shutil
+    import tempfile
+
+    from traitlets.config import Config
+
+    from course import verify
+    from course.notebook import TIMEOUT_ENAME, Execution, Timeouts, timeout_output
+
+    timeouts = timeouts or Timeouts()
+    workdir = tempfile.mkdtemp(prefix="ddp-course-grade-")
+    try:
+        copy_submission(cwd, workdir)
+        config = Config({"SandboxKernelManager": {"hide": [str(p) for p in hide]}})
+
+        def on_cell_executed(cell, cell_index, execute_reply, **_):
+            content = (execute_reply or {}).get("content", {})
+            if content.get("status") == "error" and content.get("ename") == TIMEOUT_ENAME:
+                cell.outputs.append(timeout_output(timeouts.for_cell(cell)))
+
+        client = SandboxedClient(
+            nb, config=config, kernel_name=kernel_name, timeout_func=timeouts.for_cell,
+            error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []}, record_timing=False,
+            extra_arguments=["--HistoryManager.hist_file=:memory:"], resources={"metadata": {"path": workdir}})
+        client.on_cell_executed = on_cell_executed
+        client.execute(cwd=workdir)
+        notes = [client.sandbox_summary] if client.sandbox_summary else []
+        verdicts = verify.verify_notebook(nb, workdir, hide=hide, cell_timeout=timeouts.test, log=notes.append)
+        verify.apply_verdicts(nb, verdicts)
+        notes = list(dict.fromkeys(notes + verify.summary(verdicts)))
+        ran = {i for i, cell in enumerate(nb.cells) if cell.get("cell_type") == "code"
+               and cell.get("execution_count") is not None}
+        run = Execution(nb, ran, client.stop_reason or "")
+        run.notes, run.verdicts = notes, verdicts
+        return run
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+#: what copy_submission takes from a submission's folder
+COPY_LIMIT = 100 << 20
+_SKIP = {".git", ".ipynb_checkpoints", "__pycache__", ".kernel", ".home", ".ddp-verify"}
+
+
+def copy_submission(src, dest, limit: int = COPY_LIMIT) -> None:
+    """Copy the regular files of the folder ``src`` into ``dest`` (no links, no hidden machinery, ``limit`` bytes)."""
+    import shutil
+
+    total = 0
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if d not in _SKIP and not os.path.islink(os.path.join(root, d))]
+        rel = os.path.relpath(root, src)
+        os.makedirs(os.path.join(dest, rel), exist_ok=True)
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            total += os.path.getsize(path)
+            if total > limit:
+                return
+            shutil.copyfile(path, os.path.join(dest, rel, name))

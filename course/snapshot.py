@@ -1,0 +1,151 @@
+"""Record, in the student's kernel, what each check call is given, for :mod:`course.verify` to re-run it.
+
+A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
+an IPython startup file that calls :func:`install`. Just before a test cell
+made of check calls runs, the hook pickles (by value, cloudpickle) every
+notebook object the calls name, and the content of small files they name
+("train.py"), into ``.ddp-verify/NNNNN.json`` in the work folder. The grader
+reads these files as opaque data (:func:`read`): it never unpickles them;
+only the sandboxed ranks of the verifier do.
+
+The hook runs in the student's process, so a student can break it; that only
+loses them the verification (and the points), never gives them any.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+
+FOLDER = ".ddp-verify"
+STARTUP_DIR = ".home/.ipython/profile_default/startup"
+#: most bytes one snapshot (all objects of one test cell) may take; more is recorded as an error
+MAX_SNAPSHOT = 64 << 20
+MAX_FILE = 4 << 20
+
+
+@dataclass
+class Snapshot:
+    """What one execution of a check cell was given (blobs stay base64 text: never unpickled here)."""
+
+    seq: int
+    source: str
+    objects: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- kernel side
+
+
+def install(shell, folder: str) -> None:
+    """Register the pre_run_cell hook in ``shell`` (an IPython InteractiveShell)."""
+    state = {"seq": 0}
+
+    def pre_run_cell(info=None) -> None:
+        try:
+            source = info.raw_cell if info is not None else shell.user_ns.get("_ih", [""])[-1]
+            state["seq"] += 1
+            _record(shell.user_ns, folder, state["seq"], source)
+        except BaseException:  # noqa: BLE001 - never disturb the student's cell
+            pass
+
+    shell.events.register("pre_run_cell", pre_run_cell)
+
+
+def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
+    from course import checkcalls
+
+    calls = checkcalls.parse(source)
+    if calls is None:
+        return
+    from course.launch import dumps
+
+    snap = Snapshot(seq, source)
+    size = 0
+    for call in calls:
+        for name in call.names:
+            if name in snap.objects or name in snap.errors:
+                continue
+            if name not in namespace:
+                snap.errors[name] = f"`{name}` was not defined when this test ran"
+                continue
+            try:
+                blob = dumps(namespace[name])
+            except Exception as exc:  # noqa: BLE001
+                snap.errors[name] = f"`{name}` cannot be pickled: {type(exc).__name__}: {exc}"[:2000]
+                continue
+            size += len(blob)
+            if size > MAX_SNAPSHOT:
+                snap.errors[name] = f"`{name}` is too large to send to the grader (over {MAX_SNAPSHOT >> 20} MB)"
+                continue
+            snap.objects[name] = base64.b64encode(blob).decode()
+        for text in call.strings:
+            if _plain_relative(text) and os.path.isfile(text) and os.path.getsize(text) <= MAX_FILE:
+                with open(text, "rb") as fh:
+                    snap.files[text] = base64.b64encode(fh.read()).decode()
+    path = os.path.join(folder, f"{seq:05d}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(snap.__dict__, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _plain_relative(path: str) -> bool:
+    """A file name inside the work folder (no absolute path, no ``..``)."""
+    return bool(path) and not os.path.isabs(path) and ".." not in path.replace("\\", "/").split("/")
+
+
+# --------------------------------------------------------------------------- grader side
+
+
+def prepare(box) -> None:
+    """Before the kernel starts: an empty snapshot folder and the startup file that installs the hook."""
+    folder = box.fresh_dir(FOLDER)
+    startup = box.fresh_dir(STARTUP_DIR)
+    with open(os.path.join(startup, "00-ddp-course-verify.py"), "w") as fh:
+        fh.write("import course.snapshot as _ddp_snapshot\n"
+                 f"_ddp_snapshot.install(get_ipython(), {folder!r})\n"
+                 "del _ddp_snapshot\n")
+
+
+def read(workdir: str, limit: int = 4 * MAX_SNAPSHOT) -> list[Snapshot]:
+    """The snapshots the kernel left in ``workdir`` (call it once the kernel is dead), by sequence number.
+
+    The files come from untrusted code: links are not followed, sizes are capped,
+    anything malformed is skipped.
+    """
+    folder = os.path.join(workdir, FOLDER)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    found, total = [], 0
+    try:
+        for name in sorted(os.listdir(fd)):
+            if not (name.endswith(".json") and name[:-5].isdigit()):
+                continue
+            try:
+                file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                continue
+            with os.fdopen(file_fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    continue
+                data = fh.read(limit - total + 1)
+            total += len(data)
+            if total > limit:
+                break
+            try:
+                raw = json.loads(data)
+                snap = Snapshot(int(name[:-5]), str(raw["source"]),
+                                *({str(k): str(v) for k, v in dict(raw.get(key) or {}).items()}
+                                  for key in ("objects", "errors", "files")))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+            found.append(snap)
+    finally:
+        os.close(fd)
+    return sorted(found, key=lambda s: s.seq)

@@ -1,0 +1,418 @@
+"""Verdicts a student cannot forge: re-run each test cell's checks in a trusted process.
+
+Test cells run in the student's kernel, where student code can monkeypatch the
+graders, the launcher or AssertionError, or print a fake "passed". So after
+the notebook ran, the score comes from here:
+
+1. in the kernel, just before each test cell, :mod:`course.snapshot` pickled
+   the objects its check calls name (``graders.ex1.check_shards(shard_batch)``);
+2. :func:`verify_notebook` starts ``python -m course.verify`` in a fresh
+   sandbox (:mod:`course.sandbox`; no student code ran in that process, it
+   imports nothing from the work folder) and hands it the test cells and the
+   pickles as opaque bytes;
+3. the verifier calls the real checks with :class:`StudentObject` proxies in
+   place of the student's objects. A proxy pickles as the student's own bytes,
+   so a check can ship it to ranks (course.launch), which unpickle and run it
+   inside the sandbox; every rank result comes back weights-only decoded
+   (``ALWAYS_SAFE_RESULTS``), so nothing a student returns can run code in
+   the verifier. A check that calls a student function directly gets a
+   1-rank sandboxed job; one that looks inside a student object fails loudly;
+4. :func:`apply_verdicts` rewrites each test cell's outputs to the trusted
+   verdict, so nbgrader (which scores cell outputs) and ``ddp-course grade``
+   both score what the verifier decided. A disagreement with what the
+   notebook showed is said in the message.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import pickle
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from course import checkcalls
+
+DISAGREE = "the notebook's test output disagrees with the grader's own run"
+#: seconds the verifier may spend on one test cell (its jobs have their own deadlines inside)
+DEFAULT_CELL_TIMEOUT = 300.0
+_STARTUP = 60.0  # the verifier's own start: imports, the forkserver's first start
+
+
+@dataclass
+class Verdict:
+    """The trusted outcome of one test cell."""
+
+    #: index of the cell in the notebook
+    index: int
+    grade_id: str
+    #: "passed", "failed", "not run" (the cell never ran) or "unchecked" (not a check call:
+    #: graded from the notebook's own output)
+    status: str
+    #: the student-facing message (CheckFailed's text on failure)
+    message: str = ""
+    #: what the checks printed on success ("passed check_x")
+    stdout: str = ""
+    #: whether the notebook's own output showed this cell passing
+    kernel_passed: bool | None = None
+    points: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed" or (self.status == "unchecked" and bool(self.kernel_passed))
+
+    @property
+    def disagrees(self) -> bool:
+        return self.status in ("passed", "failed") and self.kernel_passed is not None \
+            and self.kernel_passed != (self.status == "passed")
+
+
+# --------------------------------------------------------------------------- the notebook side
+
+
+def test_cells(nb) -> list[tuple[int, dict]]:
+    """(index, cell) of every nbgrader test cell (grade: true, code) of ``nb``."""
+    found = []
+    for index, cell in enumerate(nb.cells):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.get("cell_type") == "code" and meta.get("grade") and not meta.get("solution"):
+            found.append((index, cell))
+    return found
+
+
+def kernel_passed(cell) -> bool:
+    """nbgrader's rule on the cell's own outputs: no error and nothing on stderr."""
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            return False
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            return False
+    return True
+
+
+def cell_ran(cell) -> bool:
+    return cell.get("execution_count") is not None
+
+
+def _match_snapshots(cells, snapshots):
+    """For each test cell (in order), the snapshot taken just before it ran: the next one with its source."""
+    matched, position = {}, 0
+    for index, cell in cells:
+        if not cell_ran(cell):
+            continue
+        for k in range(position, len(snapshots)):
+            if snapshots[k].source == cell["source"]:
+                matched[index] = snapshots[k]
+                position = k + 1
+                break
+    return matched
+
+
+def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+                    env: dict | None = None, log=None) -> list[Verdict]:
+    """The trusted verdict of every test cell of the executed notebook ``nb`` run in ``workdir``.
+
+    Call it once the notebook's kernel is dead (its snapshots are then final).
+    The verifier runs in a new :class:`course.sandbox.Sandbox` of ``workdir``.
+    """
+    from course import snapshot
+    from course.sandbox import Sandbox
+
+    cells = test_cells(nb)
+    snaps = _match_snapshots(cells, snapshot.read(workdir))
+    verdicts: dict[int, Verdict] = {}
+    requests = []
+    for index, cell in cells:
+        meta = cell["metadata"]["nbgrader"]
+        v = Verdict(index, str(meta.get("grade_id", index)), "", kernel_passed=kernel_passed(cell),
+                    points=float(meta.get("points", 0) or 0))
+        verdicts[index] = v
+        if not cell_ran(cell):
+            v.status, v.kernel_passed = "not run", False
+            v.message = _not_run_reason(cell)
+            continue
+        if checkcalls.parse(cell["source"]) is None:
+            v.status = "unchecked"
+            v.message = ("this test cell is not a single check call, so the grader cannot re-run it on its own: "
+                         "it is graded from the notebook's own output")
+            continue
+        snap = snaps.get(index)
+        if snap is None:
+            v.status = "failed"
+            v.message = ("the grader could not re-run this test: the notebook left no record of the objects it "
+                         "used (was the grader's startup hook removed, or the kernel replaced?)")
+            continue
+        requests.append({"index": index, "source": cell["source"], "objects": snap.objects,
+                         "errors": snap.errors, "files": snap.files})
+    if requests:
+        with Sandbox(workdir, hide=hide, limits=limits) as box:
+            if log:
+                log(box.summary)
+            for result in _run_verifier(box, requests, cell_timeout, env):
+                v = verdicts[result["index"]]
+                v.status = result["status"]
+                v.message = result.get("message", "")
+                v.stdout = result.get("stdout", "")
+    for v in verdicts.values():
+        if v.status == "":
+            v.status = "failed"
+            v.message = "the grader's own run of this test did not finish in time (or its process died)"
+    return [verdicts[i] for i, _ in cells]
+
+
+def _not_run_reason(cell) -> str:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            return str(out.get("evalue") or out.get("ename"))
+    return "this test cell did not run"
+
+
+def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
+    """Run the verifier in ``box`` on ``requests``; yield each cell's result as it arrives."""
+    nonce = secrets.token_hex(16)
+    payload = json.dumps({"nonce": nonce, "cell_timeout": cell_timeout, "cells": requests}).encode()
+    cmd = box.command([sys.executable, "-P" if sys.version_info >= (3, 11) else "-I", "-m", "course.verify"])
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=box.workdir, env=full_env, start_new_session=True)
+    box.pids.append(proc.pid)
+    deadline = _STARTUP + cell_timeout * len(requests) + 10
+    try:
+        out, err = proc.communicate(payload, timeout=deadline)
+    except subprocess.TimeoutExpired:
+        box.kill()
+        out, err = proc.communicate()
+    for line in out.decode(errors="replace").splitlines():
+        try:
+            result = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(result, dict) and result.pop("nonce", None) == nonce:
+            yield result
+    if proc.returncode not in (0, None) and b"Traceback" in err:
+        sys.stderr.write(err.decode(errors="replace")[-3000:])
+
+
+def apply_verdicts(nb, verdicts: list[Verdict]):
+    """Rewrite each test cell's outputs to its trusted verdict (in place; returns ``nb``).
+
+    Passed: one clean stdout output. Failed or not run: one error output with the
+    trusted message. Unchecked cells keep their own outputs, plus a note saying so.
+    """
+    import nbformat
+
+    for v in verdicts:
+        cell = nb.cells[v.index]
+        note = ""
+        if v.disagrees:
+            shown = "passing" if v.kernel_passed else "failing"
+            note = f"({DISAGREE}: the notebook showed this test {shown}; the grader's verdict counts)"
+        if v.status == "passed":
+            text = (v.stdout or "passed\n") + (note + "\n" if note else "")
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        elif v.status in ("failed", "not run"):
+            message = v.message + ("\n" + note if note else "")
+            cell.outputs = [nbformat.v4.new_output("error", ename="CheckFailed" if v.status == "failed" else "NotRun",
+                                                   evalue=message, traceback=message.splitlines())]
+        else:  # unchecked
+            cell.outputs = list(cell.get("outputs", [])) + [
+                nbformat.v4.new_output("stream", name="stdout", text=f"(note: {v.message})\n")]
+    return nb
+
+
+def summary(verdicts: list[Verdict]) -> list[str]:
+    """Lines for a grading report: disagreements and cells graded without verification."""
+    lines = []
+    for v in verdicts:
+        if v.disagrees:
+            lines.append(f"{v.grade_id}: {DISAGREE} (notebook: {'pass' if v.kernel_passed else 'fail'}, "
+                         f"grader: {v.status})")
+        elif v.status == "unchecked":
+            lines.append(f"{v.grade_id}: not re-run by the grader (not a check call); scored from the notebook's output")
+    return lines
+
+
+# --------------------------------------------------------------------------- the verifier process
+
+
+class StudentObjectUsed(AttributeError):
+    """A check tried to look inside a student object in the trusted process."""
+
+
+def _load_student(blob: bytes):
+    """Rank side: the student's object from its pickle (only ever called inside the sandbox)."""
+    return pickle.loads(blob)
+
+
+def _call_student(rank: int, obj, args: tuple, kwargs: dict):
+    return obj(*args, **kwargs)
+
+
+class StudentObject:
+    """Stands in the verifier for one object of the student's notebook.
+
+    It can travel to ranks (it pickles as the student's own bytes, unpickled
+    there, inside the sandbox) and be called (as a 1-rank sandboxed job whose
+    result is decoded weights-only). Anything else, such as reading an
+    attribute, raises :class:`StudentObjectUsed`: a check must not look inside
+    student objects in the grader's process.
+    """
+
+    _SAFE = {"__name__", "__qualname__"}
+
+    def __init__(self, name: str, blob: bytes):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_blob", blob)
+        object.__setattr__(self, "misuse", [])
+
+    def __reduce__(self):
+        return (_load_student, (self._blob,))
+
+    def __call__(self, *args, **kwargs):
+        from course.launch import launch
+
+        try:
+            from graders.harness import check_timeout
+
+            timeout = check_timeout()
+        except ImportError:
+            timeout = 60.0
+        job = launch(_call_student, 1, args=(self, args, kwargs), echo=False, timeout=timeout, safe_results=True)
+        return job.values[0]
+
+    def __getattr__(self, attr: str):
+        if attr in self._SAFE:
+            return self._name
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)  # protocol probes (inspect, copy, pickle): "no such attribute"
+        self.misuse.append(attr)
+        raise StudentObjectUsed(
+            f"the check read `{self._name}.{attr}` in the grader's own process, where student code never runs")
+
+    def __setattr__(self, attr, value):
+        self.misuse.append(attr)
+        raise StudentObjectUsed(f"the check set `{self._name}.{attr}` in the grader's own process")
+
+    def __repr__(self) -> str:
+        return f"<student object {self._name}>"
+
+
+class _CellDeadline(BaseException):
+    pass
+
+
+def _resolve(call: checkcalls.CheckCall):
+    import importlib
+
+    module = importlib.import_module(call.module)
+    fn = getattr(module, call.function, None)
+    if not callable(fn) or getattr(fn, "__module__", None) != call.module:
+        raise LookupError(f"{call.module} has no check {call.function}")
+    return fn
+
+
+def _verify_cell(request: dict, cell_timeout: float) -> dict:
+    from graders.core import CheckFailed
+
+    from course.exceptions import LaunchError
+
+    calls = checkcalls.parse(request["source"])
+    result = {"index": request["index"]}
+    if calls is None:
+        return {**result, "status": "unchecked", "message": "not a check call"}
+    for path, data in request.get("files", {}).items():
+        _restore_file(path, data)
+    proxies: dict[str, StudentObject] = {}
+    for name, blob in request.get("objects", {}).items():
+        proxies[name] = StudentObject(name, base64.b64decode(blob))
+    printed = io.StringIO()
+
+    def on_alarm(signum, frame):
+        raise _CellDeadline()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(max(1, int(cell_timeout)))
+    try:
+        for call in calls:
+            missing = [n for n in call.names if n not in proxies]
+            if missing:
+                why = [request.get("errors", {}).get(n) or f"`{n}` was not defined when this test ran" for n in missing]
+                return {**result, "status": "failed", "message": f"FAILED {call.function}: " + "; ".join(why)}
+            fn = _resolve(call)
+            value = lambda a: proxies[a[1]] if a[0] == "name" else a[1]  # noqa: E731
+            with contextlib.redirect_stdout(printed):
+                fn(*[value(a) for a in call.args], **{k: value(a) for k, a in call.kwargs})
+        misuse = {name: p.misuse for name, p in proxies.items() if p.misuse}
+        if misuse:
+            return {**result, "status": "failed",
+                    "message": f"the grader cannot verify this test safely: the check looked inside {misuse}"}
+        return {**result, "status": "passed", "stdout": printed.getvalue()}
+    except CheckFailed as err:
+        return {**result, "status": "failed", "message": str(err)}
+    except StudentObjectUsed as err:
+        return {**result, "status": "failed", "message": f"the grader cannot verify this test safely: {err}"}
+    except LaunchError as err:
+        return {**result, "status": "failed", "message": f"the grader's own run failed:\n{err}"}
+    except _CellDeadline:
+        return {**result, "status": "failed",
+                "message": f"the grader's own run of this test did not finish within {cell_timeout:g} s"}
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - a grader bug must not lose the other cells
+        return {**result, "status": "failed",
+                "message": f"the grader's own run of this test raised {type(err).__name__}: {err}"[:4000]}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _restore_file(path: str, data: str) -> None:
+    """Put back a file a check reads (as it was when the test ran), without leaving the work folder."""
+    from course.snapshot import _plain_relative
+
+    if not _plain_relative(path):
+        return
+    target = os.path.realpath(path)
+    if os.path.commonpath([target, os.getcwd()]) != os.getcwd():
+        return
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    tmp = target + ".ddp-restore"
+    with open(tmp, "wb") as fh:
+        fh.write(base64.b64decode(data))
+    os.replace(tmp, target)
+
+
+def serve() -> int:
+    """The verifier: read the request on stdin, print one JSON verdict per cell on the original stdout."""
+    from course.sandbox import make_undumpable
+
+    make_undumpable()  # ranks run as our uid: they must not ptrace us or reach our fds
+    out = os.fdopen(os.dup(1), "w")  # our private channel (not inherited by children)
+    os.dup2(2, 1)  # anything else printed goes to the log
+    request = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    import importlib
+
+    launcher = importlib.import_module("course.launch")  # the module (course.launch is also a function)
+    launcher.ALWAYS_SAFE_RESULTS = True
+    launcher.warm_up()  # the forkserver imports torch while we import the graders
+    nonce = request["nonce"]
+    cell_timeout = float(request.get("cell_timeout", DEFAULT_CELL_TIMEOUT))
+    for cell in request["cells"]:
+        started = time.monotonic()
+        result = _verify_cell(cell, cell_timeout)
+        result["seconds"] = round(time.monotonic() - started, 2)
+        out.write(json.dumps({"nonce": nonce, **result}) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

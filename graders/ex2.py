@@ -1,0 +1,477 @@
+"""Checks for exercise 2, DDP basics (exercises/ex2-ddp-basics/ddp_basics.ipynb).
+
+The student writes six small functions; each check runs one of them as real ranks:
+
+* ``setup(rank, world_size)`` joins the job (:func:`check_setup`);
+* ``cleanup()`` leaves it (:func:`check_cleanup`);
+* ``make_loader(dataset, rank, world_size, batch_size)`` -> a DataLoader over this rank's
+  DistributedSampler shard (:func:`check_sampler`);
+* ``train(rank, model, loader, epochs, lr)`` -> wraps ``model`` in DDP, trains it with SGD on
+  mean-squared error, calling ``loader.sampler.set_epoch(epoch)`` each epoch, and returns the DDP
+  model (:func:`check_training`, :func:`check_set_epoch`);
+* ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``ddp_model.module.state_dict()`` from
+  rank 0 only (:func:`check_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from graders import harness
+from graders.core import CheckFailed, passed
+
+ATOL = 1e-6
+_HARD_CODED = ("rank < size", "use the rank and world_size arguments; do not hard-code the number of ranks")
+
+
+# --- shared data and model ---------------------------------------------------------------------
+
+
+def make_net(seed: int) -> nn.Sequential:
+    """The model the checks train (4 inputs, 2 outputs), with weights from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class IndexDataset(Dataset):
+    """Item i is the integer i: a loader over it shows exactly which samples a rank gets."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return int(i)
+
+
+class RegressionDataset(Dataset):
+    """(x, y) pairs from a fixed seed; remembers the order the samples were read in (``fetched``)."""
+
+    def __init__(self, n: int, seed: int):
+        gen = torch.Generator().manual_seed(500 + seed)
+        self.x = torch.randn(n, 4, generator=gen)
+        self.y = torch.randn(n, 2, generator=gen)
+        self.fetched: list[int] = []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.fetched.append(int(i))
+        return self.x[i], self.y[i]
+
+
+# --- setup and cleanup -------------------------------------------------------------------------
+
+
+def _setup_harness(rank, setup):
+    world_size = int(os.environ["WORLD_SIZE"])
+    setup(rank, world_size)
+    obs = {"initialized": dist.is_available() and dist.is_initialized()}
+    if obs["initialized"]:
+        obs.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
+    return harness.finish(obs)
+
+
+def check_setup(setup, *, world_sizes=(2, 3)):
+    """After setup(rank, world_size) every rank is in one process group: ranks 0..N-1, world size N."""
+    check = "check_setup"
+    harness.require_written(check, setup=setup)
+    hints = [_HARD_CODED, ("NCCL", "use the backend course.backend() picks (gloo on a CPU); do not hard-code nccl")]
+    for world_size in world_sizes:
+        job = harness.run(check, _setup_harness, world_size, args=(setup,), hints=hints)
+        obs = job.values
+        missing = [r for r, o in enumerate(obs) if not o["initialized"]]
+        if missing:
+            raise CheckFailed(check, f"no process group after setup() ({world_size}-rank job)", ranks=missing,
+                              hint="call dist.init_process_group(course.backend()) in setup")
+        wrong_rank = [r for r, o in enumerate(obs) if o["rank"] != r]
+        if wrong_rank:
+            raise CheckFailed(check, f"dist.get_rank() is not the process's rank ({world_size}-rank job)",
+                              ranks=wrong_rank, expected=f"ranks {list(range(world_size))}",
+                              got=f"{[o['rank'] for o in obs]}", hint="pass rank=rank (or nothing: the environment has RANK)")
+        sizes = sorted({o["world_size"] for o in obs})
+        if sizes != [world_size]:
+            raise CheckFailed(check, f"the process group has the wrong size ({world_size}-rank job)",
+                              ranks=[r for r, o in enumerate(obs) if o["world_size"] != world_size],
+                              expected=f"world_size {world_size} on every rank", got=f"{[o['world_size'] for o in obs]}",
+                              hint="pass world_size=world_size (or nothing: the environment has WORLD_SIZE)")
+        backends = [o["backend"] for o in obs]
+        if set(backends) != {job.backend}:
+            raise CheckFailed(check, f"the process group uses another backend than the job's ({world_size}-rank job)",
+                              expected=job.backend, got=backends,
+                              hint="dist.init_process_group(course.backend())")
+    passed(check)
+
+
+def _cleanup_harness(rank, cleanup):
+    harness.join_job()
+    cleanup()
+    return harness.finish(dist.is_initialized())
+
+
+def check_cleanup(cleanup, *, world_sizes=(2, 3)):
+    """After cleanup() the process group is destroyed on every rank."""
+    check = "check_cleanup"
+    harness.require_written(check, cleanup=cleanup)
+    for world_size in world_sizes:
+        job = harness.run(check, _cleanup_harness, world_size, args=(cleanup,))
+        still_up = [r for r in range(world_size) if job.pg_initialized[r] or job.values[r]]
+        if still_up:
+            raise CheckFailed(check, f"the process group is still up after cleanup() ({world_size}-rank job)",
+                              ranks=still_up, expected="dist.is_initialized() == False on every rank",
+                              got=f"{harness.rank_list(still_up)} still initialized",
+                              hint="call dist.destroy_process_group() in cleanup, on every rank")
+    passed(check)
+
+
+# --- the data loader ---------------------------------------------------------------------------
+
+
+def _sampler_harness(rank, make_loader, cases):
+    harness.join_job()
+    world_size = dist.get_world_size()
+    out = []
+    for n, batch_size in cases:
+        loader = make_loader(IndexDataset(n), rank, world_size, batch_size)
+        sampler = getattr(loader, "sampler", None)
+        epochs = []
+        for epoch in (0, 1):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            epochs.append([torch.as_tensor(b).reshape(-1).tolist() for b in loader])
+        out.append({"loader": type(loader).__name__, "sampler": type(sampler).__name__,
+                    "has_set_epoch": hasattr(sampler, "set_epoch"), "epochs": epochs})
+    return harness.finish(out)
+
+
+def check_sampler(make_loader, *, world_sizes=(2, 3), cases=((10, 2), (11, 4))):
+    """Each epoch the ranks' shards are disjoint, cover the dataset and are padded to equal size;
+    batches hold batch_size samples per rank; set_epoch reshuffles. ``cases``: (dataset size, batch size)."""
+    check = "check_sampler"
+    harness.require_written(check, make_loader=make_loader)
+    hints = [_HARD_CODED, ("Invalid rank", "DistributedSampler(dataset, num_replicas=world_size, rank=rank): "
+                                           "use the arguments, not fixed numbers"),
+             ("mutually exclusive with shuffle", "the sampler does the shuffling: DistributedSampler(..., "
+                                                 "shuffle=True) and no shuffle= for the DataLoader")]
+    for world_size in world_sizes:
+        job = harness.run(check, _sampler_harness, world_size, args=(make_loader, [tuple(c) for c in cases]),
+                          hints=hints)
+        for i, (n, batch_size) in enumerate(cases):
+            _judge_loader(check, [job.values[r][i] for r in range(world_size)], n, batch_size, world_size)
+    passed(check)
+
+
+def _judge_loader(check, per_rank, n, batch_size, world_size):
+    where = f"{n} samples, batch_size={batch_size}, world_size={world_size}"
+    per_rank_n = math.ceil(n / world_size)
+    for epoch in (0, 1):
+        samples = [[i for b in obs["epochs"][epoch] for i in b] for obs in per_rank]
+        everything = [r for r, s in enumerate(samples) if len(set(s)) == n and world_size > 1]
+        if everything:
+            raise CheckFailed(check, f"every rank reads the whole dataset ({where})", ranks=everything,
+                              expected=f"{per_rank_n} samples per rank (1/{world_size} of the data)",
+                              got=f"{[len(s) for s in samples]} samples per rank",
+                              hint="give the DataLoader sampler=DistributedSampler(dataset, num_replicas=world_size, "
+                              "rank=rank, shuffle=True); shuffle=True on a plain DataLoader shuffles but does not split")
+        counts: dict[int, list[int]] = {}
+        for rank, s in enumerate(samples):
+            for i in s:
+                counts.setdefault(i, []).append(rank)
+        padding = per_rank_n * world_size - n
+        repeats = sum(len(r) - 1 for r in counts.values())
+        if repeats > padding:
+            shared = sorted(i for i, r in counts.items() if len(set(r)) > 1)
+            raise CheckFailed(check, f"the ranks' shards overlap in epoch {epoch} ({where})",
+                              ranks=sorted({r for i in shared for r in counts[i]}),
+                              expected=f"each sample on one rank (only the {padding} padding sample(s) repeat)",
+                              got=f"samples {shared[:10]} on several ranks",
+                              hint="one DistributedSampler per rank with num_replicas=world_size and its own rank")
+        missing = sorted(set(range(n)) - set(counts))
+        if missing:
+            raise CheckFailed(check, f"{len(missing)} sample(s) are on no rank in epoch {epoch} ({where})",
+                              expected=f"all {n} samples", got=f"samples {missing} missing",
+                              hint="keep DistributedSampler's default drop_last=False (and the DataLoader's): "
+                              "it pads the last shard instead of dropping samples")
+        sizes = [len(s) for s in samples]
+        if set(sizes) != {per_rank_n}:
+            raise CheckFailed(check, f"the ranks get different numbers of samples ({where})",
+                              ranks=[r for r, k in enumerate(sizes) if k != per_rank_n],
+                              expected=f"{per_rank_n} on every rank (ceil({n}/{world_size}), padded)",
+                              got=f"{sizes}",
+                              hint="use DistributedSampler: it pads so every rank takes the same number of steps "
+                              "(with unequal steps DDP waits forever for the rank that stopped)")
+        for rank, obs in enumerate(per_rank):
+            bad = [len(b) for b in obs["epochs"][epoch][:-1] if len(b) != batch_size]
+            last = obs["epochs"][epoch][-1:] or [[]]
+            if bad or len(last[0]) > batch_size:
+                raise CheckFailed(check, f"batches of the wrong size ({where})", ranks=[rank],
+                                  expected=f"batches of batch_size={batch_size} samples on each rank",
+                                  got=f"batch sizes {[len(b) for b in obs['epochs'][epoch]]}",
+                                  hint="DataLoader(dataset, batch_size=batch_size, sampler=sampler): "
+                                  "batch_size is per rank, not divided or multiplied by world_size")
+    unshuffled = [list(range(r, per_rank_n * world_size, world_size)) for r in range(world_size)]
+    orders = [[[i for b in obs["epochs"][e] for i in b] for e in (0, 1)] for obs in per_rank]
+    if all(o[0] == o[1] for o in orders) or all([x % n for x in o[0]] == [x % n for x in u]
+                                                    for o, u in zip(orders, unshuffled)):
+        raise CheckFailed(check, f"the samples are not shuffled ({where})", ranks=range(world_size),
+                          expected="a new order after sampler.set_epoch(1)", got="the same order in both epochs",
+                          hint="DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)")
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
+    dev = harness.join_job()
+    world_size = dist.get_world_size()
+    model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP must broadcast rank 0's weights
+    dataset = RegressionDataset(n, seed)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    returned = train(rank, model, loader, epochs, lr)
+    state = {k: v for k, v in model.state_dict().items()}
+    return harness.finish({"state": harness.to_cpu(state), "fetched": list(dataset.fetched),
+                           "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)})
+
+
+def _run_train(check, train, world_size, n, batch_size, epochs, lr, seed):
+    hints = [("Expected to have finished reduction", "every parameter must take part in the loss"),
+             ("timeout", "every rank must run the same number of steps and call the same collectives; "
+                         "no collective (all_reduce, barrier, ...) inside `if rank == 0:`")]
+    return harness.run(check, _train_harness, world_size, args=(train, n, batch_size, epochs, lr, seed),
+                       hints=hints).values
+
+
+def _epochs(fetched, per_rank_n, epochs):
+    return [fetched[e * per_rank_n:(e + 1) * per_rank_n] for e in range(epochs)]
+
+
+def _reference(fetched_per_rank, n, batch_size, epochs, lr, seed, lr_scale=1.0, zero_grad=True):
+    """One process trained on the same global batches the ranks formed together."""
+    dataset = RegressionDataset(n, seed)
+    model = make_net(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr * lr_scale)
+    per_rank_n = math.ceil(n / len(fetched_per_rank))
+    for epoch in range(epochs):
+        shards = [_epochs(f, per_rank_n, epochs)[epoch] for f in fetched_per_rank]
+        for start in range(0, per_rank_n, batch_size):
+            idx = torch.tensor([i for shard in shards for i in shard[start:start + batch_size]])
+            if zero_grad:
+                opt.zero_grad()
+            F.mse_loss(model(dataset.x[idx]), dataset.y[idx]).backward()
+            opt.step()
+    return model.state_dict()
+
+
+def _diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, lr=0.1, seed=0):
+    """After train(), parameters are bitwise equal on every rank and equal (1e-6) to one process
+    trained with the same lr on the full (global) batches."""
+    check = "check_training"
+    harness.require_written(check, train=train)
+    for world_size in world_sizes:
+        obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
+        where = f"{world_size}-rank job, {epochs} epochs"
+        per_rank_n = math.ceil(n / world_size)
+        read = [len(o["fetched"]) for o in obs]
+        if read != [per_rank_n * epochs] * world_size:
+            raise CheckFailed(check, f"train() read the wrong number of samples ({where})",
+                              ranks=[r for r, k in enumerate(read) if k != per_rank_n * epochs],
+                              expected=f"{epochs} passes over the loader: {per_rank_n * epochs} samples per rank",
+                              got=f"{read}", hint="for epoch in range(epochs): for x, y in loader: ...")
+        states = [o["state"] for o in obs]
+        differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][k], states[r][k]) for k in states[0])]
+        if differ:
+            raise CheckFailed(check, f"the ranks end with different parameters ({where})", ranks=differ,
+                              expected="bitwise the same parameters on every rank",
+                              got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
+                              hint="wrap the model, ddp_model = DDP(model), and train ddp_model (forward, "
+                              "backward and the optimizer over ddp_model.parameters()): DDP averages the "
+                              "gradients and starts every rank from rank 0's weights")
+        fetched = [o["fetched"] for o in obs]
+        reference = _reference(fetched, n, batch_size, epochs, lr, seed)
+        if _diff(states[0], reference) > ATOL:
+            raise CheckFailed(check, f"the trained parameters differ from one process trained on the global "
+                              f"batches ({where})", ranks=range(world_size),
+                              expected="the same parameters within 1e-6",
+                              got=f"max difference {_diff(states[0], reference):.3g}",
+                              hint=_training_hint(states[0], fetched, n, batch_size, epochs, lr, seed, world_size))
+        if not any(o["is_ddp"] for o in obs):
+            raise CheckFailed(check, f"train() returned {obs[0]['returned']}, not the DDP model ({where})",
+                              expected="ddp_model (a DistributedDataParallel)",
+                              hint="return ddp_model at the end of train: save_checkpoint needs it")
+    passed(check)
+
+
+def _training_hint(state, fetched, n, batch_size, epochs, lr, seed, world_size):
+    guesses = [
+        (dict(lr_scale=world_size), f"the steps are {world_size} x too large: DDP already averages the gradients, "
+         "do not all_reduce them again or sum the losses over ranks"),
+        (dict(lr_scale=batch_size * 2), "the loss looks summed, not averaged: use F.mse_loss(output, y) "
+         "with its default reduction (the mean)"),
+        (dict(zero_grad=False), "the gradients accumulate across steps: call optimizer.zero_grad() every step"),
+        (dict(lr_scale=0.0), "the parameters never changed: call optimizer.step() after loss.backward()"),
+    ]
+    for kwargs, hint in guesses:
+        if _diff(state, _reference(fetched, n, batch_size, epochs, lr, seed, **kwargs)) <= ATOL:
+            return hint
+    return ("use torch.optim.SGD(ddp_model.parameters(), lr=lr) and, for every batch: zero_grad, "
+            "loss = F.mse_loss(ddp_model(x), y), loss.backward(), step")
+
+
+def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, lr=0.1, seed=0):
+    """train() calls loader.sampler.set_epoch(epoch) each epoch: a new order every epoch, the same on all ranks."""
+    check = "check_set_epoch"
+    harness.require_written(check, train=train)
+    for world_size in world_sizes:
+        obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
+        where = f"{world_size}-rank job, {epochs} epochs, {n} samples"
+        per_rank_n = math.ceil(n / world_size)
+        per_epoch = [_epochs(o["fetched"], per_rank_n, epochs) for o in obs]
+        for epoch in range(epochs):
+            shards = [p[epoch] for p in per_epoch]
+            seen = [i for s in shards for i in s]
+            if len(set(seen)) != n:
+                raise CheckFailed(check, f"in epoch {epoch} the ranks' shards overlap: they shuffled differently "
+                                  f"({where})", ranks=range(world_size),
+                                  expected=f"all {n} samples spread over the ranks",
+                                  got=f"{n - len(set(seen))} sample(s) read by no rank",
+                                  hint="call loader.sampler.set_epoch(epoch) on every rank, with the same "
+                                  "epoch number (not the rank)")
+        same = [e for e in range(1, epochs) if all(p[e] == p[e - 1] for p in per_epoch)]
+        if same:
+            raise CheckFailed(check, f"epoch {same[0]} read the samples in the same order as epoch {same[0] - 1} "
+                              f"({where})", ranks=range(world_size), expected="a new order every epoch",
+                              got=f"rank 0 read {per_epoch[0][same[0]]} in epochs {same[0] - 1} and {same[0]}",
+                              hint="call loader.sampler.set_epoch(epoch) at the start of every epoch")
+    passed(check)
+
+
+# --- checkpoint --------------------------------------------------------------------------------
+
+
+def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
+    dev = harness.join_job()
+    cwd = os.path.join(workdir, f"rank{rank}")  # relative paths land in a folder of their own per rank
+    os.makedirs(cwd, exist_ok=True)
+    os.chdir(cwd)
+    model = make_net(seed + 17 * rank).to(dev)
+    ddp_model = DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank)).to(dev)
+    ddp_model(x).pow(2).mean().backward()  # rank-dependent data, averaged: parameters stay equal
+    torch.optim.SGD(ddp_model.parameters(), lr=0.1).step()
+
+    calls = []
+    real_save = torch.save
+
+    def spy(obj, f, *args, **kwargs):  # audit hooks do not see torch.save (it opens files in C++)
+        path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else f"<{type(f).__name__}>"
+        calls.append(path)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = torch.serialization.save = spy
+    try:
+        save_checkpoint(rank, ddp_model, ckpt_path)
+    finally:
+        torch.save = torch.serialization.save = real_save
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
+    return harness.finish({"calls": calls, "files": files, "state": harness.to_cpu(model.state_dict())})
+
+
+def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
+    """Only rank 0 writes ckpt_path, a plain state_dict (no `module.` prefix) that loads into a
+    model without DDP (strict=True) and holds the trained parameters."""
+    check = "check_checkpoint"
+    harness.require_written(check, save_checkpoint=save_checkpoint)
+    hints = [("Connection closed by peer", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits "
+                                          "for ranks that never call it: keep collectives outside the if"),
+             ("timeout", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits forever for the "
+                         "other ranks: keep collectives outside the if, called by every rank")]
+    for world_size in world_sizes:
+        workdir = tempfile.mkdtemp(prefix="ddp-course-ckpt-")
+        try:
+            ckpt_path = os.path.join(workdir, "shared", "ckpt.pt")
+            os.makedirs(os.path.dirname(ckpt_path))
+            job = harness.run(check, _checkpoint_harness, world_size,
+                              args=(save_checkpoint, ckpt_path, workdir, seed), hints=hints)
+            _judge_checkpoint(check, job.values, ckpt_path, world_size)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    passed(check)
+
+
+def _judge_checkpoint(check, obs, ckpt_path, world_size):
+    where = f"{world_size}-rank job"
+    name = os.path.basename(ckpt_path)
+    elsewhere = {r: o["files"] + [c for c in o["calls"] if c != ckpt_path] for r, o in enumerate(obs)}
+    elsewhere = {r: paths for r, paths in elsewhere.items() if paths}
+    if elsewhere:
+        rank, paths = sorted(elsewhere.items())[0]
+        raise CheckFailed(check, f"a checkpoint was written somewhere other than ckpt_path ({where})",
+                          ranks=list(elsewhere), expected=f"torch.save(..., ckpt_path) (here {ckpt_path})",
+                          got=f"rank {rank} wrote {paths[0]}", hint="save to the ckpt_path argument")
+    savers = [r for r, o in enumerate(obs) if o["calls"]]
+    if not savers:
+        raise CheckFailed(check, f"no rank called torch.save ({where})", expected=f"rank 0 writes {name}",
+                          hint="if rank == 0: torch.save(ddp_model.module.state_dict(), ckpt_path)")
+    if savers != [0]:
+        others = [r for r in savers if r != 0]
+        if 0 in savers:
+            problem = f"{harness.rank_list(others)} also wrote {name} ({where})"
+            hint = "save only when rank == 0: every rank holds the same weights, one copy is enough"
+        else:
+            problem = f"{harness.rank_list(others)} wrote {name} instead of rank 0 ({where})"
+            hint = "save when rank == 0 (rank 0 exists in every job)"
+        raise CheckFailed(check, problem, ranks=others, expected="only rank 0 writes the checkpoint",
+                          got=f"written by {harness.rank_list(savers)}", hint=hint)
+    try:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the student's mistake
+        raise CheckFailed(check, f"{name} is not a plain state_dict ({where})", ranks=[0],
+                          expected="a dict of tensors, readable with torch.load(..., weights_only=True)",
+                          got=f"{type(exc).__name__}: {_first_line(exc)}",
+                          hint="save ddp_model.module.state_dict(), not the model object") from None
+    if not isinstance(state, dict):
+        raise CheckFailed(check, f"{name} holds a {type(state).__name__}, not a state_dict ({where})", ranks=[0],
+                          hint="torch.save(ddp_model.module.state_dict(), ckpt_path)")
+    prefixed = [k for k in state if str(k).startswith("module.")]
+    if prefixed:
+        raise CheckFailed(check, f"the saved keys start with 'module.' ({where})", ranks=[0],
+                          expected="keys of the plain model, e.g. '0.weight'", got=f"{prefixed[:3]}",
+                          hint="you saved ddp_model.state_dict(): save ddp_model.module.state_dict(), "
+                          "the model inside the DDP wrapper, so the file loads without DDP")
+    plain = make_net(0)
+    try:
+        plain.load_state_dict(state, strict=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckFailed(check, f"{name} does not load into the model without DDP ({where})", ranks=[0],
+                          expected="model.load_state_dict(torch.load(ckpt_path), strict=True) works",
+                          got=_first_line(exc),
+                          hint="save ddp_model.module.state_dict()") from None
+    expected = obs[0]["state"]
+    if any(not torch.equal(state[k], expected[k]) for k in expected):
+        raise CheckFailed(check, f"{name} does not hold the model's current parameters ({where})", ranks=[0],
+                          got=f"max difference {_diff(state, expected):.3g}",
+                          hint="save the state_dict of the model you were given (ddp_model.module), as it is now")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return (text.splitlines() or [""])[0][:300]

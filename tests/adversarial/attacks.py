@@ -1,0 +1,397 @@
+"""Hostile and broken submissions, each built from a solution notebook plus one attack.
+
+An :class:`Attack` turns the base (a source notebook with its solutions) into
+a submission, and says what grading must give it: the points its honest part
+earns and no more, a message that names what happened, within a time bound.
+Attacks are written against the structure of the base (its answer cells, its
+first test cell), so they work on exercise 1 and on the small test exercise.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import nbformat
+from nbformat import NotebookNode
+from nbformat.v4 import new_code_cell
+
+from course import checkcalls
+
+#: every limit the suite runs under (seconds); the bounds below are made of them
+CHECK_TIMEOUT = 20  # one job of a check (DDP_COURSE_CHECK_TIMEOUT)
+TEST_TIMEOUT = 120  # a test cell
+CELL_TIMEOUT = 15  # any other cell
+GRACE = 10  # a timed-out cell's kernel is stopped this long after the interrupt
+STARTUP = 150  # kernel and verifier start, imports, cold forkservers, on a busy 2-core machine
+
+
+def nbgrader_meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def test_cells(nb) -> list[NotebookNode]:
+    return [c for c in nb.cells if nbgrader_meta(c).get("grade") and c.cell_type == "code"]
+
+
+def answer_cells(nb) -> list[NotebookNode]:
+    return [c for c in nb.cells if nbgrader_meta(c).get("solution")]
+
+
+def defined_names(cell) -> set[str]:
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def uses(test, names: set[str]) -> bool:
+    """Whether a test cell's check calls pass any of ``names``."""
+    calls = checkcalls.parse(test.source) or []
+    return any(set(c.names) & names for c in calls)
+
+
+def strip_hidden_tests(nb) -> NotebookNode:
+    """The student's view of the test cells: hidden tests removed (they only exist in the sources)."""
+    nb = copy.deepcopy(nb)
+    for cell in test_cells(nb):
+        cell.source = re.sub(r"### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS\n?", "", cell.source, flags=re.S)
+    return nb
+
+
+def hidden_lines(source_nb) -> list[str]:
+    """Lines of the hidden tests (what a submission must never get to see)."""
+    found = []
+    for cell in test_cells(source_nb):
+        for block in re.findall(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", cell.source, flags=re.S):
+            found += [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return found
+
+
+def break_answer(cell) -> None:
+    """Replace the solution region of an answer cell by a wrong (but written) body."""
+    cell.source = re.sub(r"(\n[ \t]*)### BEGIN SOLUTION.*?### END SOLUTION", r"\1return None", cell.source, flags=re.S)
+
+
+def insert_after_first_test(nb, source: str) -> int:
+    """Insert a code cell after the first test cell; its index."""
+    first = test_cells(nb)[0]
+    index = nb.cells.index(first) + 1
+    nb.cells.insert(index, new_code_cell(source))
+    return index
+
+
+@dataclass
+class Attack:
+    name: str
+    #: what the attack does to the submission (in place); may return bytes to write instead of a notebook
+    build: Callable[[NotebookNode, dict], bytes | None]
+    #: what stops it (for the report)
+    stopped_by: str
+    #: answer cells (by position) the attack makes wrong: their tests earn nothing
+    broken_answers: tuple[int, ...] = ()
+    #: the attack cell kills or hangs the kernel: tests after it earn nothing
+    fatal: bool = False
+    #: the submission cannot be graded at all (everything 0, with an error)
+    ungradable: bool = False
+    #: regex one of the report's messages (or notes) must match
+    message: str = ""
+    #: extra time the attack may cost beyond a normal grading (seconds)
+    extra: float = 0.0
+    #: the file name to submit under (None: the source's)
+    file_name: str | None = None
+    #: "grade" or "autograde" when the expected outcome differs by path
+    per_path: dict = field(default_factory=dict)
+
+    def bound(self) -> float:
+        """Seconds grading this submission may take, at most."""
+        return STARTUP + self.extra
+
+
+def expected_scores(attack: Attack, source_nb, submission_nb) -> dict[str, float]:
+    """{grade_id: points} the honest part of the submission earns."""
+    answers = answer_cells(source_nb)
+    broken = set()
+    for i in attack.broken_answers:
+        if i < len(answers):
+            broken |= defined_names(answers[i])
+    tests = test_cells(source_nb)
+    first = tests[0]
+    scores = {}
+    for test in tests:
+        meta = nbgrader_meta(test)
+        earned = float(meta.get("points", 0))
+        if attack.ungradable or uses(test, broken):
+            earned = 0.0
+        if attack.fatal and test is not first:
+            earned = 0.0
+        scores[meta["grade_id"]] = earned
+    return scores
+
+
+# --------------------------------------------------------------------------- the attacks
+
+
+def _honest(nb, ctx):
+    return None
+
+
+def _deadlock(nb, ctx):
+    # ranks 0 and 1 each wait to receive from the other first: neither ever sends
+    cell = answer_cells(nb)[1]
+    cell.source = re.sub(r"(\n([ \t]*)### BEGIN SOLUTION)", "\n\\2import torch as _t, torch.distributed as _d\n"
+                         "\\2if _d.get_rank() < 2:\n\\2    _d.recv(_t.zeros(1), src=1 - _d.get_rank())\\1",
+                         cell.source, count=1)
+
+
+def _sigint_loop(nb, ctx):
+    insert_after_first_test(nb, "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                "while True:\n    time.sleep(0.1)")
+
+
+def _os_exit(nb, ctx):
+    insert_after_first_test(nb, "import os\nos._exit(1)")
+
+
+def _fork_bomb(nb, ctx):
+    insert_after_first_test(nb, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+
+
+def _memory_hog(nb, ctx):
+    insert_after_first_test(nb, "hog = []\nwhile True:\n    hog.append(bytearray(256 << 20))")
+
+
+def _output_flood(nb, ctx):
+    insert_after_first_test(nb, "import sys\nline = 'x' * 1023 + '\\n'\nfor _ in range(100 * 1024):\n"
+                                "    sys.stdout.write(line)\nsys.stdout.flush()")
+
+
+READ_MARK = "ATTACK-READ"
+
+
+def _read_sources(nb, ctx):
+    # look where a grader keeps solutions: the checkout's exercises/, any course folder above us
+    insert_after_first_test(nb, f'''
+import glob, os, course
+repo = os.path.dirname(os.path.dirname(os.path.abspath(course.__file__)))
+folders, here = [repo], os.getcwd()
+while here != "/":
+    here = os.path.dirname(here)
+    folders.append(here)
+paths = set({ctx.get("secret_paths", [])!r})
+for folder in folders:
+    for pattern in ("exercises/*/*.ipynb", "source/*/*.ipynb", "gradebook.db", "submitted/*/*/*.ipynb",
+                    "*/*.ipynb", "*/*/*.ipynb", ".ddp-course/*/*/*/*/*.ipynb"):
+        paths.update(glob.glob(os.path.join(folder, pattern)))
+seen = 0
+for path in sorted(paths):
+    if os.path.realpath(path).startswith(os.path.realpath(os.getcwd()) + "/"):
+        continue  # our own notebook
+    try:
+        with open(path, errors="replace") as fh:
+            print("{READ_MARK}", path, fh.read()[:20000])
+        seen += 1
+    except OSError as exc:
+        print("{READ_MARK} denied", path, type(exc).__name__)
+print("{READ_MARK} files read:", seen)
+''')
+
+
+WRITE_MARK = "ATTACK-WRITE"
+
+
+def _write_gradebook(nb, ctx):
+    insert_after_first_test(nb, f'''
+import glob, os
+targets, here = set({ctx.get("victim_paths", [])!r}), os.getcwd()
+while here != "/":
+    here = os.path.dirname(here)
+    for pattern in ("gradebook.db", "submitted/*/*/*.ipynb", "autograded/*/*/*.ipynb", "*/*.ipynb"):
+        targets.update(glob.glob(os.path.join(here, pattern)))
+for path in sorted(targets):
+    if os.path.realpath(path).startswith(os.path.realpath(os.getcwd()) + "/"):
+        continue
+    try:
+        with open(path, "ab") as fh:
+            fh.write(b"pwned")
+        print("{WRITE_MARK} wrote", path)
+    except OSError as exc:
+        print("{WRITE_MARK} denied", path, type(exc).__name__)
+for folder in {ctx.get("victim_dirs", [])!r}:
+    try:
+        with open(os.path.join(folder, "planted.txt"), "w") as fh:
+            fh.write("pwned")
+        print("{WRITE_MARK} planted in", folder)
+    except OSError as exc:
+        print("{WRITE_MARK} denied", folder, type(exc).__name__)
+''')
+
+
+NET_MARK = "ATTACK-NET"
+
+
+def _network(nb, ctx):
+    insert_after_first_test(nb, f'''
+import socket
+for host, port in {ctx.get("listeners", [])!r} + [("pypi.org", 443), ("1.1.1.1", 53)]:
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        print("{NET_MARK} CONNECTED", host, port)
+    except OSError as exc:
+        print("{NET_MARK} blocked", host, port, type(exc).__name__)
+''')
+
+
+def _break_all(nb):
+    for cell in answer_cells(nb):
+        break_answer(cell)
+
+
+def _patch_graders(nb, ctx):
+    _break_all(nb)
+    insert_after_imports(nb, '''
+import sys, graders
+for name, module in list(sys.modules.items()):
+    if name.startswith("graders.") and hasattr(module, "__dict__"):
+        for attr in dir(module):
+            if attr.startswith("check_"):
+                setattr(module, attr, lambda *a, _n=attr, **k: print(f"passed {_n}"))
+''')
+
+
+def _patch_launcher(nb, ctx):
+    # keep correct copies under other names, hand them to the jobs instead of the (wrong) answers
+    source_answers = [c.source for c in answer_cells(nb)]
+    _break_all(nb)
+    refs = "\n".join(re.sub(r"def (\w+)\(", r"def _ref_\1(", s) for s in source_answers)
+    insert_after_imports(nb, refs + '''
+
+import course.launch as _launch_module, graders.core
+_real_launch = graders.core.launch
+
+def _swapping_launch(fn, world_size, *, args=(), **kw):
+    swapped = tuple(globals().get("_ref_" + getattr(a, "__name__", ""), a) if callable(a) else a for a in args)
+    return _real_launch(fn, world_size, args=swapped, **kw)
+
+graders.core.launch = _swapping_launch
+import sys
+sys.modules["course.launch"].launch = _swapping_launch
+''')
+
+
+def _patch_assert(nb, ctx):
+    _break_all(nb)
+    insert_after_imports(nb, '''
+import builtins, sys, types
+builtins.AssertionError = type("AssertionError", (Exception,), {})
+def _swallow(shell, etype, evalue, tb, tb_offset=None):
+    print("passed")
+get_ipython().set_custom_exc((BaseException,), _swallow)
+fake = types.ModuleType("graders.ex1")
+fake.__getattr__ = lambda name: (lambda *a, **k: print(f"passed {name}"))
+sys.modules["graders.ex1"] = fake
+import graders
+graders.ex1 = fake
+''')
+
+
+def insert_after_imports(nb, source: str) -> None:
+    """Insert a code cell right after the first code cell (the imports)."""
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    nb.cells.insert(first + 1, new_code_cell(source))
+
+
+def _deleted_tests(nb, ctx):
+    nb.cells = [c for c in nb.cells if c not in test_cells(nb)]
+
+
+def _duplicated_tests(nb, ctx):
+    for test in test_cells(nb):
+        index = nb.cells.index(test)
+        twin = copy.deepcopy(test)
+        twin.id = test.id + "-copy" if test.get("id") else None
+        twin.source = "print('passed')"  # a forged twin claiming the same grade_id
+        again = copy.deepcopy(test)
+        if test.get("id"):
+            twin["id"], again["id"] = test.id[:50] + "-forged", test.id[:50] + "-again"
+        nb.cells.insert(index + 1, twin)
+        nb.cells.insert(index + 2, again)
+
+
+def _split_test(nb, ctx):
+    test = test_cells(nb)[0]
+    lines = test.source.splitlines()
+    test.source = lines[0]
+    rest = new_code_cell("\n".join(lines[1:]) or "pass")
+    nb.cells.insert(nb.cells.index(test) + 1, rest)
+
+
+def _renamed(nb, ctx):
+    return None
+
+
+def _invalid_json(nb, ctx):
+    text = nbformat.writes(nb)
+    return text[: len(text) // 2].encode()
+
+
+ATTACKS = [
+    Attack("honest", _honest, "nothing to stop: the control submission", message=""),
+    Attack("deadlock", _deadlock, "the launcher's per-job deadline (kernel and verifier)", broken_answers=(1,),
+           message=r"did not finish within", extra=4 * CHECK_TIMEOUT),
+    Attack("sigint_loop", _sigint_loop, "cell timeout, then the kernel is stopped when the interrupt is ignored",
+           fatal=True, message=r"did not stop when\s+interrupted", extra=CELL_TIMEOUT + GRACE),
+    Attack("os_exit", _os_exit, "the dead kernel costs only the cells after it", fatal=True,
+           message=r"kernel died"),
+    Attack("fork_bomb", _fork_bomb, "RLIMIT_NPROC/pids cgroup, cell timeout, uid-wide kill", fatal=True,
+           message=r"did not stop when\s+interrupted|kernel died", extra=CELL_TIMEOUT + GRACE),
+    Attack("memory_hog", _memory_hog, "memory cgroup (or RLIMIT_AS): the kernel is killed", fatal=True,
+           message=r"kernel died|did not stop", extra=CELL_TIMEOUT + GRACE),
+    Attack("output_flood", _output_flood, "output capped per cell, the rest dropped",
+           message=r"printed more than \d+ MB", extra=60),
+    Attack("read_sources", _read_sources, "mount namespace: sources and course folder covered by empty tmpfs",
+           message=""),
+    Attack("write_gradebook", _write_gradebook, "mount namespace (read-only empty tmpfs) and the sandbox uid",
+           message=""),
+    Attack("network", _network, "network namespace with only loopback", message=""),
+    Attack("patch_graders", _patch_graders, "verifier re-runs the real checks in a trusted process",
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+    Attack("patch_launcher", _patch_launcher, "verifier: the kernel's launcher is not the verifier's",
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+    Attack("patch_assert", _patch_assert, "verifier: AssertionError, sys.modules and IPython's handler stay in the kernel",
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+    Attack("deleted_tests", _deleted_tests, "locked cells restored from the source", message=""),
+    Attack("duplicated_tests", _duplicated_tests, "restore keeps the first copy of a grade_id", message=""),
+    Attack("split_test", _split_test, "restore replaces the test cell; the stray half is the student's cell",
+           message=""),
+    Attack("renamed", _renamed, "grade: matched to its source by grade_ids; autograde: reported as missing",
+           file_name="my_parallelism_v2.ipynb",
+           per_path={"autograde": dict(ungradable=True, message=r"no parallelism\.ipynb|no \w+\.ipynb")}),
+    Attack("invalid_json", _invalid_json, "reading fails cleanly: one error, no score, the run goes on",
+           ungradable=True, message=r"not a readable notebook|not valid|failed|JSON|Unterminated|Expecting"),
+]
+BY_NAME = {a.name: a for a in ATTACKS}
+
+
+def for_path(attack: Attack, path: str) -> Attack:
+    """The attack as expected on one grading path ("grade" or "autograde")."""
+    override = attack.per_path.get(path)
+    if not override:
+        return attack
+    return Attack(**{**attack.__dict__, **override, "per_path": {}})
+
+
+def build(attack: Attack, source_nb, ctx: dict) -> tuple[bytes, NotebookNode]:
+    """(the submission's bytes, the notebook before serialising) for ``attack`` on ``source_nb``."""
+    nb = strip_hidden_tests(source_nb)
+    for cell in nb.cells:  # a student's copy, as handed in: no outputs
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    raw = attack.build(nb, ctx)
+    if raw is None:
+        raw = nbformat.writes(nb).encode()
+    return raw, nb

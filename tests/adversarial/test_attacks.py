@@ -1,0 +1,114 @@
+"""Every attack, on both grading paths: the honest part's points and no more, a clear message,
+nothing outside the sandbox touched, no process left, within a stated time.
+
+Each path grades all submissions once per session (see conftest.py): ``grade`` ~3 at a
+time in this process, ``autograde`` in one ``ddp-course autograde --jobs 3`` run.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attacks
+import pytest
+from conftest import full_sandbox
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+PATHS = ["grade", "autograde"]
+NAMES = [a.name for a in attacks.ATTACKS]
+
+
+@pytest.fixture(params=PATHS)
+def batch(request):
+    return request.getfixturevalue(f"{request.param}_batch"), request.param
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_score_is_the_honest_part(batch, name):
+    run, path = batch
+    attack = attacks.for_path(attacks.BY_NAME[name], path)
+    outcome = run.outcomes[name]
+    expected = attacks.expected_scores(attack, run.source, run.submissions[name])
+    got = {gid: outcome.scores.get(gid, 0.0) for gid in expected}
+    assert got == expected, f"{path} {name}: {outcome.text()[-3000:]}"
+    if attack.ungradable:
+        assert outcome.error, f"{path} {name}: an ungradable submission must say why"
+    else:
+        assert not outcome.error, f"{path} {name}: {outcome.error}"
+        assert set(outcome.scores) == set(expected)  # every test scored, none twice
+
+
+@pytest.mark.parametrize("name", [a.name for a in attacks.ATTACKS if a.message or a.per_path])
+def test_message_names_what_happened(batch, name):
+    run, path = batch
+    attack = attacks.for_path(attacks.BY_NAME[name], path)
+    if not attack.message:
+        pytest.skip("no message expected on this path")
+    assert re.search(attack.message, run.outcomes[name].text()), f"{path} {name}: {run.outcomes[name].text()[-3000:]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_finishes_within_its_bound(batch, name):
+    run, path = batch
+    attack = attacks.BY_NAME[name]
+    # grade: several submissions share 2 cores, so allow for the ones graded alongside
+    bound = attack.bound() * (1.5 if path == "grade" else 1.0)
+    assert run.outcomes[name].elapsed < bound, f"{path} {name}: {run.outcomes[name].elapsed:.0f} s > {bound:.0f} s"
+
+
+def test_no_process_left_behind(batch):
+    run, path = batch
+    assert run.leftovers == [], f"{path}: sandbox processes still running: {run.leftovers}"
+
+
+def test_other_submissions_and_sources_untouched(batch):
+    run, path = batch
+    assert run.victims_after == run.victims_before
+    honest = run.outcomes["honest"]
+    expected = attacks.expected_scores(attacks.BY_NAME["honest"], run.source, run.submissions["honest"])
+    assert honest.scores == expected
+
+
+def test_whole_run_bound(batch):
+    run, path = batch
+    # every submission at its own bound would be the worst case; in practice they overlap 3 at a time
+    worst = sum(a.bound() for a in attacks.ATTACKS) / 2
+    assert run.elapsed < worst, f"{path}: {run.elapsed:.0f} s"
+    if path == "autograde":
+        assert run.extra["returncode"] == 0, run.extra["stdout"][-3000:] + run.extra["stderr"][-3000:]
+
+
+# --- what only a full sandbox (root) guarantees ----------------------------------------------------
+
+needs_root = pytest.mark.skipif(not full_sandbox(), reason="isolation needs root and namespaces (partial sandbox here)")
+
+
+@needs_root
+def test_sources_and_course_files_are_invisible(batch):
+    run, path = batch
+    text = run.outcomes["read_sources"].outputs
+    assert f"{attacks.READ_MARK} files read: 0" in text, text[-3000:]
+    for line in attacks.hidden_lines(run.source):
+        assert line not in text
+
+
+@needs_root
+def test_nothing_written_outside_the_sandbox(batch):
+    run, path = batch
+    text = run.outcomes["write_gradebook"].outputs
+    assert f"{attacks.WRITE_MARK} wrote" not in text and f"{attacks.WRITE_MARK} planted" not in text, text[-3000:]
+    assert run.victims_after == run.victims_before
+
+
+@needs_root
+def test_no_network_beyond_the_sandbox_loopback(batch):
+    run, path = batch
+    text = run.outcomes["network"].outputs
+    assert "CONNECTED" not in text and f"{attacks.NET_MARK} blocked" in text, text[-3000:]
+    assert run.listener_connections == 0
+
+
+def test_flood_is_cut_and_kept_small(batch):
+    run, path = batch
+    assert len(run.outcomes["output_flood"].outputs) < 8 << 20

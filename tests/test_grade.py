@@ -1,0 +1,268 @@
+"""``ddp-course grade``: restoring a student's copy, scoring by nbgrader's rules, the CLI.
+
+The CLI runs as a subprocess with a real kernel (once per exercise and session,
+shared by the tests below); everything else grades in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import nbformat
+import pytest
+import submissions
+from nbformat.v4 import new_code_cell, new_output
+
+from course.notebook import NotebookError, Timeouts
+from course.scoring import score_cell
+from course.sources import find_source, graded_cells, restore
+
+EXERCISES = ["ex1-parallelism", "ex2-ddp-basics"]
+
+
+def cli(*args, timeout=600):
+    """Run ``ddp-course`` in a subprocess; return (returncode, stdout, stderr, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "course.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="session")
+def graded_sources():
+    """``ddp-course grade --json`` on every source notebook, run once (in parallel) per session."""
+    with ThreadPoolExecutor(len(EXERCISES)) as pool:
+        runs = dict(zip(EXERCISES, pool.map(lambda a: cli("grade", "--json", submissions.source_path(a)), EXERCISES)))
+    for assignment, (_, _, _, seconds) in runs.items():
+        print(f"ddp-course grade {assignment} (source, fresh kernel): {seconds:.1f} s")
+    return runs
+
+
+@pytest.fixture(scope="session")
+def released(tmp_path_factory):
+    """{assignment: the student copy nbgrader's generate_assignment makes}, made once per session."""
+    course_dir = tmp_path_factory.mktemp("course")
+    return {a: submissions.release(a, course_dir) for a in EXERCISES}
+
+
+# --- the CLI on the source notebooks ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("assignment", EXERCISES)
+def test_source_notebook_scores_full_marks_through_the_cli(graded_sources, assignment):
+    code, stdout, stderr, _ = graded_sources[assignment]
+    assert code == 0, stderr
+    report = json.loads(stdout)  # the whole of stdout is one JSON object
+    assert set(report) == {"notebook", "score", "max_score", "tests"}
+    assert report["notebook"].endswith(submissions.source_path(assignment).name)
+    expected = submissions.full_marks(assignment)
+    assert [t["id"] for t in report["tests"]] == list(expected)
+    for t in report["tests"]:
+        assert set(t) == {"id", "score", "max_score", "message"}
+        assert (t["score"], t["max_score"], t["message"]) == (expected[t["id"]], expected[t["id"]], ""), t
+    assert report["score"] == report["max_score"] == sum(expected.values())
+
+
+def test_cli_rejects_a_missing_notebook_in_one_line(tmp_path):
+    code, stdout, stderr, _ = cli("grade", "--json", tmp_path / "nope.ipynb", timeout=120)
+    assert code != 0 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "no such notebook" in stderr and "Traceback" not in stderr
+
+
+def test_cli_rejects_an_unreadable_notebook_in_one_line(tmp_path):
+    path = tmp_path / "ex1-parallelism" / "parallelism.ipynb"
+    path.parent.mkdir()
+    path.write_text("{ not json")
+    code, stdout, stderr, _ = cli("grade", path, timeout=120)
+    assert code != 0 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "not a readable notebook" in stderr
+
+
+def test_cli_rejects_a_notebook_of_no_exercise_in_one_line(tmp_path):
+    path = tmp_path / "homework.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[new_code_cell("1 + 1")]), str(path))
+    code, stdout, stderr, _ = cli("grade", "--json", path, timeout=120)
+    assert code != 0 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "not a copy of any exercise" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_interrupts_a_cell_past_its_timeout_and_grades_the_rest(tmp_path):
+    """A cell that never ends is interrupted at --timeout; the kernel goes on with the next cells."""
+    nb = submissions.load("ex1-parallelism")
+    nb = submissions.replace_answer(nb, "ex1_shard_batch", submissions.answer(nb, "ex1_shard_batch")
+                                    + "\n\nwhile True:  # never ends\n    pass\n")
+    path = submissions.write(nb, tmp_path, "ex1-parallelism")
+    code, stdout, stderr, seconds = cli("grade", "--json", "--timeout", "5", path)
+    assert code == 0, stderr
+    # the function was defined before the loop, so every check still passes
+    report = json.loads(stdout)
+    assert submissions.scores(report) == submissions.full_marks("ex1-parallelism"), submissions.messages(report)
+    assert seconds < 5 + 120, f"grading took {seconds:.0f} s"
+
+
+# --- the released copy ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("assignment", EXERCISES)
+def test_release_has_no_solutions_and_no_hidden_tests(released, assignment):
+    student = nbformat.read(str(released[assignment]), as_version=4)
+    text = "\n".join(c.source for c in student.cells if c.cell_type == "code")  # the instructions may quote code
+    source = submissions.load(assignment)
+    for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+        assert marker not in released[assignment].read_text()
+    for cell in source.cells:
+        if "### BEGIN" not in cell.source:
+            continue
+        inside = False
+        for line in cell.source.splitlines():
+            if "### BEGIN" in line:
+                inside = True
+            elif "### END" in line:
+                inside = False
+            elif inside and line.strip() and not line.strip().startswith("#"):
+                assert line.strip() not in text, f"the release leaks {line.strip()!r}"
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in student.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert ids == list(submissions.full_marks(assignment))  # every test cell is there, hidden ones emptied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("assignment", EXERCISES)
+def test_untouched_release_scores_zero_with_clean_messages(released, assignment):
+    report = submissions.grade(released[assignment])
+    assert report.max_score == sum(submissions.full_marks(assignment).values())
+    assert report.score == 0
+    for t in report.tests:  # hidden tests were restored and ran: they fail for the same clean reason
+        assert t.score == 0
+        assert "is not written yet" in t.message, t
+        assert "Traceback" not in t.message and "graders/" not in t.message, t
+
+
+# --- restoring locked cells -----------------------------------------------------------------
+
+
+def _ids(nb):
+    return [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
+
+
+def test_restore_brings_back_edited_deleted_and_hidden_test_cells():
+    source = submissions.load("ex2-ddp-basics")
+    student = submissions.load("ex2-ddp-basics")
+    tests = [c for c in student.cells if c.metadata["nbgrader"].get("grade")]
+    tests[0].source = "pass  # the student replaced the test"
+    tests[0].metadata["nbgrader"]["points"] = 100
+    student.cells.remove(tests[1])  # ... deleted one
+    student.cells.append(nbformat.from_dict(nbformat.v4.new_code_cell("x = 1")))  # ... added their own
+    restored = restore(student, source)
+    by_id = {c.metadata.get("nbgrader", {}).get("grade_id"): c for c in restored.cells}
+    for cell in source.cells:
+        if cell.metadata["nbgrader"].get("locked"):
+            assert by_id[cell.metadata["nbgrader"]["grade_id"]].source == cell.source
+            assert by_id[cell.metadata["nbgrader"]["grade_id"]].metadata["nbgrader"] == cell.metadata["nbgrader"]
+    assert _ids(restored)[:-1] == _ids(source)  # deleted cell back in its place
+    assert restored.cells[-1].source == "x = 1"  # the student's own cell kept
+
+
+def test_restore_keeps_answers_counts_duplicates_once_and_stubs_missing_answers():
+    source = submissions.load("ex1-parallelism")
+    student = submissions.replace_answer(source, "ex1_average_gradients", "def average_gradients(m, w):\n    pass")
+    test = next(c for c in student.cells if c.metadata["nbgrader"].get("grade_id") == "ex1_test_two_stage")
+    student.cells.append(nbformat.from_dict(dict(test, id="copy")))  # a duplicated test cell
+    student.cells = [c for c in student.cells if c.metadata.get("nbgrader", {}).get("grade_id") != "ex1_shard_batch"]
+    restored = restore(student, source)
+    ids = _ids(restored)
+    assert ids.count("ex1_test_two_stage") == 1 and ids[-1] is None  # the copy lost its grade_id
+    answers = {c.metadata["nbgrader"]["grade_id"]: c.source for c in restored.cells if c.metadata.get("nbgrader")}
+    assert answers["ex1_average_gradients"] == "def average_gradients(m, w):\n    pass"
+    assert "raise NotImplementedError()" in answers["ex1_shard_batch"] and "divmod" not in answers["ex1_shard_batch"]
+    assert ids.index("ex1_shard_batch") == _ids(source).index("ex1_shard_batch")
+    assert [g.grade_id for g in graded_cells(source)] == list(submissions.full_marks("ex1-parallelism"))
+
+
+def test_restore_drops_unknown_grade_ids():
+    source = submissions.load("ex1-parallelism")
+    student = submissions.load("ex1-parallelism")
+    student.cells[1].metadata["nbgrader"]["grade_id"] = "made_up"
+    restored = restore(student, source)
+    assert "made_up" not in _ids(restored)
+    assert "ex1_imports" in _ids(restored)  # put back from the source
+
+
+def test_find_source_matches_by_folder_name_then_by_grade_ids(tmp_path):
+    exercises = submissions.EXERCISES
+    copy = submissions.write(submissions.load("ex2-ddp-basics"), tmp_path / "submitted" / "alice", "ex2-ddp-basics")
+    assert find_source(copy, exercises) == submissions.source_path("ex2-ddp-basics")
+    renamed = tmp_path / "ddp_basics-Copy1.ipynb"
+    renamed.write_text(copy.read_text())
+    assert find_source(renamed, exercises) == submissions.source_path("ex2-ddp-basics")
+    stranger = tmp_path / "other.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), str(stranger))
+    with pytest.raises(NotebookError, match="not a copy of any exercise"):
+        find_source(stranger, exercises)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tampered_tests_cannot_raise_the_score(tmp_path):
+    """A wrong answer whose test cells the student emptied, re-pointed and duplicated still loses those points."""
+    nb = submissions.patch_answer(submissions.load("ex1-parallelism"), "ex1_average_gradients",
+                                  "p.grad /= world_size", "pass")
+    for cell in nb.cells:
+        if cell.metadata["nbgrader"].get("grade"):
+            cell.source = "1.0  # full marks, please"
+            cell.metadata["nbgrader"]["points"] = 50
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex1-parallelism"))
+    assert submissions.scores(report) == submissions.losing("ex1-parallelism", "ex1_test_average_gradients")
+    assert report.max_score == 9
+
+
+# --- scoring by nbgrader's rules ---------------------------------------------------------------
+
+
+def _test_cell(*outputs, points=3):
+    cell = new_code_cell("graders.exN.check_x(f)", metadata={"nbgrader": {
+        "grade": True, "solution": False, "locked": True, "points": points, "grade_id": "t", "schema_version": 3}})
+    cell.outputs = list(outputs)
+    return cell
+
+
+def test_scoring_follows_nbgrader_rules_with_a_reason_for_every_lost_point():
+    ok = new_output("stream", name="stdout", text="passed check_x\n")
+    assert vars(score_cell(_test_cell(ok), 3, True)) == {"id": "t", "score": 3.0, "max_score": 3, "message": ""}
+    failed = new_output("error", ename="CheckFailed", evalue="FAILED check_x [rank 1]: bad", traceback=[])
+    assert score_cell(_test_cell(ok, failed), 3, True).message == "FAILED check_x [rank 1]: bad"
+    other = new_output("error", ename="NameError", evalue="name 'f' is not defined", traceback=[])
+    assert (score_cell(_test_cell(other), 3, True).score, score_cell(_test_cell(other), 3, True).message) == \
+        (0, "NameError: name 'f' is not defined")
+    warning = new_output("stream", name="stderr", text="UserWarning: careful\n")
+    result = score_cell(_test_cell(ok, warning), 3, True)
+    assert (result.score, result.message) == (0, "wrote to stderr: UserWarning: careful")
+    half = new_output("execute_result", data={"text/plain": "1.5"}, execution_count=1)
+    assert score_cell(_test_cell(half), 3, True).score == 1.5
+    too_much = new_output("execute_result", data={"text/plain": "7"}, execution_count=1)
+    assert score_cell(_test_cell(too_much), 3, True).score == 3  # nbgrader itself would crash here
+    assert score_cell(_test_cell(), 3, False, "the kernel died").message == "not run: the kernel died"
+    assert score_cell(_test_cell(), 3, False).score == 0  # no output is full marks only if the cell ran
+
+
+@pytest.mark.timeout(120)
+def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
+    from course.inprocess import execute
+
+    nb = nbformat.v4.new_notebook(cells=[new_code_cell("while True:\n    pass"), new_code_cell("x = 41\nx + 1")])
+    start = time.monotonic()
+    run = execute(nb, tmp_path, Timeouts(test=10, other=1))
+    assert time.monotonic() - start < 10
+    assert nb.cells[0].outputs[-1]["evalue"] == "cell timed out after 1 s"
+    assert nb.cells[1].outputs[-1]["data"]["text/plain"] == "42"
+    assert run.ran == {0, 1}

@@ -1,0 +1,331 @@
+"""Exercise 2's checks: each catches its class of mistake, on every rank, and only that one.
+
+Unit tests call the checks with correct and wrong functions directly. Wrong
+submissions are the source notebook with one answer edited, graded in this
+process; each must lose exactly the intended test cell's points.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import course
+import graders.ex2 as ex2
+from graders.core import CheckFailed
+from graders.harness import TIMEOUT_ENV
+
+# The ranks get this module's functions by value: they cannot import a test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A = "ex2-ddp-basics"
+HANG_TIMEOUT = 15  # the check timeout the hang tests use (DDP_COURSE_CHECK_TIMEOUT)
+
+
+def fails(check, fn, *words, **kwargs) -> str:
+    """Run ``check(fn)``; assert it fails naming the check and every one of ``words``; return the message."""
+    with pytest.raises(CheckFailed) as info:
+        check(fn, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"FAILED {check.__name__}"), message
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+    return message
+
+
+# --- student functions, right and wrong --------------------------------------------------------
+
+
+def setup(rank, world_size):
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+
+
+def setup_from_environment(rank, world_size):  # also right: torchrun's variables are set
+    dist.init_process_group(course.backend())
+
+
+def setup_two_ranks(rank, world_size):
+    dist.init_process_group(course.backend(), rank=rank, world_size=2)
+
+
+def setup_nothing(rank, world_size):
+    print("ready")
+
+
+def cleanup():
+    dist.destroy_process_group()
+
+
+def cleanup_barrier_only():
+    dist.barrier()
+
+
+def cleanup_rank0_only():
+    if dist.get_rank() == 0:
+        dist.destroy_process_group()
+
+
+def make_loader(dataset, rank, world_size, batch_size):
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def loader_plain_shuffle(dataset, rank, world_size, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+
+def loader_drop_last(dataset, rank, world_size, batch_size):
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def loader_no_shuffle(dataset, rank, world_size, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+
+
+def loader_shuffle_twice(dataset, rank, world_size, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, sampler=DistributedSampler(dataset))
+
+
+def loader_global_batch(dataset, rank, world_size, batch_size):
+    return DataLoader(dataset, batch_size=batch_size // world_size, sampler=DistributedSampler(dataset))
+
+
+def loader_subset(dataset, rank, world_size, batch_size):  # disjoint and covering, but not padded
+    return DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size=batch_size, shuffle=True)
+
+
+def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", reduction="mean", extra_sync=False,
+          log_on_rank0=False):
+    ddp_model = DDP(model) if wrap else model
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        if set_epoch == "epoch":
+            loader.sampler.set_epoch(epoch)
+        elif set_epoch == "rank0" and rank == 0:
+            loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.mse_loss(ddp_model(x), y, reduction=reduction)
+            loss.backward()
+            if extra_sync:
+                for p in ddp_model.parameters():
+                    dist.all_reduce(p.grad)
+            optimizer.step()
+            if log_on_rank0 and rank == 0:
+                dist.all_reduce(loss.detach().clone())  # the others never call it
+    return ddp_model
+
+
+def train(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr)
+
+
+def train_no_ddp(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr, wrap=False)
+
+
+def train_no_set_epoch(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr, set_epoch=None)
+
+
+def train_set_epoch_rank0(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr, set_epoch="rank0")
+
+
+def train_summed_loss(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr, reduction="sum")
+
+
+def train_extra_all_reduce(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs, lr, extra_sync=True)
+
+
+def train_returns_nothing(rank, model, loader, epochs, lr):
+    _loop(rank, model, loader, epochs, lr)
+
+
+def save_checkpoint(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    dist.barrier()
+
+
+def save_on_every_rank(rank, ddp_model, ckpt_path):
+    torch.save(ddp_model.module.state_dict(), ckpt_path)
+
+
+def save_with_prefix(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.state_dict(), ckpt_path)
+
+
+def save_on_rank_1(rank, ddp_model, ckpt_path):
+    if rank == 1:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+
+
+def save_whole_model(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module, ckpt_path)
+
+
+def save_relative_path(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), "ckpt.pt")
+
+
+def save_stale_weights(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save({k: torch.zeros_like(v) for k, v in ddp_model.module.state_dict().items()}, ckpt_path)
+
+
+# --- unit tests of the checks ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_setup():
+    ex2.check_setup(setup)
+    ex2.check_setup(setup_from_environment, world_sizes=(4,))
+    fails(ex2.check_setup, setup_two_ranks, "[rank 2]", "do not hard-code the number of ranks")
+    fails(ex2.check_setup, setup_nothing, "no process group after setup()", "[ranks 0, 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_cleanup():
+    ex2.check_cleanup(cleanup)
+    fails(ex2.check_cleanup, cleanup_barrier_only, "still up", "[ranks 0, 1]", "destroy_process_group")
+    fails(ex2.check_cleanup, cleanup_rank0_only, "still up", "[rank 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_sampler():
+    ex2.check_sampler(make_loader)
+    ex2.check_sampler(make_loader, world_sizes=(4,), cases=((13, 3), (8, 2)))
+    fails(ex2.check_sampler, loader_plain_shuffle, "every rank reads the whole dataset", "DistributedSampler")
+    fails(ex2.check_sampler, loader_drop_last, "on no rank", "drop_last")
+    fails(ex2.check_sampler, loader_no_shuffle, "not shuffled", "shuffle=True")
+    fails(ex2.check_sampler, loader_shuffle_twice, "mutually exclusive", "no shuffle= for the DataLoader")
+    fails(ex2.check_sampler, loader_global_batch, "batches of the wrong size", "per rank")
+    fails(ex2.check_sampler, loader_subset, "different numbers of samples", "[6, 5]", "pads")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_training():
+    ex2.check_training(train)
+    ex2.check_training(train, world_sizes=(4,), n=16, batch_size=3, epochs=2, lr=0.05, seed=1)
+    ex2.check_training(train_no_set_epoch)  # set_epoch is check_set_epoch's business
+    ex2.check_training(train_set_epoch_rank0)
+    fails(ex2.check_training, train_no_ddp, "different parameters", "[rank 1]", "DDP(model)")
+    fails(ex2.check_training, train_summed_loss, "differ from one process", "summed")
+    fails(ex2.check_training, train_extra_all_reduce, "differ from one process", "2 x too large")
+    fails(ex2.check_training, train_returns_nothing, "returned NoneType", "return ddp_model")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_set_epoch():
+    ex2.check_set_epoch(train)
+    ex2.check_set_epoch(train_no_ddp)  # wrapping is check_training's business
+    fails(ex2.check_set_epoch, train_no_set_epoch, "same order as epoch 0", "set_epoch(epoch)")
+    fails(ex2.check_set_epoch, train_set_epoch_rank0, "overlap", "same epoch number")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint():
+    ex2.check_checkpoint(save_checkpoint)
+    ex2.check_checkpoint(save_checkpoint, world_sizes=(4,), seed=1)
+    fails(ex2.check_checkpoint, save_on_every_rank, "rank 1 also wrote ckpt.pt", "rank == 0")
+    fails(ex2.check_checkpoint, save_with_prefix, "'module.'", "ddp_model.module.state_dict()")
+    fails(ex2.check_checkpoint, save_on_rank_1, "rank 1 wrote ckpt.pt instead of rank 0")
+    fails(ex2.check_checkpoint, save_whole_model, "not a plain state_dict")
+    fails(ex2.check_checkpoint, save_relative_path, "somewhere other than ckpt_path", "rank0/ckpt.pt")
+    fails(ex2.check_checkpoint, save_stale_weights, "current parameters")
+
+
+# --- wrong submissions, graded as notebooks -------------------------------------------------------
+
+
+def grade_with(tmp_path, grade_id, old, new):
+    nb = submissions.patch_answer(submissions.load(A), grade_id, old, new)
+    return submissions.grade(submissions.write(nb, tmp_path, A))
+
+
+WRONG = {
+    # name: (answer cell, old text, new text, the test cell that must fail, words its message must contain)
+    "no set_epoch": ("ex2_train", "        loader.sampler.set_epoch(epoch)", "        pass",
+                     "ex2_test_set_epoch", ["same order", "set_epoch(epoch)"]),
+    "every rank saves": ("ex2_save_checkpoint", "    if rank == 0:\n", "    if True:\n",
+                         "ex2_test_checkpoint", ["rank 1 also wrote ckpt.pt", "rank == 0"]),
+    "saves ddp_model.state_dict()": ("ex2_save_checkpoint", "ddp_model.module.state_dict()", "ddp_model.state_dict()",
+                                     "ex2_test_checkpoint", ["'module.'"]),
+    "wrong rank saves": ("ex2_save_checkpoint", "if rank == 0:", "if rank:",
+                         "ex2_test_checkpoint", ["instead of rank 0"]),
+    "no DDP wrap": ("ex2_train", 'DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)',
+                    "model", "ex2_test_training", ["different parameters", "DDP(model)"]),
+    "no destroy_process_group": ("ex2_cleanup", "dist.destroy_process_group()", "dist.barrier()",
+                                 "ex2_test_cleanup", ["still up", "destroy_process_group"]),
+    "shuffle in a plain loader": ("ex2_make_loader", "return DataLoader(dataset, batch_size=batch_size, sampler=sampler)",
+                                  "return DataLoader(dataset, batch_size=batch_size, shuffle=True)",
+                                  "ex2_test_sampler", ["whole dataset"]),
+    "hard-coded world size": ("ex2_setup", "world_size=world_size)", "world_size=2)",
+                              "ex2_test_setup", ["rank 2", "hard-code"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
+    grade_id, old, new, failing, words = WRONG[name]
+    report = grade_with(tmp_path, grade_id, old, new)
+    assert submissions.scores(report) == submissions.losing(A, failing)
+    message = submissions.messages(report)[failing]
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_barrier_inside_rank0_branch_is_caught_within_the_check_timeout(tmp_path, monkeypatch):
+    """save_checkpoint with the barrier inside `if rank == 0:` loses the checkpoint test only, in bounded time."""
+    monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
+    start = time.monotonic()
+    report = grade_with(tmp_path, "ex2_save_checkpoint", "\n    dist.barrier()", "\n        dist.barrier()")
+    seconds = time.monotonic() - start
+    assert submissions.scores(report) == submissions.losing(A, "ex2_test_checkpoint")
+    assert "inside `if rank == 0:`" in submissions.messages(report)["ex2_test_checkpoint"]
+    assert seconds < HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collective_inside_rank0_branch_in_training_deadlocks_within_the_bound(tmp_path, monkeypatch):
+    """An all_reduce on rank 0 only, in the training loop: a real DDP deadlock; both checks that
+    train fail at their deadline, naming it, and grading ends within 2 timeouts + 60 s."""
+    monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
+    start = time.monotonic()
+    report = grade_with(tmp_path, "ex2_train", "            optimizer.step()\n",
+                        "            optimizer.step()\n"
+                        "            if rank == 0:  # log the global loss\n"
+                        "                dist.all_reduce(loss.detach().clone())\n")
+    seconds = time.monotonic() - start
+    assert submissions.scores(report) == submissions.losing(A, "ex2_test_training", "ex2_test_set_epoch")
+    for test in ("ex2_test_training", "ex2_test_set_epoch"):
+        message = submissions.messages(report)[test]
+        assert f"did not finish within {HANG_TIMEOUT} s" in message and "inside `if rank == 0:`" in message
+    assert seconds < 2 * HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"

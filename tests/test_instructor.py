@@ -1,0 +1,536 @@
+"""The instructor workflow on real nbgrader: init, release, collect, autograde, feedback, export, status.
+
+Fast tests cover the pieces (file-name parsing, init idempotency, the release
+leak check, the stderr pattern, feedback redaction, sample submissions). Slow
+ones run the ``ddp-course`` commands end to end on a tiny assignment
+(tests/files/exercises/ex0-tiny) and on the course's four exercises, and check
+the results against plain ``nbgrader`` run in the same directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from course.instructor import names
+from course.instructor.coursedir import Course
+from course.instructor.init import WARNINGS_ONLY, init_course
+from course.instructor.leaks import plain_text, secrets_of, student_copy_leaks
+from course.instructor.samples import make_sample, solution_text, stall_rank_one
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "files" / "exercises"
+EXERCISES = ROOT / "exercises"
+REAL = {
+    "ex1-parallelism": "parallelism",
+    "ex2-ddp-basics": "ddp_basics",
+    "ex3-syncbn-sharding": "syncbn_sharding",
+    "ex4-torchrun": "torchrun",
+}
+
+
+def cli(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None, check: bool = True):
+    """Run ``ddp-course ARGS`` in ``cwd`` as an instructor would; the CompletedProcess."""
+    proc = subprocess.run(["ddp-course", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check:
+        assert proc.returncode == 0, f"ddp-course {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def nbgrader(*args: str, cwd: Path, timeout: float = 600):
+    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"nbgrader {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def read_csv(path: Path) -> dict[tuple[str, str], dict]:
+    with open(path, newline="") as fh:
+        return {(r["student_id"], r["assignment"]): r for r in csv.DictReader(fh)}
+
+
+def hidden_lines(source: Path) -> set[str]:
+    """Hidden test lines of a source notebook, found independently of course.instructor.leaks."""
+    found = set()
+    for cell in nbformat.read(source, as_version=4).cells:
+        inside = False
+        for line in cell.source.splitlines():
+            if "BEGIN HIDDEN TESTS" in line:
+                inside = True
+            elif "END HIDDEN TESTS" in line:
+                inside = False
+            elif inside and len(line.strip()) >= 4:
+                found.add(line.strip())
+    return found
+
+
+def write_samples(course_dir: Path, kinds: dict[str, str], assignment: str, notebook: str, folder: Path) -> None:
+    src = course_dir / "source" / assignment / f"{notebook}.ipynb"
+    rel = course_dir / "release" / assignment / f"{notebook}.ipynb"
+    for student, kind in kinds.items():
+        nb, _ = make_sample(kind, src, rel)
+        folder.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, folder / f"{student}_{notebook}.ipynb")
+
+
+def edited(nb_path: Path, out: Path, old: str, new: str) -> None:
+    nb = nbformat.read(nb_path, as_version=4)
+    hits = 0
+    for cell in nb.cells:
+        if old in cell.source:
+            cell.source = cell.source.replace(old, new)
+            hits += 1
+    assert hits, f"{old!r} not in {nb_path}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+
+
+# -- fast: names ------------------------------------------------------------------------------------------
+
+NOTEBOOKS = {name: assignment for assignment, name in REAL.items()}
+
+
+@pytest.mark.parametrize(
+    "path, student, assignment",
+    [
+        ("alice_parallelism.ipynb", "alice", "ex1-parallelism"),
+        ("parallelism_alice.ipynb", "alice", "ex1-parallelism"),
+        ("alice-ddp_basics.ipynb", "alice", "ex2-ddp-basics"),
+        ("alice/parallelism.ipynb", "alice", "ex1-parallelism"),
+        ("alice/ex4-torchrun/torchrun.ipynb", "alice", "ex4-torchrun"),
+        ("submitted/alice/ex3-syncbn-sharding/syncbn_sharding.ipynb", "alice", "ex3-syncbn-sharding"),
+        ("export/ex2-ddp-basics/bob_ddp_basics.ipynb", "bob", "ex2-ddp-basics"),
+        ("alice_12345_67890_parallelism.ipynb", "alice", "ex1-parallelism"),
+        ("alice_LATE_12345_67890_parallelism-1.ipynb", "alice", "ex1-parallelism"),
+        ("alice_late_12345_67890_syncbn_sharding.ipynb", "alice", "ex3-syncbn-sharding"),
+        ("Alice Smith_4242_assignsubmission_file_Torchrun.ipynb", "Alice_Smith", "ex4-torchrun"),
+        ("12345_parallelism.ipynb", "12345", "ex1-parallelism"),
+        ("bob.jones@uni.edu_ddp_basics.ipynb", "bob.jones@uni.edu", "ex2-ddp-basics"),
+    ],
+)
+def test_collect_reads_student_and_assignment_from_names(path, student, assignment):
+    placement = names.place(path, NOTEBOOKS)
+    assert (placement.student, placement.assignment) == (student, assignment)
+    assert placement.notebook == REAL[assignment]
+
+
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        ("parallelism.ipynb", "folder named after the student"),
+        ("alice_homework.ipynb", "no notebook name"),
+        ("alice_parallelism.py", "not a notebook"),
+        ("a$l_parallelism.ipynb", "cannot make a student id"),
+        ("ex1-parallelism/parallelism.ipynb", "no student folder"),
+    ],
+)
+def test_collect_reports_what_it_cannot_place(path, why):
+    with pytest.raises(names.Unplaced, match=why):
+        names.place(path, NOTEBOOKS)
+
+
+# -- fast: init --------------------------------------------------------------------------------------------
+
+
+def test_init_is_idempotent_and_keeps_edits(tmp_path):
+    course_dir = tmp_path / "course"
+    first = dict(init_course(course_dir, exercises=TINY, course_id="cs-ddp"))
+    assert first == {"nbgrader_config.py": "created", "source/ex0-tiny": "created"}
+    again = dict(init_course(course_dir, exercises=TINY, course_id="cs-ddp"))
+    assert set(again.values()) == {"unchanged"}
+
+    config = course_dir / "nbgrader_config.py"
+    config.write_text(config.read_text() + "\nTEST_CELL_TIMEOUT = 999  # the instructor's edit\n")
+    notebook = course_dir / "source" / "ex0-tiny" / "tiny.ipynb"
+    notebook.write_text(notebook.read_text().replace("return 2 * x", "return x + x"))
+    kept = dict(init_course(course_dir, exercises=TINY, course_id="cs-ddp"))
+    assert kept == {"nbgrader_config.py": "kept", "source/ex0-tiny": "kept"}
+    assert "999" in config.read_text() and "return x + x" in notebook.read_text()
+
+    forced = dict(init_course(course_dir, exercises=TINY, course_id="cs-ddp", force=True))
+    assert set(forced.values()) == {"replaced"}
+    assert "999" not in config.read_text() and "return x + x" not in notebook.read_text()
+
+
+def test_init_config_is_what_nbgrader_reads(tmp_path):
+    init_course(tmp_path, exercises=TINY, course_id="cs-ddp", db_url="postgresql://grader@db:5432/ddp",
+                test_timeout=321, cell_timeout=12)
+    course = Course(tmp_path)
+    assert course.course_id == "cs-ddp"
+    assert course.db_url == "postgresql://grader@db:5432/ddp"
+    timeout_func = course.config.Execute.timeout_func
+    test_cell = nbformat.v4.new_code_cell("x", metadata={"nbgrader": {"grade": True, "solution": False}})
+    answer_cell = nbformat.v4.new_code_cell("x", metadata={"nbgrader": {"grade": False, "solution": True}})
+    assert (timeout_func(test_cell), timeout_func(answer_cell), timeout_func(nbformat.v4.new_code_cell(""))) == (321, 12, 12)
+    assert course.config.IgnorePattern.enabled is True
+    assert course.config.Execute.kernel_name == "python3"
+
+
+def test_only_pure_warning_stderr_is_ignored():
+    pattern = re.compile(WARNINGS_ONLY)
+    harmless = [
+        "/x/torch/utils.py:12: UserWarning: TypedStorage is deprecated\n  return self.fget.__get__(instance)\n",
+        "[W1129 16:21:00.123 ProcessGroupGloo.cpp:727] Warning: Unable to resolve hostname\n",
+        "[rank0]:[W1129 16:21:00.1 Reducer.cpp:1] Warning: find_unused_parameters=True\n\n",
+        "a.py:1: FutureWarning: x\n  y\nb.py:2: DeprecationWarning: z\n",
+    ]
+    harmful = [
+        "Traceback (most recent call last):\n  File x\nValueError: boom\n",
+        "a.py:1: UserWarning: x\nrank 1 crashed\n",
+        "process 1 terminated with signal SIGKILL\n",
+        "my own debug print\n",
+    ]
+    assert all(pattern.search(text) for text in harmless)
+    assert not any(pattern.search(text) for text in harmful)
+
+
+# -- fast: leaks, redaction, samples ---------------------------------------------------------------------------
+
+
+def _clean_copy(source: Path, out: Path) -> None:
+    """A student copy made by hand the way nbgrader makes one (solutions stubbed, hidden tests gone)."""
+    nb = nbformat.read(source, as_version=4)
+    for cell in nb.cells:
+        lines, skip = [], False
+        for line in cell.source.splitlines():
+            if "BEGIN SOLUTION" in line:
+                lines += [line[: len(line) - len(line.lstrip())] + "# YOUR CODE HERE",
+                          line[: len(line) - len(line.lstrip())] + "raise NotImplementedError()"]
+                skip = True
+            elif "BEGIN HIDDEN TESTS" in line:
+                skip = True
+            elif "END SOLUTION" in line or "END HIDDEN TESTS" in line:
+                skip = False
+            elif not skip:
+                lines.append(line)
+        cell.source = "\n".join(lines)
+    nbformat.write(nb, out)
+
+
+def test_release_leak_check(tmp_path):
+    source = TINY / "ex0-tiny" / "tiny.ipynb"
+    clean = tmp_path / "clean.ipynb"
+    _clean_copy(source, clean)
+    assert student_copy_leaks(source, clean) == []
+
+    leaky = tmp_path / "leaky.ipynb"
+    edited(clean, leaky, "raise NotImplementedError()", "return 2 * x")
+    assert any("solution line left in: 'return 2 * x'" in p for p in student_copy_leaks(source, leaky))
+
+    hidden = tmp_path / "hidden.ipynb"
+    edited(clean, hidden, "assert double(3) == 6", 'assert double(3) == 6\nassert double(-5) == -10, "secret: double(-5) should be -10"')
+    assert any(p.startswith("hidden test line left in") for p in student_copy_leaks(source, hidden))
+
+    marker = tmp_path / "marker.ipynb"
+    edited(clean, marker, "assert double(3) == 6", "assert double(3) == 6\n### BEGIN HIDDEN TESTS")
+    assert any("region marker" in p for p in student_copy_leaks(source, marker))
+
+    with_output = nbformat.read(clean, as_version=4)
+    with_output.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="4\n")]
+    nbformat.write(with_output, tmp_path / "output.ipynb")
+    assert any("output" in p for p in student_copy_leaks(source, tmp_path / "output.ipynb"))
+
+
+def test_secrets_ignore_lines_students_see_anyway():
+    secrets = secrets_of(TINY / "ex0-tiny" / "tiny.ipynb")
+    assert "return 2 * x" in secrets.solution
+    assert secrets.hidden_tests == {'assert double(-5) == -10, "secret: double(-5) should be -10"'}
+    assert "assert double(3) == 6" not in secrets.all  # visible in the same cell
+
+
+def test_redaction_keeps_scores_and_messages_but_not_hidden_source():
+    from course.instructor.redact import RedactHiddenTests
+
+    source = "assert double(3) == 6\n### BEGIN HIDDEN TESTS\nassert double(-5) == -10, 'no'\n### END HIDDEN TESTS"
+    cell = nbformat.v4.new_code_cell(source, metadata={"nbgrader": {"grade": True, "grade_id": "t", "points": 1}})
+    cell.outputs = [nbformat.v4.new_output(
+        "error", ename="AssertionError", evalue="no",
+        traceback=["\x1b[0;31mAssertionError\x1b[0m   Traceback",
+                   "Cell In[5], line 3\n      1 assert double(3) == 6\n----> 3 \x1b[38;5;28massert\x1b[39m double(-5) == -10, 'no'",
+                   "\x1b[0;31mAssertionError\x1b[0m: no"])]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    out, _ = RedactHiddenTests().preprocess(nb, {})
+    text = plain_text(json.dumps(out))
+    assert "double(-5)" not in text and "HIDDEN TESTS" not in text
+    assert "assert double(3) == 6" in out.cells[0].source  # the visible part stays
+    assert out.cells[0].outputs[0].traceback[-1].endswith("no")  # the failure message stays
+    assert out.cells[0].metadata["nbgrader"]["points"] == 1
+
+
+def test_samples_are_made_from_the_source(tmp_path):
+    source = TINY / "ex0-tiny" / "tiny.ipynb"
+    release = tmp_path / "release.ipynb"
+    _clean_copy(source, release)
+    reference, _ = make_sample("reference", source, release)
+    text = "\n".join(c.source for c in reference.cells)
+    assert "return 2 * x" in text and "NotImplementedError" not in text and "BEGIN SOLUTION" not in text
+    assert "double(-5)" not in text  # hidden tests are not part of a submission
+    untouched, _ = make_sample("untouched", source, release)
+    assert [c.source for c in untouched.cells] == [c.source for c in nbformat.read(release, as_version=4).cells]
+    partial, _ = make_sample("partial", source, release)
+    assert "\n".join(c.source for c in partial.cells).count("NotImplementedError") == 1
+    hang, note = make_sample("hang", source, release)
+    assert "rank 1 stalls in answer_rank_sum" in note
+    stalled = next(c.source for c in hang.cells if "def rank_sum" in c.source)
+    compile(stalled, "answer", "exec")
+    assert stalled.index("time.sleep") < stalled.index("dist.all_reduce")
+    assert stall_rank_one("%%writefile train.py\nimport torch.distributed as dist\ndef main():\n    dist.barrier()\n")
+    assert solution_text("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION") == "def f():\n    return 1"
+
+
+def test_collect_files_a_zip_and_reports_the_rest(tmp_path):
+    init_course(tmp_path / "course", exercises=TINY)
+    course = Course(tmp_path / "course")
+    nb = nbformat.writes(nbformat.v4.new_notebook()).encode()
+    archive = tmp_path / "lms.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr(zipfile.ZipInfo("alice_111_222_tiny.ipynb", (2024, 1, 1, 10, 0, 0)), nb)
+        zf.writestr(zipfile.ZipInfo("alice_111_333_tiny-1.ipynb", (2024, 1, 2, 10, 0, 0)), nb + b" ")
+        zf.writestr("bob/tiny.ipynb", nb)
+        zf.writestr("carol_essay.ipynb", nb)
+        zf.writestr("dan_tiny.ipynb", b"{not json")
+        zf.writestr("__MACOSX/._alice_tiny.ipynb", b"junk")
+        zf.writestr("../evil_tiny.ipynb", nb)
+    from course.instructor.collect import collect
+
+    report = collect(course, archive)
+    filed = {(p.student, p.assignment): (rel, status) for rel, p, status in report.filed}
+    assert filed == {("alice", "ex0-tiny"): ("alice_111_333_tiny-1.ipynb", "new"),
+                     ("bob", "ex0-tiny"): ("bob/tiny.ipynb", "new")}
+    problems = dict(report.problems)
+    assert "older duplicate" in problems["alice_111_222_tiny.ipynb"]
+    assert "no notebook name" in problems["carol_essay.ipynb"]
+    assert "not a readable notebook" in problems["dan_tiny.ipynb"]
+    assert not any("evil" in p or "MACOSX" in p for p in problems)
+    assert (tmp_path / "course/submitted/alice/ex0-tiny/tiny.ipynb").read_bytes() == nb + b" "
+    with course.gradebook() as gb:
+        assert sorted(s.id for s in gb.students) == ["alice", "bob"]
+    again = collect(course, archive)
+    assert {status for _, _, status in again.filed} == {"unchanged"}
+
+
+# -- slow: end to end on the tiny assignment --------------------------------------------------------------
+
+
+def graded_records(course_dir: Path) -> dict[str, dict]:
+    """{"student/assignment": record} for every submission autograde recorded as graded."""
+    records = {}
+    for path in (course_dir / ".ddp-course" / "autograde").glob("*/*.json"):
+        record = json.loads(path.read_text())
+        if record["status"] == "graded":
+            records[f"{path.stem}/{path.parent.name}"] = record
+    return records
+
+
+def autograded_mtimes(course_dir: Path) -> dict[str, float]:
+    return {str(p.relative_to(course_dir)): p.stat().st_mtime for p in (course_dir / "autograded").glob("*/*/*.ipynb")}
+
+
+def interrupt_after_first(course_dir: Path, args: list[str], sig: int, deadline: float = 400):
+    """Start ``ddp-course autograde ARGS``, send ``sig`` once a first submission is graded; (rc, output, descendants)."""
+    log = course_dir.parent / f"autograde-{sig}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["ddp-course", "autograde", *args], cwd=course_dir, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            end = time.monotonic() + deadline
+            while not graded_records(course_dir):
+                assert proc.poll() is None, f"autograde ended before grading anything:\n{log.read_text()}"
+                assert time.monotonic() < end, f"nothing graded within {deadline} s:\n{log.read_text()}"
+                time.sleep(0.2)
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(sig)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return rc, log.read_text(), descendants
+
+
+def assert_all_gone(procs: list[psutil.Process], within: float = 20.0) -> None:
+    """Every process in ``procs`` (workers, kernels, ranks) has exited."""
+    _, alive = psutil.wait_procs(procs, timeout=within)
+    assert not alive, f"still running after the run was stopped: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tiny_course_end_to_end(tmp_path):
+    course_dir = tmp_path / "course"
+    cli("init", str(course_dir), "--exercises", str(TINY), cwd=tmp_path)
+    cli("release", cwd=course_dir)
+    incoming = tmp_path / "incoming"
+    write_samples(course_dir, {"alice": "reference", "bob": "untouched", "carol": "partial"}, "ex0-tiny", "tiny", incoming)
+    # passes the visible tests, fails the hidden one: its traceback quotes the hidden line
+    edited(incoming / "alice_tiny.ipynb", incoming / "frank" / "tiny.ipynb", "return 2 * x", "return 2 * abs(x)")
+    collected = cli("collect", str(incoming), cwd=course_dir)
+    assert collected.stdout.count(" new ") == 4
+
+    # Ctrl-C once the first submission is graded: it stays graded, the rest is left for the rerun
+    rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "1"], signal.SIGINT)
+    assert rc == 130, output
+    assert "interrupted" in output
+    assert_all_gone(descendants)
+    first = graded_records(course_dir)
+    before = autograded_mtimes(course_dir)
+    assert 1 <= len(first) < 4 and len(before) == len(first)
+
+    rerun = cli("autograde", "--jobs", "2", cwd=course_dir)
+    assert rerun.stdout.count("already graded") == len(first), rerun.stdout
+    after = autograded_mtimes(course_dir)
+    assert {k: after[k] for k in before} == before  # not graded again
+    assert len(after) == 4
+
+    # a submission that ignores interrupts and never ends is stopped at --timeout, with its whole process tree
+    hang = tmp_path / "hang"
+    edited(incoming / "alice_tiny.ipynb", hang / "henry_tiny.ipynb", "return 2 * x",
+           "import signal, time\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(10000)")
+    cli("collect", str(hang), cwd=course_dir)
+    started = time.monotonic()
+    stuck = cli("autograde", "--timeout", "40", cwd=course_dir)
+    assert time.monotonic() - started < 150
+    assert re.search(r"henry.*timeout", stuck.stdout), stuck.stdout
+    leftovers = [p for p in psutil.process_iter(["cwd"]) if str(course_dir) in (p.info["cwd"] or "")]
+    assert_all_gone(leftovers, within=10)
+    status = cli("status", cwd=course_dir).stdout
+    assert re.search(r"henry\s+│\s+timeout", status), status
+
+    cli("feedback", cwd=course_dir)
+    secret = 'assert double(-5) == -10, "secret: double(-5) should be -10"'
+    assert hidden_lines(TINY / "ex0-tiny" / "tiny.ipynb") == {secret}
+    pages = sorted((course_dir / "feedback").glob("*/ex0-tiny/tiny.html"))
+    assert [p.parent.parent.name for p in pages] == ["alice", "bob", "carol", "frank"]
+    for page in pages:
+        text = plain_text(page.read_text())
+        assert "double(-5) == -10" not in text and "HIDDEN TESTS" not in text, page
+        assert "Score: " in text
+    frank = plain_text(pages[-1].read_text())
+    assert "secret: double(-5) should be -10" in frank  # the failure message is shown, its source is not
+    assert re.search(r"test_double_hidden\s+Score: 0\.0 / 1\.0", frank)
+
+    cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
+    grades = read_csv(tmp_path / "grades.csv")
+    scores = {student: float(grades[(student, "ex0-tiny")]["score"]) for student, _ in grades}
+    assert scores == {"alice": 4.0, "bob": 0.0, "carol": 3.0, "frank": 3.0, "henry": 0.0}
+    assert grades[("henry", "ex0-tiny")]["timestamp"] == ""  # never graded
+
+
+# -- slow: end to end on the course's four exercises ------------------------------------------------------
+
+#: who hands in what: every kind at least once, exercise 4 (torchrun, ~1 min a submission) once, and a
+#: deadlock where it costs least (ex1: one check waits for its 60 s deadline)
+CLASS = {
+    "ada": {a: "reference" for a in REAL},
+    "bob": {"ex1-parallelism": "partial", "ex2-ddp-basics": "partial", "ex3-syncbn-sharding": "partial"},
+    "cy": {"ex1-parallelism": "untouched", "ex2-ddp-basics": "untouched", "ex3-syncbn-sharding": "untouched"},
+    "dee": {"ex1-parallelism": "hang"},
+}
+
+
+def max_points(source: Path) -> float:
+    return sum(float(c.metadata["nbgrader"].get("points", 0)) for c in nbformat.read(source, as_version=4).cells
+               if c.metadata.get("nbgrader", {}).get("grade"))
+
+
+def autograded_scores(course_dir: Path) -> dict[tuple[str, str], float]:
+    """Each autograded submission's score as nbgrader's own rule reads it off the executed notebook."""
+    from nbgrader.utils import determine_grade
+
+    scores = {}
+    for path in (course_dir / "autograded").glob("*/*/*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+        scores[(path.parent.parent.name, path.parent.name)] = sum(determine_grade(c)[0] or 0 for c in cells)
+    return scores
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not all((EXERCISES / a / f"{n}.ipynb").is_file() for a, n in REAL.items()),
+                    reason="the four exercises are not in exercises/ yet")
+def test_course_exercises_end_to_end(tmp_path):
+    course_dir = tmp_path / "course"
+    cli("init", str(course_dir), cwd=tmp_path)
+    released = cli("release", cwd=course_dir).stdout
+    assert released.count("no solutions, no hidden tests") == 4
+
+    incoming = tmp_path / "incoming"
+    for student, work in CLASS.items():
+        for assignment, kind in work.items():
+            write_samples(course_dir, {student: kind}, assignment, REAL[assignment], incoming)
+    cli("collect", str(incoming), cwd=course_dir)
+    jobs = sum(len(w) for w in CLASS.values())
+
+    # killed (SIGKILL, no cleanup of its own) once the first submission is graded
+    rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "2"], signal.SIGKILL, deadline=600)
+    assert rc == -signal.SIGKILL
+    assert_all_gone(descendants)
+    first = graded_records(course_dir)
+    before = autograded_mtimes(course_dir)
+    assert 1 <= len(first) < jobs
+
+    rerun = cli("autograde", "--jobs", "2", cwd=course_dir, timeout=900)
+    assert rerun.stdout.count("already graded") == len(first), rerun.stdout
+    after = autograded_mtimes(course_dir)
+    assert {k: after[k] for k in before} == before  # not graded again
+    records = graded_records(course_dir)
+    assert len(records) == jobs and len(after) == jobs, rerun.stdout
+
+    # two workers really graded at the same time
+    spans = sorted((time.mktime(time.strptime(r["finished"][:19], "%Y-%m-%dT%H:%M:%S")) - r["elapsed"],
+                    time.mktime(time.strptime(r["finished"][:19], "%Y-%m-%dT%H:%M:%S"))) for r in records.values())
+    assert any(b_start < a_end - 2 for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
+
+    cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
+    grades = read_csv(tmp_path / "grades.csv")
+    assert len(grades) == len(CLASS) * len(REAL)  # every student and assignment, submitted or not
+    score = {key: float(row["score"]) for key, row in grades.items()}
+    top = {a: max_points(EXERCISES / a / f"{n}.ipynb") for a, n in REAL.items()}
+    for assignment in REAL:
+        assert score[("ada", assignment)] == top[assignment] > 0, assignment
+        assert float(grades[("ada", assignment)]["max_score"]) == top[assignment]
+    for assignment in CLASS["bob"]:
+        assert 0 < score[("bob", assignment)] < top[assignment], assignment
+        assert score[("cy", assignment)] == 0, assignment
+    assert score[("dee", "ex1-parallelism")] < top["ex1-parallelism"]
+    for assignment in ("ex2-ddp-basics", "ex3-syncbn-sharding", "ex4-torchrun"):
+        assert grades[("dee", assignment)]["timestamp"] == "" and score[("dee", assignment)] == 0
+    # the gradebook holds what the autograded notebooks show
+    assert autograded_scores(course_dir) == {k: float(grades[k]["raw_score"]) for k in autograded_scores(course_dir)}
+
+    cli("feedback", cwd=course_dir)
+    pages = sorted((course_dir / "feedback").glob("*/*/*.html"))
+    assert len(pages) == jobs
+    for page in pages:
+        text = plain_text(page.read_text())
+        secrets = hidden_lines(EXERCISES / page.parent.name / f"{page.stem}.ipynb")
+        assert secrets
+        assert not [s for s in secrets if s in text], page
+        assert "Score: " in text
+    bob = plain_text((course_dir / "feedback/bob/ex1-parallelism/parallelism.html").read_text())
+    assert "FAILED" in bob or "Error" in bob  # the failing check says why
+
+    status = cli("status", cwd=course_dir).stdout
+    assert "not graded" in status and not re.search(r"│\s*(failed|timeout)\s*│", status), status
+
+    # plain nbgrader in the same folder: sees everything as graded, and regrading agrees with ddp-course
+    skipped = nbgrader("autograde", "ex1-parallelism", cwd=course_dir)
+    assert "Skipping existing assignment" in skipped.stdout + skipped.stderr
+    assert autograded_mtimes(course_dir) == after
+    nbgrader("autograde", "ex2-ddp-basics", "--force", cwd=course_dir)
+    nbgrader("export", "--to", str(tmp_path / "plain.csv"), cwd=course_dir)
+    plain = read_csv(tmp_path / "plain.csv")
+    columns = ("raw_score", "score", "max_score")
+    assert {k: [r[c] for c in columns] for k, r in plain.items()} == {k: [r[c] for c in columns] for k, r in grades.items()}

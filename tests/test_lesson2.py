@@ -1,0 +1,223 @@
+"""Lesson 2's demos really ran multi-rank and got the right results, read from what its cells printed."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from lesson_output import output_of, world_sizes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def nb(executed_lesson):
+    return executed_lesson("02")
+
+
+def rows(pattern: str, text: str) -> list[tuple[str, ...]]:
+    found = re.findall(pattern, text, re.M)
+    assert found, f"no line matching {pattern!r} in:\n{text}"
+    return found
+
+
+def test_clean_run_with_plots_summary_and_quick_check(nb):
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            assert output.output_type != "error", f"{output.ename}: {output.evalue}"
+            assert output.get("name") != "stderr", f"stderr in:\n{cell.source[:200]}\n---\n{output.text}"
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 3
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "## Summary" in markdown and "## Quick check" in markdown
+    assert markdown.count("<details>") >= 3
+
+
+def test_one_process_per_rank(nb):
+    text = output_of(nb, "run_ranks(which_process")
+    [ws] = world_sizes(text)
+    notebook = rows(r"notebook process (\d+)", text)[0]
+    pids = [pid for _, pid in rows(r"rank (\d+): process (\d+)", text)]
+    assert len(pids) == len(set(pids)) == ws >= 2 and notebook not in pids
+
+
+def test_every_rank_logs_unless_guarded(nb):
+    text = output_of(nb, "run_ranks(log_lines")
+    [ws] = world_sizes(text)
+    assert ws >= 2
+    everyone = rows(r"^\[rank (\d+)\] starting training$", text)
+    assert sorted(int(r) for r in everyone) == list(range(ws))
+    assert rows(r"\[rank (\d+)\] starting training on (\d+) ranks", text) == [("0", str(ws))]
+
+
+def test_environment_read_by_init_process_group(nb):
+    text = output_of(nb, "run_ranks(show_environment")
+    [ws] = world_sizes(text)
+    envs = [(int(r), ast.literal_eval(env), up) for r, env, up in
+            rows(r"rank (\d+): (\{.*?\}), process group up: (\w+)", text)]
+    assert len(envs) == ws >= 2
+    assert len({env["MASTER_PORT"] for _, env, _ in envs}) == 1
+    for rank, env, up in envs:
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(ws) and up == "True"
+
+
+def test_each_rank_pinned_to_its_device(nb):
+    text = output_of(nb, "run_ranks(show_device")
+    [ws] = world_sizes(text)
+    found = rows(r"rank (\d+): local_rank (\d+), device (\S+), current GPU (\S+),", text)
+    assert len(found) == ws >= 2
+    for rank, local_rank, device, gpu in found:
+        assert rank == local_rank
+        assert (device, gpu) in {("cpu", "None"), (f"cuda:{local_rank}", local_rank)}
+
+
+def test_ddp_broadcasts_rank0_weights_and_seeds_matter(nb):
+    text = output_of(nb, "run_ranks(wrap_and_seed")
+    [ws] = world_sizes(text)
+    sums = [(float(b), float(a)) for _, b, a in rows(r"rank (\d+): weight checksum (\S+) before DDP -> (\S+) after", text)]
+    assert len(sums) == ws >= 2
+    assert len({b for b, _ in sums}) == ws, "each rank should start from its own weights"
+    assert all(a == sums[0][0] for _, a in sums), "after wrapping every rank should hold rank 0's weights"
+    noise = rows(r"seed 0: (\[.*?\]); seed 0 \+ rank: (\[.*?\])", text)
+    assert len({same for same, _ in noise}) == 1 and len({own for _, own in noise}) == ws
+
+
+def test_gradients_are_synchronised(nb):
+    text = output_of(nb, "run_ranks(train_on_own_data")
+    assert len(world_sizes(text)) == 2 and min(world_sizes(text)) >= 2
+    assert "DDP: parameters bitwise equal across ranks after every step: True" in text
+    assert "plain model: parameters bitwise equal across ranks after every step: False" in text
+    text = output_of(nb, "run_ranks(train_ddp")
+    assert world_sizes(text)[0] >= 2
+    assert float(rows(r"max \|one process - DDP\| weight difference = (\S+)", text)[0]) < 1e-6
+    assert "DDP matches one process on the full batch (atol=1e-6): True" in text
+
+
+def test_unused_parameters_and_no_sync(nb):
+    text = output_of(nb, "run_ranks(unused_parameters")
+    assert world_sizes(text)[0] >= 2
+    assert "Expected to have finished reduction in the prior iteration" in text
+    text = output_of(nb, "run_ranks(accumulate")
+    assert len(world_sizes(text)) == 2 and min(world_sizes(text)) >= 2
+    (micro, without, with_no_sync), = rows(r"(\d+) micro-batches without no_sync: (\d+) all-reduces; with no_sync: (\d+)", text)
+    assert int(without) == int(micro) > 1 and int(with_no_sync) == 1
+    assert "same accumulated gradients on every rank: True" in text
+
+
+def test_sampler_shards_are_disjoint_covering_and_padded(nb):
+    text = output_of(nb, "run_ranks(shards")
+    [ws] = world_sizes(text)
+    assert ws >= 2
+    blocks = re.findall(r"dataset of (\d+) samples:\n((?:  rank .*\n)+)", text)
+    assert len(blocks) == 2
+    for n, block in blocks:
+        n = int(n)
+        shards = [ast.literal_eval(s) for _, s in re.findall(r"rank (\d+) gets indices (\[.*?\])", block)]
+        assert len(shards) == ws and len({len(s) for s in shards}) == 1
+        seen = [i for s in shards for i in s]
+        assert set(seen) == set(range(n))
+        assert len(seen) == -(-n // ws) * ws  # padded up to a multiple of world_size
+        if n % ws == 0:
+            assert len(set(seen)) == len(seen), "an even split must not repeat indices"
+        else:
+            assert len(seen) - len(set(seen)) == len(seen) - n
+
+
+def test_uneven_batches_hang_without_join(nb):
+    text = output_of(nb, "run_ranks(uneven_batches")
+    assert world_sizes(text) == [2, 2]
+    without = rows(r"without Join, rank \d+: (\d+) batches, (\d+) steps done, (failed|finished)", text)
+    with_join = rows(r"with Join, rank \d+: (\d+) batches, (\d+) steps done, (failed|finished)", text)
+    assert len({b for b, _, _ in without}) == 2, "the ranks should have different numbers of batches"
+    assert all(outcome == "failed" for *_, outcome in without)
+    assert all(outcome == "finished" and b == s for b, s, outcome in with_join)
+
+
+def test_loader_with_sampler(nb):
+    text = output_of(nb, "run_ranks(loader_demo")
+    [ws] = world_sizes(text)
+    assert ws >= 2
+    assert "ValueError: sampler option is mutually exclusive with shuffle" in text
+    (single, each, bs, global_batch), = rows(r"1 process: (\d+) batches per epoch; each of \d+ ranks: (\d+) batches of (\d+) \(global batch (\d+)\)", text)
+    assert int(each) * ws == int(single) and int(global_batch) == int(bs) * ws
+    batches = [ast.literal_eval(b) for b in rows(r"rank \d+ first batch: (\[.*?\])", text)]
+    seen = [i for b in batches for i in b]
+    assert len(batches) == ws and len(seen) == len(set(seen))
+
+
+def test_evaluation_counts_each_sample_once(nb):
+    text = output_of(nb, "run_ranks(evaluate")
+    assert world_sizes(text)[0] >= 2
+    true = float(rows(r"true accuracy: (\S+)", text)[0])
+    found = {name: (ast.literal_eval(idx), float(mean), float(counts)) for name, idx, mean, counts in
+             rows(r"(padded sampler|unpadded split): indices per rank (\[.*?\]); mean of per-rank accuracies (\S+), "
+                  r"all-reduced counts (\S+)", text)}
+    padded, unpadded = found["padded sampler"], found["unpadded split"]
+    flat = [i for shard in unpadded[0] for i in shard]
+    assert sorted(flat) == sorted(set(flat)), "the unpadded split must score each sample once"
+    assert unpadded[2] == pytest.approx(true, abs=1e-3)
+    assert padded[2] != pytest.approx(true, abs=1e-3) and unpadded[1] != pytest.approx(true, abs=1e-3)
+
+
+def test_set_epoch_reshuffles_and_keeps_shards_disjoint(nb):
+    text = output_of(nb, "run_ranks(epoch_orders")
+    [ws, ws2] = world_sizes(text)
+    assert ws == ws2 >= 2
+    orders = {}
+    for label, rank, line in rows(r"(with|without) set_epoch, rank (\d+): (.*)", text):
+        orders.setdefault(label, {})[int(rank)] = [ast.literal_eval(o) for o in re.findall(r"epoch \d+: (\[.*?\])", line)]
+    for label, per_rank in orders.items():
+        assert sorted(per_rank) == list(range(ws))
+        for epoch in range(len(per_rank[0])):
+            seen = [i for rank in range(ws) for i in per_rank[rank][epoch]]
+            assert len(seen) == len(set(seen)), f"{label} set_epoch: ranks overlap in epoch {epoch}"
+    assert all(all(e == o[0] for e in o) for o in orders["without"].values()), "without set_epoch every epoch repeats"
+    assert all(len({tuple(e) for e in o}) > 1 for o in orders["with"].values()), "with set_epoch the order changes"
+
+
+def test_checkpoint_saved_once_loaded_everywhere(nb):
+    text = output_of(nb, "run_ranks(checkpoint")
+    [ws] = world_sizes(text)
+    assert ws >= 2
+    assert ast.literal_eval(rows(r"files in the checkpoint directory: (\[.*?\])", text)[0]) == ["ckpt.pt"]
+    (keys, ddp_keys), = rows(r"checkpoint keys: (\[.*?\]) \| ddp_model.state_dict\(\) keys: (\[.*?\])", text)
+    keys, ddp_keys = ast.literal_eval(keys), ast.literal_eval(ddp_keys)
+    assert not any(k.startswith("module.") for k in keys) and ddp_keys == [f"module.{k}" for k in keys]
+    found = rows(r"rank (\d+): wrote it: (\w+); loaded onto (\S+); same weights as its replica: (\w+)", text)
+    assert [w for _, w, _, _ in found] == ["True"] + ["False"] * (ws - 1)
+    assert all(same == "True" for *_, same in found)
+
+
+def test_module_prefix_and_missing_barrier_fail_live(nb):
+    text = output_of(nb, "run_ranks(wrong_keys")
+    assert world_sizes(text)[0] >= 2
+    assert 'Unexpected key(s) in state_dict: "module.' in text
+    fixed = ast.literal_eval(rows(r"after consume_prefix_in_state_dict_if_present: (\[.*?\])", text)[0])
+    assert fixed and not any(k.startswith("module.") for k in fixed)
+    text = output_of(nb, "run_ranks(load_without_barrier")
+    assert len(world_sizes(text)) == 2 and min(world_sizes(text)) >= 2
+    without = ast.literal_eval(rows(r"without barrier: (\[.*?\])", text)[0])
+    with_barrier = ast.literal_eval(rows(r"with barrier: (\[.*?\])", text)[0])
+    assert without[0] == "loaded" and any(o != "loaded" for o in without[1:])
+    assert with_barrier == ["loaded"] * len(with_barrier)
+
+
+def test_destroy_process_group(nb):
+    text = output_of(nb, "course.launch(fn, 2)")
+    assert world_sizes(text) == [2, 2]
+    assert "forgets_to_destroy: second init_process_group: ValueError" in text
+    assert "forgets_to_destroy: called destroy_process_group [False, False], process group still up when the function returned [True, True]" in text
+    assert "destroys: called destroy_process_group [True, True], process group still up when the function returned [False, False]" in text
+
+
+def test_complete_training_script(nb):
+    text = output_of(nb, "run_ranks(train,")
+    [ws] = world_sizes(text)
+    assert ws >= 2
+    epochs = rows(r"\[rank (\d+)\] epoch (\d+): mean loss (\S+) over (\d+) samples", text)
+    assert {r for r, *_ in epochs} == {"0"}, "only rank 0 logs"
+    losses = [float(loss) for _, _, loss, _ in epochs]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert len({n for *_, n in epochs}) == 1
+    assert rows(r"the checkpoint loads into a plain model; its loss on the whole dataset: (\S+)", text)

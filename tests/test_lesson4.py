@@ -1,0 +1,112 @@
+"""Lesson 4 runs top to bottom, and its torchrun jobs really ran multi-rank with the right results.
+
+The notebook is executed once per session; the tests read what the ranks printed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from lesson_output import output_of
+
+# Four torchrun jobs; each imports torch in every process, which is slow on a busy 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BACKEND = r"backend=(?:gloo|nccl)"
+
+
+@pytest.fixture(scope="module")
+def nb(executed_lesson):
+    """The executed lesson (run once per session by conftest's fixture)."""
+    return executed_lesson("04")
+
+
+def hello_lines(text: str) -> list[dict]:
+    pattern = (r"\[rank (?P<rank>\d+)\] node=(?P<node>\d+) local_rank=(?P<local_rank>\d+) argv=(?P<argv>\[.*?\]) "
+               r"--local_rank flag=(?P<flag>\d+) all_reduce sum=(?P<sum>\d+) "
+               rf"ran on world_size=(?P<world_size>\d+) \({BACKEND}\)")
+    rows = []
+    for m in re.finditer(pattern, text):
+        row = {k: (ast.literal_eval(v) if k == "argv" else int(v)) for k, v in m.groupdict().items()}
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def test_runs_cleanly_and_draws_the_plots(nb):
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for output in cell.outputs:
+            assert output.output_type != "error", f"{output.ename}: {output.evalue}"
+            assert output.get("name") != "stderr", f"stderr in cell:\n{cell.source[:200]}\n---\n{output.text}"
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 2
+
+
+def test_torchrun_sets_the_environment_and_passes_no_local_rank_flag(nb):
+    rows = hello_lines(output_of(nb, 'hello = torchrun("--standalone"'))
+    assert [(r["rank"], r["local_rank"], r["world_size"]) for r in rows] == [(0, 0, 2), (1, 1, 2)]
+    for row in rows:
+        assert row["argv"] == ["--epochs", "3"]  # the script's own arguments, and nothing else
+        assert row["flag"] == 0  # an argparse --local_rank keeps its default on every rank
+        assert row["sum"] == 0 + 1  # the ranks really talked
+
+
+def test_plain_python_has_no_rank(nb):
+    text = output_of(nb, 'plain = subprocess.run([sys.executable, "hello.py"]')
+    assert "exit code: 1" in text
+    assert "KeyError: 'RANK'" in text
+
+
+def test_two_nodes_give_local_rank_different_from_rank(nb):
+    rows = hello_lines(output_of(nb, "two_nodes = [finish(agent) for agent in agents]"))
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert {r["world_size"] for r in rows} == {4}
+    assert {r["sum"] for r in rows} == {0 + 1 + 2 + 3}
+    for node in (0, 1):
+        assert sorted(r["local_rank"] for r in rows if r["node"] == node) == [0, 1]
+    for row in rows:
+        assert row["rank"] == row["node"] * 2 + row["local_rank"]
+    assert any(r["local_rank"] != r["rank"] for r in rows)
+    assert "LOCAL_RANK != RANK" in output_of(nb, "rows = sorted(")
+
+
+def epoch_losses(text: str) -> dict[int, tuple[int, str]]:
+    """epoch -> (attempt, loss) from rank 0's per-epoch lines."""
+    return {int(e): (int(a), loss) for a, e, loss in re.findall(r"\[rank 0\] attempt (\d+): epoch (\d+) loss ([\d.]+) saved", text)}
+
+
+def test_uninterrupted_reference_run(nb):
+    text = output_of(nb, "reference = torchrun(")
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] attempt 0: done, ran on world_size=2 \({BACKEND}\)", text)
+    assert sorted(epoch_losses(text)) == list(range(6))
+
+
+def test_record_wrote_the_crashed_ranks_error_file(nb):
+    text = output_of(nb, 'glob.glob(os.path.join(log_dir, "*", "attempt_0"')
+    assert "attempt 0, local_rank 1: RuntimeError: simulated crash of rank 1 in epoch 3" in text
+    assert set(re.findall(r"attempt 0, local_rank (\d)", text)) <= {"0", "1"}
+
+
+def test_restarted_run_resumes_and_ends_with_the_uninterrupted_weights(nb):
+    text = output_of(nb, "restarted = torchrun(")
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1: resumed from the checkpoint of epoch 2" in text
+        assert re.search(rf"\[rank {rank}\] attempt 1: done, ran on world_size=2 \({BACKEND}\)", text)
+    assert "from torchrun's log: [rank1]: RuntimeError: simulated crash of rank 1 in epoch 3" in text
+    restarted = epoch_losses(text)
+    assert {e: a for e, (a, _) in restarted.items()} == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    reference = epoch_losses(output_of(nb, "reference = torchrun("))
+    assert {e: loss for e, (_, loss) in restarted.items()} == {e: loss for e, (_, loss) in reference.items()}
+    m = re.search(r"max \|difference\| between resumed and uninterrupted weights: (\S+)",
+                  output_of(nb, "resumed = torch.load("))
+    assert m and float(m.group(1)) <= 1e-6, m and m.group(0)
+
+
+def test_spawn_cannot_find_a_notebook_function(nb):
+    text = output_of(nb, "spawned = subprocess.run(")
+    assert "child exit code: 1" in text
+    assert "Can't get attribute 'work'" in text
