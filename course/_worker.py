@@ -75,12 +75,20 @@ def _patch_destroy() -> None:
     real_destroy = c10d.destroy_process_group
 
     def destroy_process_group(group=None):
-        if group is None or group is c10d.GroupMember.WORLD:
+        world = group is None or group is c10d.GroupMember.WORLD
+        if world:
             _STATE["destroy_called"] = True
+            _STATE["destroys"] = _STATE.get("destroys", 0) + 1
             _KEEP_ALIVE.extend(list(c10d._world.pg_map.keys()))
         else:
             _KEEP_ALIVE.append(group)
         real_destroy(group)
+        if world:
+            # torch restarts group names at "0" after a full destroy, so a second
+            # init_process_group in this job would read the first one's addresses
+            # from the launcher's store and hang. Every rank destroys in the same
+            # order, so this keeps names unique and still agreed on by all ranks.
+            c10d._world.group_count = 1000 * _STATE["destroys"]
 
     destroy_process_group.__doc__ = real_destroy.__doc__
     destroy_process_group.__wrapped__ = real_destroy
@@ -108,6 +116,29 @@ def _write(path: str, obj: dict, safe: bool) -> None:
         else:
             fh.write(cloudpickle.dumps(obj))
     os.replace(tmp, path)
+
+
+def _finish_barrier(job: dict) -> None:
+    """Leave only once every rank has returned from ``fn``.
+
+    A rank that exits while its peers are still connecting (init_process_group
+    builds a full mesh) makes them fail with "Connection closed by peer": wait
+    on the launcher's store. If a peer fails instead, the launcher kills this rank,
+    whose result is already written.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    env = job["env"]
+    try:
+        store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False,
+                         timeout=timedelta(seconds=job["timeout"]))
+        if store.add("ddp_course/finished", 1) >= int(env["WORLD_SIZE"]):
+            store.set("ddp_course/all_finished", "1")
+        store.wait(["ddp_course/all_finished"])
+    except Exception:  # noqa: BLE001 - the launcher decides what a missing peer means
+        pass
 
 
 def _pg_initialized() -> bool:
@@ -161,6 +192,7 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
                 f"rank {rank} returned a {type(value).__name__} that cannot be sent "
                 f"back to the launcher ({exc}); return plain Python values or tensors"
             ) from None
+        _finish_barrier(job)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         code = 1
         report = {"traceback": "", "type": "", "message": "", "exception": None}

@@ -401,6 +401,7 @@ def launch(
                     result_path=os.path.join(jobdir, f"rank{rank}.result"),
                     error_path=os.path.join(jobdir, f"rank{rank}.error"),
                     safe=safe_results,
+                    timeout=timeout,
                 )
             )
         tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
@@ -491,7 +492,8 @@ def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, 
         result = _load(job["result_path"], safe)
         error = _load(job["error_path"], safe)
         last = tails[rank].last()
-        if result is not None and "value" in result and processes[rank].exitcode == 0:
+        # A rank that returned may still have been killed while it waited for its peers.
+        if result is not None and "value" in result:
             values[rank] = result["value"]
             meta[rank] = result
             returned.append(rank)
