@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -105,7 +106,9 @@ def _run_cell(shell, cell: NotebookNode, seconds: float) -> None:
 def execute(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts()) -> Execution:
     """Run the code cells of ``nb`` (in place) in this process's IPython shell, started fresh, in ``cwd``."""
     run = Execution(nb)
+    saved_main = sys.modules.get("__main__")  # the shell installs its own namespace as __main__
     shell = _shell()
+    sys.modules["__main__"] = shell.user_module
     old_cwd = os.getcwd()
     os.chdir(cwd)
     try:
@@ -117,4 +120,6 @@ def execute(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts()) 
     finally:
         os.chdir(old_cwd)
         shell.reset(new_session=True)
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
     return run

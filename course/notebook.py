@@ -15,7 +15,6 @@ from pathlib import Path
 
 import nbformat
 from nbformat import NotebookNode
-
 from nbgrader.utils import is_grade
 
 #: the ename of the error output a timed-out cell gets
@@ -109,7 +108,10 @@ def execute(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts(), 
         client.execute(cwd=str(cwd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except DeadKernelError:
         index = current["index"]
-        run.aborted = f"the kernel died while running cell {index}" if index is not None else "the kernel died"
+        run.aborted = "the kernel died"
+        if index is not None:
+            gid = nb.cells[index].get("metadata", {}).get("nbgrader", {}).get("grade_id")
+            run.aborted += f" while running cell {index}" + (f" ({gid})" if gid else "")
         if index is not None:
             cell = nb.cells[index]
             cell.outputs.append(nbformat.v4.new_output(

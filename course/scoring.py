@@ -15,10 +15,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from nbformat import NotebookNode
+from nbgrader.utils import determine_grade
 
 from course.notebook import TIMEOUT_ENAME, Execution
 from course.sources import GradedCell
-from nbgrader.utils import determine_grade
 
 
 @dataclass

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbformat import NotebookNode
+from nbgrader.utils import is_grade, is_locked, is_solution
 
 from course.notebook import NotebookError, read
-from nbgrader.utils import is_grade, is_locked, is_solution
 
 
 @dataclass(frozen=True)

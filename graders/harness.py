@@ -14,7 +14,8 @@ import ast
 import inspect
 import os
 import textwrap
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from graders.core import CheckFailed, run_job
 
@@ -125,33 +126,13 @@ def join_job():
 
 
 def finish(value: Any) -> Any:
-    """Return ``value`` once every rank has got here: no rank exits while a peer still talks to it.
+    """Return ``value``: a harness's last step, kept so harnesses say where the student's part ends.
 
-    A rank that exits while a peer is still connecting (init_process_group) or reading
-    its last message makes that peer fail with "Connection closed by peer". The wait
-    goes through the job's rendezvous store, never a collective, so it cannot pair up
-    with a collective the student's code left unmatched. It gives up a few seconds
-    before the job's deadline, so that a deadline names only the ranks stuck in the
-    student's code.
+    Ranks must not exit while a peer still talks to them (a peer connecting in
+    init_process_group would fail with "Connection closed by peer"); the launcher
+    now holds every rank that returned until all have, through its store, never a
+    collective, so nothing pairs up with a collective the student left unmatched.
     """
-    import time
-    from datetime import timedelta
-
-    import psutil
-    import torch.distributed as dist
-
-    world_size = int(os.environ["WORLD_SIZE"])
-    left = check_timeout() - (time.time() - psutil.Process().create_time()) - 3.0
-    if left <= 0:
-        return value
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
-                          timeout=timedelta(seconds=left), wait_for_workers=False)
-    if store.add("ddp-course-grader/done", 1) == world_size:
-        store.set("ddp-course-grader/all-done", "1")
-    try:
-        store.wait(["ddp-course-grader/all-done"], timedelta(seconds=left))
-    except Exception:  # noqa: BLE001 - a peer is stuck; the job's deadline reports it
-        print(f"[grader] rank {os.environ.get('RANK')} finished; gave up waiting for the other ranks", flush=True)
     return value
 
 
