@@ -11,7 +11,7 @@ a script is launched at most twice and every check reads those two runs
   (``--nnodes=2``, 1 and 2 workers: world size 3, and LOCAL_RANK != RANK on
   the second node), uninterrupted;
 * ``restart``: ``--standalone --nproc_per_node=2 --max-restarts=1``; the worker
-  of rank 1 dies once, right after its 5th optimizer step (epoch 2 of 4), so
+  of rank 1 dies once, right after its 5th optimizer step (in epoch 2 of 0-3), so
   the job ends right only if the script resumes from its last checkpoint.
 
 GPUs are hidden from the job (it trains on gloo everywhere), and
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from graders import harness
 from graders.core import CheckFailed, expect, passed
 
 # The script's given parts (the notebook's train.py): tests keep the two in step.
@@ -223,8 +224,6 @@ def _job_env(probe_dir: str, watched: list[str], crash: bool) -> dict:
         CUDA_VISIBLE_DEVICES="",  # grade on gloo/CPU everywhere, deterministically
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(PROBE_SCRIPT)),
-                                               env.get("PYTHONPATH", "")] if p),
     )
     if "GLOO_SOCKET_IFNAME" not in env and "lo" in [n for _, n in socket.if_nameindex()]:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # all workers are on this host; hostname lookup is flaky in containers
@@ -278,7 +277,7 @@ def _launch(script: str, scenario: str) -> Run:
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _stop(procs, probe_dir, dump_stacks=timed_out)
+            _stop(procs, dump_stacks=timed_out)
             for fh in logs:
                 fh.close()
         elapsed = time.monotonic() - started
@@ -299,7 +298,7 @@ def _launch(script: str, scenario: str) -> Run:
         shutil.rmtree(job, ignore_errors=True)
 
 
-def _stop(procs: list[subprocess.Popen], probe_dir: str, dump_stacks: bool) -> None:
+def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
     """End every agent and worker of the job (workers run in sessions of their own)."""
     import psutil
 
@@ -487,8 +486,7 @@ def _student_stack(stack: str) -> str:
 
 
 def _ranks(ranks) -> str:
-    ranks = sorted(set(ranks))
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) if ranks else ""
+    return harness.rank_list(ranks) if ranks else ""
 
 
 def _were(ranks) -> str:
@@ -509,12 +507,14 @@ def _check_reports(check: str, run: Run, world_size: int) -> None:
     if not run.workers:
         raise _failure(check, run)
     mistakes, missing = [], []
+    last = run.attempts - 1
     for w in run.workers:
         if w.of("crash"):
             continue
         report = run.reports.get(w.pid)
         if report is None:
-            missing.append(w)
+            if w.attempt == last:  # workers of an attempt that torchrun stopped may not have got that far
+                missing.append(w)
             continue
         if not isinstance(report, dict):
             mistakes.append((w, f"its report is {report}", None))
@@ -723,11 +723,14 @@ def check_restart_resume(script: str = "train.py") -> None:
     if not crashed:
         if not run.ok:
             raise _failure(check, run, "before the injected crash: ")
+        steps = max((len(w.of("step")) for w in run.attempt(0) if w.rank == CRASH_RANK), default=0)
         raise CheckFailed(
             check,
-            f"the grader could not crash rank {CRASH_RANK}: it never reached optimizer step {CRASH_STEP}",
+            f"the grader could not crash rank {CRASH_RANK}: it took only {steps} optimizer step(s), and the crash "
+            f"comes after step {CRASH_STEP} of {EPOCHS * STEPS_PER_EPOCH}",
             ranks=[CRASH_RANK],
-            hint=f"train for {EPOCHS} epochs of {STEPS_PER_EPOCH} steps with optimizer.step() (a torch.optim optimizer)",
+            hint=f"every rank trains all {EPOCHS} epochs of {STEPS_PER_EPOCH} steps, in step with the others (DDP), "
+            "calling optimizer.step() of a torch.optim optimizer once per step",
         )
     if not run.ok:
         raise _failure(check, run, context + "after the restart, ")

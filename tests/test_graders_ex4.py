@@ -1,0 +1,278 @@
+"""Exercise 4's checks: real torchrun launches of right and wrong training scripts.
+
+A launch costs 5-30 s here, so every script is launched at most twice (the two
+runs every check shares) and most wrong scripts are graded as notebooks, which
+exercises every check at once: each must lose exactly the intended test cells.
+Unit tests cover what the notebooks do not: hangs, the static stub check, the
+probe's view of file writes, and wrong scripts that need one launch only.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import submissions
+import torch
+
+import graders.ex4 as ex4
+from course.instructor.leaks import student_copy_leaks
+from graders.core import CheckFailed
+
+A = "ex4-torchrun"
+SCRIPT_CELL = "ex4_train_script"
+LAUNCH_TIMEOUT = 600  # two torchrun launches on a loaded 2-core machine, with room to spare
+HANG_TIMEOUT = 45.0  # the 2-node run's deadline in the hang test
+
+
+def script_source(nb=None) -> str:
+    """train.py as the notebook's %%writefile cell writes it (solution included)."""
+    text = submissions.answer(nb or submissions.load(A), SCRIPT_CELL)
+    first, rest = text.split("\n", 1)
+    assert first.strip() == "%%writefile train.py", first
+    return "\n".join(line for line in rest.splitlines() if "### BEGIN SOLUTION" not in line
+                     and "### END SOLUTION" not in line) + "\n"
+
+
+def write_script(tmp_path, *edits: tuple[str, str]) -> str:
+    """The reference train.py with ``(old, new)`` edits (each ``old`` must occur once), written to tmp_path."""
+    source = script_source()
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    return str(path)
+
+
+def fails(check, script, *words) -> str:
+    with pytest.raises(CheckFailed) as info:
+        check(script)
+    message = str(info.value)
+    assert message.startswith(f"FAILED {check.__name__}"), message
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+    return message
+
+
+# --- fast: no launch ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_graders_copy_of_the_given_code_matches_the_notebook():
+    """expected_weights() trains the grader's copy of make_model/get_batch/SGD: it must be the script's."""
+    source = script_source()
+    given = source[:source.index("# ---- yours ----")]
+    namespace: dict = {}
+    exec(compile(given, "train.py", "exec"), namespace)
+    for name in ("EPOCHS", "STEPS_PER_EPOCH", "LR", "MOMENTUM"):
+        assert namespace[name] == getattr(ex4, name), name
+    mine, theirs = ex4.make_model().state_dict(), namespace["make_model"]().state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    for args in ((0, 0, 0), (2, 3, 1)):
+        assert all(torch.equal(a, b) for a, b in zip(ex4.get_batch(*args), namespace["get_batch"](*args)))
+    optimizer = namespace["make_optimizer"](namespace["make_model"]())
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.defaults["lr"] == ex4.LR and optimizer.defaults["momentum"] == ex4.MOMENTUM
+
+
+@pytest.mark.timeout(60)
+def test_expected_weights_are_sgd_with_momentum_on_the_global_batch():
+    """The hand-written update in expected_weights equals torch.optim.SGD on all ranks' batches."""
+    model = ex4.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex4.LR, momentum=ex4.MOMENTUM)
+    for epoch in range(ex4.EPOCHS):
+        for step in range(ex4.STEPS_PER_EPOCH):
+            batches = [ex4.get_batch(rank, epoch, step) for rank in range(3)]
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    expected = ex4.expected_weights(3)
+    assert max(float((model.state_dict()[k] - expected[k]).abs().max()) for k in expected) < 1e-6
+    # and rank 0 alone trains something else, so "no gradient averaging" shows
+    assert ex4._compare(ex4.expected_weights(3, (0,)), expected) > 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
+    stub = tmp_path / "stub.py"
+    source = script_source()
+    main_at = source.index("def main():")
+    stub.write_text(source[:main_at] + "def main():\n    # YOUR CODE HERE\n    raise NotImplementedError()\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text(source.replace("def main():", "def main()", 1))
+    start = time.monotonic()
+    for check in (ex4.check_standalone_ranks, ex4.check_restart_resume, ex4.check_destroy):
+        fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()")
+        fails(check, str(broken), "does not compile", "line")
+        fails(check, str(tmp_path / "missing.py"), "there is no training script", "%%writefile")
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_student_traceback_drops_torch_prefixes_and_the_graders_frames():
+    output = (
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "/x/graders/torchrun_probe.py", line 160, in <module>\n'
+        "[rank1]:     main()\n"
+        '[rank1]:   File "<frozen runpy>", line 88, in _run_code\n'
+        '[rank1]:   File "/tmp/train.py", line 12, in main\n'
+        "[rank1]:     local_rank = args.local_rank\n"
+        "[rank1]: AttributeError: 'Namespace' object has no attribute 'local_rank'\n"
+    )
+    tb = ex4._student_traceback(output)
+    assert "torchrun_probe" not in tb and "runpy" not in tb and "[rank1]" not in tb
+    assert '  File "/tmp/train.py", line 12, in main' in tb
+    assert tb.splitlines()[-1] == "AttributeError: 'Namespace' object has no attribute 'local_rank'"
+
+
+# --- one launch each ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_check_ddp_training_catches_gradients_never_averaged(tmp_path):
+    script = write_script(tmp_path, ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
+                                     "ddp_model = model"))
+    fails(ex4.check_ddp_training, script, "differ from an uninterrupted 3-rank DDP run",
+          "the gradients were never averaged")
+    ex4.check_destroy(script)  # the same run: everything else about it is fine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_check_atomic_checkpoint_wants_the_temporary_file_next_to_the_checkpoint(tmp_path):
+    script = write_script(tmp_path, ('tmp_path = ckpt_path + ".tmp"',
+                                     'tmp_path = "/tmp/ddp-course-test-%d.tmp" % os.getpid()'))
+    fails(ex4.check_atomic_checkpoint, script, "not in the checkpoint's folder", "one file system")
+    ex4.check_checkpoint_rank0(script)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
+    script = write_script(tmp_path, ('start_epoch = ckpt["epoch"] + 1', 'start_epoch = ckpt["epoch"]'))
+    fails(ex4.check_restart_resume, script, "final weights differ from an uninterrupted 2-rank run",
+          "trained 6 steps, not 4", "off by one")
+    ex4.check_standalone_ranks(script)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
+    script = write_script(tmp_path, ('        optimizer.load_state_dict(ckpt["optimizer"])\n', ""))
+    fails(ex4.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, monkeypatch):
+    """Ranks 1 and 2 wait for a file nobody writes (world size 3 only): the 2-node run hangs."""
+    monkeypatch.setattr(ex4, "NODES_TIMEOUT", HANG_TIMEOUT)
+    script = write_script(tmp_path, ("    dist.destroy_process_group()\n",
+                                     "    while rank != 0 and world_size == 3:\n"
+                                     "        time.sleep(0.1)  # waits for a file nobody writes\n"
+                                     "    dist.destroy_process_group()\n"),
+                          ("import argparse\n", "import argparse\nimport time\n"))
+    start = time.monotonic()
+    message = fails(ex4.check_destroy, script, f"did not finish within {HANG_TIMEOUT:g} s", "(stuck)")
+    # ranks 1 and 2 are named (rank 0 too if a loaded machine had not let it finish yet)
+    assert re.search(r"\[ranks (0, )?1, 2\]", message), message
+    assert re.search(r'File ".*train\.py", line \d+ in main', message), message  # where each one was stuck
+    assert time.monotonic() - start < HANG_TIMEOUT + 40
+    ex4.check_multinode_ranks(script)  # the reports came before the hang
+    leftovers = [p for p in _processes() if "torchrun_probe" in p]
+    assert not leftovers, leftovers
+
+
+def _processes() -> list[str]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            found.append(" ".join(proc.info["cmdline"] or []))
+        except psutil.Error:
+            pass
+    return found
+
+
+# --- the notebook: reference, untouched release, wrong submissions --------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_reference_solution_scores_full_marks(tmp_path):
+    start = time.monotonic()
+    path = submissions.write(submissions.load(A), tmp_path, A)
+    report = submissions.grade(path)
+    seconds = time.monotonic() - start
+    assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
+    assert report.max_score == 15
+    assert (path.parent / "train.py").exists()  # %%writefile wrote it next to the notebook
+    print(f"graded the reference ex4 notebook in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_release_scores_zero_at_once_with_clean_messages(tmp_path):
+    released = submissions.release(A, tmp_path / "course")
+    assert student_copy_leaks(submissions.source_path(A), released) == []  # no solution, no hidden test
+    student = tmp_path / "student" / A / released.name
+    student.parent.mkdir(parents=True)
+    student.write_bytes(released.read_bytes())
+    start = time.monotonic()
+    report = submissions.grade(student)
+    assert time.monotonic() - start < 60  # no torchrun launch for a script that cannot run
+    assert set(submissions.scores(report).values()) == {0.0}
+    for gid, message in submissions.messages(report).items():
+        assert message.startswith("FAILED check_") and "not written yet" in message, (gid, message)
+
+
+WRONG = {
+    # name: ((old, new) edits of train.py, the test cells that must fail, words the first one's message has)
+    "--local_rank read with argparse": (
+        [('    args = parser.parse_args()\n',
+          '    parser.add_argument("--local_rank", type=int, default=0)\n    args = parser.parse_args()\n'),
+         ('local_rank = int(os.environ["LOCAL_RANK"])', "local_rank = args.local_rank")],
+        ["ex4_test_standalone_ranks", "ex4_test_multinode_ranks"], ["no --local_rank argument", "LOCAL_RANK=1"]),
+    "RANK used as the local rank (device index)": (
+        [('local_rank = int(os.environ["LOCAL_RANK"])', 'local_rank = int(os.environ["RANK"])')],
+        ["ex4_test_multinode_ranks"], ["you used RANK as the local rank"]),
+    "checkpoint written in place": (
+        [('    tmp_path = ckpt_path + ".tmp"  # same folder, so os.replace stays on one file system\n'
+          "    torch.save(state, tmp_path)\n"
+          "    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n",
+          "    torch.save(state, ckpt_path)\n")],
+        ["ex4_test_atomic_checkpoint"], ["wrote the checkpoint in place", "os.replace"]),
+    "resume ignored": (
+        [("    if os.path.exists(args.ckpt):", "    if False:")],
+        ["ex4_test_restart_resume"], ["never read the checkpoint", "started from epoch 0 again"]),
+    "checkpoint saved on every rank": (
+        [('tmp_path = ckpt_path + ".tmp"', 'tmp_path = ckpt_path + ".tmp%d" % os.getpid()'),
+         ("        if rank == 0:  # RANK, not LOCAL_RANK: one writer in the whole job\n", "        if True:\n")],
+        ["ex4_test_checkpoint_rank0"], ["ranks 1, 2 wrote the checkpoint too", "if rank == 0:"]),
+    "no destroy_process_group": (
+        [("    dist.destroy_process_group()\n", "")],
+        ["ex4_test_destroy"], ["never called dist.destroy_process_group()", "[ranks 0, 1, 2]"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
+    edits, failing, words = WRONG[name]
+    nb = submissions.load(A)
+    for old, new in edits:
+        nb = submissions.patch_answer(nb, SCRIPT_CELL, old, new)
+    report = submissions.grade(submissions.write(nb, tmp_path, A))
+    assert submissions.scores(report) == submissions.losing(A, *failing), submissions.messages(report)
+    messages = submissions.messages(report)
+    assert all(messages[gid].startswith("FAILED check_") for gid in failing), messages
+    for word in words:
+        assert word in messages[failing[0]], f"{word!r} not in:\n{messages[failing[0]]}"
+
