@@ -7,6 +7,7 @@ the images these tests skip, unless DDP_COURSE_REQUIRE_DOCKER=1 (CI), where they
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -38,13 +39,15 @@ GRADER_RUN_FLAGS = ["--network", "none", "--user", "1000:1000", "--memory", "4g"
 
 #: Text that only instructor material holds. nbgrader's own code and instructor plugins must name
 #: these strings to do their job, and so may ddp-course's nbgrader glue (course/instructor/*.py,
-#: which checks released copies for them); nothing else in the student image may.
+#: which checks released copies for them; /src holds the package source it was installed from);
+#: nothing else in the student image may.
 SECRET_MARKERS = (b"BEGIN SOLUTION", b"BEGIN HIDDEN TESTS", b"gradebook.db")
+SITE = r"opt/venv/lib/python3\.\d+/site-packages"
 MARKER_ALLOWED = re.compile(
-    r"^opt/venv/lib/python3\.\d+/site-packages/(nbgrader|course/instructor)/.*\.pyc?$"
-    r"|^opt/venv/lib/python3\.\d+/site-packages/(nbgrader|course/instructor)/.*/__pycache__/.*\.pyc$"
-    r"|^opt/venv/lib/python3\.\d+/site-packages/nbgrader/.*\.(js|js\.map|html|css)$"
-    r"|^opt/venv/share/jupyter/(labextensions|nbextensions)/(@jupyter/)?nbgrader/.*\.(js|js\.map)$"
+    rf"^({SITE}/|src/)(nbgrader|course/instructor)/([^/]+/)*[^/]+\.pyc?$"
+    rf"|^{SITE}/nbgrader/([^/]+/)*[^/]+\.(js|js\.map|html|css)$"
+    rf"|^{SITE}/nbgrader-[^/]+\.dist-info/RECORD$"
+    r"|^opt/venv/share/jupyter/(labextensions|nbextensions)/(@jupyter/)?nbgrader/([^/]+/)*[^/]+\.(js|js\.map)$"
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -127,6 +130,14 @@ def test_images_run_as_non_root(which, request):
     assert user and user.split(":")[0] not in ("0", "root"), f"{image} runs as {user or 'root (no USER)'}"
     uid = docker("run", "--rm", "--network", "none", "--entrypoint", "id", image, "-u").stdout.strip()
     assert uid != "0", f"{image}: a container runs as uid {uid}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["lab", "grader"])
+def test_images_have_consistent_dependencies(which, request):
+    image = request.getfixturevalue(f"{which}_image")
+    proc = docker("run", "--rm", "--network", "none", "--entrypoint", "pip", image, "check", check=False)
+    assert proc.returncode == 0, f"{image}: pip check found broken requirements:\n{proc.stdout}{proc.stderr}"
 
 
 @pytest.fixture(scope="module")
@@ -242,45 +253,75 @@ def test_lesson_executes_in_lab_container(lab_image):
     assert "[rank 1]" in text, f"{lesson.name} printed no multi-rank output in the container:\n{text[:2000]}"
 
 
-def _grade_verb_missing(grader_image: str) -> bool:
-    return docker("run", "--rm", "--network", "none", grader_image, "grade", "--help", check=False).returncode != 0
+def _grade_in_grader(grader_image: str, notebook: Path, tmp_path: Path) -> dict:
+    """`ddp-course grade NB --json` in a grader container run with the documented flags.
 
-
-def _score(report: dict) -> tuple[float, float]:
-    """(score, max_score) from `ddp-course grade --json` output."""
-    return float(report["score"]), float(report["max_score"])
+    The notebook goes in through a bind mount, as an instructor's submissions do, into a folder
+    named after its assignment; the cells run there (they may write checkpoints).
+    """
+    if docker("run", "--rm", "--network", "none", grader_image, "grade", "--help", check=False).returncode != 0:
+        pytest.skip(f"`ddp-course grade` is not in {grader_image} yet: nothing to grade with")
+    work = tmp_path / "work"
+    folder = work / notebook.parent.name
+    folder.mkdir(parents=True)
+    shutil.copy(notebook, folder / notebook.name)
+    for path in (work, folder, folder / notebook.name):
+        os.chmod(path, 0o777 if path.is_dir() else 0o666)  # the container's uid 1000 works here
+    proc = docker("run", "--rm", *GRADER_RUN_FLAGS, "-v", f"{work}:/work", grader_image,
+                  "grade", f"/work/{notebook.parent.name}/{notebook.name}", "--json", timeout=840, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip(), (
+        f"grade exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("source", source_notebooks() or [None],
                          ids=lambda p: f"{p.parent.name}/{p.name}" if p else "no-exercises")
-def test_reference_solution_grades_full_marks_offline(grader_image, source):
+def test_reference_solution_grades_full_marks_offline(grader_image, source, tmp_path):
     if source is None:
         pytest.skip("exercises/ holds no source notebooks yet: no reference solution to grade")
-    if _grade_verb_missing(grader_image):
-        pytest.skip(f"`ddp-course grade` is not in {grader_image} yet: nothing to grade with")
-    notebook = EXERCISES_IN_GRADER / source.parent.name / source.name
-    proc = docker("run", "--rm", *GRADER_RUN_FLAGS, grader_image, "grade", str(notebook), "--json",
-                  timeout=840, check=False)
-    assert proc.stdout.strip(), f"grade printed nothing (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    score, max_score = _score(json.loads(proc.stdout))
-    assert max_score > 0
-    assert score == max_score, f"the reference solution {source.name} scored {score}/{max_score}:\n{proc.stdout}"
+    report = _grade_in_grader(grader_image, source, tmp_path)
+    assert report["max_score"] > 0
+    assert report["score"] == report["max_score"], (
+        f"the reference solution {source.name} scored {report['score']}/{report['max_score']}:\n"
+        + "\n".join(f"{t['id']}: {t['message']}" for t in report["tests"] if t["score"] < t["max_score"]))
 
 
-@pytest.mark.timeout(300)
-def test_grader_initialises_a_course_offline(grader_image, tmp_path):
-    """The documented instructor flags work: `init` writes an nbgrader course into a bind mount."""
-    if not source_notebooks():
-        pytest.skip("exercises/ holds no source notebooks yet: `ddp-course init` has nothing to copy")
-    course = tmp_path / "course"
+@pytest.mark.timeout(600)
+def test_instructor_workflow_offline(lab_image, grader_image, tmp_path):
+    """init, release, collect, autograde, export in grader containers run with the documented flags.
+
+    alice hands in the reference solution, bob the copy the student image holds, unanswered:
+    alice gets full marks, bob does not.
+    """
+    sources = source_notebooks()
+    if not sources:
+        pytest.skip("exercises/ holds no source notebooks yet: nothing to release or grade")
+    source = sources[0]
+    assignment = source.parent.name
+    course, subs = tmp_path / "course", tmp_path / "submissions"
+    (subs / "alice").mkdir(parents=True)
+    (subs / "bob").mkdir()
     course.mkdir()
-    os.chmod(course, 0o777)  # the container's uid 1000 writes here, whoever runs the test
-    docker("run", "--rm", *GRADER_RUN_FLAGS, "-v", f"{course}:/course", grader_image, "init", "/course")
-    assert (course / "nbgrader_config.py").is_file()
-    copied = sorted(p.relative_to(course / "source") for p in (course / "source").glob("*/*.ipynb"))
-    expected = sorted(p.relative_to(ROOT / "exercises") for p in source_notebooks())
-    assert copied == expected
+    shutil.copy(source, subs / "alice" / source.name)
+    (subs / "bob" / source.name).write_text(docker(
+        "run", "--rm", "--network", "none", "--entrypoint", "cat", lab_image,
+        str(COURSE_IN_LAB / "exercises" / assignment / source.name)).stdout)
+    for path in (course, subs, subs / "alice", subs / "bob"):
+        os.chmod(path, 0o777)  # the container's uid 1000 works here, whoever runs the test
+    mounts = ["-v", f"{course}:/course", "-v", f"{subs}:/submissions:ro"]
+    for step in (["init", "/course"], ["release", assignment], ["collect", "/submissions"],
+                 ["autograde", assignment], ["export"]):
+        proc = docker("run", "--rm", *GRADER_RUN_FLAGS, *mounts, grader_image, *step, timeout=400, check=False)
+        assert proc.returncode == 0, f"ddp-course {' '.join(step)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    with open(course / "grades.csv", newline="") as fh:
+        rows = {row["student_id"]: row for row in csv.DictReader(fh) if row["assignment"] == assignment}
+    assert set(rows) == {"alice", "bob"}, rows
+    alice, bob = rows["alice"], rows["bob"]
+    assert float(alice["max_score"]) > 0
+    assert float(alice["score"]) == float(alice["max_score"]), f"the reference solution lost points: {alice}"
+    assert float(bob["score"]) < float(bob["max_score"]), f"the unanswered student copy got full marks: {bob}"
 
 
 def _compose() -> list[str] | None:
