@@ -1,12 +1,13 @@
 """Wall time to autograde N full submissions: plain ``nbgrader autograde`` vs ``ddp-course autograde --jobs 1/2``.
 
-    python benchmarks/autograde_bench.py [--submissions 8] [--assignment ex1-parallelism] [--jobs 1 2]
+    python benchmarks/autograde_bench.py [--submissions 8] [--assignment ex1-parallelism] [--jobs 1 2] [--rounds 1]
 
 One course (init, release, N reference submissions filed with collect) is
 copied once per contender, so each grades the same submissions from scratch.
 Each contender's gradebook is checked (every submission at full marks) before
-its time counts. Prints one table with ratios, all measured in this one run
-(on a shared machine timings are noisy: compare ratios, and note the load).
+its time counts. With ``--rounds 2`` or more the contenders run in alternating
+order and the median counts. Prints one table with ratios, all measured in this
+one run (on a shared machine timings are noisy: compare ratios, note the load).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--submissions", type=int, default=8)
     parser.add_argument("--assignment", default="ex1-parallelism")
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="ddp-autograde-bench-") as tmp:
@@ -76,22 +79,27 @@ def main() -> None:
         contenders += [(f"ddp-course autograde --jobs {j}", ["ddp-course", "autograde", args.assignment, "--jobs", str(j)])
                        for j in args.jobs]
         load_before = os.getloadavg()
-        results = []
-        for index, (name, argv) in enumerate(contenders):
-            course_dir = root / f"run{index}"
-            shutil.copytree(prepared, course_dir)
-            print(f"running {name} on {args.submissions} submissions of {args.assignment} ...", flush=True)
-            seconds = timed(argv, course_dir)
-            check(course_dir, args.assignment, args.submissions)
-            results.append((name, seconds))
+        times: dict[str, list[float]] = {name: [] for name, _ in contenders}
+        for round_ in range(args.rounds):
+            order = contenders if round_ % 2 == 0 else contenders[::-1]
+            for name, argv in order:
+                course_dir = root / f"run{len(sum(times.values(), []))}"
+                shutil.copytree(prepared, course_dir)
+                print(f"round {round_ + 1}: {name} on {args.submissions} submissions of {args.assignment} ...", flush=True)
+                seconds = timed(argv, course_dir)
+                check(course_dir, args.assignment, args.submissions)
+                times[name].append(seconds)
+                shutil.rmtree(course_dir)
         load_after = os.getloadavg()
+        results = [(name, statistics.median(samples)) for name, samples in times.items()]
 
     baseline = results[0][1]
     print(f"\n{args.submissions} reference submissions of {args.assignment}, {os.cpu_count()} CPUs, "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'contender':<32} {'wall s':>8} {'s/submission':>13} {'speedup vs nbgrader':>20}")
+    print(f"{'contender':<32} {'wall s':>8} {'s/submission':>13} {'speedup vs nbgrader':>20}  samples")
     for name, seconds in results:
-        print(f"{name:<32} {seconds:8.1f} {seconds / args.submissions:13.1f} {baseline / seconds:19.2f}x")
+        samples = " ".join(f"{t:.0f}" for t in times[name])
+        print(f"{name:<32} {seconds:8.1f} {seconds / args.submissions:13.1f} {baseline / seconds:19.2f}x  {samples}")
 
 
 if __name__ == "__main__":

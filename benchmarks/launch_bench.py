@@ -67,12 +67,10 @@ def start_method(method, name, n, repeat):
 
 
 def torchrun(name, n):
-    import _workloads
-
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-         "--master_port", str(_workloads.free_port()), str(HERE / "_workloads.py"), name],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+         str(HERE / "_workloads.py"), name],
         check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     return time.perf_counter() - t0

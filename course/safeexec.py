@@ -23,7 +23,7 @@ from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.preprocessors import Preprocessor
-from traitlets import Float, Integer, List, Unicode
+from traitlets import Bool, Float, Integer, List, Unicode
 from traitlets.config import Configurable
 
 KILLED_ENAME = "KernelStopped"
@@ -108,10 +108,10 @@ class GuardedExecution(Configurable):
         if before < self.max_cell_output and "text" in msg.get("content", {}):  # keep the head of a stream
             msg = {**msg, "content": {**msg["content"], "text": msg["content"]["text"][:self.max_cell_output - before]}}
             out = super().output(outs, msg, display_id, cell_index)
-        if before <= self.max_cell_output:
-            note = (f"\n[ddp-course: this cell printed more than {self.max_cell_output >> 20} MB; "
+        if before <= self.max_cell_output:  # first thing in the cell: nbgrader's LimitOutput keeps the head
+            note = (f"[ddp-course: this cell printed more than {self.max_cell_output >> 20} MB; "
                     "the rest of its output was dropped]\n")
-            outs.append(nbformat.v4.new_output("stream", name="stdout", text=note))
+            outs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=note))
         return out
 
 
@@ -180,6 +180,7 @@ class VerifyTests(Preprocessor):
     ``resources["ddp_course"]`` gets the verdicts and the sandbox summary.
     """
 
+    enabled = Bool(True, help="nbconvert runs a preprocessor only when enabled.").tag(config=True)
     hide = List(Unicode(), help="Paths the verifier's ranks must not see (besides the course folder).").tag(config=True)
     cell_timeout = Float(300.0, help="Seconds the verifier may spend on one test cell.").tag(config=True)
 
@@ -232,6 +233,7 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
     ``verdicts``.
     """
     import shutil
+    import subprocess
     import tempfile
 
     from traitlets.config import Config
@@ -255,9 +257,11 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
             error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []}, record_timing=False,
             extra_arguments=["--HistoryManager.hist_file=:memory:"], resources={"metadata": {"path": workdir}})
         client.on_cell_executed = on_cell_executed
-        client.execute(cwd=workdir)
+        # the kernel process's own stdout/stderr (not the cells' outputs) must not reach ours
+        client.execute(cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         notes = [client.sandbox_summary] if client.sandbox_summary else []
-        verdicts = verify.verify_notebook(nb, workdir, hide=hide, cell_timeout=timeouts.test, log=notes.append)
+        verdicts = verify.verify_notebook(nb, workdir, hide=hide, cell_timeout=timeouts.test,
+                                          log=None if notes else notes.append)
         verify.apply_verdicts(nb, verdicts)
         notes = list(dict.fromkeys(notes + verify.summary(verdicts)))
         ran = {i for i, cell in enumerate(nb.cells) if cell.get("cell_type") == "code"

@@ -1,55 +1,56 @@
 """Run a submission's code (its kernel, its ranks, the grader's re-run of its checks) in a sandbox.
 
-The grader side is :class:`Sandbox`: it picks a dedicated unprivileged uid
-for one submission, prepares its memory/pids cgroup and its work folder, wraps
-a command line in ``python -m course.sandbox run ... -- CMD`` and, when the
-submission is done, kills everything the sandbox started. The wrapper (this
-module's ``run``), when it runs as root, puts ``CMD`` in a new network
+The grader side is :class:`Sandbox`: for one submission it takes a dedicated
+unprivileged uid (no passwd entry), a memory/pids cgroup and the work folder
+(a fresh folder holding only the submission's files), wraps command lines in
+``python -m course.sandbox run ... -- CMD`` and, when grading ends, kills
+everything the sandbox started (one kill(-1) as the uid, the cgroup, the
+supervisors) and gives the folder back.
+
+The wrapper (:mod:`course.sandbox_run`), as root, runs ``CMD`` in a new network
 namespace (loopback only: ranks still rendezvous on 127.0.0.1) and a private
-mount namespace where the paths a submission must not see (the exercises'
-sources, the nbgrader course folder, .git) are covered by empty read-only
-tmpfs mounts and /tmp, /dev/shm are private; it sets rlimits, joins the
-cgroup, and execs ``CMD`` as the sandbox uid with no new privileges. It stays
-behind as a small supervisor (a child subreaper) that kills whatever is left
-when ``CMD`` ends. Not root (an instructor's laptop), it can only apply
-rlimits and the work folder: :attr:`Sandbox.summary` then says "sandbox:
-partial" and why, and grading reports it.
+mount namespace where the exercises' sources, the nbgrader course folder and
+.git are covered by empty read-only tmpfs mounts, /tmp and /dev/shm are
+private; then rlimits, the cgroup, no new privileges, the sandbox uid, exec.
+Where namespaces are not allowed (a container without CAP_SYS_ADMIN) it still
+switches uid; not root (an instructor's laptop) it can only apply rlimits and
+the work folder. :attr:`Sandbox.summary` says which ("sandbox: full" or
+"sandbox: partial, <why>: ..."), for grading to report once.
 
 :class:`SandboxKernelManager` is a jupyter_client kernel manager that starts
-its kernel this way (usable as nbclient's and nbgrader's
-``kernel_manager_class``); the kernel talks to the client over unix sockets
-(ZMQ ``ipc``) in the work folder, which cross the network namespace.
+its kernel this way (usable as nbclient's and nbgrader's ``kernel_manager_class``);
+the kernel talks to the client over unix sockets (ZMQ ``ipc``), which cross the
+network namespace, in a short per-sandbox folder (:attr:`Sandbox.runtime_dir`).
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import ctypes.util
-import errno
 import fcntl
-import json
 import os
 import pwd
-import resource
 import shutil
-import signal
-import socket
-import struct
 import sys
 import tempfile
-import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-GiB = 1 << 30
-MiB = 1 << 20
+from course.sandbox_os import (  # noqa: F401 - re-exported: the sandbox's public names live here
+    TOKEN_ENV,
+    Cgroups,
+    GiB,
+    MiB,
+    blocking_ancestor,
+    kill_tree,
+    kill_uid,
+    make_undumpable,
+    marked_processes,
+    namespaces_available,
+    uid_processes,
+)
 
 #: uids handed to sandboxes (no passwd entry); one per concurrently graded submission
 UID_RANGE = range(61000, 61512)
-#: environment marker of every sandboxed process (used to find strays when not root)
-TOKEN_ENV = "DDP_COURSE_SANDBOX"
 #: folders inside the work folder that the sandbox machinery owns
 KERNEL_DIR = ".kernel"
 HOME_DIR = ".home"
@@ -78,314 +79,17 @@ class Limits:
     tmp_size: int = 1 * GiB
 
 
-# --------------------------------------------------------------------------- libc
-
-
-_libc = None
-
-
-def _libc_handle():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc
-
-
-CLONE_NEWNS = 0x00020000
-CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def unshare(flags: int) -> None:
-    _check(_libc_handle().unshare(ctypes.c_int(flags)), "unshare")
-
-
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
-    _check(_libc_handle().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {target}")
-
-
-def prctl(option: int, value: int) -> None:
-    _check(_libc_handle().prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
-
-
-def make_undumpable() -> None:
-    """No other process of this uid may ptrace this one or read its memory and fds (/proc/PID/mem, fd/)."""
-    prctl(PR_SET_DUMPABLE, 0)
-
-
-def loopback_up() -> None:
-    """Bring ``lo`` up (a new network namespace starts with it down): ioctl, or iproute2's ``ip``."""
-    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            req = struct.pack("16sH22x", b"lo", 0)
-            flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
-            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP | IFF_RUNNING))
-        return
-    except OSError:
-        pass
-    ip = shutil.which("ip") or "/sbin/ip"
-    if os.system(f"{ip} link set lo up >/dev/null 2>&1") != 0:
-        raise OSError("cannot bring the loopback interface up (no ioctl, no iproute2)")
-
-
-_namespace_probe: tuple[bool, str] | None = None
-
-
-def namespaces_available() -> tuple[bool, str]:
-    """(whether this process may create network and mount namespaces, why not). Probed once, in a child."""
-    global _namespace_probe
-    if _namespace_probe is None:
-        if os.geteuid() != 0:
-            _namespace_probe = (False, "not root")
-        else:
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                os.close(r)
-                code = 0
-                try:
-                    unshare(CLONE_NEWNET | CLONE_NEWNS)
-                    mount(None, "/", None, MS_REC | MS_PRIVATE)
-                    loopback_up()
-                except BaseException as exc:  # noqa: BLE001
-                    os.write(w, str(exc).encode()[:500])
-                    code = 1
-                os._exit(code)
-            os.close(w)
-            message = os.read(r, 1000).decode(errors="replace")
-            os.close(r)
-            _, status = os.waitpid(pid, 0)
-            ok = os.waitstatus_to_exitcode(status) == 0
-            _namespace_probe = (ok, "" if ok else f"root, but namespaces are not allowed here ({message})")
-    return _namespace_probe
-
-
-# --------------------------------------------------------------------------- cgroups
-
-
-def _own_cgroup(controller: str | None) -> str | None:
-    """This process's cgroup path for ``controller`` (v1), or its v2 path when ``controller`` is None."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hid, controllers, path = line.split(":", 2)
-        if controller is None and hid == "0" and controllers == "":
-            return path
-        if controller is not None and controller in controllers.split(","):
-            return path
-    return None
-
-
-@dataclass
-class Cgroups:
-    """The cgroup folders of one sandbox (v2: one; v1: memory and pids) and what they limit."""
-
-    paths: list[str] = field(default_factory=list)
-    memory: str = ""  # how memory is limited, for the summary
-
-    @classmethod
-    def create(cls, name: str, limits: Limits) -> Cgroups:
-        made = cls()
-        try:
-            made._create_v2(name, limits) or made._create_v1(name, limits)
-        except OSError:
-            made.remove()
-            made = cls()
-        return made
-
-    def _create_v2(self, name: str, limits: Limits) -> bool:
-        root = Path("/sys/fs/cgroup")
-        own = _own_cgroup(None)
-        if own is None or not (root / "cgroup.controllers").is_file():
-            return False
-        parent = root / own.lstrip("/")
-        wanted = {"memory", "pids"}
-        enabled = set((parent / "cgroup.subtree_control").read_text().split())
-        if not wanted <= enabled:
-            try:
-                (parent / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted - enabled))
-            except OSError:
-                return False
-        path = parent / name
-        path.mkdir(exist_ok=True)
-        self.paths.append(str(path))
-        (path / "memory.max").write_text(str(limits.memory))
-        try:
-            (path / "memory.swap.max").write_text("0")
-        except OSError:
-            pass
-        (path / "pids.max").write_text(str(limits.nproc))
-        self.memory = f"cgroup v2 memory.max {limits.memory / GiB:g} GiB"
-        return True
-
-    def _create_v1(self, name: str, limits: Limits) -> bool:
-        root = Path("/sys/fs/cgroup")
-        mem_own = _own_cgroup("memory")
-        if mem_own is None or not (root / "memory").is_dir():
-            return False
-        mem = root / "memory" / mem_own.lstrip("/") / name
-        mem.mkdir(exist_ok=True)
-        self.paths.append(str(mem))
-        (mem / "memory.limit_in_bytes").write_text(str(limits.memory))
-        try:
-            (mem / "memory.memsw.limit_in_bytes").write_text(str(limits.memory))
-        except OSError:
-            pass
-        pids_own = _own_cgroup("pids")
-        if pids_own is not None and (root / "pids").is_dir():
-            try:
-                pids = root / "pids" / pids_own.lstrip("/") / name
-                pids.mkdir(exist_ok=True)
-                self.paths.append(str(pids))
-                (pids / "pids.max").write_text(str(limits.nproc))
-            except OSError:
-                pass
-        self.memory = f"cgroup v1 memory limit {limits.memory / GiB:g} GiB"
-        return True
-
-    def pids(self) -> set[int]:
-        found: set[int] = set()
-        for path in self.paths:
-            try:
-                found.update(int(p) for p in Path(path, "cgroup.procs").read_text().split())
-            except (OSError, ValueError):
-                pass
-        return found
-
-    def kill(self) -> None:
-        for path in self.paths:
-            try:
-                Path(path, "cgroup.kill").write_text("1")  # v2, Linux >= 5.14
-            except OSError:
-                pass
-        for _ in range(200):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.02)
-
-    def remove(self) -> None:
-        for path in reversed(self.paths):
-            for _ in range(50):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.05)
-        self.paths = []
-
-
-# --------------------------------------------------------------------------- killing
-
-
-def uid_processes(uid: int) -> list[int]:
-    """Pids whose real uid is ``uid``."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
-                            found.append(int(entry.name))
-                        break
-        except (OSError, ValueError):
-            pass
-    return found
-
-
-def kill_uid(uid: int, deadline: float = 10.0) -> bool:
-    """SIGKILL every process of ``uid``; True when none is left.
-
-    A child that becomes ``uid`` and calls kill(-1, SIGKILL) signals all of them
-    at once (the kernel walks the task list under a lock forks must wait for,
-    so even a fork bomb cannot outrun it).
-    """
-    end = time.monotonic() + deadline
-    while True:
-        if not uid_processes(uid):
-            return True
-        if time.monotonic() > end:
-            return False
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-                os.kill(-1, signal.SIGKILL)
-            except BaseException:  # noqa: BLE001
-                os._exit(1)
-            os._exit(0)
-        os.waitpid(pid, 0)
-        time.sleep(0.02)
-
-
-def _marked_processes(token: str) -> list[int]:
-    """Pids of this user whose environment carries ``token`` (strays of a non-root sandbox)."""
-    import psutil
-
-    needle = f"{TOKEN_ENV}={token}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:
-            pass
-    del psutil
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (collected first, so orphans found now die too)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
-
-
 # --------------------------------------------------------------------------- the grader side
 
 
 def _lock_dir() -> Path:
-    for candidate in (Path("/run/ddp-course-sandbox"), Path(tempfile.gettempdir()) / "ddp-course-sandbox-locks"):
+    """Root's folder for uid locks and kernel sockets: short paths (a unix socket path has at most 107
+    bytes), outside /tmp and /dev/shm (private in a sandbox), enterable but not listable by others."""
+    for candidate in (Path("/run/ddp-course-sandbox"), Path("/var/tmp/ddp-course-sandbox"),
+                      Path(tempfile.gettempdir()) / "ddp-course-sandbox-locks"):
         try:
-            candidate.mkdir(mode=0o700, parents=True, exist_ok=True)
+            candidate.mkdir(mode=0o711, parents=True, exist_ok=True)
+            os.chmod(candidate, 0o711)
             if os.access(candidate, os.W_OK):
                 return candidate
         except OSError:
@@ -437,9 +141,10 @@ def python_paths() -> list[str]:
     return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
 
 
-def _python_flags() -> list[str]:
-    # Never import from the current folder: it may be a submission's.
-    return ["-P"] if sys.version_info >= (3, 11) else ["-I"]
+def python_flags() -> list[str]:
+    """Flags for a trusted Python started in a submission's folder: never import from the current
+    folder or from the user's site-packages (both are the submission's to write)."""
+    return ["-s", "-P"] if sys.version_info >= (3, 11) else ["-I"]
 
 
 class Sandbox:
@@ -461,11 +166,18 @@ class Sandbox:
         self.pids: list[int] = []  # supervisors started with our commands (for the non-root sweep)
         self._owner: tuple[int, int] | None = None
         self.opened = False
+        forced = os.environ.get(_FORCE_PARTIAL_ENV) == "1"
         if isolate is None:
-            isolate = os.environ.get(_FORCE_PARTIAL_ENV) != "1"
-        ok, why = namespaces_available() if isolate else (False, f"{_FORCE_PARTIAL_ENV}=1")
+            isolate = not forced
+        ok, why = namespaces_available() if isolate else (False, f"{_FORCE_PARTIAL_ENV}=1" if forced else "asked to")
+        #: new network and mount namespaces (root, where the OS allows them)
         self.isolated = ok
+        #: a dedicated uid (root): with namespaces, or without them if Python is reachable by another user
+        self.switch_uid = os.geteuid() == 0 and not forced and (ok or not any(map(blocking_ancestor, python_paths())))
         self.why_partial = why
+        self._summary = ""
+        #: a short folder for the kernel's unix sockets and connection file (see _lock_dir)
+        self.runtime_dir = ""
 
     # -- lifecycle
 
@@ -475,12 +187,19 @@ class Sandbox:
         os.makedirs(self.workdir, exist_ok=True)
         st = os.stat(self.workdir)
         self._owner = (st.st_uid, st.st_gid)
-        if self.isolated:
+        if self.switch_uid:
             self.uid, self._lock_fd = _free_uid()
             self.cgroups = Cgroups.create(f"ddp-sandbox-{self.uid}", self.limits)
             _chown_tree(self.workdir, self.uid, self.uid, only_from=None)
             os.chmod(self.workdir, 0o700)
+            self.runtime_dir = str(_lock_dir() / f"k{self.uid}")
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            os.mkdir(self.runtime_dir, 0o700)
+            os.chown(self.runtime_dir, self.uid, self.uid)
+        else:
+            self.runtime_dir = tempfile.mkdtemp(prefix="ddpk-")
         self.opened = True
+        self._summary = self._describe()
         return self
 
     def __enter__(self) -> Sandbox:
@@ -491,15 +210,15 @@ class Sandbox:
 
     def kill(self) -> None:
         """SIGKILL every process the sandbox started (bounded: a few seconds at most)."""
-        for pid in self.pids:  # the supervisors (root when isolated) and what they still hold
+        if self.uid is not None:
+            kill_uid(self.uid)  # first: one kill(-1) as the uid stops even a fork bomb at once
+            self.cgroups.kill()
+        for pid in self.pids:  # the supervisors (root when isolated) and anything they still hold
             kill_tree(pid)
         self.pids = []
-        if self.isolated and self.uid is not None:
-            self.cgroups.kill()
-            kill_uid(self.uid)
-        else:
+        if self.uid is None:
             for _ in range(3):
-                strays = _marked_processes(self.token)
+                strays = marked_processes(self.token)
                 if not strays:
                     break
                 for pid in strays:
@@ -512,6 +231,9 @@ class Sandbox:
             self.kill()
         finally:
             self.cgroups.remove()
+            if self.runtime_dir:
+                shutil.rmtree(self.runtime_dir, ignore_errors=True)
+                self.runtime_dir = ""
             if self.uid is not None and self._owner is not None:
                 _chown_tree(self.workdir, *self._owner, only_from=self.uid)
             if self._lock_fd is not None:
@@ -525,10 +247,17 @@ class Sandbox:
     @property
     def summary(self) -> str:
         """One line saying what protects the grader from this submission."""
+        return self._summary or self._describe()
+
+    def _describe(self) -> str:
+        memory = self.cgroups.memory or f"RLIMIT_AS {self.limits.address_space / GiB:g} GiB per process"
         if self.isolated:
-            memory = self.cgroups.memory or f"RLIMIT_AS {self.limits.address_space / GiB:g} GiB per process"
             return (f"sandbox: full (uid {self.uid}, no network, sources and course files hidden, "
                     f"{memory}, at most {self.limits.nproc} processes)")
+        if self.switch_uid:
+            return (f"sandbox: partial, {self.why_partial}: the submission runs as uid {self.uid} ({memory}, at most "
+                    f"{self.limits.nproc} processes) but can use the network and read world-readable files "
+                    "(exercise sources included)")
         return (f"sandbox: partial, {self.why_partial}: the submission runs as this user with rlimits in its own "
                 "folder, but can read this user's files (exercise sources included) and use the network")
 
@@ -539,7 +268,7 @@ class Sandbox:
             "HOME": home,
             "IPYTHONDIR": os.path.join(home, ".ipython"),
             "MPLCONFIGDIR": os.path.join(home, ".matplotlib"),
-            "JUPYTER_RUNTIME_DIR": os.path.join(self.workdir, KERNEL_DIR),
+            "JUPYTER_RUNTIME_DIR": self.runtime_dir or os.path.join(self.workdir, KERNEL_DIR),
             "JUPYTER_DATA_DIR": os.path.join(home, ".jupyter-data"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(home, ".inductor"),
             "XDG_CACHE_HOME": os.path.join(home, ".cache"),
@@ -568,28 +297,45 @@ class Sandbox:
                 os.chown(sub, self.uid, self.uid, follow_symlinks=False)
         return path
 
-    def command(self, argv: list[str], workdir: str | None = None) -> list[str]:
-        """``argv`` wrapped so that it runs inside this sandbox."""
+    def command(self, argv: list[str], workdir: str | None = None, relay_output: bool = False) -> list[str]:
+        """``argv`` wrapped so that it runs inside this sandbox.
+
+        ``relay_output``: the command's stdout and stderr are copied to the wrapper's
+        stderr up to 256 kB, then dropped (for a kernel, whose cell outputs travel
+        as messages, not on these streams).
+        """
         if not self.opened:
             self.open()
         lim = self.limits
-        cmd = [sys.executable, *_python_flags(), "-m", "course.sandbox", "run",
+        cmd = [sys.executable, *python_flags(), "-m", "course.sandbox", "run",
                "--workdir", workdir or self.workdir, "--token", self.token,
                "--nproc", str(lim.nproc), "--cpu", str(lim.cpu_seconds), "--fsize", str(lim.file_size),
                "--nofile", str(lim.open_files), "--tmp-size", str(lim.tmp_size)]
+        if self.uid is not None:
+            cmd += ["--uid", str(self.uid)]
         if self.isolated:
-            cmd += ["--isolate", "--uid", str(self.uid)]
+            cmd += ["--isolate"]
             for path in self.hide:
                 cmd += ["--hide", path]
-            for path in python_paths():
+            for path in [*python_paths(), self.runtime_dir]:
                 cmd += ["--expose", path]
             for path in self.cgroups.paths:
                 cmd += ["--cgroup", path]
         if not self.cgroups.paths:
             cmd += ["--address-space", str(lim.address_space)]
+        if relay_output:
+            cmd.append("--relay-output")
         for key, value in self.env().items():
             cmd += ["--env", f"{key}={value}"]
         return [*cmd, "--", *argv]
+
+
+def describe() -> str:
+    """What a sandbox gives on this machine, in one line, without starting one (for a run's header)."""
+    box = Sandbox(tempfile.gettempdir())
+    if box.isolated:
+        return "sandbox: full (a uid per submission, no network, sources and course files hidden, memory and process limits)"
+    return box._describe().replace("uid None", "a uid of its own")
 
 
 def _chown_tree(path: str, uid: int, gid: int, only_from: int | None) -> None:
@@ -605,256 +351,6 @@ def _chown_tree(path: str, uid: int, gid: int, only_from: int | None) -> None:
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
             one(os.path.join(root, name))
-
-
-# --------------------------------------------------------------------------- the wrapper (runs as `python -m course.sandbox run`)
-
-
-def _is_under(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-
-
-def _cover(target: str, keep: dict[str, int], *, read_only: bool, size: str) -> None:
-    """Mount an empty tmpfs over ``target`` (a file: /dev/null), then bind back the ``keep`` paths inside it.
-
-    ``keep`` maps paths to O_PATH descriptors opened before anything was covered.
-    """
-    if os.path.isdir(target) and not os.path.islink(target):
-        mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={'0755' if read_only else '1777'}")
-        for path, fd in sorted(keep.items()):
-            if _is_under(path, target) and path != target:
-                os.makedirs(path, exist_ok=True)
-                mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        if read_only:
-            mount(None, target, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, f"size={size},mode=0755")
-    elif os.path.exists(target):
-        mount("/dev/null", target, None, MS_BIND)
-        mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-
-
-def _blocking_ancestor(path: str) -> str | None:
-    """The outermost folder above ``path`` that other users cannot enter (e.g. /root, mode 0700), if any."""
-    parts = Path(path).parts
-    for i in range(1, len(parts)):
-        folder = os.path.join(*parts[:i])
-        try:
-            if not os.stat(folder).st_mode & 0o001:
-                return folder
-        except OSError:
-            return None
-    return None
-
-
-def _loopback_names() -> None:
-    """/etc/hosts with names for ::1 and ::ffff:127.0.0.1 too: without them, reverse lookups of the
-    ranks' loopback connections go to DNS, which fails in the namespace, and torch warns on stderr."""
-    try:
-        with open("/etc/hosts") as fh:
-            text = fh.read()
-    except OSError:
-        text = "127.0.0.1 localhost\n"
-    path = "/tmp/.ddp-course-hosts"
-    with open(path, "w") as fh:
-        fh.write(text.rstrip("\n") + "\n::1 localhost ip6-localhost\n::ffff:127.0.0.1 localhost\n")
-    os.chmod(path, 0o644)
-    if os.path.exists("/etc/hosts"):
-        mount(path, "/etc/hosts", None, MS_BIND)
-        mount(None, "/etc/hosts", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-
-
-def _isolate(args) -> None:
-    """New network + mount namespaces: loopback up, hidden paths covered, private /tmp and /dev/shm.
-
-    The work folder and the ``--expose`` paths (the Python installation) stay
-    reachable: a folder above them that the sandbox uid could not enter (say a
-    Python under /root) is replaced by an empty one holding only them.
-    """
-    unshare(CLONE_NEWNET | CLONE_NEWNS)
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    loopback_up()
-    workdir = os.path.realpath(args.workdir)
-    keeps = [workdir] + [os.path.realpath(p) for p in args.expose if os.path.isdir(p)]
-    keep = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keeps}
-    targets = {(os.path.realpath(p), True) for p in args.hide}
-    targets |= {("/tmp", False), ("/dev/shm", False)}
-    targets |= {(a, True) for a in map(_blocking_ancestor, keeps) if a}
-    for target, read_only in sorted(targets, key=lambda t: (t[0].count("/"), t[0])):
-        if target in keep or target == "/" or not os.path.lexists(target):
-            continue  # never cover a kept path; a target inside a covered one is gone already
-        _cover(target, keep, read_only=read_only, size="64k" if read_only else str(args.tmp_size))
-    for fd in keep.values():
-        os.close(fd)
-    _loopback_names()
-    try:  # other users' processes become invisible (best effort: needs a procfs we may mount)
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-    except OSError:
-        pass
-
-
-#: variables a sandboxed process keeps from the grader's environment (names, or prefixes ending in _);
-#: the rest (tokens, credentials, proxies) never reaches student code
-KEEP_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
-            "PYTHONWARNINGS", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-            "CUDA_VISIBLE_DEVICES", "MPLBACKEND", "NBGRADER_EXECUTION", "LC_", "JPY_", "DDP_COURSE_", "TORCH_",
-            "NCCL_", "GLOO_", "CUDA_", "NVIDIA_")
-
-
-def clean_environment(environ) -> dict[str, str]:
-    """The part of ``environ`` a sandboxed process may see (see KEEP_ENV)."""
-    return {k: v for k, v in environ.items()
-            if k in KEEP_ENV or any(k.startswith(p) for p in KEEP_ENV if p.endswith("_"))}
-
-
-def _limit(args) -> None:
-    def setl(which, value):
-        soft, hard = value, value
-        try:
-            resource.setrlimit(which, (soft, hard))
-        except (ValueError, OSError):
-            cur_soft, cur_hard = resource.getrlimit(which)
-            if cur_hard != resource.RLIM_INFINITY and cur_hard < value:
-                return  # already stricter
-            resource.setrlimit(which, (min(soft, cur_hard), cur_hard))
-
-    nproc = args.nproc
-    if args.uid is None:  # RLIMIT_NPROC counts this user's processes everywhere: allow what already runs
-        nproc += len(uid_processes(os.getuid()))
-    setl(resource.RLIMIT_NPROC, nproc)
-    resource.setrlimit(resource.RLIMIT_CPU, (args.cpu, args.cpu + 10))
-    setl(resource.RLIMIT_FSIZE, args.fsize)
-    setl(resource.RLIMIT_NOFILE, args.nofile)
-    setl(resource.RLIMIT_CORE, 0)
-    if args.address_space:
-        setl(resource.RLIMIT_AS, args.address_space)
-
-
-def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the forked child, ends in exec
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for path in args.cgroup:
-            with open(os.path.join(path, "cgroup.procs"), "w") as fh:
-                fh.write(str(os.getpid()))
-        env = clean_environment(os.environ)
-        for item in args.env:
-            key, _, value = item.partition("=")
-            env[key] = value
-        env["PWD"] = args.workdir
-        for key in ("HOME", "IPYTHONDIR", "MPLCONFIGDIR", "JUPYTER_RUNTIME_DIR"):
-            if key in env:
-                os.makedirs(env[key], exist_ok=True)
-                if args.uid is not None:
-                    os.chown(env[key], args.uid, args.uid)
-        _limit(args)
-        os.chdir(args.workdir)
-        if args.uid is not None:
-            os.setgroups([])
-            os.setgid(args.uid)
-            os.setuid(args.uid)
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-        os.execvpe(cmd[0], cmd, env)
-    except BaseException as exc:  # noqa: BLE001
-        os.write(2, f"sandbox: cannot start {cmd[0]}: {exc}\n".encode())
-        os._exit(127)
-
-
-def _kill_rest(args, child: int) -> None:
-    if args.uid is not None:
-        kill_uid(args.uid, deadline=5)
-    else:
-        import psutil
-
-        try:
-            procs = psutil.Process().children(recursive=True)
-        except psutil.Error:
-            procs = []
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-
-
-def run(args, cmd: list[str]) -> int:
-    """The wrapper: isolate (as root), fork the command as the sandbox uid, supervise it, clean up."""
-    if args.isolate:
-        try:
-            _isolate(args)
-        except OSError as exc:
-            sys.stderr.write(f"sandbox: cannot isolate the submission ({exc}); refusing to run it\n")
-            return 126
-    prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the command come to us, so we can end them
-    parent = os.getppid()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # jupyter interrupts the process group: that is the kernel's
-    stop = {"at": None}
-
-    def on_term(signum, frame):
-        stop["at"] = stop["at"] or time.monotonic()
-        try:
-            os.kill(child, signal.SIGTERM)
-        except OSError:
-            pass
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
-    child = os.fork()
-    if child == 0:  # pragma: no cover
-        _child(args, cmd)
-    code = 1
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == child:
-            code = os.waitstatus_to_exitcode(status)
-            break
-        if pid == 0:
-            if os.getppid() != parent or (stop["at"] and time.monotonic() - stop["at"] > 3):
-                break
-            time.sleep(0.05)
-    _kill_rest(args, child)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # reap what we killed
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            time.sleep(0.02)
-    return code if code >= 0 else 128 - code
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        sys.stderr.write("usage: python -m course.sandbox run --workdir W [options] -- CMD ...\n")
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m course.sandbox")
-    sub = parser.add_subparsers(dest="verb", required=True)
-    p = sub.add_parser("run")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--token", default="")
-    p.add_argument("--isolate", action="store_true")
-    p.add_argument("--uid", type=int, default=None)
-    p.add_argument("--hide", action="append", default=[])
-    p.add_argument("--expose", action="append", default=[])
-    p.add_argument("--cgroup", action="append", default=[])
-    p.add_argument("--env", action="append", default=[])
-    p.add_argument("--nproc", type=int, default=Limits.nproc)
-    p.add_argument("--cpu", type=int, default=Limits.cpu_seconds)
-    p.add_argument("--fsize", type=int, default=Limits.file_size)
-    p.add_argument("--nofile", type=int, default=Limits.open_files)
-    p.add_argument("--tmp-size", type=int, default=Limits.tmp_size)
-    p.add_argument("--address-space", type=int, default=0)
-    args = parser.parse_args(argv[:split])
-    cmd = argv[split + 1:]
-    if not cmd:
-        parser.error("no command after --")
-    if args.isolate and os.geteuid() != 0:
-        parser.error("--isolate needs root")
-    return run(args, cmd)
 
 
 # --------------------------------------------------------------------------- the kernel manager
@@ -909,7 +405,7 @@ def _kernel_manager_class():
                 self.sandbox = Sandbox(workdir, hide=self.hidden_paths(), limits=self.limits()).open()
             box = self.sandbox
             box.kill()  # a restart: nothing of the previous kernel survives
-            kernel_dir = box.fresh_dir(KERNEL_DIR)
+            kernel_dir = box.runtime_dir
             self.transport = "ipc"  # unix sockets cross the network namespace; TCP would not
             self.connection_file = os.path.join(kernel_dir, "kernel.json")
             self.ip = os.path.join(kernel_dir, "ipc")
@@ -922,7 +418,7 @@ def _kernel_manager_class():
             if box.uid is not None:
                 os.chown(self.connection_file, box.uid, box.uid, follow_symlinks=False)
             self.log.info(box.summary)
-            return box.command(cmd), kw
+            return box.command(cmd, relay_output=True), kw
 
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             await super()._async_launch_kernel(kernel_cmd, **kw)
@@ -942,6 +438,7 @@ def _kernel_manager_class():
             if self.sandbox is not None:
                 self.sandbox.close()
 
+    SandboxKernelManager.__qualname__ = "SandboxKernelManager"
     return SandboxKernelManager
 
 
@@ -961,4 +458,7 @@ def course_paths(config) -> list[str]:
 
 
 if __name__ == "__main__":
+    from course.sandbox_run import main
+
     sys.exit(main())
+

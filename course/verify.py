@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from course import checkcalls
 
@@ -178,7 +178,10 @@ def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
     """Run the verifier in ``box`` on ``requests``; yield each cell's result as it arrives."""
     nonce = secrets.token_hex(16)
     payload = json.dumps({"nonce": nonce, "cell_timeout": cell_timeout, "cells": requests}).encode()
-    cmd = box.command([sys.executable, "-P" if sys.version_info >= (3, 11) else "-I", "-m", "course.verify"])
+    from course.sandbox import HOME_DIR, python_flags
+
+    box.fresh_dir(HOME_DIR)  # nothing the kernel left in its home (caches, user site-packages) reaches us
+    cmd = box.command([sys.executable, *python_flags(), "-m", "course.verify"])
     full_env = dict(os.environ)
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -320,9 +323,8 @@ def _resolve(call: checkcalls.CheckCall):
 
 
 def _verify_cell(request: dict, cell_timeout: float) -> dict:
-    from graders.core import CheckFailed
-
     from course.exceptions import LaunchError
+    from graders.core import CheckFailed
 
     calls = checkcalls.parse(request["source"])
     result = {"index": request["index"]}

@@ -30,6 +30,9 @@ from course.instructor.init import WARNINGS_ONLY, init_course
 from course.instructor.leaks import plain_text, secrets_of, student_copy_leaks
 from course.instructor.samples import make_sample, solution_text, stall_rank_one
 
+# nbgrader's own gradebook code trips SQLAlchemy autoflush warnings (harmless, not ours)
+pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "files" / "exercises"
 EXERCISES = ROOT / "exercises"
@@ -177,6 +180,7 @@ def test_init_config_is_what_nbgrader_reads(tmp_path):
     assert (timeout_func(test_cell), timeout_func(answer_cell), timeout_func(nbformat.v4.new_code_cell(""))) == (321, 12, 12)
     assert course.config.IgnorePattern.enabled is True
     assert course.config.Execute.kernel_name == "python3"
+    assert course.config.Execute.shutdown_kernel == "immediate"
 
 
 def test_only_pure_warning_stderr_is_ignored():
@@ -291,6 +295,52 @@ def test_samples_are_made_from_the_source(tmp_path):
     assert solution_text("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION") == "def f():\n    return 1"
 
 
+def test_feedback_redacts_even_with_an_old_config(tmp_path):
+    from nbgrader.converters import GenerateFeedback
+
+    from course.instructor.feedback import ensure_redaction
+    from course.instructor.redact import RedactHiddenTests
+
+    (tmp_path / "nbgrader_config.py").write_text('c = get_config()\nc.CourseDirectory.course_id = "old"\n')
+    course = Course.open(tmp_path)
+    ensure_redaction(course.api.config)
+    assert RedactHiddenTests in GenerateFeedback(coursedir=course.coursedir, parent=course.api).preprocessors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_template_gradebook_for_non_sqlite_databases(tmp_path):
+    """What a worker gets when the real gradebook is not a SQLite file (PostgreSQL): assignments, cells, extensions."""
+    from datetime import datetime, timedelta
+
+    from nbgrader.api import Gradebook
+
+    from course.instructor.gradebook import copy_assignments, sqlite_url
+
+    real = sqlite_url(tmp_path / "real.db")
+    with Gradebook(real, "cs") as gb:
+        gb.add_assignment("a1", duedate=datetime(2030, 1, 1))
+        gb.add_notebook("nb", "a1", kernelspec='{"name": "python3"}')
+        gb.add_grade_cell("t1", "nb", "a1", max_score=2, cell_type="code")
+        gb.add_solution_cell("s1", "nb", "a1")
+        gb.add_source_cell("t1", "nb", "a1", cell_type="code", locked=True, source="check(f)", checksum="abc")
+        gb.add_source_cell("s1", "nb", "a1", cell_type="code", source="def f(): ...", checksum="def")
+        gb.add_student("alice")
+        gb.add_submission("a1", "alice", extension=timedelta(days=2))
+    copy_assignments(real, "cs", ["a1"], tmp_path / "copy.db", [("a1", "alice"), ("a1", "bob")])
+    with Gradebook(sqlite_url(tmp_path / "copy.db"), "cs") as gb:
+        assignment = gb.find_assignment("a1")
+        assert assignment.duedate == datetime(2030, 1, 1)
+        notebook = gb.find_notebook("nb", "a1")
+        assert notebook.kernelspec == '{"name": "python3"}'
+        assert [(c.name, c.max_score) for c in notebook.grade_cells] == [("t1", 2.0)]
+        assert [c.name for c in notebook.solution_cells] == ["s1"]
+        assert {c.name: (c.source, c.checksum, c.locked) for c in notebook.source_cells} == {
+            "t1": ("check(f)", "abc", True), "s1": ("def f(): ...", "def", False)}
+        assert gb.find_submission("a1", "alice").extension == timedelta(days=2)
+        assert [s.id for s in gb.students] == ["alice"]
+
+
 def test_collect_files_a_zip_and_reports_the_rest(tmp_path):
     init_course(tmp_path / "course", exercises=TINY)
     course = Course(tmp_path / "course")
@@ -320,6 +370,23 @@ def test_collect_files_a_zip_and_reports_the_rest(tmp_path):
         assert sorted(s.id for s in gb.students) == ["alice", "bob"]
     again = collect(course, archive)
     assert {status for _, _, status in again.filed} == {"unchanged"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_release_fails_loudly_when_nbgrader_leaves_hidden_tests_in(tmp_path):
+    course_dir = tmp_path / "course"
+    init_course(course_dir, exercises=TINY)
+    clean = cli("release", cwd=course_dir)
+    assert "no solutions, no hidden tests" in clean.stdout
+    # an instructor's config with other markers: nbgrader no longer sees the notebook's hidden tests
+    with open(course_dir / "nbgrader_config.py", "a") as fh:
+        fh.write('c.ClearHiddenTests.begin_test_delimeter = "BEGIN SECRET TESTS"\n'
+                 'c.ClearHiddenTests.end_test_delimeter = "END SECRET TESTS"\n')
+    leaky = cli("release", cwd=course_dir, check=False)
+    assert leaky.returncode != 0
+    assert "hidden test line left in" in leaky.stderr and "double(-5)" in leaky.stderr, leaky.stderr
+    assert not (course_dir / "release" / "ex0-tiny").exists()  # nothing unsafe left to hand out
 
 
 # -- slow: end to end on the tiny assignment --------------------------------------------------------------
@@ -439,6 +506,20 @@ CLASS = {
 }
 
 
+class Phases:
+    """Wall time of each phase of a long test, printed at the end (``pytest -s`` shows it)."""
+
+    def __init__(self):
+        self.marks = [("start", time.monotonic())]
+
+    def __call__(self, name: str) -> None:
+        self.marks.append((name, time.monotonic()))
+
+    def report(self) -> str:
+        steps = [f"{name} {t - prev:.0f}s" for (_, prev), (name, t) in zip(self.marks, self.marks[1:])]
+        return ", ".join(steps) + f"; total {self.marks[-1][1] - self.marks[0][1]:.0f}s"
+
+
 def max_points(source: Path) -> float:
     return sum(float(c.metadata["nbgrader"].get("points", 0)) for c in nbformat.read(source, as_version=4).cells
                if c.metadata.get("nbgrader", {}).get("grade"))
@@ -461,10 +542,12 @@ def autograded_scores(course_dir: Path) -> dict[tuple[str, str], float]:
 @pytest.mark.skipif(not all((EXERCISES / a / f"{n}.ipynb").is_file() for a, n in REAL.items()),
                     reason="the four exercises are not in exercises/ yet")
 def test_course_exercises_end_to_end(tmp_path):
+    phase = Phases()
     course_dir = tmp_path / "course"
     cli("init", str(course_dir), cwd=tmp_path)
     released = cli("release", cwd=course_dir).stdout
     assert released.count("no solutions, no hidden tests") == 4
+    phase("init+release")
 
     incoming = tmp_path / "incoming"
     for student, work in CLASS.items():
@@ -472,6 +555,7 @@ def test_course_exercises_end_to_end(tmp_path):
             write_samples(course_dir, {student: kind}, assignment, REAL[assignment], incoming)
     cli("collect", str(incoming), cwd=course_dir)
     jobs = sum(len(w) for w in CLASS.values())
+    phase("samples+collect")
 
     # killed (SIGKILL, no cleanup of its own) once the first submission is graded
     rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "2"], signal.SIGKILL, deadline=600)
@@ -480,8 +564,10 @@ def test_course_exercises_end_to_end(tmp_path):
     first = graded_records(course_dir)
     before = autograded_mtimes(course_dir)
     assert 1 <= len(first) < jobs
+    phase("killed autograde")
 
     rerun = cli("autograde", "--jobs", "2", cwd=course_dir, timeout=900)
+    phase("autograde rerun")
     assert rerun.stdout.count("already graded") == len(first), rerun.stdout
     after = autograded_mtimes(course_dir)
     assert {k: after[k] for k in before} == before  # not graded again
@@ -510,7 +596,9 @@ def test_course_exercises_end_to_end(tmp_path):
     # the gradebook holds what the autograded notebooks show
     assert autograded_scores(course_dir) == {k: float(grades[k]["raw_score"]) for k in autograded_scores(course_dir)}
 
+    phase("export")
     cli("feedback", cwd=course_dir)
+    phase("feedback")
     pages = sorted((course_dir / "feedback").glob("*/*/*.html"))
     assert len(pages) == jobs
     for page in pages:
@@ -526,11 +614,14 @@ def test_course_exercises_end_to_end(tmp_path):
     assert "not graded" in status and not re.search(r"│\s*(failed|timeout)\s*│", status), status
 
     # plain nbgrader in the same folder: sees everything as graded, and regrading agrees with ddp-course
+    phase("status")
     skipped = nbgrader("autograde", "ex1-parallelism", cwd=course_dir)
     assert "Skipping existing assignment" in skipped.stdout + skipped.stderr
     assert autograded_mtimes(course_dir) == after
     nbgrader("autograde", "ex2-ddp-basics", "--force", cwd=course_dir)
     nbgrader("export", "--to", str(tmp_path / "plain.csv"), cwd=course_dir)
+    phase("plain nbgrader")
+    print(f"\nphases: {phase.report()}")
     plain = read_csv(tmp_path / "plain.csv")
     columns = ("raw_score", "score", "max_score")
     assert {k: [r[c] for c in columns] for k, r in plain.items()} == {k: [r[c] for c in columns] for k, r in grades.items()}

@@ -31,7 +31,7 @@ import click
 import nbformat
 
 from course.instructor.coursedir import Course, course_dir_option
-from course.instructor.gradebook import copy_assignments, is_recorded, merge_submission, sqlite_url
+from course.instructor.gradebook import is_recorded, make_template, merge_submission, sqlite_url
 
 #: what a submission may take beyond the sum of its cells' time limits (kernel start, nbgrader's own work)
 STARTUP_MARGIN = 120.0
@@ -62,7 +62,9 @@ class Row:
 
 
 def default_jobs() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    """One more than the CPUs (at most 8): a submission leaves cores idle part of the time
+    (kernel start-up, ranks waiting for each other); 3 at a time beat 2 on a 2-core machine."""
+    return max(1, min(8, (os.cpu_count() or 1) + 1))
 
 
 # -- what is already done -------------------------------------------------------------------------------
@@ -231,7 +233,8 @@ def summary_table(rows: list[Row]):
 
     table = Table(title="autograde summary")
     for column in ("student", "assignment", "score", "status", "time", "notes"):
-        table.add_column(column, justify="right" if column in ("score", "time") else "left")
+        table.add_column(column, justify="right" if column in ("score", "time") else "left",
+                         no_wrap=column != "notes")
     for row in sorted(rows, key=lambda r: (r.job.student, r.job.assignment)):
         score = f"{row.score:g} / {row.max_score:g}" if row.score is not None else "-"
         notes = []
@@ -247,9 +250,21 @@ def summary_table(rows: list[Row]):
     return table
 
 
+#: failures nbgrader reports with a misleading or cryptic line, and what they mean
+_KNOWN_FAILURES = (
+    ("Timeout waiting for IOPub output", "a cell ran past its time limit and ignored the interrupt, "
+     "so nbgrader gave up on the notebook (see the log for the cell)"),
+    ("UnresponsiveKernelError", "the kernel stopped answering (an endless loop that ignores interrupts?)"),
+    ("DeadKernelError", "the kernel died (out of memory, or the student's code exited the process)"),
+)
+
+
 def _short_reason(result: dict) -> str:
     """The most telling line of a failed nbgrader run (its last exception line)."""
     text = "\n".join(filter(None, [result.get("log", ""), result.get("error", "")]))
+    for marker, meaning in _KNOWN_FAILURES:
+        if marker in text:
+            return meaning
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if ("Error" in line or "Exception" in line) and "NbGraderException" not in line and not line.startswith("File "):
@@ -275,6 +290,27 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _course_lock(course: Course):
+    """One autograde at a time per course (they share the scratch space); released even on SIGKILL."""
+    import fcntl
+
+    course.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(course.state_dir / "autograde.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise click.ClickException(
+                f"another ddp-course autograde is running in {course.root} (pid {fh.read().strip() or '?'})"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield
 
 
 @contextmanager
@@ -337,6 +373,25 @@ def run_autograde(
 ) -> AutogradeRun:
     """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time."""
     from rich.console import Console
+
+    console = console or Console()
+    with _course_lock(course):
+        todo, rows = plan(course, assignments, students, force)
+        if not todo:
+            return AutogradeRun([fill_scores(course, r) for r in rows])
+        with course.gradebook() as gb:
+            released = {a.name for a in gb.assignments}
+        unreleased = sorted({j.assignment for j in todo} - released)
+        if unreleased:
+            raise click.ClickException(
+                f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release"
+            )
+        return _grade(course, todo, rows, jobs=jobs, timeout=timeout, console=console)
+
+
+def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeout: float | None,
+           console) -> AutogradeRun:
+    """Grade ``todo`` on a worker pool with a progress display; ``rows`` (the work already done) grows."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -349,22 +404,12 @@ def run_autograde(
 
     from course.instructor.pool import WorkerPool
 
-    console = console or Console()
-    todo, rows = plan(course, assignments, students, force)
-    if not todo:
-        return AutogradeRun([fill_scores(course, r) for r in rows])
-    with course.gradebook() as gb:
-        released = {a.name for a in gb.assignments}
-    unreleased = sorted({j.assignment for j in todo} - released)
-    if unreleased:
-        raise click.ClickException(f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release")
-
     scratch_root = _scratch_root(course)
     shutil.rmtree(scratch_root, ignore_errors=True)  # what an interrupted run left
     scratch_root.mkdir(parents=True)
     template = scratch_root / "template.db"
-    copy_assignments(course.db_url, course.course_id, sorted({j.assignment for j in todo}), template,
-                     [(j.assignment, j.student) for j in todo])
+    make_template(course.db_url, course.course_id, sorted({j.assignment for j in todo}), template,
+                  [(j.assignment, j.student) for j in todo])
     limits = {a: timeout or job_timeout(course, a) for a in {j.assignment for j in todo}}
 
     pending = list(todo)

@@ -46,19 +46,21 @@ def page_leaks(course: Course, assignment: str, page: Path) -> list[str]:
 
 def generate_feedback(course: Course, assignments: list[str], students: tuple[str, ...] = ()) -> list[Path]:
     """Write feedback for every autograded submission of ``assignments``; returns the pages written."""
-    ensure_redaction(course.config)
+    ensure_redaction(course.api.config)  # the config GenerateFeedback (parent=api) reads
     pages, leaks = [], []
     for assignment in assignments:
         graded = sorted(p.parent.name for p in course.folder("autograded").glob(f"*/{assignment}"))
-        for student in graded:
-            if students and student not in students:
-                continue
+        chosen = [s for s in graded if not students or s in students]
+        if not chosen:
+            continue
+        # one nbgrader run per assignment (its HTML exporter starts once), or one per named student
+        for student in (chosen if students else [None]):
             result = course.api.generate_feedback(assignment, student, force=True)
             if not result["success"]:
                 raise click.ClickException(
-                    f"nbgrader generate_feedback {assignment} --student {student} failed:\n"
-                    f"{result.get('error') or result.get('log')}"
+                    f"nbgrader generate_feedback {assignment} failed:\n{result.get('error') or result.get('log')}"
                 )
+        for student in chosen:
             for page in sorted(course.folder("feedback", student, assignment).glob("*.html")):
                 found = page_leaks(course, assignment, page)
                 if found:

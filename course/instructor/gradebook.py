@@ -1,11 +1,11 @@
 """Private gradebooks for parallel autograding, and merging their results into the real one.
 
 SQLite is unsafe for parallel writers, and nbgrader writes the gradebook
-throughout an autograde. So each worker grades against its own SQLite copy of
-just what autograde reads (the assignment, its notebooks and cells, as the
-real gradebook recorded them at release), and the parent copies the resulting
-scores into the real gradebook, one submission at a time, in one transaction.
-This works the same whatever the real database is (SQLite or PostgreSQL).
+throughout an autograde. So each worker grades against its own SQLite copy
+(a snapshot of a SQLite gradebook; for PostgreSQL and others, a copy of just
+what autograde reads: the assignments, their notebooks and cells as recorded
+at release, and any extensions), and the parent copies the resulting scores
+into the real gradebook, one submission at a time, in one transaction.
 """
 
 from __future__ import annotations
@@ -29,6 +29,33 @@ def _quiet():
 
 def sqlite_url(path: Path) -> str:
     return f"sqlite:///{Path(path).resolve()}"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite:///`` URL, or None for any other database."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return Path(parsed.database)
+
+
+def make_template(real_url: str, course_id: str, assignments: list[str], template: Path,
+                  submissions: list[tuple[str, str]] = ()) -> None:
+    """The gradebook each worker starts from: a consistent snapshot of a SQLite gradebook (fast),
+    else (PostgreSQL, ...) a SQLite copy of what autograde needs (see :func:`copy_assignments`)."""
+    import sqlite3
+
+    source = sqlite_path(real_url)
+    if source is None or not source.is_file():
+        copy_assignments(real_url, course_id, assignments, template, submissions)
+        return
+    template = Path(template)
+    if template.exists():
+        template.unlink()
+    with sqlite3.connect(source) as real, sqlite3.connect(template) as copy:
+        real.backup(copy)
 
 
 def copy_assignments(real_url: str, course_id: str, assignments: list[str], template: Path,

@@ -55,6 +55,9 @@ c.CourseDirectory.course_id = {course_id!r}
 
 # Every notebook runs on the kernel the course uses (the one `ddp-course lab` starts).
 c.Execute.kernel_name = {kernel!r}
+# Stop the kernel as soon as its last cell has run: a graceful exit (the kernel, then its
+# rank launcher) adds 3-5 s to every submission and runs nothing that grading needs.
+c.Execute.shutdown_kernel = "immediate"
 
 # Per-cell time limits, in seconds. Test cells run real multi-rank jobs (exercise 4
 # starts torchrun, ~15 s per job here); a hung check is also stopped by its own

@@ -67,7 +67,9 @@ def command(course_dir):
     console.print(table)
     problems = [(s.assignment, *p) for s in report for p in s.problems]
     if problems:
-        detail = Table("assignment", "student", "state", "why", "log", title="submissions not graded")
+        detail = Table(title="submissions not graded")
+        for column in ("assignment", "student", "state", "why", "log"):
+            detail.add_column(column, no_wrap=column in ("assignment", "student", "state"), overflow="fold")
         for assignment, student, state, why, log in problems:
             detail.add_row(assignment, student, state, why, log or "",
                            style="red" if state in ("failed", "timeout") else None)

@@ -98,6 +98,8 @@ class Attack:
     fatal: bool = False
     #: the submission cannot be graded at all (everything 0, with an error)
     ungradable: bool = False
+    #: graded, but every test earns 0 (e.g. nbgrader does not put deleted test cells back)
+    zero: bool = False
     #: regex one of the report's messages (or notes) must match
     message: str = ""
     #: extra time the attack may cost beyond a normal grading (seconds)
@@ -125,7 +127,7 @@ def expected_scores(attack: Attack, source_nb, submission_nb) -> dict[str, float
     for test in tests:
         meta = nbgrader_meta(test)
         earned = float(meta.get("points", 0))
-        if attack.ungradable or uses(test, broken):
+        if attack.ungradable or attack.zero or uses(test, broken):
             earned = 0.0
         if attack.fatal and test is not first:
             earned = 0.0
@@ -187,17 +189,22 @@ for folder in folders:
     for pattern in ("exercises/*/*.ipynb", "source/*/*.ipynb", "gradebook.db", "submitted/*/*/*.ipynb",
                     "*/*.ipynb", "*/*/*.ipynb", ".ddp-course/*/*/*/*/*.ipynb"):
         paths.update(glob.glob(os.path.join(folder, pattern)))
-seen = 0
+secrets = 0
 for path in sorted(paths):
     if os.path.realpath(path).startswith(os.path.realpath(os.getcwd()) + "/"):
         continue  # our own notebook
     try:
-        with open(path, errors="replace") as fh:
-            print("{READ_MARK}", path, fh.read()[:20000])
-        seen += 1
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as exc:
         print("{READ_MARK} denied", path, type(exc).__name__)
-print("{READ_MARK} files read:", seen)
+        continue
+    if b"BEGIN HIDDEN TESTS" in data or b"BEGIN SOLUTION" in data or data.startswith(b"SQLite format"):
+        secrets += 1
+        print("{READ_MARK} SECRET", path, data[:20000].decode(errors="replace"))
+    else:
+        print("{READ_MARK} public", path)
+print("{READ_MARK} secrets read:", secrets)
 ''')
 
 
@@ -299,6 +306,24 @@ graders.ex1 = fake
 ''')
 
 
+def _plant_modules(nb, ctx):
+    # fake graders/course modules and site hooks wherever a Python started later might import from
+    _patch_graders(nb, ctx)
+    insert_after_imports(nb, '''
+import os, site
+fake = "def __getattr__(name):\\n    return lambda *a, **k: print('passed', name)\\n"
+hook = "import builtins\\nbuiltins.PWNED = True\\n"
+for folder in (os.getcwd(), site.getusersitepackages()):
+    os.makedirs(os.path.join(folder, "graders"), exist_ok=True)
+    for name, text in (("graders/__init__.py", ""), ("graders/ex1.py", fake), ("graders/core.py", fake),
+                       ("usercustomize.py", hook), ("sitecustomize.py", hook)):
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(text)
+    with open(os.path.join(folder, "zz-pwn.pth"), "w") as fh:
+        fh.write("import builtins; builtins.PWNED = True\\n")
+''')
+
+
 def insert_after_imports(nb, source: str) -> None:
     """Insert a code cell right after the first code cell (the imports)."""
     first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
@@ -364,8 +389,15 @@ ATTACKS = [
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
     Attack("patch_assert", _patch_assert, "verifier: AssertionError, sys.modules and IPython's handler stay in the kernel",
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
-    Attack("deleted_tests", _deleted_tests, "locked cells restored from the source", message=""),
-    Attack("duplicated_tests", _duplicated_tests, "restore keeps the first copy of a grade_id", message=""),
+    Attack("plant_modules", _plant_modules, "verifier runs python -s -P with a fresh home: nothing imported from "
+           "the work folder or the user's site-packages", broken_answers=(0, 1, 2, 3, 4, 5),
+           message=r"disagrees with the grader's own run"),
+    Attack("deleted_tests", _deleted_tests, "grade: locked cells restored from the source; autograde: nbgrader "
+           "scores the missing test cells 0", message="",
+           per_path={"autograde": dict(zero=True)}),
+    Attack("duplicated_tests", _duplicated_tests, "grade: restore keeps the first copy of a grade_id; autograde: "
+           "nbgrader rejects the notebook (one error, 0, the run goes on)", message="",
+           per_path={"autograde": dict(ungradable=True, message=r"[Ss]chema|duplicate|failed")}),
     Attack("split_test", _split_test, "restore replaces the test cell; the stray half is the student's cell",
            message=""),
     Attack("renamed", _renamed, "grade: matched to its source by grade_ids; autograde: reported as missing",

@@ -11,7 +11,7 @@ import re
 
 import attacks
 import pytest
-from conftest import full_sandbox
+from runs import full_sandbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -88,7 +88,7 @@ needs_root = pytest.mark.skipif(not full_sandbox(), reason="isolation needs root
 def test_sources_and_course_files_are_invisible(batch):
     run, path = batch
     text = run.outcomes["read_sources"].outputs
-    assert f"{attacks.READ_MARK} files read: 0" in text, text[-3000:]
+    assert f"{attacks.READ_MARK} secrets read: 0" in text, text[-3000:]
     for line in attacks.hidden_lines(run.source):
         assert line not in text
 

@@ -1,0 +1,344 @@
+"""The Linux pieces of the sandbox: namespaces and mounts (libc through ctypes), cgroups, killing by uid.
+
+Used by :mod:`course.sandbox` (the grader side) and :mod:`course.sandbox_run`
+(the wrapper that starts a submission's process). Python 3.11 has no
+``os.unshare``, hence ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from course.sandbox import Limits
+
+GiB = 1 << 30
+MiB = 1 << 20
+#: environment marker of every sandboxed process (used to find strays when not root)
+TOKEN_ENV = "DDP_COURSE_SANDBOX"
+
+_libc = None
+
+
+def _libc_handle():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc_handle().unshare(ctypes.c_int(flags)), "unshare")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+    _check(_libc_handle().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {target}")
+
+
+def prctl(option: int, value: int) -> None:
+    _check(_libc_handle().prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
+
+
+def make_undumpable() -> None:
+    """No other process of this uid may ptrace this one or read its memory and fds (/proc/PID/mem, fd/)."""
+    prctl(PR_SET_DUMPABLE, 0)
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up (a new network namespace starts with it down): ioctl, or iproute2's ``ip``."""
+    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("16sH22x", b"lo", 0)
+            flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP | IFF_RUNNING))
+        return
+    except OSError:
+        pass
+    ip = shutil.which("ip") or "/sbin/ip"
+    if os.system(f"{ip} link set lo up >/dev/null 2>&1") != 0:
+        raise OSError("cannot bring the loopback interface up (no ioctl, no iproute2)")
+
+
+_namespace_probe: tuple[bool, str] | None = None
+
+
+def namespaces_available() -> tuple[bool, str]:
+    """(whether this process may create network and mount namespaces, why not). Probed once, in a child."""
+    global _namespace_probe
+    if _namespace_probe is None:
+        if os.geteuid() != 0:
+            _namespace_probe = (False, "not root")
+        else:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                os.close(r)
+                code = 0
+                try:
+                    unshare(CLONE_NEWNET | CLONE_NEWNS)
+                    mount(None, "/", None, MS_REC | MS_PRIVATE)
+                    loopback_up()
+                except BaseException as exc:  # noqa: BLE001
+                    os.write(w, str(exc).encode()[:500])
+                    code = 1
+                os._exit(code)
+            os.close(w)
+            message = os.read(r, 1000).decode(errors="replace")
+            os.close(r)
+            _, status = os.waitpid(pid, 0)
+            ok = os.waitstatus_to_exitcode(status) == 0
+            _namespace_probe = (ok, "" if ok else f"root, but namespaces are not allowed here ({message})")
+    return _namespace_probe
+
+
+# --------------------------------------------------------------------------- cgroups
+
+
+def _own_cgroup(controller: str | None) -> str | None:
+    """This process's cgroup path for ``controller`` (v1), or its v2 path when ``controller`` is None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        if controller is None and hid == "0" and controllers == "":
+            return path
+        if controller is not None and controller in controllers.split(","):
+            return path
+    return None
+
+
+@dataclass
+class Cgroups:
+    """The cgroup folders of one sandbox (v2: one; v1: memory and pids) and what they limit."""
+
+    paths: list[str] = field(default_factory=list)
+    memory: str = ""  # how memory is limited, for the summary
+
+    @classmethod
+    def create(cls, name: str, limits: Limits) -> Cgroups:
+        made = cls()
+        try:
+            made._create_v2(name, limits) or made._create_v1(name, limits)
+        except OSError:
+            made.remove()
+            made = cls()
+        return made
+
+    def _create_v2(self, name: str, limits: Limits) -> bool:
+        root = Path("/sys/fs/cgroup")
+        own = _own_cgroup(None)
+        if own is None or not (root / "cgroup.controllers").is_file():
+            return False
+        parent = root / own.lstrip("/")
+        wanted = {"memory", "pids"}
+        enabled = set((parent / "cgroup.subtree_control").read_text().split())
+        if not wanted <= enabled:
+            try:
+                (parent / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted - enabled))
+            except OSError:
+                return False
+        path = parent / name
+        path.mkdir(exist_ok=True)
+        self.paths.append(str(path))
+        (path / "memory.max").write_text(str(limits.memory))
+        try:
+            (path / "memory.swap.max").write_text("0")
+        except OSError:
+            pass
+        (path / "pids.max").write_text(str(limits.nproc))
+        self.memory = f"cgroup v2 memory.max {limits.memory / GiB:g} GiB"
+        return True
+
+    def _create_v1(self, name: str, limits: Limits) -> bool:
+        root = Path("/sys/fs/cgroup")
+        mem_own = _own_cgroup("memory")
+        if mem_own is None or not (root / "memory").is_dir():
+            return False
+        mem = root / "memory" / mem_own.lstrip("/") / name
+        mem.mkdir(exist_ok=True)
+        self.paths.append(str(mem))
+        (mem / "memory.limit_in_bytes").write_text(str(limits.memory))
+        try:
+            (mem / "memory.memsw.limit_in_bytes").write_text(str(limits.memory))
+        except OSError:
+            pass
+        pids_own = _own_cgroup("pids")
+        if pids_own is not None and (root / "pids").is_dir():
+            try:
+                pids = root / "pids" / pids_own.lstrip("/") / name
+                pids.mkdir(exist_ok=True)
+                self.paths.append(str(pids))
+                (pids / "pids.max").write_text(str(limits.nproc))
+            except OSError:
+                pass
+        self.memory = f"cgroup v1 memory limit {limits.memory / GiB:g} GiB"
+        return True
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for path in self.paths:
+            try:
+                found.update(int(p) for p in Path(path, "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                pass
+        return found
+
+    def kill(self) -> None:
+        for path in self.paths:
+            try:
+                Path(path, "cgroup.kill").write_text("1")  # v2, Linux >= 5.14
+            except OSError:
+                pass
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.02)
+
+    def remove(self) -> None:
+        for path in reversed(self.paths):
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        self.paths = []
+
+
+# --------------------------------------------------------------------------- killing
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Live pids (zombies left out: they hold nothing and their parent reaps them) whose real uid is ``uid``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as fh:
+                zombie = False
+                for line in fh:
+                    if line.startswith(b"State:"):
+                        zombie = line.split()[1] in (b"Z", b"X")
+                    elif line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid and not zombie:
+                            found.append(int(entry.name))
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def kill_uid(uid: int, deadline: float = 10.0) -> bool:
+    """SIGKILL every process of ``uid``; True when none is left.
+
+    A child that becomes ``uid`` and calls kill(-1, SIGKILL) signals all of them
+    at once (the kernel walks the task list under a lock forks must wait for,
+    so even a fork bomb cannot outrun it). It is done before looking: scanning
+    /proc while hundreds of processes spin takes seconds.
+    """
+    end = time.monotonic() + deadline
+    while True:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            except BaseException:  # noqa: BLE001
+                os._exit(1)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(0.02)
+        if not uid_processes(uid):
+            return True
+        if time.monotonic() > end:
+            return False
+
+
+def marked_processes(token: str) -> list[int]:
+    """Pids of this user whose environment carries ``token`` (strays of a non-root sandbox)."""
+    import psutil
+
+    needle = f"{TOKEN_ENV}={token}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except OSError:
+            pass
+    del psutil
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (collected first, so orphans found now die too)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def blocking_ancestor(path: str) -> str | None:
+    """The outermost folder above ``path`` that other users cannot enter (e.g. /root, mode 0700), if any."""
+    parts = Path(path).parts
+    for i in range(1, len(parts)):
+        folder = os.path.join(*parts[:i])
+        try:
+            if not os.stat(folder).st_mode & 0o001:
+                return folder
+        except OSError:
+            return None
+    return None

@@ -1,0 +1,337 @@
+"""Grade every attack submission once per session, on both grading paths, and keep what happened.
+
+(conftest.py turns :func:`grade_batch` and :func:`autograde_batch` into session fixtures.)
+
+* ``grade`` path: what ``ddp-course grade`` does (restore the locked cells, run in a
+  sandboxed kernel, re-run the checks in the trusted verifier, score by nbgrader's
+  rules), via :func:`grade_one` until course/grade.py calls
+  :func:`course.safeexec.execute_verified` itself (see the report); 3 submissions at a time.
+* ``autograde`` path: ``ddp-course autograde --jobs 3`` on a course whose
+  nbgrader_config.py uses :class:`course.safeexec.SandboxedExecute` and
+  :class:`course.safeexec.VerifyTests`; every attack is one student, graded in
+  the same run as an honest one.
+
+The base is exercise 1's source notebook (DDP_COURSE_ADVERSARIAL_BASE=tiny: the
+small exercise in tests/files/verify, about twice as fast).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import attacks
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[2]
+BASES = {
+    "ex1": ROOT / "exercises" / "ex1-parallelism" / "parallelism.ipynb",
+    "tiny": ROOT / "tests" / "files" / "verify" / "ex0-verify" / "parallelism.ipynb",
+}
+ENV = {"DDP_COURSE_CHECK_TIMEOUT": str(attacks.CHECK_TIMEOUT)}
+PARALLEL = 3
+
+
+def base_path() -> Path:
+    choice = os.environ.get("DDP_COURSE_ADVERSARIAL_BASE", "ex1")
+    path = BASES[choice]
+    return path if path.is_file() else BASES["tiny"]
+
+
+@dataclass
+class Outcome:
+    """What grading one submission gave, on one path."""
+
+    scores: dict[str, float] = field(default_factory=dict)
+    messages: dict[str, str] = field(default_factory=dict)
+    #: report-level text: sandbox summary, disagreements, the error of an ungradable submission
+    notes: list[str] = field(default_factory=list)
+    #: all outputs of the graded notebook as text (what the student and the instructor get to see)
+    outputs: str = ""
+    elapsed: float = 0.0
+    error: str = ""
+
+    def text(self) -> str:
+        return "\n".join([*self.messages.values(), *self.notes, self.error, self.outputs])
+
+
+def outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parts.append(str(out.get("text", "")) + str(out.get("evalue", "")) + "\n".join(out.get("traceback", [])))
+    return "\n".join(parts)
+
+
+class Listener:
+    """A TCP server on this machine that counts connections (the network attack must make none)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.sock.settimeout(0.5)
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+                self.accepted += 1
+                conn.close()
+            except OSError:
+                continue
+
+    def addresses(self) -> list[tuple[str, int]]:
+        found = [("127.0.0.1", self.port)]
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("10.255.255.255", 1))  # no packet is sent: just picks the outgoing interface
+                found.append((s.getsockname()[0], self.port))
+        except OSError:
+            pass
+        return found
+
+    def close(self):
+        self._stop = True
+        self.sock.close()
+
+
+def full_sandbox() -> bool:
+    """Whether submissions run fully isolated here (root, namespaces allowed)."""
+    from course.sandbox import namespaces_available
+
+    return namespaces_available()[0]
+
+
+def sandbox_processes() -> list[int]:
+    """Processes still running as a sandbox uid (root) or carrying a sandbox's marker (not root)."""
+    from course.sandbox import TOKEN_ENV, UID_RANGE
+
+    if os.geteuid() == 0:
+        return _scan_uids(set(UID_RANGE))
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                    if f"{TOKEN_ENV}=".encode() in fh.read():
+                        found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _scan_uids(uids) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as fh:
+                    for line in fh:
+                        if line.startswith(b"Uid:"):
+                            if int(line.split()[1]) in uids:
+                                found.append(int(entry.name))
+                            break
+            except OSError:
+                pass
+    return found
+
+
+def file_digest(paths) -> dict[str, str]:
+    out = {}
+    for path in paths:
+        p = Path(path)
+        out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "missing"
+    return out
+
+
+# --------------------------------------------------------------------------- the grade path
+
+
+def grade_one(path: Path, exercises: Path) -> Outcome:
+    """``ddp-course grade`` on ``path``: course.grade's own steps, with the sandboxed, verified execution."""
+    from course.notebook import NotebookError, Timeouts, clear_outputs, read
+    from course.safeexec import execute_verified
+    from course.scoring import score_notebook
+    from course.sources import find_source, graded_cells, restore
+
+    started = time.monotonic()
+    try:
+        student = read(path)
+        source_path = find_source(path, exercises)
+        source = read(source_path)
+    except NotebookError as err:
+        return Outcome(error=str(err), elapsed=time.monotonic() - started)
+    nb = restore(student, source)
+    clear_outputs(nb)
+    run = execute_verified(nb, path.parent, Timeouts(test=attacks.TEST_TIMEOUT, other=attacks.CELL_TIMEOUT),
+                           hide=[exercises])
+    report = score_notebook(run, graded_cells(source), str(path))
+    return Outcome({t.id: t.score for t in report.tests}, {t.id: t.message for t in report.tests},
+                   list(run.notes), outputs_text(run.nb), time.monotonic() - started)
+
+
+@dataclass
+class Batch:
+    """Every attack graded on one path."""
+
+    outcomes: dict[str, Outcome]
+    source: nbformat.NotebookNode
+    submissions: dict[str, nbformat.NotebookNode]
+    listener_connections: int
+    victims_before: dict[str, str]
+    victims_after: dict[str, str]
+    leftovers: list[int]
+    elapsed: float
+    extra: dict = field(default_factory=dict)
+
+
+def _context(listener: Listener, secret_paths, victim_paths, victim_dirs) -> dict:
+    return {"listeners": listener.addresses(), "secret_paths": [str(p) for p in secret_paths],
+            "victim_paths": [str(p) for p in victim_paths], "victim_dirs": [str(p) for p in victim_dirs]}
+
+
+def grade_batch(tmp_path_factory) -> Batch:
+    root = tmp_path_factory.mktemp("grade")
+    exercises = root / "exercises"  # a copy: the sources an attack may try to read or overwrite
+    shutil.copytree(base_path().parent, exercises / base_path().parent.name)
+    base = exercises / base_path().parent.name / base_path().name
+    source = nbformat.read(str(base), as_version=4)
+    listener = Listener()
+    honest_dir = root / "honest" / base.parent.name
+    victim_paths = [honest_dir / base.name, base]
+    ctx = _context(listener, [base, base_path()], victim_paths, [honest_dir, base.parent])
+    paths, submissions = {}, {}
+    for attack in attacks.ATTACKS:
+        raw, nb = attacks.build(attack, source, ctx)
+        folder = root / attack.name / base.parent.name
+        folder.mkdir(parents=True)
+        path = folder / (attack.file_name or base.name)
+        path.write_bytes(raw)
+        paths[attack.name], submissions[attack.name] = path, nb
+    before = file_digest(victim_paths)
+    started = time.monotonic()
+    old_env = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            futures = {name: pool.submit(grade_one, path, exercises) for name, path in paths.items()}
+            outcomes = {}
+            for name, future in futures.items():
+                try:
+                    outcomes[name] = future.result()
+                except Exception as exc:  # noqa: BLE001 - recorded: the test for that attack fails with it
+                    outcomes[name] = Outcome(error=f"grading crashed: {type(exc).__name__}: {exc}")
+    finally:
+        for key, value in old_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    elapsed = time.monotonic() - started
+    time.sleep(1)
+    listener.close()
+    return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(victim_paths),
+                 sandbox_processes(), elapsed)
+
+
+# --------------------------------------------------------------------------- the autograde path
+
+AUTOGRADE_CONFIG = '''
+
+# --- sandboxed, verified grading (course.sandbox, course.verify): added by tests/adversarial ---
+from nbconvert.preprocessors import ClearMetadataPreprocessor
+from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput, SaveAutoGrades
+
+from course.safeexec import SandboxedExecute, VerifyTests
+
+c.Autograde.autograde_preprocessors = [SandboxedExecute, VerifyTests, IgnorePattern, ClearMetadataPreprocessor,
+                                       LimitOutput, SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
+c.VerifyTests.cell_timeout = TEST_CELL_TIMEOUT
+os.environ["DDP_COURSE_CHECK_TIMEOUT"] = "{check_timeout}"
+'''
+
+
+def _gradebook_scores(course_dir: Path, assignment: str, student: str) -> dict[str, float] | None:
+    from nbgrader.api import Gradebook, MissingEntry
+
+    with Gradebook(f"sqlite:///{course_dir / 'gradebook.db'}", "ddp-course") as gb:
+        try:
+            submission = gb.find_submission(assignment, student)
+        except MissingEntry:
+            return None
+        return {g.name: float(g.score) for nb in submission.notebooks for g in nb.grades if g.cell.cell_type == "code"
+                and g.max_score}
+
+
+def autograde_batch(tmp_path_factory) -> Batch:
+    import json
+
+    base = base_path()
+    assignment = base.parent.name
+    source = nbformat.read(str(base), as_version=4)
+    root = tmp_path_factory.mktemp("autograde")
+    exercises = root / "exercises"
+    shutil.copytree(base.parent, exercises / assignment)
+    course_dir = root / "course"
+    env = {**os.environ, **ENV}
+    subprocess.run(["ddp-course", "init", str(course_dir), "--exercises", str(exercises),
+                    "--test-timeout", str(attacks.TEST_TIMEOUT), "--cell-timeout", str(attacks.CELL_TIMEOUT)],
+                   check=True, capture_output=True, env=env, timeout=300)
+    with open(course_dir / "nbgrader_config.py", "a") as fh:
+        fh.write(AUTOGRADE_CONFIG.format(check_timeout=attacks.CHECK_TIMEOUT))
+    subprocess.run(["ddp-course", "release"], cwd=course_dir, check=True, capture_output=True, env=env, timeout=300)
+    listener = Listener()
+    honest_dir = course_dir / "submitted" / "honest" / assignment
+    secret = [course_dir / "source" / assignment / base.name, exercises / assignment / base.name]
+    victim_paths = [honest_dir / base.name, course_dir / "gradebook.db", *secret]
+    ctx = _context(listener, [*secret, base], victim_paths, [honest_dir, course_dir / "submitted"])
+    submissions = {}
+    for attack in attacks.ATTACKS:
+        raw, nb = attacks.build(attack, source, ctx)
+        folder = course_dir / "submitted" / attack.name / assignment
+        folder.mkdir(parents=True)
+        (folder / (attack.file_name or base.name)).write_bytes(raw)
+        submissions[attack.name] = nb
+    watched = [honest_dir / base.name, *secret]
+    before = file_digest(watched)
+    started = time.monotonic()
+    proc = subprocess.run(["ddp-course", "autograde", "--jobs", str(PARALLEL), "--timeout", "900"], cwd=course_dir,
+                          capture_output=True, text=True, env=env, timeout=1500)
+    elapsed = time.monotonic() - started
+    time.sleep(1)
+    listener.close()
+    outcomes = {}
+    for attack in attacks.ATTACKS:
+        student = attack.name
+        record_path = course_dir / ".ddp-course" / "autograde" / assignment / f"{student}.json"
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+        scores = _gradebook_scores(course_dir, assignment, student) if record.get("status") == "graded" else None
+        graded = course_dir / "autograded" / student / assignment / base.name
+        nb = nbformat.read(str(graded), as_version=4) if graded.is_file() else None
+        messages = {}
+        if nb is not None:
+            for cell in nb.cells:
+                gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+                if cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
+                    messages[gid] = outputs_text(nbformat.v4.new_notebook(cells=[cell]))
+        outcomes[student] = Outcome(scores or {}, messages, [record.get("reason", "")],
+                                    outputs_text(nb) if nb is not None else "", float(record.get("elapsed") or 0),
+                                    "" if record.get("status") == "graded" else f"{record.get('status')}: "
+                                    f"{record.get('reason', '')}")
+    return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(watched),
+                 sandbox_processes(), elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
+                                                      "returncode": proc.returncode, "course_dir": course_dir})

@@ -1,0 +1,159 @@
+"""The sandbox wrapper on its own: plain commands in a :class:`course.sandbox.Sandbox`, no notebook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from course.sandbox import Sandbox, namespaces_available, uid_processes
+
+pytestmark = pytest.mark.timeout(120)
+FULL = namespaces_available()[0]
+needs_root = pytest.mark.skipif(not FULL, reason="isolation needs root and namespaces")
+
+
+def run_in(box: Sandbox, code: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(box.command([sys.executable, "-c", textwrap.dedent(code)], **kw), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def secret(tmp_path_factory):
+    """A folder outside /tmp (a private /tmp would hide it anyway) holding a solution file."""
+    folder = tmp_path_factory.mktemp("x")  # unused: keep pytest's tmp handling
+    path = os.path.join("/var/tmp", f"ddp-course-secret-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "solution.ipynb"), "w") as fh:
+        fh.write("### BEGIN SOLUTION")
+    yield path
+    del folder
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_root
+def test_isolation(tmp_path, secret):
+    work = tmp_path / "work"
+    os.environ["INSTRUCTOR_API_TOKEN"] = "hunter2"
+    try:
+        with Sandbox(work, hide=[secret]) as box:
+            assert box.summary.startswith("sandbox: full")
+            r = run_in(box, f"""
+                import os, socket, pwd
+                print("uid", os.getuid(), os.getgid(), os.getgroups())
+                try:
+                    pwd.getpwuid(os.getuid()); print("HAS PASSWD ENTRY")
+                except KeyError:
+                    pass
+                print("cwd", os.getcwd())
+                print("secret", os.listdir({secret!r}))
+                print("nnp", [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs")][0].split()[1])
+                print("token", os.environ.get("INSTRUCTOR_API_TOKEN"))
+                for host in ("1.1.1.1", "pypi.org"):
+                    try:
+                        socket.create_connection((host, 443), timeout=3); print("NET OPEN", host)
+                    except OSError as exc:
+                        print("net blocked", host)
+                srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+                socket.create_connection(srv.getsockname()).close(); print("loopback ok")
+                try:
+                    open("{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/planted", "w")
+                    print("WROTE")
+                except OSError:
+                    print("write denied")
+            """)
+    finally:
+        del os.environ["INSTRUCTOR_API_TOKEN"]
+    out = r.stdout
+    assert r.returncode == 0, r.stderr
+    uid = int(out.split()[1])
+    assert uid >= 61000 and "HAS PASSWD ENTRY" not in out
+    assert f"cwd {os.path.realpath(work)}" in out
+    assert "secret []" in out
+    assert "nnp 1" in out
+    assert "token None" in out
+    assert "NET OPEN" not in out and "net blocked 1.1.1.1" in out and "loopback ok" in out
+    assert "write denied" in out
+    assert os.stat(work).st_uid == os.getuid()  # handed back
+
+
+@needs_root
+def test_workdir_inside_a_hidden_folder_stays_visible(tmp_path):
+    course = "/var/tmp/ddp-course-course-" + str(os.getpid())
+    work = os.path.join(course, "autograded", "alice", "ex1")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(course, "gradebook.db"), "w") as fh:
+        fh.write("grades")
+    with open(os.path.join(work, "mine.txt"), "w") as fh:
+        fh.write("mine")
+    try:
+        with Sandbox(work, hide=[course]) as box:
+            r = run_in(box, f"""
+                import os
+                print(sorted(os.listdir({course!r})), open("mine.txt").read())
+                try:
+                    open({os.path.join(course, "gradebook.db")!r}, "a"); print("WROTE")
+                except OSError as exc:
+                    print("denied", type(exc).__name__)
+            """)
+        assert "['autograded'] mine" in r.stdout, r.stdout + r.stderr
+        assert "denied" in r.stdout
+    finally:
+        import shutil
+
+        shutil.rmtree(course, ignore_errors=True)
+
+
+@needs_root
+def test_fork_bomb_is_contained_and_killed(tmp_path):
+    with Sandbox(tmp_path / "w") as box:
+        proc = subprocess.Popen(box.command([sys.executable, "-c",
+                                             "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"]),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        box.pids.append(proc.pid)
+        time.sleep(3)
+        if box.cgroups.paths:  # a /proc scan would take seconds with hundreds of spinning processes
+            assert 10 < len(box.cgroups.pids()) <= box.limits.nproc
+        started = time.monotonic()
+        uid = box.uid
+    assert time.monotonic() - started < 15
+    assert uid_processes(uid) == []
+    proc.wait(timeout=10)
+
+
+@needs_root
+def test_memory_hog_is_stopped(tmp_path):
+    from course.sandbox import GiB, Limits
+
+    with Sandbox(tmp_path / "w", limits=Limits(memory=1 * GiB)) as box:
+        r = run_in(box, "x = []\nwhile True:\n    x.append(bytearray(64 << 20))", timeout=60)
+    assert r.returncode != 0
+
+
+def test_rlimits_and_leftovers_without_isolation(tmp_path):
+    """Not root (or told so): partial, said so, and still no process left behind."""
+    with Sandbox(tmp_path / "w", isolate=False) as box:
+        assert box.summary.startswith("sandbox: partial")
+        r = run_in(box, """
+            import os, resource, subprocess, sys
+            print(resource.getrlimit(resource.RLIMIT_FSIZE)[0] < 2**40, os.getcwd())
+            # a daemon that escapes the process group and its parent
+            subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"],
+                             start_new_session=True)
+        """)
+        assert r.stdout.startswith("True"), r.stdout + r.stderr
+        token = box.token
+    time.sleep(0.5)
+    from course.sandbox import marked_processes
+
+    assert marked_processes(token) == []
+
+
+def test_namespace_probe_is_cached():
+    assert namespaces_available() is namespaces_available()
