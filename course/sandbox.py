@@ -211,7 +211,7 @@ class Sandbox:
     def kill(self) -> None:
         """SIGKILL every process the sandbox started (bounded: a few seconds at most)."""
         if self.uid is not None:
-            kill_uid(self.uid)  # first: one kill(-1) as the uid stops even a fork bomb at once
+            kill_uid(self.uid, deadline=30)  # first: one kill(-1) as the uid stops even a fork bomb at once
             self.cgroups.kill()
         for pid in self.pids:  # the supervisors (root when isolated) and anything they still hold
             kill_tree(pid)

@@ -134,6 +134,17 @@ def sandbox_processes() -> list[int]:
     return found
 
 
+def leftovers(within: float = 30.0) -> list[int]:
+    """Sandbox processes still there after ``within`` seconds (SIGKILLed processes take a moment to go,
+    longer on a loaded machine)."""
+    end = time.monotonic() + within
+    while True:
+        found = sandbox_processes()
+        if not found or time.monotonic() > end:
+            return found
+        time.sleep(0.5)
+
+
 def _scan_uids(uids) -> list[int]:
     found = []
     for entry in os.scandir("/proc"):
@@ -245,7 +256,7 @@ def grade_batch(tmp_path_factory) -> Batch:
     time.sleep(1)
     listener.close()
     return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(victim_paths),
-                 sandbox_processes(), elapsed)
+                 leftovers(), elapsed)
 
 
 # --------------------------------------------------------------------------- the autograde path
@@ -333,5 +344,5 @@ def autograde_batch(tmp_path_factory) -> Batch:
                                     "" if record.get("status") == "graded" else f"{record.get('status')}: "
                                     f"{record.get('reason', '')}")
     return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(watched),
-                 sandbox_processes(), elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
+                 leftovers(), elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
                                                       "returncode": proc.returncode, "course_dir": course_dir})
