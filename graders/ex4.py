@@ -577,17 +577,17 @@ def check_multinode_ranks(script: str = "train.py") -> None:
 
 
 def _writes(w: Worker, run: Run) -> list[str]:
-    """What a worker did to the checkpoint: saves (except final.pt), renames into it, raw writes to it."""
+    """What a worker wrote that only rank 0 may write: checkpoint saves, renames and raw writes, and final.pt."""
     final = os.path.join(run.out_dir, "final.pt")
     ckpt_dir = os.path.dirname(run.ckpt_path) + os.sep
     found = []
     for e in w.events:
         path = e.get("path") or ""
-        if e["event"] == "save" and path != final and not path.startswith(run.out_dir + os.sep):
+        if e["event"] == "save" and (path == final or not path.startswith(run.out_dir + os.sep)):
             found.append(f"torch.save(..., {os.path.basename(path)!r})")
-        elif e["event"] == "rename" and (e.get("dst") or "") == run.ckpt_path:
-            found.append(f"os.replace({os.path.basename(e.get('src') or '?')!r}, {os.path.basename(run.ckpt_path)!r})")
-        elif e["event"] == "open" and e.get("write") and path.startswith(ckpt_dir):
+        elif e["event"] == "rename" and (e.get("dst") or "") in (run.ckpt_path, final):
+            found.append(f"os.replace({os.path.basename(e.get('src') or '?')!r}, {os.path.basename(e['dst'])!r})")
+        elif e["event"] == "open" and e.get("write") and (path.startswith(ckpt_dir) or path == final):
             found.append(f"open({os.path.basename(path)!r}) for writing")
     return found
 
@@ -600,20 +600,22 @@ def _commits(w: Worker, run: Run) -> list[dict]:
 
 
 def check_checkpoint_rank0(script: str = "train.py") -> None:
-    """Only rank 0 writes the checkpoint, and it does so after every epoch."""
+    """Only rank 0 writes the checkpoint (after every epoch) and the final weights."""
     check = "check_checkpoint_rank0"
     run = run_script(script, "nodes", check)
     others = {w.rank: _writes(w, run) for w in run.workers if w.rank != 0}
     others = {r: found for r, found in others.items() if found}
     if others:
         rank, found = sorted(others.items())[0]
+        only_final = all("'final.pt'" in f for writes in others.values() for f in writes)
         raise CheckFailed(
             check,
-            f"{_ranks(others)} wrote the checkpoint too (rank {rank}: {', '.join(found[:3])})",
+            f"{_ranks(others)} wrote {'the final weights' if only_final else 'the checkpoint'} too "
+            f"(rank {rank}: {', '.join(found[:3])})",
             ranks=list(others),
-            expected="only rank 0 writes the checkpoint: every rank holds the same weights, and several "
-            "writers race on the same file",
-            hint="guard the save with `if rank == 0:` (keep collectives such as barrier() outside the guard)",
+            expected="only rank 0 writes the checkpoint and final.pt: every rank holds the same weights, and "
+            "several writers race on the same file (a reader can get a half-written one)",
+            hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)",
         )
     _require_ok(check, run)
     rank0 = [w for w in run.workers if w.rank == 0]

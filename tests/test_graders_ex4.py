@@ -255,6 +255,10 @@ WRONG = {
         [('tmp_path = ckpt_path + ".tmp"', 'tmp_path = ckpt_path + ".tmp%d" % os.getpid()'),
          ("        if rank == 0:  # RANK, not LOCAL_RANK: one writer in the whole job\n", "        if True:\n")],
         ["ex4_test_checkpoint_rank0"], ["ranks 1, 2 wrote the checkpoint too", "if rank == 0:"]),
+    "final weights saved on every rank": (
+        [('    if rank == 0:\n        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n',
+          '    torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n')],
+        ["ex4_test_checkpoint_rank0"], ["ranks 1, 2 wrote the final weights too", "final.pt", "if rank == 0:"]),
     "no destroy_process_group": (
         [("    dist.destroy_process_group()\n", "")],
         ["ex4_test_destroy"], ["never called dist.destroy_process_group()", "[ranks 0, 1, 2]"]),
