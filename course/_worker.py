@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
 import linecache
 import os
 import signal
@@ -118,22 +119,49 @@ def _write(path: str, obj: dict, safe: bool) -> None:
     os.replace(tmp, path)
 
 
+def _rendezvous_through_file(job: dict) -> None:
+    """Rendezvous at the launcher's MASTER_ADDR:MASTER_PORT goes through a FileStore in the job folder.
+
+    Every TCPStore connection makes c10d format both ends' addresses with a
+    reverse DNS lookup of 127.0.0.1 (on the rank and on the launcher); where the
+    resolver drops a query under load, each one costs its 5 s timeout, and
+    concurrent jobs hit it every other job (measured: 5.0 s in init_process_group
+    on all ranks). A FileStore needs no socket. Any other address is untouched.
+    """
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
+    real = rendezvous._create_c10d_store
+    env = job["env"]
+
+    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        if hostname == env["MASTER_ADDR"] and int(port) == int(env["MASTER_PORT"]):
+            return _file_store(job, timeout)
+        return real(hostname, port, rank, world_size, timeout, use_libuv)
+
+    create_store.__wrapped__ = real
+    rendezvous._create_c10d_store = create_store
+
+
+def _file_store(job: dict, timeout):
+    from torch.distributed import FileStore
+
+    store = FileStore(job["store_path"], -1)  # -1: never deletes the file; the job folder goes at the end
+    store.set_timeout(timeout)
+    return store
+
+
 def _finish_barrier(job: dict) -> None:
     """Leave only once every rank has returned from ``fn``.
 
     A rank that exits while its peers are still connecting (init_process_group
     builds a full mesh) makes them fail with "Connection closed by peer": wait
-    on the launcher's store. If a peer fails instead, the launcher kills this rank,
+    on the job's store. If a peer fails instead, the launcher kills this rank,
     whose result is already written.
     """
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
-
     env = job["env"]
     try:
-        store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False,
-                         timeout=timedelta(seconds=job["timeout"]))
+        store = _file_store(job, timedelta(seconds=job["timeout"]))
         if store.add("ddp_course/finished", 1) >= int(env["WORLD_SIZE"]):
             store.set("ddp_course/all_finished", "1")
         store.wait(["ddp_course/all_finished"])
@@ -172,6 +200,7 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
 
     torch.set_num_threads(job["num_threads"])
     _patch_destroy()
+    _rendezvous_through_file(job)
 
     code = 0
     try:

@@ -14,9 +14,10 @@ How (DESIGN.md has the measurements behind each choice):
   safe when the caller has initialised CUDA or runs threads (a Jupyter kernel);
 * the function and its arguments travel by value with cloudpickle, so
   functions, classes and globals defined in a notebook work;
-* the launcher hosts the rendezvous TCPStore itself on a port the OS picks and
-  holds for the job's lifetime (as torchrun's agent does), so concurrent jobs
-  never race for a port;
+* the ranks meet through a FileStore in the job's private folder (no port to
+  race for, no socket: each TCPStore connection costs a reverse DNS lookup,
+  5 s where the resolver drops it); MASTER_ADDR:MASTER_PORT is still a real
+  TCPStore, hosted by the launching process as torchrun's agent hosts one;
 * each rank runs in its own session; on a failure or at the deadline the whole
   session (rank and any children) is killed, and the error says which ranks
   returned, which failed and which were stuck, with their last output.
@@ -377,12 +378,10 @@ def launch(
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
 
-    import torch.distributed as dist
     import torch.multiprocessing as tmp
 
     _context()
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    port = store.port
+    port = _agent_store_port()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
         os.chmod(jobdir, 0o700)
@@ -402,6 +401,7 @@ def launch(
                     error_path=os.path.join(jobdir, f"rank{rank}.error"),
                     safe=safe_results,
                     timeout=timeout,
+                    store_path=os.path.join(jobdir, "store"),
                 )
             )
         tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
@@ -427,9 +427,26 @@ def launch(
                 tail.pump(final=True)
             for path in context.error_files:
                 _remove(path)
-            del store
         elapsed = time.monotonic() - started
         return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe_results)
+
+
+_AGENT_STORE: list = []  # the TCPStore at MASTER_PORT, one per launching process
+
+
+def _agent_store_port() -> int:
+    """The port of the TCPStore this process hosts at MASTER_ADDR, as torchrun's agent does.
+
+    The ranks' own rendezvous goes through a file store in the job folder (see
+    ``_worker._rendezvous_through_file``); this store keeps MASTER_PORT a real
+    store for code that connects to it, and is made once because each TCPStore
+    connection can cost a slow reverse DNS lookup.
+    """
+    if not _AGENT_STORE:
+        import torch.distributed as dist
+
+        _AGENT_STORE.append(dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False))
+    return _AGENT_STORE[0].port
 
 
 def _rank_entry():
