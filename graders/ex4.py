@@ -427,10 +427,19 @@ def _failure(check: str, run: Run, context: str = "") -> CheckFailed:
         detail = "\n".join(
             f"{w.name} was at:\n{_student_stack(w.stack) or _tail(w.output, 8)}" for w in stuck
         )
+        if not stuck:  # the workers ended, the agents did not: a worker died and its agent hung waiting
+            return CheckFailed(
+                check,
+                f"{context}{what} did not finish within {run.timeout:g} s: every worker had ended, "
+                "but torchrun did not (a worker was killed or crashed; see torchrun's report below)",
+                hint="run the same command in a terminal; if a worker was killed by a signal (SIGABRT, SIGKILL), "
+                "look for an error it printed just before, or for a machine out of memory",
+                detail=_tail(run.log, 20),
+            )
         return CheckFailed(
             check,
             f"{context}{what} did not finish within {run.timeout:g} s; "
-            f"{_were([w.rank for w in stuck]) or 'no worker was'} still running (stuck)",
+            f"{_were([w.rank for w in stuck])} still running (stuck)",
             ranks=[w.rank for w in stuck],
             hint="a rank that waits forever is usually in a collective (all_reduce, barrier, DDP backward) "
             "another rank never reached, e.g. a collective inside `if rank == 0:`, or an init_process_group "

@@ -144,3 +144,36 @@ def losing(assignment: str, *grade_ids: str) -> dict[str, float]:
             raise KeyError(f"{assignment} has no test cell {gid!r}")
         expected[gid] = 0.0
     return expected
+
+
+def fails(check, subject, *words, **kwargs) -> str:
+    """Run ``check(subject, **kwargs)``; assert it fails naming the check and each of ``words``; the message."""
+    import pytest
+
+    from graders.core import CheckFailed
+
+    with pytest.raises(CheckFailed) as info:
+        check(subject, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"FAILED {check.__name__}"), message
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+    return message
+
+
+def grade_edited(assignment: str, folder: str | Path, *edits: tuple[str, str, str]):
+    """Grade the source notebook with each ``(answer grade_id, old text, new text)`` edit applied."""
+    nb = load(assignment)
+    for grade_id, old, new in edits:
+        nb = patch_answer(nb, grade_id, old, new)
+    return grade(write(nb, folder, assignment))
+
+
+def assert_loses_exactly(report, assignment: str, failing: list[str], words: list[str]) -> None:
+    """Exactly the test cells ``failing`` lost their points, each with a FAILED message; the first
+    names every one of ``words`` (later ones may defer to it)."""
+    got = messages(report)
+    assert scores(report) == losing(assignment, *failing), got
+    assert all(got[gid].startswith("FAILED check_") for gid in failing), got
+    for word in words:
+        assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"

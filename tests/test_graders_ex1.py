@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graders.ex1 as ex1
-from graders.core import CheckFailed
 from graders.harness import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.
@@ -139,15 +138,7 @@ def two_stage_returns_nothing(rank, stage, x, y, hidden_shape):
     two_stage_step(rank, stage, x, y, hidden_shape)
 
 
-def fails(check, fn, *words, **kwargs) -> str:
-    """Run ``check(fn)``; assert it fails naming the check and every one of ``words``; return the message."""
-    with pytest.raises(CheckFailed) as info:
-        check(fn, **kwargs)
-    message = str(info.value)
-    assert message.startswith(f"FAILED {check.__name__}"), message
-    for word in words:
-        assert word in message, f"{word!r} not in:\n{message}"
-    return message
+fails = submissions.fails
 
 
 # --- unit tests of the checks ------------------------------------------------------------------
@@ -199,8 +190,7 @@ def test_check_two_stage():
 
 
 def grade_with(tmp_path, grade_id, old, new):
-    nb = submissions.patch_answer(submissions.load(A), grade_id, old, new)
-    return submissions.grade(submissions.write(nb, tmp_path, A))
+    return submissions.grade_edited(A, tmp_path, (grade_id, old, new))
 
 
 WRONG = {
@@ -225,11 +215,7 @@ WRONG = {
 @pytest.mark.parametrize("name", list(WRONG))
 def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
     grade_id, old, new, failing, words = WRONG[name]
-    report = grade_with(tmp_path, grade_id, old, new)
-    assert submissions.scores(report) == submissions.losing(A, failing)
-    message = submissions.messages(report)[failing]
-    for word in words:
-        assert word in message, f"{word!r} not in:\n{message}"
+    submissions.assert_loses_exactly(grade_with(tmp_path, grade_id, old, new), A, [failing], words)
 
 
 @pytest.mark.slow

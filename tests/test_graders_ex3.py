@@ -22,7 +22,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import graders.ex3 as ex3
 from course.instructor.leaks import student_copy_leaks
-from graders.core import CheckFailed
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -174,15 +173,7 @@ def save_every_rank_its_shard(optimizer, rank, ckpt_path):
     torch.save(optimizer.optim.state_dict(), ckpt_path)
 
 
-def fails(check, fn, *words, **kwargs) -> str:
-    """Run ``check(fn)``; assert it fails naming the check and every one of ``words``; return the message."""
-    with pytest.raises(CheckFailed) as info:
-        check(fn, **kwargs)
-    message = str(info.value)
-    assert message.startswith(f"FAILED {check.__name__}"), message
-    for word in words:
-        assert word in message, f"{word!r} not in:\n{message}"
-    return message
+fails = submissions.fails
 
 
 # --- unit tests of the checks ---------------------------------------------------------------------
@@ -359,14 +350,8 @@ WRONG = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(WRONG))
 def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
-    (grade_id, old, new), failing, words = WRONG[name]
-    nb = submissions.patch_answer(submissions.load(A), grade_id, old, new)
-    report = submissions.grade(submissions.write(nb, tmp_path, A))
-    assert submissions.scores(report) == submissions.losing(A, *failing), submissions.messages(report)
-    messages = submissions.messages(report)
-    assert all(messages[gid].startswith("FAILED check_") for gid in failing), messages
-    for word in words:  # the first failing test names the mistake (later ones may defer to it)
-        assert word in messages[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{messages[failing[0]]}"
+    edit, failing, words = WRONG[name]
+    submissions.assert_loses_exactly(submissions.grade_edited(A, tmp_path, edit), A, failing, words)
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ import torch
 
 import graders.ex4 as ex4
 from course.instructor.leaks import student_copy_leaks
-from graders.core import CheckFailed
 
 A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
@@ -46,14 +45,7 @@ def write_script(tmp_path, *edits: tuple[str, str]) -> str:
     return str(path)
 
 
-def fails(check, script, *words) -> str:
-    with pytest.raises(CheckFailed) as info:
-        check(script)
-    message = str(info.value)
-    assert message.startswith(f"FAILED {check.__name__}"), message
-    for word in words:
-        assert word in message, f"{word!r} not in:\n{message}"
-    return message
+fails = submissions.fails
 
 
 # --- fast: no launch ------------------------------------------------------------------------------
@@ -270,13 +262,6 @@ WRONG = {
 @pytest.mark.parametrize("name", list(WRONG))
 def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
     edits, failing, words = WRONG[name]
-    nb = submissions.load(A)
-    for old, new in edits:
-        nb = submissions.patch_answer(nb, SCRIPT_CELL, old, new)
-    report = submissions.grade(submissions.write(nb, tmp_path, A))
-    assert submissions.scores(report) == submissions.losing(A, *failing), submissions.messages(report)
-    messages = submissions.messages(report)
-    assert all(messages[gid].startswith("FAILED check_") for gid in failing), messages
-    for word in words:
-        assert word in messages[failing[0]], f"{word!r} not in:\n{messages[failing[0]]}"
+    report = submissions.grade_edited(A, tmp_path, *[(SCRIPT_CELL, old, new) for old, new in edits])
+    submissions.assert_loses_exactly(report, A, failing, words)
 
