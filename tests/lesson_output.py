@@ -27,3 +27,22 @@ def output_of(nb, needle: str) -> str:
 def world_sizes(text: str) -> list[int]:
     """The world sizes recorded in ``text``, in order."""
     return [int(ws) for ws, _ in MARKER.findall(text)]
+
+
+def assert_clean_run(nb, *, images: int) -> None:
+    """No cell raised or wrote to stderr, and at least ``images`` plots were drawn."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for output in cell.outputs:
+            assert output.output_type != "error", f"{output.ename}: {output.evalue}"
+            assert output.get("name") != "stderr", f"stderr in cell:\n{cell.source[:200]}\n---\n{output.text}"
+    drawn = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(drawn) >= images, f"{len(drawn)} plots drawn, expected at least {images}"
+
+
+def assert_summary_and_quick_check(nb, *, answers: int) -> None:
+    """The lesson ends with a summary and a quick check whose ``answers`` answers are folded away."""
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "## Summary" in markdown and "## Quick check" in markdown
+    assert markdown.count("<details>") >= answers

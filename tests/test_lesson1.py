@@ -6,7 +6,7 @@ import ast
 import re
 
 import pytest
-from lesson_output import cell_with, output_of, stdout_of, world_sizes
+from lesson_output import assert_clean_run, assert_summary_and_quick_check, cell_with, output_of, stdout_of, world_sizes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,15 +23,8 @@ def number(pattern: str, text: str) -> float:
 
 
 def test_clean_run_with_plots_summary_and_quick_check(nb):
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            assert output.output_type != "error", f"{output.ename}: {output.evalue}"
-            assert output.get("name") != "stderr", f"stderr in:\n{cell.source[:200]}\n---\n{output.text}"
-    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) >= 3
-    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    assert "## Summary" in markdown and "## Quick check" in markdown
-    assert markdown.count("<details>") >= 3
+    assert_clean_run(nb, images=3)
+    assert_summary_and_quick_check(nb, answers=3)
 
 
 def test_each_rank_is_its_own_process(nb):

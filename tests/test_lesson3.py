@@ -9,7 +9,7 @@ import ast
 import re
 
 import pytest
-from lesson_output import output_of, world_sizes
+from lesson_output import assert_clean_run, assert_summary_and_quick_check, output_of, world_sizes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,14 +21,8 @@ def nb(executed_lesson):
 
 
 def test_runs_cleanly_and_draws_the_plots(nb):
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        for output in cell.outputs:
-            assert output.output_type != "error", f"{output.ename}: {output.evalue}"
-            assert output.get("name") != "stderr", f"stderr in cell:\n{cell.source[:200]}\n---\n{output.text}"
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 2
+    assert_clean_run(nb, images=2)
+    assert_summary_and_quick_check(nb, answers=3)
 
 
 def test_per_rank_batchnorm_statistics_differ_from_the_global_batch(nb):

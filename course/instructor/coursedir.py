@@ -43,13 +43,20 @@ class Course:
 
     @classmethod
     def open(cls, root: Path | str | None = None) -> Course:
-        """The course at ``root`` (default: the current folder); a clear error if it is not one."""
+        """The course at ``root`` (default: the current folder); a clear error if it is not one,
+        or if its gradebook is a database server that nbgrader cannot use (SQLite files are not checked)."""
+        from course.instructor.gradebook import database_problem
+
         root = Path(root or os.getcwd()).resolve()
         if not (root / CONFIG_FILE).is_file():
             raise click.ClickException(
                 f"{root} is not a course directory (no {CONFIG_FILE}); create one with: ddp-course init {root}"
             )
-        return cls(root)
+        course = cls(root)
+        problem = database_problem(course.db_url)
+        if problem:
+            raise click.ClickException(problem)
+        return course
 
     @property
     def course_id(self) -> str:

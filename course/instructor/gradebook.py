@@ -41,6 +41,57 @@ def sqlite_path(url: str) -> Path | None:
     return Path(parsed.database)
 
 
+#: pip packages of the drivers SQLAlchemy loads for a URL's ``+driver`` part (psycopg: postgresql:// on SQLAlchemy 2.1)
+_DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "pymysql": "pymysql"}
+
+
+def database_problem(url: str) -> str | None:
+    """Why nbgrader cannot use the (non-SQLite) gradebook database at ``url``, said so an instructor can fix it;
+    None when it can. nbgrader itself only shows a traceback deep in its log for these."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "the gradebook setting (CourseDirectory.db_url) is not a database URL: dialect+driver://user:password@host:port/database"
+    if parsed.get_backend_name() == "sqlite":
+        return None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        engine = create_engine(parsed)
+    except ImportError as exc:
+        driver = parsed.get_driver_name()
+        return (f"the gradebook URL {shown} needs the Python driver {driver}, which does not load ({exc}): "
+                f"pip install {_DRIVER_PACKAGES.get(driver, driver)}")
+    except NoSuchModuleError:
+        return f"SQLAlchemy knows no database driver {parsed.drivername!r} (gradebook URL {shown})"
+    # straight through the driver: SQLAlchemy's own first connect already fails on a SQL_ASCII database
+    dialect = engine.dialect
+    try:
+        cargs, cparams = dialect.create_connect_args(parsed)
+        conn = dialect.connect(*cargs, **cparams)
+    except dialect.loaded_dbapi.Error as exc:
+        return f"cannot open the gradebook database {shown}: {str(exc).strip()}"
+    finally:
+        engine.dispose()
+    try:
+        if parsed.get_backend_name() != "postgresql":
+            return None
+        cursor = conn.cursor()
+        cursor.execute("SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()")
+        encoding = cursor.fetchone()[0]
+    finally:
+        conn.close()
+    if isinstance(encoding, bytes):  # what psycopg returns from a SQL_ASCII database
+        encoding = encoding.decode()
+    if encoding != "UTF8":
+        return (f"the gradebook database {shown} uses encoding {encoding}, where nbgrader reads text back as bytes "
+                f"and fails; make it UTF8: CREATE DATABASE {parsed.database} ENCODING 'UTF8' TEMPLATE template0")
+    return None
+
+
 def make_template(real_url: str, course_id: str, assignments: list[str], template: Path,
                   submissions: list[tuple[str, str]] = ()) -> None:
     """The gradebook each worker starts from: a consistent snapshot of a SQLite gradebook (fast),
