@@ -2,8 +2,10 @@
 
 :func:`grade_notebook` is the reusable entry point: it finds the source notebook of
 a student's copy, restores the locked cells (hidden tests included) from it,
-executes the result in a fresh kernel (or, for tests, in this process) and scores
-every test cell by nbgrader's rules, giving the reason for every lost point.
+executes the result in a sandboxed kernel (:mod:`course.sandbox`; or, for tests,
+in this process), re-runs every check in the trusted verifier
+(:mod:`course.verify`) and scores every test cell by nbgrader's rules, giving the
+reason for every lost point.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ def grade_notebook(
     exercises: str | Path | None = None,
     timeouts: Timeouts = Timeouts(),
     in_process: bool = False,
+    output: str | Path | None = None,
 ) -> GradeReport:
     """Grade the notebook at ``path`` (a source notebook, a released copy or a submission).
 
     ``exercises`` is the folder of source notebooks (default: the course's ``exercises/``).
-    ``in_process=True`` runs the cells in this process instead of a fresh kernel (fast, shares
-    this process's warm rank pool; for trusted notebooks, e.g. tests). Raises
+    The notebook runs in a sandboxed kernel on a copy of its folder, and the scores come from
+    the trusted verifier's re-run of the checks (``report.notes`` says how isolated the run was
+    and where the notebook and the verifier disagreed). ``in_process=True`` runs the cells in
+    this process instead (fast, shares this process's warm rank pool, no sandbox and no
+    verification: for trusted notebooks, e.g. tests). ``output``: where to write the graded
+    notebook (test cells showing the verdicts), as nbgrader's autograded/ copy would be. Raises
     :class:`~course.notebook.NotebookError` for a notebook that cannot be read or matched.
     """
     path = Path(path)
@@ -39,10 +46,19 @@ def grade_notebook(
     clear_outputs(nb)
     if in_process:
         from course.inprocess import execute
+
+        run = execute(nb, path.resolve().parent, timeouts)
     else:
-        from course.notebook import execute
-    run = execute(nb, path.resolve().parent, timeouts)
-    return score_notebook(run, graded_cells(source), str(path))
+        from course.safeexec import execute_verified
+
+        run = execute_verified(nb, path.resolve().parent, timeouts, hide=[source_path.resolve().parent.parent])
+    report = score_notebook(run, graded_cells(source), str(path))
+    report.notes = list(getattr(run, "notes", []))
+    if output is not None:
+        import nbformat
+
+        nbformat.write(run.nb, str(output))
+    return report
 
 
 def print_report(report: GradeReport) -> None:
@@ -60,6 +76,8 @@ def print_report(report: GradeReport) -> None:
         result = "[green]passed[/green]" if t.score >= t.max_score else f"[red]{_escape(first)}[/red]"
         table.add_row(t.id, f"{t.score:g} / {t.max_score:g}", result)
     console.print(table)
+    for note in report.notes:
+        console.print(_escape(note), highlight=False)
     for t in report.tests:
         if t.message and "\n" in t.message:
             console.rule(f"{t.id}")
@@ -81,7 +99,9 @@ def _escape(text: str) -> str:
               help="Seconds each test cell may run (they run multi-rank jobs).")
 @click.option("--timeout", type=float, default=Timeouts.other, show_default=True,
               help="Seconds every other cell may run.")
-def command(notebook, as_json, exercises, test_timeout, timeout):
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the graded notebook (every output, test cells showing the grader's verdicts) here.")
+def command(notebook, as_json, exercises, test_timeout, timeout, output):
     """Grade one exercise NOTEBOOK: run it in a fresh kernel with the hidden tests restored.
 
     NOTEBOOK is a source notebook, a released copy or a student's submission; its
@@ -89,7 +109,8 @@ def command(notebook, as_json, exercises, test_timeout, timeout):
     exercises/. Exits 0 whenever grading ran, whatever the score.
     """
     try:
-        report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout))
+        report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout),
+                                output=output)
     except NotebookError as err:
         raise click.ClickException(str(err)) from None
     except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback

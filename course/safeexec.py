@@ -12,10 +12,16 @@
   the first: it re-runs the checks in the trusted verifier and rewrites the test
   cells' outputs to its verdicts (:mod:`course.verify`), so SaveAutoGrades
   stores trusted scores.
+
+Hidden tests never reach the student's kernel: it runs each re-runnable test
+cell without them (:func:`kernel_source`), so no later cell can read them back
+(``_ih``, ``In``, linecache, a ``pre_run_cell`` hook) and print them into the
+graded notebook; the verifier runs the full cell.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import nbformat
@@ -69,22 +75,27 @@ class GuardedExecution(Configurable):
                 traceback=[f"NotRun: this cell was not run: {self._stop_reason}"])]
             cell.execution_count = None
             return cell
+        full = cell.source
+        cell.source = kernel_source(cell)  # hidden tests never reach the kernel (the verifier runs them)
         try:
             return await super().async_execute_cell(cell, cell_index, execution_count=execution_count,
                                                     store_history=store_history)
         except DeadKernelError:
-            await self._stop(cell, cell_index, "the kernel died while this cell ran (os._exit, a crash, or more "
+            await self._stop(cell, cell_index, "the kernel died while running {where} (os._exit, a crash, or more "
                                                "memory than the grader allows)", kill=False)
         except CellTimeoutError:
-            await self._stop(cell, cell_index, "this cell ran past its time limit and did not stop when "
+            await self._stop(cell, cell_index, "{where} ran past its time limit and did not stop when "
                                                "interrupted, so the grader stopped its kernel")
+        finally:
+            cell.source = full
         return cell
 
     async def _stop(self, cell, cell_index: int, why: str, kill: bool = True) -> None:
         from jupyter_core.utils import ensure_async
 
-        where = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") or f"cell {cell_index + 1}"
-        self._stop_reason = f"{why} (in {where}); the cells after it were not run and score 0"
+        gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        where = f"cell {cell_index}" + (f" ({gid})" if gid else "")
+        self._stop_reason = why.format(where=where) + "; the cells after it were not run and score 0"
         cell.outputs = list(cell.get("outputs", [])) + [nbformat.v4.new_output(
             "error", ename=KILLED_ENAME, evalue=self._stop_reason, traceback=[f"{KILLED_ENAME}: {self._stop_reason}"])]
         if kill and self.km is not None:
@@ -113,6 +124,16 @@ class GuardedExecution(Configurable):
                     "the rest of its output was dropped]\n")
             outs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=note))
         return out
+
+
+def kernel_source(cell) -> str:
+    """The source the kernel runs for ``cell``: a test cell the verifier re-runs loses its hidden tests."""
+    from course import checkcalls
+
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    if cell.get("cell_type") == "code" and meta.get("grade") and not meta.get("solution"):
+        return checkcalls.kernel_source(cell.source)
+    return cell.source
 
 
 def _size(msg) -> int:
@@ -165,13 +186,65 @@ def _execute_base():
 
 
 class SandboxedExecute(GuardedExecution, _execute_base()):
-    """nbgrader's Execute with the kernel in the sandbox and bounded cells: use in place of Execute."""
+    """nbgrader's Execute with the kernel in the sandbox and bounded cells: use in place of Execute.
+
+    nbgrader executes the notebook in the folder where it wrote the restored copy
+    (hidden tests included) a moment before; that file, and any other notebook there
+    that holds hidden tests, is moved out of the folder while the kernel runs.
+    """
 
     def __init__(self, *args, **kwargs):
         from course.sandbox import SandboxKernelManager
 
         kwargs.setdefault("kernel_manager_class", SandboxKernelManager)
         super().__init__(*args, **kwargs)
+
+    def preprocess(self, nb, resources=None, km=None):
+        workdir = (resources or {}).get("metadata", {}).get("path") or os.getcwd()
+        with hidden_notebooks_away(workdir):
+            return super().preprocess(nb, resources, km=km)
+
+
+#: a notebook holding this text holds hidden tests (nbgrader's marker): the kernel must not see it
+HIDDEN_MARKER = b"BEGIN HIDDEN TESTS"
+
+
+def holds_hidden_tests(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return HIDDEN_MARKER in fh.read()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def hidden_notebooks_away(workdir: str):
+    """Move the notebooks of ``workdir`` that hold hidden tests to a private folder for the block, then back."""
+    import shutil
+    import tempfile
+
+    found = [os.path.join(root, name) for root, dirs, files in os.walk(workdir) for name in files
+             if name.endswith(".ipynb") and not os.path.islink(os.path.join(root, name))
+             and holds_hidden_tests(os.path.join(root, name))]
+    if not found:
+        yield
+        return
+    stash = tempfile.mkdtemp(prefix="ddp-course-stash-")
+    moved = []
+    try:
+        for k, path in enumerate(found):
+            kept = os.path.join(stash, f"{k}.ipynb")
+            shutil.move(path, kept)
+            moved.append((kept, path))
+        yield
+    finally:
+        for kept, path in moved:
+            if os.path.isdir(path) and not os.path.islink(path):  # the submission put something there meanwhile
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+            shutil.move(kept, path)
+        shutil.rmtree(stash, ignore_errors=True)
 
 
 class VerifyTests(Preprocessor):
@@ -291,6 +364,8 @@ def copy_submission(src, dest, limit: int = COPY_LIMIT) -> None:
             path = os.path.join(root, name)
             if os.path.islink(path) or not os.path.isfile(path):
                 continue
+            if name.endswith(".ipynb") and holds_hidden_tests(path):
+                continue  # a source notebook graded as it is: its hidden tests must not reach the kernel
             total += os.path.getsize(path)
             if total > limit:
                 return

@@ -112,7 +112,9 @@ def _free_uid() -> tuple[int, int]:
         except OSError:
             os.close(fd)
             continue
-        if not kill_uid(uid):  # leftovers of a grader that died
+        # leftovers of a grader that died; unreaped zombies of the last sandbox still count against
+        # RLIMIT_NPROC for this uid (a fork bomb leaves hundreds for a moment): take another uid then
+        if not kill_uid(uid) or uid_processes(uid, zombies=True):
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
             continue
@@ -189,7 +191,8 @@ class Sandbox:
         self._owner = (st.st_uid, st.st_gid)
         if self.switch_uid:
             self.uid, self._lock_fd = _free_uid()
-            self.cgroups = Cgroups.create(f"ddp-sandbox-{self.uid}", self.limits)
+            # a name of its own: the last cgroup of this uid may still be there, holding zombies
+            self.cgroups = Cgroups.create(f"ddp-sandbox-{self.uid}-{self.token[:8]}", self.limits)
             _chown_tree(self.workdir, self.uid, self.uid, only_from=None)
             os.chmod(self.workdir, 0o700)
             self.runtime_dir = str(_lock_dir() / f"k{self.uid}")

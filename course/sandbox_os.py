@@ -166,8 +166,9 @@ class Cgroups:
                 (parent / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted - enabled))
             except OSError:
                 return False
+        _remove_stale(parent, name)
         path = parent / name
-        path.mkdir(exist_ok=True)
+        path.mkdir()
         self.paths.append(str(path))
         (path / "memory.max").write_text(str(limits.memory))
         try:
@@ -184,7 +185,8 @@ class Cgroups:
         if mem_own is None or not (root / "memory").is_dir():
             return False
         mem = root / "memory" / mem_own.lstrip("/") / name
-        mem.mkdir(exist_ok=True)
+        _remove_stale(mem.parent, name)
+        mem.mkdir()
         self.paths.append(str(mem))
         (mem / "memory.limit_in_bytes").write_text(str(limits.memory))
         try:
@@ -195,7 +197,8 @@ class Cgroups:
         if pids_own is not None and (root / "pids").is_dir():
             try:
                 pids = root / "pids" / pids_own.lstrip("/") / name
-                pids.mkdir(exist_ok=True)
+                _remove_stale(pids.parent, name)
+                pids.mkdir()
                 self.paths.append(str(pids))
                 (pids / "pids.max").write_text(str(limits.nproc))
             except OSError:
@@ -243,11 +246,29 @@ class Cgroups:
         self.paths = []
 
 
+def _remove_stale(parent: Path, name: str) -> None:
+    """Remove the cgroups that earlier sandboxes of the same uid could not (they still held unreaped
+    processes then). ``name`` is "ddp-sandbox-UID-TOKEN"; whoever creates it holds UID's lock, so no
+    other sandbox uses a cgroup of that uid."""
+    prefix = name.rsplit("-", 1)[0] + "-"
+    try:
+        stale = [p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+    except OSError:
+        return
+    for path in stale:
+        try:
+            if not Path(path, "cgroup.procs").read_text().split():
+                os.rmdir(path)
+        except OSError:
+            pass  # in use by a running sandbox, or not ours to remove
+
+
 # --------------------------------------------------------------------------- killing
 
 
-def uid_processes(uid: int) -> list[int]:
-    """Live pids (zombies left out: they hold nothing and their parent reaps them) whose real uid is ``uid``."""
+def uid_processes(uid: int, zombies: bool = False) -> list[int]:
+    """Pids whose real uid is ``uid``: live ones (zombies hold nothing and their parent reaps them),
+    zombies too with ``zombies=True`` (until reaped they still count against RLIMIT_NPROC and pids.max)."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -259,7 +280,7 @@ def uid_processes(uid: int) -> list[int]:
                     if line.startswith(b"State:"):
                         zombie = line.split()[1] in (b"Z", b"X")
                     elif line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid and not zombie:
+                        if int(line.split()[1]) == uid and (zombies or not zombie):
                             found.append(int(entry.name))
                         break
         except (OSError, ValueError, IndexError):

@@ -41,6 +41,8 @@ class GradeReport:
     score: float
     max_score: float
     tests: list[CellResult] = field(default_factory=list)
+    #: report-level lines: what the sandbox protected, tests where the notebook and the grader's own run disagree
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -2,7 +2,8 @@
 
 A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
 an IPython startup file that calls :func:`install`. Just before a test cell
-made of check calls runs, the hook pickles (by value, cloudpickle) every
+made of check calls runs (as :func:`course.checkcalls.kernel_source` gives it:
+without its hidden tests, which name what they use in a comment), the hook pickles (by value, cloudpickle) every
 notebook object the calls name, and the content of small files they name
 ("train.py"), into ``.ddp-verify/NNNNN.json`` in the work folder. The grader
 reads these files as opaque data (:func:`read`): it never unpickles them;
@@ -59,34 +60,31 @@ def install(shell, folder: str) -> None:
 def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
     from course import checkcalls
 
-    calls = checkcalls.parse(source)
-    if calls is None:
+    if checkcalls.parse(source) is None and checkcalls.USES_PREFIX not in source:
         return
+    names, strings = checkcalls.uses(source)  # hidden tests' names come in a comment (checkcalls.kernel_source)
     from course.launch import dumps
 
     snap = Snapshot(seq, source)
     size = 0
-    for call in calls:
-        for name in call.names:
-            if name in snap.objects or name in snap.errors:
-                continue
-            if name not in namespace:
-                snap.errors[name] = f"`{name}` was not defined when this test ran"
-                continue
-            try:
-                blob = dumps(namespace[name])
-            except Exception as exc:  # noqa: BLE001
-                snap.errors[name] = f"`{name}` cannot be pickled: {type(exc).__name__}: {exc}"[:2000]
-                continue
-            size += len(blob)
-            if size > MAX_SNAPSHOT:
-                snap.errors[name] = f"`{name}` is too large to send to the grader (over {MAX_SNAPSHOT >> 20} MB)"
-                continue
-            snap.objects[name] = base64.b64encode(blob).decode()
-        for text in call.strings:
-            if _plain_relative(text) and os.path.isfile(text) and os.path.getsize(text) <= MAX_FILE:
-                with open(text, "rb") as fh:
-                    snap.files[text] = base64.b64encode(fh.read()).decode()
+    for name in names:
+        if name not in namespace:
+            snap.errors[name] = f"`{name}` was not defined when this test ran"
+            continue
+        try:
+            blob = dumps(namespace[name])
+        except Exception as exc:  # noqa: BLE001
+            snap.errors[name] = f"`{name}` cannot be pickled: {type(exc).__name__}: {exc}"[:2000]
+            continue
+        size += len(blob)
+        if size > MAX_SNAPSHOT:
+            snap.errors[name] = f"`{name}` is too large to send to the grader (over {MAX_SNAPSHOT >> 20} MB)"
+            continue
+        snap.objects[name] = base64.b64encode(blob).decode()
+    for text in strings:
+        if _plain_relative(text) and os.path.isfile(text) and os.path.getsize(text) <= MAX_FILE:
+            with open(text, "rb") as fh:
+                snap.files[text] = base64.b64encode(fh.read()).decode()
     path = os.path.join(folder, f"{seq:05d}.json")
     with open(path + ".tmp", "w") as fh:
         json.dump(snap.__dict__, fh)

@@ -43,7 +43,7 @@ from course import checkcalls
 DISAGREE = "the notebook's test output disagrees with the grader's own run"
 #: seconds the verifier may spend on one test cell (its jobs have their own deadlines inside)
 DEFAULT_CELL_TIMEOUT = 300.0
-_STARTUP = 60.0  # the verifier's own start: imports, the forkserver's first start
+STARTUP = 60.0  # the verifier's own start: imports, the forkserver's first start
 
 
 @dataclass
@@ -60,9 +60,11 @@ class Verdict:
     message: str = ""
     #: what the checks printed on success ("passed check_x")
     stdout: str = ""
-    #: whether the notebook's own output showed this cell passing
+    #: whether the notebook's own output showed this cell passing (the kernel runs no hidden tests)
     kernel_passed: bool | None = None
     points: float = 0.0
+    #: the verifier's failure came from a hidden test (which the kernel never ran)
+    hidden_failure: bool = False
 
     @property
     def passed(self) -> bool:
@@ -70,8 +72,10 @@ class Verdict:
 
     @property
     def disagrees(self) -> bool:
+        """The notebook's output and the verifier differ on the part of the cell both ran."""
+        visible_passed = self.status == "passed" or (self.status == "failed" and self.hidden_failure)
         return self.status in ("passed", "failed") and self.kernel_passed is not None \
-            and self.kernel_passed != (self.status == "passed")
+            and self.kernel_passed != visible_passed
 
 
 # --------------------------------------------------------------------------- the notebook side
@@ -102,13 +106,15 @@ def cell_ran(cell) -> bool:
 
 
 def _match_snapshots(cells, snapshots):
-    """For each test cell (in order), the snapshot taken just before it ran: the next one with its source."""
+    """For each test cell (in order), the snapshot taken just before it ran: the next one with the source
+    the kernel ran (:func:`course.checkcalls.kernel_source`)."""
     matched, position = {}, 0
     for index, cell in cells:
         if not cell_ran(cell):
             continue
+        ran = checkcalls.kernel_source(cell["source"])
         for k in range(position, len(snapshots)):
-            if snapshots[k].source == cell["source"]:
+            if snapshots[k].source == ran:
                 matched[index] = snapshots[k]
                 position = k + 1
                 break
@@ -160,6 +166,7 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                 v.status = result["status"]
                 v.message = result.get("message", "")
                 v.stdout = result.get("stdout", "")
+                v.hidden_failure = bool(result.get("hidden_failure"))
     for v in verdicts.values():
         if v.status == "":
             v.status = "failed"
@@ -187,7 +194,7 @@ def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=box.workdir, env=full_env, start_new_session=True)
     box.pids.append(proc.pid)
-    deadline = _STARTUP + cell_timeout * len(requests) + 10
+    deadline = STARTUP + cell_timeout * len(requests) + 10
     try:
         out, err = proc.communicate(payload, timeout=deadline)
     except subprocess.TimeoutExpired:
@@ -342,33 +349,37 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, int(cell_timeout)))
+    current = None
+
+    def failed(message: str) -> dict:
+        return {**result, "status": "failed", "message": message,
+                "hidden_failure": bool(current is not None and current.hidden)}
+
     try:
-        for call in calls:
-            missing = [n for n in call.names if n not in proxies]
+        for current in calls:
+            missing = [n for n in current.names if n not in proxies]
             if missing:
                 why = [request.get("errors", {}).get(n) or f"`{n}` was not defined when this test ran" for n in missing]
-                return {**result, "status": "failed", "message": f"FAILED {call.function}: " + "; ".join(why)}
-            fn = _resolve(call)
+                return failed(f"FAILED {current.function}: " + "; ".join(why))
+            fn = _resolve(current)
             value = lambda a: proxies[a[1]] if a[0] == "name" else a[1]  # noqa: E731
             with contextlib.redirect_stdout(printed):
-                fn(*[value(a) for a in call.args], **{k: value(a) for k, a in call.kwargs})
+                fn(*[value(a) for a in current.args], **{k: value(a) for k, a in current.kwargs})
+        current = None
         misuse = {name: p.misuse for name, p in proxies.items() if p.misuse}
         if misuse:
-            return {**result, "status": "failed",
-                    "message": f"the grader cannot verify this test safely: the check looked inside {misuse}"}
+            return failed(f"the grader cannot verify this test safely: the check looked inside {misuse}")
         return {**result, "status": "passed", "stdout": printed.getvalue()}
     except CheckFailed as err:
-        return {**result, "status": "failed", "message": str(err)}
+        return failed(str(err))
     except StudentObjectUsed as err:
-        return {**result, "status": "failed", "message": f"the grader cannot verify this test safely: {err}"}
+        return failed(f"the grader cannot verify this test safely: {err}")
     except LaunchError as err:
-        return {**result, "status": "failed", "message": f"the grader's own run failed:\n{err}"}
+        return failed(f"the grader's own run failed:\n{err}")
     except _CellDeadline:
-        return {**result, "status": "failed",
-                "message": f"the grader's own run of this test did not finish within {cell_timeout:g} s"}
+        return failed(f"the grader's own run of this test did not finish within {cell_timeout:g} s")
     except (Exception, SystemExit) as err:  # noqa: BLE001 - a grader bug must not lose the other cells
-        return {**result, "status": "failed",
-                "message": f"the grader's own run of this test raised {type(err).__name__}: {err}"[:4000]}
+        return failed(f"the grader's own run of this test raised {type(err).__name__}: {err}"[:4000])
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

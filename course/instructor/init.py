@@ -43,10 +43,18 @@ your changes unless it is run with --force.
 
 import os
 
-from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
-from nbgrader.preprocessors import GetGrades
+from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import (
+    AssignLatePenalties,
+    CheckCellMetadata,
+    GetGrades,
+    IgnorePattern,
+    LimitOutput,
+    SaveAutoGrades,
+)
 
 from course.instructor.redact import RedactHiddenTests
+from course.safeexec import SandboxedExecute, VerifyTests
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 
@@ -74,6 +82,17 @@ def cell_timeout(cell):
 
 
 c.Execute.timeout_func = cell_timeout
+
+# Student code is not trusted. nbgrader's own steps, in its order, with two changes:
+# SandboxedExecute runs each notebook in a sandbox (its own uid and folder, no network,
+# exercise sources, course folder and gradebook out of sight, memory and process limits;
+# less when not root: `ddp-course autograde` says which) with bounded cells and without
+# the hidden tests; VerifyTests then re-runs every check, hidden tests included, in a
+# trusted process and writes its verdicts into the test cells, so nothing a notebook
+# does to the graders, the launcher or its own outputs can raise its score.
+c.Autograde.autograde_preprocessors = [SandboxedExecute, IgnorePattern, VerifyTests, ClearMetadataPreprocessor,
+                                       LimitOutput, SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
+c.VerifyTests.cell_timeout = TEST_CELL_TIMEOUT
 # Each check stops a job of the student's ranks after DDP_COURSE_CHECK_TIMEOUT seconds (default 60):
 # os.environ.setdefault("DDP_COURSE_CHECK_TIMEOUT", "60")
 
@@ -93,8 +112,8 @@ c.GenerateFeedback.preprocessors = [GetGrades, RedactHiddenTests, CSSHTMLHeaderP
 
 DB_DEFAULT_LINE = """\
 # The gradebook: SQLite (gradebook.db in this folder) unless set here. PostgreSQL works
-# the same way (pip install psycopg2-binary):
-# c.CourseDirectory.db_url = "postgresql://user:password@dbhost:5432/ddp_course\""""
+# the same way (pip install 'ddp-course[postgres]'; the database must exist and be UTF8):
+# c.CourseDirectory.db_url = "postgresql+psycopg://user:password@dbhost:5432/ddp_course\""""
 
 
 def default_exercises() -> Path:

@@ -253,6 +253,34 @@ for host, port in {ctx.get("listeners", [])!r} + [("pypi.org", 443), ("1.1.1.1",
 ''')
 
 
+LEAK_MARK = "ATTACK-LEAK"
+
+
+def _leak_history(nb, ctx):
+    # record every cell the kernel is given, then print all the kernel remembers of the test cells
+    insert_after_imports(nb, """
+_seen_cells = []
+get_ipython().events.register("pre_run_cell", lambda info: _seen_cells.append(info.raw_cell))
+""")
+    nb.cells.append(new_code_cell(f'''
+import glob, linecache, os
+texts = list(_seen_cells) + list(_ih) + list(In)
+texts += ["".join(entry[2]) for entry in list(linecache.cache.values()) if len(entry) > 2]
+texts += [raw for _, _, raw in get_ipython().history_manager.get_range(raw=True)]
+for path in glob.glob("**/*", recursive=True) + glob.glob(".*/**/*", recursive=True):
+    try:
+        with open(path, errors="replace") as fh:
+            texts.append(fh.read(1 << 20))
+    except OSError:
+        pass
+found = sorted({{line.strip() for text in texts for line in str(text).splitlines()
+                if "graders." in line or "HIDDEN" in line}})
+for line in found:
+    print("{LEAK_MARK}", line)
+print("{LEAK_MARK} lines:", len(found))
+'''))
+
+
 def _break_all(nb):
     for cell in answer_cells(nb):
         break_answer(cell)
@@ -383,6 +411,8 @@ ATTACKS = [
     Attack("write_gradebook", _write_gradebook, "mount namespace (read-only empty tmpfs) and the sandbox uid",
            message=""),
     Attack("network", _network, "network namespace with only loopback", message=""),
+    Attack("leak_history", _leak_history, "the kernel never gets hidden tests (the verifier runs them); "
+           "feedback redacts test cells", message=""),
     Attack("patch_graders", _patch_graders, "verifier re-runs the real checks in a trusted process",
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
     Attack("patch_launcher", _patch_launcher, "verifier: the kernel's launcher is not the verifier's",

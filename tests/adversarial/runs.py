@@ -2,14 +2,14 @@
 
 (conftest.py turns :func:`grade_batch` and :func:`autograde_batch` into session fixtures.)
 
-* ``grade`` path: what ``ddp-course grade`` does (restore the locked cells, run in a
-  sandboxed kernel, re-run the checks in the trusted verifier, score by nbgrader's
-  rules), via :func:`grade_one` until course/grade.py calls
-  :func:`course.safeexec.execute_verified` itself (see the report); 3 submissions at a time.
-* ``autograde`` path: ``ddp-course autograde --jobs 3`` on a course whose
-  nbgrader_config.py uses :class:`course.safeexec.SandboxedExecute` and
-  :class:`course.safeexec.VerifyTests`; every attack is one student, graded in
-  the same run as an honest one.
+* ``grade`` path: :func:`course.grade.grade_notebook`, what ``ddp-course grade`` runs
+  (restore the locked cells, run in a sandboxed kernel, re-run the checks in the
+  trusted verifier, score by nbgrader's rules); 3 submissions at a time.
+* ``autograde`` path: ``ddp-course init``, ``release``, then ``ddp-course autograde
+  --jobs 3`` with the nbgrader_config.py ``init`` wrote (its
+  :class:`course.safeexec.SandboxedExecute` and :class:`course.safeexec.VerifyTests`);
+  every attack is one student, graded in the same run as an honest one; then
+  ``ddp-course feedback`` for the students whose pages must show no hidden test.
 
 The base is exercise 1's source notebook (DDP_COURSE_ADVERSARIAL_BASE=tiny: the
 small exercise in tests/files/verify, about twice as fast).
@@ -37,6 +37,8 @@ BASES = {
     "tiny": ROOT / "tests" / "files" / "verify" / "ex0-verify" / "parallelism.ipynb",
 }
 ENV = {"DDP_COURSE_CHECK_TIMEOUT": str(attacks.CHECK_TIMEOUT)}
+#: students whose feedback pages the autograde path generates and checks for hidden tests
+FEEDBACK_STUDENTS = ("honest", "leak_history", "patch_graders")
 PARALLEL = 3
 
 
@@ -61,6 +63,11 @@ class Outcome:
 
     def text(self) -> str:
         return "\n".join([*self.messages.values(), *self.notes, self.error, self.outputs])
+
+    def brief(self) -> str:
+        """For a failed assertion: each test's message, the notes and the error first, then the outputs' end."""
+        head = [f"{gid}: {self.scores.get(gid)}: {message[:1500]}" for gid, message in self.messages.items()]
+        return "\n".join([*head, *self.notes, self.error, "--- outputs (end):", self.outputs[-1500:]])
 
 
 def outputs_text(nb) -> str:
@@ -173,26 +180,23 @@ def file_digest(paths) -> dict[str, str]:
 
 
 def grade_one(path: Path, exercises: Path) -> Outcome:
-    """``ddp-course grade`` on ``path``: course.grade's own steps, with the sandboxed, verified execution."""
-    from course.notebook import NotebookError, Timeouts, clear_outputs, read
-    from course.safeexec import execute_verified
-    from course.scoring import score_notebook
-    from course.sources import find_source, graded_cells, restore
+    """``ddp-course grade`` on ``path``: :func:`course.grade.grade_notebook`, the CLI's own entry point."""
+    import tempfile
+
+    from course.grade import grade_notebook
+    from course.notebook import NotebookError, Timeouts
 
     started = time.monotonic()
-    try:
-        student = read(path)
-        source_path = find_source(path, exercises)
-        source = read(source_path)
-    except NotebookError as err:
-        return Outcome(error=str(err), elapsed=time.monotonic() - started)
-    nb = restore(student, source)
-    clear_outputs(nb)
-    run = execute_verified(nb, path.parent, Timeouts(test=attacks.TEST_TIMEOUT, other=attacks.CELL_TIMEOUT),
-                           hide=[exercises])
-    report = score_notebook(run, graded_cells(source), str(path))
+    with tempfile.TemporaryDirectory(prefix="graded-") as folder:
+        graded = Path(folder) / "graded.ipynb"
+        try:
+            report = grade_notebook(path, exercises=exercises, output=graded,
+                                    timeouts=Timeouts(test=attacks.TEST_TIMEOUT, other=attacks.CELL_TIMEOUT))
+        except NotebookError as err:
+            return Outcome(error=str(err), elapsed=time.monotonic() - started)
+        nb = nbformat.read(str(graded), as_version=4)
     return Outcome({t.id: t.score for t in report.tests}, {t.id: t.message for t in report.tests},
-                   list(run.notes), outputs_text(run.nb), time.monotonic() - started)
+                   list(report.notes), outputs_text(nb), time.monotonic() - started)
 
 
 @dataclass
@@ -261,21 +265,6 @@ def grade_batch(tmp_path_factory) -> Batch:
 
 # --------------------------------------------------------------------------- the autograde path
 
-AUTOGRADE_CONFIG = '''
-
-# --- sandboxed, verified grading (course.sandbox, course.verify): added by tests/adversarial ---
-from nbconvert.preprocessors import ClearMetadataPreprocessor
-from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput, SaveAutoGrades
-
-from course.safeexec import SandboxedExecute, VerifyTests
-
-c.Autograde.autograde_preprocessors = [SandboxedExecute, VerifyTests, IgnorePattern, ClearMetadataPreprocessor,
-                                       LimitOutput, SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
-c.VerifyTests.cell_timeout = TEST_CELL_TIMEOUT
-os.environ["DDP_COURSE_CHECK_TIMEOUT"] = "{check_timeout}"
-'''
-
-
 def _gradebook_scores(course_dir: Path, assignment: str, student: str) -> dict[str, float] | None:
     from nbgrader.api import Gradebook, MissingEntry
 
@@ -302,8 +291,6 @@ def autograde_batch(tmp_path_factory) -> Batch:
     subprocess.run(["ddp-course", "init", str(course_dir), "--exercises", str(exercises),
                     "--test-timeout", str(attacks.TEST_TIMEOUT), "--cell-timeout", str(attacks.CELL_TIMEOUT)],
                    check=True, capture_output=True, env=env, timeout=300)
-    with open(course_dir / "nbgrader_config.py", "a") as fh:
-        fh.write(AUTOGRADE_CONFIG.format(check_timeout=attacks.CHECK_TIMEOUT))
     subprocess.run(["ddp-course", "release"], cwd=course_dir, check=True, capture_output=True, env=env, timeout=300)
     listener = Listener()
     honest_dir = course_dir / "submitted" / "honest" / assignment
@@ -343,6 +330,14 @@ def autograde_batch(tmp_path_factory) -> Batch:
                                     outputs_text(nb) if nb is not None else "", float(record.get("elapsed") or 0),
                                     "" if record.get("status") == "graded" else f"{record.get('status')}: "
                                     f"{record.get('reason', '')}")
+    left = leftovers()
+    # feedback pages of the students who try to read hidden tests back (plus the control)
+    readers = [a.name for a in attacks.ATTACKS if a.name in FEEDBACK_STUDENTS]
+    feedback = subprocess.run(["ddp-course", "feedback", *(f"--student={s}" for s in readers)], cwd=course_dir,
+                              capture_output=True, text=True, env=env, timeout=600)
+    pages = {s: "\n".join(p.read_text(errors="replace") for p in
+                          sorted((course_dir / "feedback" / s / assignment).glob("*.html"))) for s in readers}
     return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(watched),
-                 leftovers(), elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
-                                                      "returncode": proc.returncode, "course_dir": course_dir})
+                 left, elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
+                                       "returncode": proc.returncode, "course_dir": course_dir,
+                                       "feedback": feedback, "feedback_pages": pages})

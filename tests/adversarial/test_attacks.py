@@ -31,7 +31,7 @@ def test_score_is_the_honest_part(batch, name):
     outcome = run.outcomes[name]
     expected = attacks.expected_scores(attack, run.source, run.submissions[name])
     got = {gid: outcome.scores.get(gid, 0.0) for gid in expected}
-    assert got == expected, f"{path} {name}: {outcome.text()[-3000:]}"
+    assert got == expected, f"{path} {name}: {outcome.brief()}"
     if attack.ungradable:
         assert outcome.error, f"{path} {name}: an ungradable submission must say why"
     else:
@@ -111,3 +111,33 @@ def test_no_network_beyond_the_sandbox_loopback(batch):
 def test_flood_is_cut_and_kept_small(batch):
     run, path = batch
     assert len(run.outcomes["output_flood"].outputs) < 8 << 20
+
+
+def test_hidden_tests_never_reach_what_the_student_sees(batch):
+    """A notebook that records every cell its kernel runs and prints what the kernel remembers of them
+    (``_ih``, ``In``, linecache, history, a pre_run_cell hook, its folder's files) shows visible tests only."""
+    run, path = batch
+    text = run.outcomes["leak_history"].outputs
+    visible = [line.strip() for cell in attacks.test_cells(attacks.strip_hidden_tests(run.source))
+               for line in cell.source.splitlines() if line.strip().startswith("graders.")]
+    assert visible and all(f"{attacks.LEAK_MARK} {line}" in text for line in visible), text[-3000:]  # it ran
+    assert "HIDDEN TESTS" not in text
+    for line in attacks.hidden_lines(run.source):
+        assert line not in text, f"{path}: hidden test shown to the student: {line}"
+
+
+def test_feedback_shows_no_hidden_tests(autograde_batch):
+    from runs import FEEDBACK_STUDENTS
+
+    feedback = autograde_batch.extra["feedback"]
+    assert feedback.returncode == 0, feedback.stdout[-3000:] + feedback.stderr[-3000:]
+    for student in FEEDBACK_STUDENTS:
+        page = autograde_batch.extra["feedback_pages"][student]
+        assert "passed" in page or "FAILED" in page, f"{student}: no feedback page"
+        for line in attacks.hidden_lines(autograde_batch.source):
+            assert line not in page, f"{student}'s feedback shows a hidden test: {line}"
+
+
+def test_autograde_says_how_notebooks_are_isolated(autograde_batch):
+    first = "sandbox: full" if full_sandbox() else "sandbox: partial"
+    assert first in autograde_batch.extra["stdout"], autograde_batch.extra["stdout"][-3000:]
