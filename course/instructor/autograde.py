@@ -451,7 +451,8 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
         with _sigterm_as_interrupt(), Progress(*columns, console=console) as progress:
             overall = progress.add_task(f"autograde, {pool.size} at a time", total=len(todo))
             slots = [progress.add_task("", total=None, visible=False) for _ in range(pool.size)]
-            while pending or pool.running():
+
+            def refill() -> None:
                 for index in pool.idle():
                     if not pending:
                         break
@@ -461,14 +462,23 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
                                              "student": job.student}, limits[job.assignment])
                     started[job], slot_of[job] = time.monotonic(), index
                     progress.reset(slots[index], description=f"  {job}", total=None, visible=True)
-                for outcome in pool.poll(wait=0.5):
-                    progress.update(slots[slot_of.pop(outcome.job)], visible=False)
-                    with _deferred_interrupts():
+
+            while pending or pool.running():
+                refill()
+                ended = pool.poll(wait=0.5)
+                if not ended:
+                    continue
+                with _deferred_interrupts():  # a Ctrl-C now waits until the ended jobs are recorded
+                    for outcome in ended:
+                        progress.update(slots[slot_of.pop(outcome.job)], visible=False)
+                    refill()  # a freed worker starts its next submission while this one's results are merged
+                    for outcome in ended:
                         row = _finish(course, outcome)
                         rows.append(row)
-                    progress.advance(overall)
-                    score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
-                    progress.console.print(f"{row.status:>8}  {row.job}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
+                        progress.advance(overall)
+                        score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
+                        progress.console.print(
+                            f"{row.status:>8}  {row.job}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
     except KeyboardInterrupt:
         interrupted = True
         running = [job for job, _ in pool.running()]
