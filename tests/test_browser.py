@@ -20,11 +20,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import requirements_gate
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = os.environ.get("DDP_COURSE_CHROMIUM", "/usr/bin/chromium")
-REQUIRE_BROWSER = os.environ.get("DDP_COURSE_REQUIRE_BROWSER") == "1"
 TOKEN = "ddp-course-browser"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -34,9 +34,8 @@ pytestmark = pytest.mark.slow
 
 
 def unavailable(reason: str):
-    if REQUIRE_BROWSER:
-        pytest.fail(f"{reason} (DDP_COURSE_REQUIRE_BROWSER=1)", pytrace=False)
-    pytest.skip(reason)
+    """Skip, or fail where DDP_COURSE_REQUIRE_BROWSER=1 (CI)."""
+    requirements_gate.unavailable(reason, "DDP_COURSE_REQUIRE_BROWSER")
 
 
 @pytest.fixture

@@ -23,11 +23,11 @@ from pathlib import Path, PurePosixPath
 
 import nbformat
 import pytest
+import requirements_gate
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_IMAGE = os.environ.get("DDP_COURSE_LAB_IMAGE", "ddp-course:lab")
 GRADER_IMAGE = os.environ.get("DDP_COURSE_GRADER_IMAGE", "ddp-course:grader")
-REQUIRE_DOCKER = os.environ.get("DDP_COURSE_REQUIRE_DOCKER") == "1"
 TOKEN = "ddp-course-smoke"
 COURSE_IN_LAB = PurePosixPath("/home/learner/course")
 EXERCISES_IN_GRADER = PurePosixPath("/opt/ddp-course/exercises")
@@ -56,10 +56,8 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
 def unavailable(reason: str):
-    """Skip, or fail where Docker is required (CI)."""
-    if REQUIRE_DOCKER:
-        pytest.fail(f"{reason} (DDP_COURSE_REQUIRE_DOCKER=1)", pytrace=False)
-    pytest.skip(reason)
+    """Skip, or fail where DDP_COURSE_REQUIRE_DOCKER=1 (CI)."""
+    requirements_gate.unavailable(reason, "DDP_COURSE_REQUIRE_DOCKER")
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True, **kwargs) -> subprocess.CompletedProcess:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import requirements_gate
 from nbgrader.api import Gradebook
 
 from course.instructor.coursedir import Course
@@ -36,7 +37,6 @@ from course.instructor.samples import make_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_URL = os.environ.get("DDP_COURSE_POSTGRES_URL", "")
-REQUIRE_POSTGRES = os.environ.get("DDP_COURSE_REQUIRE_POSTGRES") == "1"
 #: the fastest exercise, and a class with a full, a partial and a zero score
 ASSIGNMENT, NOTEBOOK = "ex1-parallelism", "parallelism"
 CLASS = {"ada": "reference", "bob": "partial", "cy": "untouched"}
@@ -48,10 +48,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
 
 
 def unavailable(reason: str):
-    """Skip, or fail where PostgreSQL is required (CI)."""
-    if REQUIRE_POSTGRES:
-        pytest.fail(f"{reason} (DDP_COURSE_REQUIRE_POSTGRES=1)", pytrace=False)
-    pytest.skip(reason)
+    """Skip, or fail where DDP_COURSE_REQUIRE_POSTGRES=1 (CI)."""
+    requirements_gate.unavailable(reason, "DDP_COURSE_REQUIRE_POSTGRES")
 
 
 @pytest.fixture
