@@ -177,3 +177,16 @@ def assert_loses_exactly(report, assignment: str, failing: list[str], words: lis
     assert all(got[gid].startswith("FAILED check_") for gid in failing), got
     for word in words:
         assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
+
+
+def untouched_student_copy(assignment: str, folder: str | Path) -> Path:
+    """Release ``assignment`` (asserting the copy leaks no solution or hidden test) and hand it in unanswered."""
+    from course.instructor.leaks import student_copy_leaks
+
+    folder = Path(folder)
+    released = release(assignment, folder / "course")
+    assert student_copy_leaks(source_path(assignment), released) == []
+    student = folder / "student" / assignment / released.name
+    student.parent.mkdir(parents=True)
+    student.write_bytes(released.read_bytes())
+    return student

@@ -17,7 +17,6 @@ import submissions
 import torch
 
 import graders.ex4 as ex4
-from course.instructor.leaks import student_copy_leaks
 
 A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
@@ -211,11 +210,7 @@ def test_reference_solution_scores_full_marks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_untouched_release_scores_zero_at_once_with_clean_messages(tmp_path):
-    released = submissions.release(A, tmp_path / "course")
-    assert student_copy_leaks(submissions.source_path(A), released) == []  # no solution, no hidden test
-    student = tmp_path / "student" / A / released.name
-    student.parent.mkdir(parents=True)
-    student.write_bytes(released.read_bytes())
+    student = submissions.untouched_student_copy(A, tmp_path)  # checked: no solution, no hidden test
     start = time.monotonic()
     report = submissions.grade(student)
     assert time.monotonic() - start < 60  # no torchrun launch for a script that cannot run
