@@ -335,13 +335,14 @@ def marked_processes(token: str) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (collected first, so orphans found now die too)."""
+def kill_tree(pid: int, include_self: bool = True) -> None:
+    """SIGKILL ``pid``'s descendants, and ``pid`` too unless ``include_self`` is False
+    (all collected first, so orphans found now die too)."""
     import psutil
 
     try:
         root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
+        procs = root.children(recursive=True) + ([root] if include_self else [])
     except psutil.NoSuchProcess:
         return
     for proc in procs:

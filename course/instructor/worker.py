@@ -18,30 +18,20 @@ import time
 import traceback
 from pathlib import Path
 
-import psutil
-
+from course import sandbox_os
 from course.instructor.coursedir import load_config
 from course.instructor.gradebook import sqlite_url
 
 
 def kill_tree(pid: int, include_self: bool = True) -> None:
-    """SIGKILL ``pid`` and every descendant (kernels and ranks run in sessions of their own)."""
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + ([root] if include_self else [])
-    except psutil.NoSuchProcess:
-        return
+    """SIGKILL every descendant of ``pid`` (kernels and ranks run in sessions of their own, so its
+    process group alone would miss them), then ``pid`` and what is left of its process group."""
+    sandbox_os.kill_tree(pid, include_self)  # collects the tree before killing: no orphan escapes
     if include_self:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=5)
 
 
 def grade(course_root: str, scratch: str, assignment: str, student: str) -> dict:
