@@ -25,6 +25,7 @@ How (DESIGN.md has the measurements behind each choice):
 
 from __future__ import annotations
 
+import functools
 import io
 import linecache
 import multiprocessing
@@ -381,7 +382,7 @@ def launch(
     import torch.multiprocessing as tmp
 
     _context()
-    port = _agent_store_port()
+    port = _agent_store().port
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
         os.chmod(jobdir, 0o700)
@@ -431,22 +432,19 @@ def launch(
         return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe_results)
 
 
-_AGENT_STORE: list = []  # the TCPStore at MASTER_PORT, one per launching process
-
-
-def _agent_store_port() -> int:
-    """The port of the TCPStore this process hosts at MASTER_ADDR, as torchrun's agent does.
+@functools.cache
+def _agent_store():
+    """The TCPStore this process hosts at MASTER_ADDR:MASTER_PORT, as torchrun's agent does (the cache
+    keeps it alive).
 
     The ranks' own rendezvous goes through a file store in the job folder (see
     ``_worker._rendezvous_through_file``); this store keeps MASTER_PORT a real
     store for code that connects to it, and is made once because each TCPStore
     connection can cost a slow reverse DNS lookup.
     """
-    if not _AGENT_STORE:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        _AGENT_STORE.append(dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False))
-    return _AGENT_STORE[0].port
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
 
 def _rank_entry():

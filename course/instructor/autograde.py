@@ -463,8 +463,8 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
                     started[job], slot_of[job] = time.monotonic(), index
                     progress.reset(slots[index], description=f"  {job}", total=None, visible=True)
 
+            refill()
             while pending or pool.running():
-                refill()
                 ended = pool.poll(wait=0.5)
                 if not ended:
                     continue
