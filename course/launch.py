@@ -50,6 +50,7 @@ from course.exceptions import RankFailedError, RankFailure, RankTimeoutError
 BACKEND_ENV = "DDP_COURSE_BACKEND"
 DEFAULT_TIMEOUT = 120.0
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course._worker"]
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initialising CUDA
 _KEEP_LINES = 200  # per rank, for error messages
 _ECHO_LIMIT = 2000  # lines per rank echoed to the caller before truncating
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
@@ -114,15 +115,31 @@ def backend(world_size: int | None = None) -> str:
 
 
 def resolve_backend(name: str, world_size: int) -> str:
-    if name != "auto":
-        if name not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
-            raise ValueError(f"unknown backend {name!r}: use 'auto', 'gloo' or 'nccl'")
+    """``auto``: nccl with a GPU per rank, else gloo; a named backend is checked, not second-guessed.
+
+    ``nccl`` asked for without a GPU per rank fails here, before any rank starts,
+    with what to change: NCCL refuses two ranks on one GPU, and without CUDA every
+    rank would fail in ``init_process_group`` with a less helpful message.
+    """
+    if name not in ("auto", "gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(f"unknown backend {name!r}: use 'auto', 'gloo' or 'nccl'")
+    if name not in ("auto", "nccl"):
         return name
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "nccl" and gpus == 0:
+        raise ValueError(
+            "backend 'nccl' needs CUDA GPUs, one per rank, but torch sees none. "
+            "Use backend='auto' (gloo here) or backend='gloo'."
+        )
+    if name == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per rank: {world_size} ranks asked for, but this machine has "
+            f"{gpus} GPU{'s' if gpus > 1 else ''} (NCCL cannot put two ranks on one GPU). Use at most {gpus} "
+            "ranks, backend='gloo', or backend='auto' (nccl when there is a GPU per rank, else gloo)."
+        )
+    return "nccl" if gpus >= world_size else "gloo"
 
 
 def warm_up() -> None:
@@ -155,11 +172,19 @@ def _context():
                 pass
         saved = [os.dup(1), os.dup(2)]
         log = os.open(_FORKSERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # The forkserver must not initialise CUDA (a rank forked after cuInit cannot use the GPU):
+        # if anything it preloads asks torch.cuda.is_available(), NVML answers instead of the driver.
+        nvml_before = os.environ.get(_NVML_CHECK)
+        os.environ[_NVML_CHECK] = "1"
         try:
             os.dup2(log, 1)
             os.dup2(log, 2)
             forkserver.ensure_running()
         finally:
+            if nvml_before is None:
+                os.environ.pop(_NVML_CHECK, None)
+            else:
+                os.environ[_NVML_CHECK] = nvml_before
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             for fd in (*saved, log):

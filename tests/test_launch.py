@@ -240,6 +240,12 @@ def test_bad_arguments():
         course.run_ranks(scalar_job, 2, backend="carrier-pigeon")
 
 
+def test_nccl_without_a_gpu_per_rank_is_refused_before_any_rank_starts():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="backend 'nccl' needs .*GPU.* backend='gloo'"):
+        course.run_ranks(scalar_job, gpus + 1, backend="nccl")
+
+
 def test_backend_auto_is_gloo_without_enough_gpus():
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("machine has GPUs")
