@@ -305,6 +305,7 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
     with two more attributes: ``notes`` (the sandbox summary, disagreements) and
     ``verdicts``.
     """
+    import atexit
     import shutil
     import subprocess
     import tempfile
@@ -330,8 +331,17 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
             error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []}, record_timing=False,
             extra_arguments=["--HistoryManager.hist_file=:memory:"], resources={"metadata": {"path": workdir}})
         client.on_cell_executed = on_cell_executed
-        # the kernel process's own stdout/stderr (not the cells' outputs) must not reach ours
-        client.execute(cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the kernel process's own stdout/stderr (not the cells' outputs) must not reach ours; kept
+        # aside (the sandbox relays at most 256 kB) to say why a kernel died before it started
+        with tempfile.TemporaryFile() as kernel_log:
+            try:
+                client.execute(cwd=workdir, stdout=subprocess.DEVNULL, stderr=kernel_log)
+            except RuntimeError as err:
+                if "before replying" not in str(err):
+                    raise
+                raise RuntimeError(f"the sandboxed kernel died before it started: {_last_words(kernel_log)}") from err
+            finally:
+                atexit.unregister(client._cleanup_kernel)  # nbclient's, which fails when no kernel started
         notes = [client.sandbox_summary] if client.sandbox_summary else []
         verdicts = verify.verify_notebook(nb, workdir, hide=hide, cell_timeout=timeouts.test,
                                           log=None if notes else notes.append)
@@ -344,6 +354,16 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
         return run
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _last_words(log) -> str:
+    """The last error line a dead kernel wrote (on its stderr, in ``log``), or what to try."""
+    log.seek(0)
+    lines = [line.strip() for line in log.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    if errors or lines:
+        return (errors or lines)[-1][:300]
+    return "it wrote nothing; check that `python -m ipykernel` runs for this Python"
 
 
 #: what copy_submission takes from a submission's folder

@@ -41,6 +41,7 @@ from course.sandbox_os import (  # noqa: F401 - re-exported: the sandbox's publi
     GiB,
     MiB,
     blocking_ancestor,
+    is_under,
     kill_tree,
     kill_uid,
     make_undumpable,
@@ -140,6 +141,8 @@ def python_paths() -> list[str]:
         paths.update(site.getsitepackages())
     except AttributeError:
         pass
+    # PYTHONPATH reaches the sandboxed Python too (KEEP_ENV): its folders must be there, also under /tmp
+    paths.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p))
     return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
 
 
@@ -321,7 +324,8 @@ class Sandbox:
             for path in self.hide:
                 cmd += ["--hide", path]
             for path in [*python_paths(), self.runtime_dir]:
-                cmd += ["--expose", path]
+                if not any(is_under(path, hidden) for hidden in self.hide):  # a PYTHONPATH into exercises/
+                    cmd += ["--expose", path]
             for path in self.cgroups.paths:
                 cmd += ["--cgroup", path]
         if not self.cgroups.paths:

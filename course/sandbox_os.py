@@ -353,6 +353,11 @@ def kill_tree(pid: int, include_self: bool = True) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def is_under(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or inside it (both absolute, normalised)."""
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 def blocking_ancestor(path: str) -> str | None:
     """The outermost folder above ``path`` that other users cannot enter (e.g. /root, mode 0700), if any."""
     parts = Path(path).parts

@@ -32,6 +32,7 @@ from course.sandbox_os import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_NO_NEW_PRIVS,
     blocking_ancestor,
+    is_under,
     kill_uid,
     loopback_up,
     mount,
@@ -39,10 +40,6 @@ from course.sandbox_os import (
     uid_processes,
     unshare,
 )
-
-
-def _is_under(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _cover(target: str, keep: dict[str, int], *, read_only: bool, size: str) -> None:
@@ -53,7 +50,7 @@ def _cover(target: str, keep: dict[str, int], *, read_only: bool, size: str) -> 
     if os.path.isdir(target) and not os.path.islink(target):
         mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={'0755' if read_only else '1777'}")
         for path, fd in sorted(keep.items()):
-            if _is_under(path, target) and path != target:
+            if is_under(path, target) and path != target:
                 os.makedirs(path, exist_ok=True)
                 mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         if read_only:

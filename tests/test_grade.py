@@ -7,6 +7,7 @@ shared by the tests below); everything else grades in this process.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,6 +105,21 @@ def test_cli_interrupts_a_cell_past_its_timeout_and_grades_the_rest(tmp_path):
     report = json.loads(stdout)
     assert submissions.scores(report) == submissions.full_marks("ex1-parallelism"), submissions.messages(report)
     assert seconds < 20 + 120, f"grading took {seconds:.0f} s"
+
+
+def test_cli_says_why_a_kernel_died_before_it_started(tmp_path):
+    """A kernel that cannot start (a broken Python environment) is reported in one line with its error."""
+    broken = tmp_path / "broken-site"
+    broken.mkdir()
+    (broken / "ipykernel_launcher.py").write_text("raise ImportError('broken on purpose')\n")
+    path = submissions.write(submissions.load("ex1-parallelism"), tmp_path / "work", "ex1-parallelism")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(broken), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "course.cli", "grade", str(path)], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: {path}: grading did not run (RuntimeError: the sandboxed kernel died before it started: "
+        "ImportError: broken on purpose)"], proc.stderr
 
 
 @pytest.mark.slow

@@ -157,3 +157,41 @@ def test_rlimits_and_leftovers_without_isolation(tmp_path):
 
 def test_namespace_probe_is_cached():
     assert namespaces_available() is namespaces_available()
+
+
+@needs_root
+def test_pythonpath_under_tmp_reaches_the_sandbox_but_never_into_hidden_folders(tmp_path):
+    """Packages on PYTHONPATH under /tmp stay importable behind the private /tmp (a GPU box's
+    extra packages were there and every kernel died); a PYTHONPATH into a hidden folder is not exposed."""
+    extra = "/tmp/ddp-course-extra-" + str(os.getpid())
+    os.makedirs(extra, exist_ok=True)
+    with open(os.path.join(extra, "ddp_course_extra.py"), "w") as fh:
+        fh.write("VALUE = 42\n")
+    hidden = "/var/tmp/ddp-course-hidden-" + str(os.getpid())
+    os.makedirs(os.path.join(hidden, "pkg"), exist_ok=True)
+    with open(os.path.join(hidden, "pkg", "solution_mod.py"), "w") as fh:
+        fh.write("ANSWER = 'leaked'\n")
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([extra, os.path.join(hidden, "pkg")])
+    try:
+        with Sandbox(str(tmp_path), hide=[hidden]) as box:
+            r = run_in(box, """
+                import ddp_course_extra
+                print("extra", ddp_course_extra.VALUE)
+                try:
+                    import solution_mod
+                    print("LEAKED", solution_mod.ANSWER)
+                except ImportError:
+                    print("hidden stays hidden")
+            """)
+        assert "extra 42" in r.stdout, r.stdout + r.stderr
+        assert "hidden stays hidden" in r.stdout and "LEAKED" not in r.stdout, r.stdout + r.stderr
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+        import shutil
+
+        shutil.rmtree(extra, ignore_errors=True)
+        shutil.rmtree(hidden, ignore_errors=True)
