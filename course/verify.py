@@ -62,6 +62,8 @@ class Verdict:
     stdout: str = ""
     #: whether the notebook's own output showed this cell passing (the kernel runs no hidden tests)
     kernel_passed: bool | None = None
+    #: what failed it there (the first line of its error or of its stderr)
+    kernel_failure: str = ""
     points: float = 0.0
     #: the verifier's failure came from a hidden test (which the kernel never ran)
     hidden_failure: bool = False
@@ -91,14 +93,23 @@ def test_cells(nb) -> list[tuple[int, dict]]:
     return found
 
 
-def kernel_passed(cell) -> bool:
-    """nbgrader's rule on the cell's own outputs: no error and nothing on stderr."""
+def kernel_failure(cell) -> str:
+    """Why nbgrader's rule fails the cell on its own outputs (an error, or anything on stderr), or ""."""
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
-            return False
-        if out.get("output_type") == "stream" and out.get("name") == "stderr":
-            return False
-    return True
+            text = f"{out.get('ename', '')}: {str(out.get('evalue', '')).strip()}"
+        elif out.get("output_type") == "stream" and out.get("name") == "stderr":
+            text = "stderr: " + str(out.get("text", "")).strip()
+        else:
+            continue
+        first = text.strip().splitlines()[0] if text.strip() else "error"
+        return first[:200]
+    return ""
+
+
+def kernel_passed(cell) -> bool:
+    """nbgrader's rule on the cell's own outputs: no error and nothing on stderr."""
+    return not kernel_failure(cell)
 
 
 def cell_ran(cell) -> bool:
@@ -138,6 +149,7 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
     for index, cell in cells:
         meta = cell["metadata"]["nbgrader"]
         v = Verdict(index, str(meta.get("grade_id", index)), "", kernel_passed=kernel_passed(cell),
+                    kernel_failure=kernel_failure(cell),
                     points=float(meta.get("points", 0) or 0))
         verdicts[index] = v
         if not cell_ran(cell):
@@ -243,8 +255,8 @@ def summary(verdicts: list[Verdict]) -> list[str]:
     lines = []
     for v in verdicts:
         if v.disagrees:
-            lines.append(f"{v.grade_id}: {DISAGREE} (notebook: {'pass' if v.kernel_passed else 'fail'}, "
-                         f"grader: {v.status})")
+            shown = "pass" if v.kernel_passed else f"fail, {v.kernel_failure}" if v.kernel_failure else "fail"
+            lines.append(f"{v.grade_id}: {DISAGREE} (notebook: {shown}; grader: {v.status})")
         elif v.status == "unchecked":
             lines.append(f"{v.grade_id}: not re-run by the grader (not a check call); scored from the notebook's output")
     return lines

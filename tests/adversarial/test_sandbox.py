@@ -172,7 +172,7 @@ def test_pythonpath_under_tmp_reaches_the_sandbox_but_never_into_hidden_folders(
     with open(os.path.join(hidden, "pkg", "solution_mod.py"), "w") as fh:
         fh.write("ANSWER = 'leaked'\n")
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([extra, os.path.join(hidden, "pkg")])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [extra, os.path.join(hidden, "pkg"), saved]))
     try:
         with Sandbox(str(tmp_path), hide=[hidden]) as box:
             r = run_in(box, """
