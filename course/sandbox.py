@@ -256,7 +256,8 @@ class Sandbox:
         return self._summary or self._describe()
 
     def _describe(self) -> str:
-        memory = self.cgroups.memory or f"RLIMIT_AS {self.limits.address_space / GiB:g} GiB per process"
+        memory = self.cgroups.memory or f"RLIMIT_AS {self.limits.address_space / GiB:g} GiB per process" + (
+            ", so GPUs hidden" if os.path.exists("/dev/nvidiactl") else "")
         if self.isolated:
             return (f"sandbox: full (uid {self.uid}, no network, sources and course files hidden, "
                     f"{memory}, at most {self.limits.nproc} processes)")
@@ -264,8 +265,8 @@ class Sandbox:
             return (f"sandbox: partial, {self.why_partial}: the submission runs as uid {self.uid} ({memory}, at most "
                     f"{self.limits.nproc} processes) but can use the network and read world-readable files "
                     "(exercise sources included)")
-        return (f"sandbox: partial, {self.why_partial}: the submission runs as this user with rlimits in its own "
-                "folder, but can read this user's files (exercise sources included) and use the network")
+        return (f"sandbox: partial, {self.why_partial}: the submission runs as this user with rlimits ({memory}) in "
+                "its own folder, but can read this user's files (exercise sources included) and use the network")
 
     def env(self) -> dict[str, str]:
         """Environment variables every sandboxed process gets (its home and caches inside the work folder)."""
@@ -279,6 +280,9 @@ class Sandbox:
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(home, ".inductor"),
             "XDG_CACHE_HOME": os.path.join(home, ".cache"),
             TOKEN_ENV: self.token,
+            # CUDA cannot start under an address-space limit (it reserves far more than it uses): without a
+            # cgroup, GPUs are hidden, so torch runs on the CPU instead of warning on every cell's stderr
+            **({} if self.cgroups.paths else {"CUDA_VISIBLE_DEVICES": ""}),
         }
 
     def fresh_dir(self, relative: str) -> str:

@@ -195,3 +195,19 @@ def test_pythonpath_under_tmp_reaches_the_sandbox_but_never_into_hidden_folders(
 
         shutil.rmtree(extra, ignore_errors=True)
         shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_gpus_are_hidden_only_where_memory_is_an_address_space_limit(tmp_path, monkeypatch):
+    """CUDA cannot start under RLIMIT_AS: a sandbox without a cgroup hides the GPUs (torch then uses
+    the CPU, no warning on a test cell's stderr); one with a cgroup leaves CUDA_VISIBLE_DEVICES alone."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    monkeypatch.setenv("DDP_COURSE_SANDBOX_PARTIAL", "1")
+    with Sandbox(tmp_path / "a") as box:
+        assert not box.cgroups.paths and "RLIMIT_AS" in box.summary
+        assert run_in(box, show).stdout.strip() == "''"
+    monkeypatch.delenv("DDP_COURSE_SANDBOX_PARTIAL")
+    with Sandbox(tmp_path / "b") as box:
+        if not box.cgroups.paths:
+            pytest.skip("no cgroup on this machine")
+        assert run_in(box, show).stdout.strip() == "'0'"
