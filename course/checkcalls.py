@@ -6,15 +6,17 @@ notebook's objects or literals (plus comments and ``import graders...``
 lines). Anything else returns None: such a cell can only be graded from the
 notebook's own output. Parsing never runs the cell.
 
-Hidden tests never reach the student's kernel: :func:`kernel_source` is what the
-kernel runs instead of such a test cell (the hidden regions replaced by one
-comment naming the notebook objects they use, so the kernel's snapshot hook
-still records them, see :mod:`course.snapshot`); the verifier runs the full cell.
+The student's kernel runs no check at all: for a test cell made of check calls,
+:func:`kernel_source` is one comment naming the notebook objects and files the
+checks use, so the kernel's snapshot hook records them (see :mod:`course.snapshot`)
+and the trusted verifier runs the whole cell, hidden tests included, once. Hidden
+tests never reach the kernel, and no check runs twice.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass
 
 #: an argument: ("name", "make_loader") or ("value", 3)
@@ -22,8 +24,8 @@ Arg = tuple[str, object]
 
 
 HIDDEN_BEGIN, HIDDEN_END = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
-#: the comment that stands for a cell's hidden tests in the kernel (followed by what they use)
-USES_PREFIX = "# (hidden tests: the grader runs them itself; they use: "
+#: the comment the kernel runs in place of a test cell of check calls (followed by what they use, as JSON)
+USES_PREFIX = "# (the grader runs this cell's checks itself; they use: "
 
 
 @dataclass(frozen=True)
@@ -124,48 +126,49 @@ def parse(source: str) -> list[CheckCall] | None:
 
 
 def kernel_source(source: str) -> str:
-    """What the student's kernel runs for a test cell: the cell without its hidden tests.
+    """What the student's kernel runs for a test cell: for check calls, a comment naming what they use.
 
-    Only for cells the verifier can re-run (check calls); any other cell is returned
-    unchanged, since its hidden part can only be graded by running it in the kernel.
-    The hidden regions become one comment listing the notebook names and the file
-    names they pass (see :func:`uses`): no hidden source, arguments or literals.
+    The verifier re-runs check calls in a trusted process and its verdicts replace
+    the cell's outputs, so running them in the kernel too would only double the
+    grading time. The comment lists the notebook names the calls pass and the file
+    names among their string literals (for hidden calls, only plain relative file
+    names: no hidden source, arguments or other literals). Any other cell is
+    returned unchanged: it can only be graded by running it in the kernel.
     """
     calls = parse(source)
-    hidden = hidden_lines(source)
-    if not calls or not hidden:
+    if not calls:
         return source
     names: list[str] = []
+    files: list[str] = []
     for call in calls:
-        if call.hidden:
-            names += [n for n in call.names if n not in names]
-            names += [repr(s) for s in call.strings if _plain_file(s) and repr(s) not in names]
-    kept = [line for number, line in enumerate(source.splitlines(), 1) if number not in hidden]
-    return "\n".join([*kept, USES_PREFIX + ", ".join(names) + ")"])
+        names += [n for n in call.names if n not in names]
+        files += [s for s in call.strings if (_plain_file(s) or not call.hidden) and s not in files]
+    return USES_PREFIX + json.dumps({"names": names, "files": files}) + ")"
 
 
 def _plain_file(text: str) -> bool:
-    return bool(text) and len(text) < 200 and "\n" not in text and not text.startswith("/") and ".." not in text
+    """Looks like a relative file name (what a hidden call's literal may reveal to the kernel)."""
+    return (bool(text) and len(text) < 200 and not any(ch.isspace() for ch in text) and not text.startswith("/")
+            and ".." not in text)
 
 
 def uses(source: str) -> tuple[list[str], list[str]]:
     """(notebook names, string literals) the snapshot hook must record for a cell the kernel runs:
-    those of its check calls plus those the hidden-tests comment of :func:`kernel_source` lists."""
+    those of its check calls, or those the comment of :func:`kernel_source` lists."""
     names: list[str] = []
     strings: list[str] = []
     for call in parse(source) or []:
         names += [n for n in call.names if n not in names]
         strings += [s for s in call.strings if s not in strings]
     for line in source.splitlines():
-        if line.startswith(USES_PREFIX) and line.endswith(")"):
-            for token in line[len(USES_PREFIX):-1].split(", "):
-                if token.isidentifier() and token not in names:
-                    names.append(token)
-                elif token[:1] in "'\"":
-                    try:
-                        value = ast.literal_eval(token)
-                    except (ValueError, SyntaxError):
-                        continue
-                    if isinstance(value, str) and value not in strings:
-                        strings.append(value)
+        if not (line.startswith(USES_PREFIX) and line.endswith(")")):
+            continue
+        try:
+            listed = json.loads(line[len(USES_PREFIX):-1])
+        except ValueError:
+            continue
+        if not isinstance(listed, dict):
+            continue
+        names += [n for n in listed.get("names") or [] if isinstance(n, str) and n.isidentifier() and n not in names]
+        strings += [s for s in listed.get("files") or [] if isinstance(s, str) and s not in strings]
     return names, strings

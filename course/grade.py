@@ -31,8 +31,8 @@ def grade_notebook(
 
     ``exercises`` is the folder of source notebooks (default: the course's ``exercises/``).
     The notebook runs in a sandboxed kernel on a copy of its folder, and the scores come from
-    the trusted verifier's re-run of the checks (``report.notes`` says how isolated the run was
-    and where the notebook and the verifier disagreed). ``in_process=True`` runs the cells in
+    the trusted verifier's run of the checks (``report.notes`` says how isolated the run was
+    and which test cells the verifier could not re-run). ``in_process=True`` runs the cells in
     this process instead (fast, shares this process's warm rank pool, no sandbox and no
     verification: for trusted notebooks, e.g. tests). ``output``: where to write the graded
     notebook (test cells showing the verdicts), as nbgrader's autograded/ copy would be. Raises

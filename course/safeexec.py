@@ -13,10 +13,11 @@
   cells' outputs to its verdicts (:mod:`course.verify`), so SaveAutoGrades
   stores trusted scores.
 
-Hidden tests never reach the student's kernel: it runs each re-runnable test
-cell without them (:func:`kernel_source`), so no later cell can read them back
-(``_ih``, ``In``, linecache, a ``pre_run_cell`` hook) and print them into the
-graded notebook; the verifier runs the full cell.
+The student's kernel runs no check: a test cell of check calls becomes a comment
+naming what the checks use (:func:`kernel_source`), so each check runs once, in
+the verifier, and hidden tests never reach the kernel, where a later cell could
+read them back (``_ih``, ``In``, linecache, a ``pre_run_cell`` hook) and print
+them into the graded notebook.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class GuardedExecution(Configurable):
             cell.execution_count = None
             return cell
         full = cell.source
-        cell.source = kernel_source(cell)  # hidden tests never reach the kernel (the verifier runs them)
+        cell.source = kernel_source(cell)  # no check runs here, no hidden test reaches here (the verifier runs them)
         try:
             return await super().async_execute_cell(cell, cell_index, execution_count=execution_count,
                                                     store_history=store_history)
@@ -127,7 +128,7 @@ class GuardedExecution(Configurable):
 
 
 def kernel_source(cell) -> str:
-    """The source the kernel runs for ``cell``: a test cell the verifier re-runs loses its hidden tests."""
+    """The source the kernel runs for ``cell``: a test cell the verifier runs becomes a comment."""
     from course import checkcalls
 
     meta = cell.get("metadata", {}).get("nbgrader", {})
@@ -302,7 +303,7 @@ def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hi
     with bounded cells, then every test cell is re-run by the trusted verifier
     and its outputs rewritten to the verdict. ``hide``: paths the submission
     must not see (the exercises' sources). Returns a ``course.notebook.Execution``
-    with two more attributes: ``notes`` (the sandbox summary, disagreements) and
+    with two more attributes: ``notes`` (the sandbox summary, unchecked cells) and
     ``verdicts``.
     """
     import atexit

@@ -41,7 +41,7 @@ class GradeReport:
     score: float
     max_score: float
     tests: list[CellResult] = field(default_factory=list)
-    #: report-level lines: what the sandbox protected, tests where the notebook and the grader's own run disagree
+    #: report-level lines: what the sandbox protected, test cells graded from the notebook's own output
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:

@@ -1,9 +1,9 @@
 """Record, in the student's kernel, what each check call is given, for :mod:`course.verify` to re-run it.
 
 A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
-an IPython startup file that calls :func:`install`. Just before a test cell
+an IPython startup file that calls :func:`install`. Where a test cell
 made of check calls runs (as :func:`course.checkcalls.kernel_source` gives it:
-without its hidden tests, which name what they use in a comment), the hook pickles (by value, cloudpickle) every
+one comment naming what its checks use), the hook pickles (by value, cloudpickle) every
 notebook object the calls name, and the content of small files they name
 ("train.py"), into ``.ddp-verify/NNNNN.json`` in the work folder. The grader
 reads these files as opaque data (:func:`read`): it never unpickles them;

@@ -1,10 +1,12 @@
 """Verdicts a student cannot forge: re-run each test cell's checks in a trusted process.
 
-Test cells run in the student's kernel, where student code can monkeypatch the
-graders, the launcher or AssertionError, or print a fake "passed". So after
-the notebook ran, the score comes from here:
+In the student's kernel, student code could monkeypatch the graders, the
+launcher or AssertionError, or print a fake "passed". So the kernel runs no
+check at all (a test cell of check calls becomes a comment there, see
+:func:`course.checkcalls.kernel_source`), and after the notebook ran, the
+checks run here, once:
 
-1. in the kernel, just before each test cell, :mod:`course.snapshot` pickled
+1. in the kernel, where each test cell would run, :mod:`course.snapshot` pickled
    the objects its check calls name (``graders.ex1.check_shards(shard_batch)``);
 2. :func:`verify_notebook` starts ``python -m course.verify`` in a fresh
    sandbox (:mod:`course.sandbox`; no student code ran in that process, it
@@ -19,8 +21,10 @@ the notebook ran, the score comes from here:
    1-rank sandboxed job; one that looks inside a student object fails loudly;
 4. :func:`apply_verdicts` rewrites each test cell's outputs to the trusted
    verdict, so nbgrader (which scores cell outputs) and ``ddp-course grade``
-   both score what the verifier decided. A disagreement with what the
-   notebook showed is said in the message.
+   both score what the verifier decided.
+
+A test cell that is not made of check calls runs in the kernel as written and
+is graded from its own output ("unchecked").
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from dataclasses import dataclass
 
 from course import checkcalls
 
-DISAGREE = "the notebook's test output disagrees with the grader's own run"
 #: seconds the verifier may spend on one test cell (its jobs have their own deadlines inside)
 DEFAULT_CELL_TIMEOUT = 300.0
 STARTUP = 60.0  # the verifier's own start: imports, the forkserver's first start
@@ -60,24 +63,15 @@ class Verdict:
     message: str = ""
     #: what the checks printed on success ("passed check_x")
     stdout: str = ""
-    #: whether the notebook's own output showed this cell passing (the kernel runs no hidden tests)
+    #: for an unchecked cell: whether its own output in the notebook passes (nbgrader's rule)
     kernel_passed: bool | None = None
-    #: what failed it there (the first line of its error or of its stderr)
-    kernel_failure: str = ""
     points: float = 0.0
-    #: the verifier's failure came from a hidden test (which the kernel never ran)
+    #: the verifier's failure came from a hidden test
     hidden_failure: bool = False
 
     @property
     def passed(self) -> bool:
         return self.status == "passed" or (self.status == "unchecked" and bool(self.kernel_passed))
-
-    @property
-    def disagrees(self) -> bool:
-        """The notebook's output and the verifier differ on the part of the cell both ran."""
-        visible_passed = self.status == "passed" or (self.status == "failed" and self.hidden_failure)
-        return self.status in ("passed", "failed") and self.kernel_passed is not None \
-            and self.kernel_passed != visible_passed
 
 
 # --------------------------------------------------------------------------- the notebook side
@@ -93,23 +87,14 @@ def test_cells(nb) -> list[tuple[int, dict]]:
     return found
 
 
-def kernel_failure(cell) -> str:
-    """Why nbgrader's rule fails the cell on its own outputs (an error, or anything on stderr), or ""."""
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "error":
-            text = f"{out.get('ename', '')}: {str(out.get('evalue', '')).strip()}"
-        elif out.get("output_type") == "stream" and out.get("name") == "stderr":
-            text = "stderr: " + str(out.get("text", "")).strip()
-        else:
-            continue
-        first = text.strip().splitlines()[0] if text.strip() else "error"
-        return first[:200]
-    return ""
-
-
 def kernel_passed(cell) -> bool:
     """nbgrader's rule on the cell's own outputs: no error and nothing on stderr."""
-    return not kernel_failure(cell)
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            return False
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            return False
+    return True
 
 
 def cell_ran(cell) -> bool:
@@ -148,16 +133,14 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
     requests = []
     for index, cell in cells:
         meta = cell["metadata"]["nbgrader"]
-        v = Verdict(index, str(meta.get("grade_id", index)), "", kernel_passed=kernel_passed(cell),
-                    kernel_failure=kernel_failure(cell),
-                    points=float(meta.get("points", 0) or 0))
+        v = Verdict(index, str(meta.get("grade_id", index)), "", points=float(meta.get("points", 0) or 0))
         verdicts[index] = v
         if not cell_ran(cell):
-            v.status, v.kernel_passed = "not run", False
+            v.status = "not run"
             v.message = _not_run_reason(cell)
             continue
         if checkcalls.parse(cell["source"]) is None:
-            v.status = "unchecked"
+            v.status, v.kernel_passed = "unchecked", kernel_passed(cell)
             v.message = ("this test cell is not a single check call, so the grader cannot re-run it on its own: "
                          "it is graded from the notebook's own output")
             continue
@@ -233,17 +216,11 @@ def apply_verdicts(nb, verdicts: list[Verdict]):
 
     for v in verdicts:
         cell = nb.cells[v.index]
-        note = ""
-        if v.disagrees:
-            shown = "passing" if v.kernel_passed else "failing"
-            note = f"({DISAGREE}: the notebook showed this test {shown}; the grader's verdict counts)"
         if v.status == "passed":
-            text = (v.stdout or "passed\n") + (note + "\n" if note else "")
-            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=v.stdout or "passed\n")]
         elif v.status in ("failed", "not run"):
-            message = v.message + ("\n" + note if note else "")
             cell.outputs = [nbformat.v4.new_output("error", ename="CheckFailed" if v.status == "failed" else "NotRun",
-                                                   evalue=message, traceback=message.splitlines())]
+                                                   evalue=v.message, traceback=v.message.splitlines())]
         else:  # unchecked
             cell.outputs = list(cell.get("outputs", [])) + [
                 nbformat.v4.new_output("stream", name="stdout", text=f"(note: {v.message})\n")]
@@ -251,15 +228,9 @@ def apply_verdicts(nb, verdicts: list[Verdict]):
 
 
 def summary(verdicts: list[Verdict]) -> list[str]:
-    """Lines for a grading report: disagreements and cells graded without verification."""
-    lines = []
-    for v in verdicts:
-        if v.disagrees:
-            shown = "pass" if v.kernel_passed else f"fail, {v.kernel_failure}" if v.kernel_failure else "fail"
-            lines.append(f"{v.grade_id}: {DISAGREE} (notebook: {shown}; grader: {v.status})")
-        elif v.status == "unchecked":
-            lines.append(f"{v.grade_id}: not re-run by the grader (not a check call); scored from the notebook's output")
-    return lines
+    """Lines for a grading report: the cells graded without verification."""
+    return [f"{v.grade_id}: not re-run by the grader (not a check call); scored from the notebook's output"
+            for v in verdicts if v.status == "unchecked"]
 
 
 # --------------------------------------------------------------------------- the verifier process

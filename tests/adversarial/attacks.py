@@ -414,14 +414,14 @@ ATTACKS = [
     Attack("leak_history", _leak_history, "the kernel never gets hidden tests (the verifier runs them); "
            "feedback redacts test cells", message=""),
     Attack("patch_graders", _patch_graders, "verifier re-runs the real checks in a trusted process",
-           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("patch_launcher", _patch_launcher, "verifier: the kernel's launcher is not the verifier's",
-           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("patch_assert", _patch_assert, "verifier: AssertionError, sys.modules and IPython's handler stay in the kernel",
-           broken_answers=(0, 1, 2, 3, 4, 5), message=r"disagrees with the grader's own run"),
+           broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("plant_modules", _plant_modules, "verifier runs python -s -P with a fresh home: nothing imported from "
            "the work folder or the user's site-packages", broken_answers=(0, 1, 2, 3, 4, 5),
-           message=r"disagrees with the grader's own run"),
+           message=r"FAILED check_"),
     Attack("deleted_tests", _deleted_tests, "grade: locked cells restored from the source; autograde: nbgrader "
            "scores the missing test cells 0", message="",
            per_path={"autograde": dict(zero=True)}),

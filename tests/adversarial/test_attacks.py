@@ -118,9 +118,8 @@ def test_hidden_tests_never_reach_what_the_student_sees(batch):
     (``_ih``, ``In``, linecache, history, a pre_run_cell hook, its folder's files) shows visible tests only."""
     run, path = batch
     text = run.outcomes["leak_history"].outputs
-    visible = [line.strip() for cell in attacks.test_cells(attacks.strip_hidden_tests(run.source))
-               for line in cell.source.splitlines() if line.strip().startswith("graders.")]
-    assert visible and all(f"{attacks.LEAK_MARK} {line}" in text for line in visible), text[-3000:]  # it ran
+    # it ran and saw the cells the kernel ran (the imports; the kernel runs no check, only a comment per test cell)
+    assert f"{attacks.LEAK_MARK} import graders." in text, text[-3000:]
     assert "HIDDEN TESTS" not in text
     for line in attacks.hidden_lines(run.source):
         assert line not in text, f"{path}: hidden test shown to the student: {line}"

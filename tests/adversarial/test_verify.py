@@ -13,7 +13,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from course import checkcalls
-from course.verify import DISAGREE, StudentObject, StudentObjectUsed, Verdict, apply_verdicts
+from course.verify import StudentObject, StudentObjectUsed, Verdict, apply_verdicts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,15 +64,29 @@ def test_apply_verdicts_rewrites_test_outputs():
                                            outputs=[new_output("stream", name="stdout", text="passed check_shards\n")]),
                              new_code_cell("graders.ex1.check_x(f)", metadata={**meta, "nbgrader": {**meta["nbgrader"], "grade_id": "u"}},
                                            outputs=[new_output("error", ename="CheckFailed", evalue="no", traceback=[])])])
-    apply_verdicts(nb, [Verdict(0, "t", "failed", "FAILED check_shards: overlap", kernel_passed=True),
-                        Verdict(1, "u", "passed", stdout="passed check_x\n", kernel_passed=False)])
+    apply_verdicts(nb, [Verdict(0, "t", "failed", "FAILED check_shards: overlap"),
+                        Verdict(1, "u", "passed", stdout="passed check_x\n")])
     first, second = nb.cells[0].outputs, nb.cells[1].outputs
-    assert first[0].output_type == "error" and "overlap" in first[0].evalue and DISAGREE in first[0].evalue
-    assert second[0].output_type == "stream" and second[0].name == "stdout"
-    assert second[0].text.startswith("passed check_x") and DISAGREE in second[0].text
+    assert len(first) == 1 and first[0].output_type == "error" and first[0].evalue == "FAILED check_shards: overlap"
+    assert second == [new_output("stream", name="stdout", text="passed check_x\n")]
     from nbgrader.utils import determine_grade
 
     assert [determine_grade(c)[0] for c in nb.cells] == [0, 2]
+
+
+def test_the_kernel_runs_no_check_only_a_note_of_what_the_checks_use():
+    """Each check runs once, in the verifier: the kernel gets a comment naming the objects and files to
+    record; a hidden call reveals only names and plain file names, never its other literals."""
+    source = ("graders.ex4.check_ddp_training('train.py', steps=3)\n### BEGIN HIDDEN TESTS\n"
+              "graders.ex4.check_restart(make_model, 'ckpt.pt', 'the hidden answer is 42')\n### END HIDDEN TESTS")
+    ran = checkcalls.kernel_source(source)
+    assert ran.startswith(checkcalls.USES_PREFIX) and "\n" not in ran
+    assert "graders" not in ran and "check_" not in ran and "hidden answer" not in ran and "steps" not in ran
+    assert checkcalls.parse(ran) is None
+    assert checkcalls.uses(ran) == (["make_model"], ["train.py", "ckpt.pt"])
+    compile(ran, "cell", "exec")  # the kernel can run it
+    for not_a_check in ("assert double(2) == 4", "print(graders.ex1.check_a(f))"):
+        assert checkcalls.kernel_source(not_a_check) == not_a_check  # runs in the kernel as written
 
 
 def _modules():
