@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from course.launch import GRADING_ENV
 from course.sandbox_os import (  # noqa: F401 - re-exported: the sandbox's public names live here
     TOKEN_ENV,
     Cgroups,
@@ -280,6 +281,7 @@ class Sandbox:
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(home, ".inductor"),
             "XDG_CACHE_HOME": os.path.join(home, ".cache"),
             TOKEN_ENV: self.token,
+            GRADING_ENV: "1",  # course.warm_up() starts nothing: no check runs in a graded kernel
             # CUDA cannot start under an address-space limit (it reserves far more than it uses): without a
             # cgroup, GPUs are hidden, so torch runs on the CPU instead of warning on every cell's stderr
             **({} if self.cgroups.paths else {"CUDA_VISIBLE_DEVICES": ""}),

@@ -448,7 +448,8 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
     slot_of: dict[Job, int] = {}
     interrupted = False
     try:
-        with _sigterm_as_interrupt(), Progress(*columns, console=console) as progress:
+        # refreshed from the loop below, not by a thread: the pool forks its workers from this process
+        with _sigterm_as_interrupt(), Progress(*columns, console=console, auto_refresh=False) as progress:
             overall = progress.add_task(f"autograde, {pool.size} at a time", total=len(todo))
             slots = [progress.add_task("", total=None, visible=False) for _ in range(pool.size)]
 
@@ -466,6 +467,7 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
             refill()
             while pending or pool.running():
                 ended = pool.poll(wait=0.5)
+                progress.refresh()
                 if not ended:
                     continue
                 with _deferred_interrupts():  # a Ctrl-C now waits until the ended jobs are recorded

@@ -1,9 +1,13 @@
 """A pool of autograde workers with a deadline per job.
 
-Each slot holds one :mod:`course.instructor.worker` process (spawned, so the
-parent's threads and state never leak into it). A job that passes its deadline,
-or a worker that dies, costs that slot its worker: its whole process tree is
-killed and a fresh worker takes the next job.
+Each slot holds one :mod:`course.instructor.worker` process, forked from the
+caller, so it starts with nbgrader already imported (a spawned one would spend
+~2 s of CPU importing it again, per worker). The caller must have no other
+thread when it creates or refills the pool (autograde's progress display is
+refreshed from its poll loop for that reason), and holds no open gradebook
+connection. A job that passes its deadline, or a worker that dies, costs that
+slot its worker: its whole process tree is killed and a fresh worker takes the
+next job.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,14 +59,18 @@ class WorkerPool:
         self.course_root = str(course_root)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = multiprocessing.get_context("fork")
         self._slots = [_Slot(i) for i in range(size)]
+        #: cores per worker: each submission's kernel, verifier and ranks size their threads to their share
+        self.cpus = max(1, (os.cpu_count() or 1) // size)
 
     def _start(self, slot: _Slot) -> None:
+        if threading.active_count() > 1:  # a fork would copy locks other threads may hold
+            raise RuntimeError("WorkerPool forks its workers: call it from a process with no other thread")
         parent_conn, child_conn = self._ctx.Pipe()
         log = str(self.log_dir / f"worker-{slot.index}.log")
         slot.process = self._ctx.Process(
-            target=worker_module.serve, args=(child_conn, self.course_root, log, os.getpid()),
+            target=worker_module.serve, args=(child_conn, self.course_root, log, os.getpid(), self.cpus),
             name=f"ddp-course-autograde-{slot.index}",
         )
         slot.process.start()

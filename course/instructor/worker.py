@@ -21,6 +21,7 @@ from pathlib import Path
 from course import sandbox_os
 from course.instructor.coursedir import load_config
 from course.instructor.gradebook import sqlite_url
+from course.launch import CPUS_ENV
 
 
 def kill_tree(pid: int, include_self: bool = True) -> None:
@@ -58,14 +59,24 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def serve(conn, course_root: str, log_path: str, parent_pid: int) -> None:
-    """Worker main loop: receive job dicts on ``conn``, send back results; ``None`` ends it."""
+def serve(conn, course_root: str, log_path: str, parent_pid: int, cpus: int | None = None) -> None:
+    """Worker main loop: receive job dicts on ``conn``, send back results; ``None`` ends it.
+
+    ``cpus``: this worker's share of the cores, for what it grades (kernel, verifier, ranks):
+    threads sized to the machine would fight over the cores of the submissions graded alongside.
+    """
     os.setsid()
+    if cpus:
+        os.environ[CPUS_ENV] = str(cpus)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, str(cpus))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # forked: drop the parent's handlers (Ctrl-C, SIGTERM)
+        signal.signal(signum, signal.SIG_DFL)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    import nbgrader.apps  # noqa: F401  (pay the import before the first job)
+    import nbgrader.apps  # noqa: F401  (already there when forked from autograde; else paid before the first job)
 
     conn.send({"ready": True})
     while True:
