@@ -96,6 +96,9 @@ class Attack:
     broken_answers: tuple[int, ...] = ()
     #: the attack cell kills or hangs the kernel: tests after it earn nothing
     fatal: bool = False
+    #: a fatal attack the kernel may also survive (the interrupt at the cell's time limit stopped it): then
+    #: the tests after it run and earn their honest points, as after any interrupted endless loop
+    survivable: bool = False
     #: the submission cannot be graded at all (everything 0, with an error)
     ungradable: bool = False
     #: graded, but every test earns 0 (e.g. nbgrader does not put deleted test cells back)
@@ -401,7 +404,8 @@ ATTACKS = [
     Attack("os_exit", _os_exit, "the dead kernel costs only the cells after it", fatal=True,
            message=r"kernel died"),
     Attack("fork_bomb", _fork_bomb, "RLIMIT_NPROC/pids cgroup, cell timeout, uid-wide kill", fatal=True,
-           message=r"did not stop when\s+interrupted|kernel died", extra=CELL_TIMEOUT + GRACE),
+           survivable=True, message=r"did not stop when\s+interrupted|kernel died|CellTimeoutError",
+           extra=CELL_TIMEOUT + GRACE),
     Attack("memory_hog", _memory_hog, "memory cgroup (or RLIMIT_AS): the kernel is killed", fatal=True,
            message=r"kernel died|did not stop", extra=CELL_TIMEOUT + GRACE),
     Attack("output_flood", _output_flood, "output capped per cell, the rest dropped",

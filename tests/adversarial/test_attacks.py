@@ -7,6 +7,7 @@ time in this process, ``autograde`` in one ``ddp-course autograde --jobs 3`` run
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import attacks
@@ -31,6 +32,8 @@ def test_score_is_the_honest_part(batch, name):
     outcome = run.outcomes[name]
     expected = attacks.expected_scores(attack, run.source, run.submissions[name])
     got = {gid: outcome.scores.get(gid, 0.0) for gid in expected}
+    if attack.survivable and got != expected:  # the kernel recovered from the interrupt: the rest is honest too
+        expected = attacks.expected_scores(dataclasses.replace(attack, fatal=False), run.source, run.submissions[name])
     assert got == expected, f"{path} {name}: {outcome.brief()}"
     if attack.ungradable:
         assert outcome.error, f"{path} {name}: an ungradable submission must say why"
