@@ -4,7 +4,7 @@ Each slot holds one :mod:`course.instructor.worker` process, forked from the
 caller, so it starts with nbgrader already imported (a spawned one would spend
 ~2 s of CPU importing it again, per worker). The caller must have no other
 thread when it creates or refills the pool (autograde's progress display is
-refreshed from its poll loop for that reason), and holds no open gradebook
+refreshed from its poll loop for that reason) and hold no open gradebook
 connection. A job that passes its deadline, or a worker that dies, costs that
 slot its worker: its whole process tree is killed and a fresh worker takes the
 next job.
