@@ -153,13 +153,10 @@ def _plain_file(text: str) -> bool:
 
 
 def uses(source: str) -> tuple[list[str], list[str]]:
-    """(notebook names, string literals) the snapshot hook must record for a cell the kernel runs:
-    those of its check calls, or those the comment of :func:`kernel_source` lists."""
+    """(notebook names, file names) the snapshot hook must record for a cell the kernel runs: those the
+    comment of :func:`kernel_source` lists (the kernel runs no check call itself)."""
     names: list[str] = []
     strings: list[str] = []
-    for call in parse(source) or []:
-        names += [n for n in call.names if n not in names]
-        strings += [s for s in call.strings if s not in strings]
     for line in source.splitlines():
         if not (line.startswith(USES_PREFIX) and line.endswith(")")):
             continue

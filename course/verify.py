@@ -66,8 +66,6 @@ class Verdict:
     #: for an unchecked cell: whether its own output in the notebook passes (nbgrader's rule)
     kernel_passed: bool | None = None
     points: float = 0.0
-    #: the verifier's failure came from a hidden test
-    hidden_failure: bool = False
 
     @property
     def passed(self) -> bool:
@@ -161,7 +159,6 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                 v.status = result["status"]
                 v.message = result.get("message", "")
                 v.stdout = result.get("stdout", "")
-                v.hidden_failure = bool(result.get("hidden_failure"))
     for v in verdicts.values():
         if v.status == "":
             v.status = "failed"
@@ -332,11 +329,9 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, int(cell_timeout)))
-    current = None
 
     def failed(message: str) -> dict:
-        return {**result, "status": "failed", "message": message,
-                "hidden_failure": bool(current is not None and current.hidden)}
+        return {**result, "status": "failed", "message": message}
 
     try:
         for current in calls:
@@ -348,7 +343,6 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
             value = lambda a: proxies[a[1]] if a[0] == "name" else a[1]  # noqa: E731
             with contextlib.redirect_stdout(printed):
                 fn(*[value(a) for a in current.args], **{k: value(a) for k, a in current.kwargs})
-        current = None
         misuse = {name: p.misuse for name, p in proxies.items() if p.misuse}
         if misuse:
             return failed(f"the grader cannot verify this test safely: the check looked inside {misuse}")
