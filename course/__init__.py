@@ -4,8 +4,8 @@ The engine's public names: :func:`run_ranks` runs a function on N ranks,
 :func:`backend` says which backend a job uses.
 """
 
-from course.exceptions import LaunchError, RankFailedError, RankFailure, RankTimeoutError
-from course.launch import JobResult, backend, launch, run_ranks, warm_up
+from course.errors import LaunchError, RankFailedError, RankFailure, RankTimeoutError
+from course.launcher.job import JobResult, backend, launch, run_ranks, warm_up
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ from course import __version__
 #: verb -> "module:attribute" of a click command. One module per verb.
 COMMANDS = {
     "lab": "course.lab:command",
-    "grade": "course.grade:command",
+    "grade": "course.grading.grade:command",
     "init": "course.instructor.init:command",
     "release": "course.instructor.release:command",
     "collect": "course.instructor.collect:command",
@@ -28,7 +28,19 @@ COMMANDS = {
 
 
 class LazyGroup(click.Group):
-    """A click group whose subcommands are imported on first use."""
+    """A click group whose subcommands are imported on first use.
+
+    The library raises the project's own errors (:class:`course.errors.CourseError`); this is
+    the one place they become click errors: one line on stderr, exit status 1, no traceback.
+    """
+
+    def invoke(self, ctx):
+        from course.errors import CourseError
+
+        try:
+            return super().invoke(ctx)
+        except CourseError as err:
+            raise click.ClickException(str(err)) from None
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)

@@ -1,5 +1,6 @@
-"""Checks for the ddp-course exercises: one module per exercise, built on :mod:`graders.core`."""
+"""The course's own checks: one module per exercise (``graders.ex1`` ... ``graders.ex4``), written on
+the check API :mod:`course.checks`; ex4's torchrun runs live in :mod:`graders.torchrun` and
+:mod:`graders.torchrun_probe`.
 
-from graders.core import CheckFailed, passed, run_job
-
-__all__ = ["CheckFailed", "passed", "run_job"]
+A test cell calls them as ``graders.ex2.check_sampler(make_loader)``: the grader re-runs exactly such
+calls in its trusted verifier (:mod:`course.grading.checkcalls`)."""

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graders import harness
-from graders.core import CheckFailed, passed
+from course import checks
+from course.checks import CheckFailed, passed
 
 ATOL = 1e-6
 
@@ -47,24 +47,24 @@ def _data(seed: int, n: int, d_in: int = 5, d_out: int = 2):
 
 
 def _shards_harness(rank, shard_batch, batch_sizes):
-    harness.join_job()
+    checks.join_job()
     world_size = dist.get_world_size()
     out = []
     for n in batch_sizes:
         shard = shard_batch(_rows(n), rank, world_size)
-        out.append(harness.to_cpu(shard) if isinstance(shard, torch.Tensor) else f"<{type(shard).__name__}>")
-    return harness.finish(out)
+        out.append(checks.to_cpu(shard) if isinstance(shard, torch.Tensor) else f"<{type(shard).__name__}>")
+    return out
 
 
 def _collect_shards(check, shard_batch, world_sizes, batch_sizes):
     """{(world_size, n): [shard of rank 0, shard of rank 1, ...]}, shards validated as rows of the batch."""
-    harness.require_written(check, shard_batch=shard_batch)
+    checks.require_written(check, shard_batch=shard_batch)
     hints = [("rank < size", "use the world_size argument; do not hard-code the number of ranks"),
              ("IndexError", "there must be exactly world_size shards, even when the batch does not divide "
                             "evenly (tensor.chunk can return fewer pieces than asked for)")]
     found = {}
     for world_size in world_sizes:
-        job = harness.run(check, _shards_harness, world_size, args=(shard_batch, list(batch_sizes)), hints=hints)
+        job = checks.run(check, _shards_harness, world_size, args=(shard_batch, list(batch_sizes)), hints=hints)
         for i, n in enumerate(batch_sizes):
             shards = [job.values[rank][i] for rank in range(world_size)]
             for rank, shard in enumerate(shards):
@@ -110,7 +110,7 @@ def check_shards(shard_batch, *, world_sizes=(2, 3), batch_sizes=(12, 10, 7)):
             i, ranks = sorted(shared.items())[0]
             raise CheckFailed(
                 check, f"shards overlap: {len(shared)} row(s) are on more than one rank ({where}); "
-                f"e.g. row {i} is on {harness.rank_list(ranks)}", ranks=sorted({r for rs in shared.values() for r in rs}),
+                f"e.g. row {i} is on {checks.rank_list(ranks)}", ranks=sorted({r for rs in shared.values() for r in rs}),
                 expected="each row on exactly one rank",
                 got=f"shard sizes {[len(s) for s in shards]}, rows per rank {[_ids(s) for s in shards]}",
                 hint="rank r's shard must start where rank r-1's ends: start = sum of the sizes of the earlier shards",
@@ -159,7 +159,7 @@ def _balanced(n, world_size):
 
 
 def _average_harness(rank, average_gradients, seed, n):
-    dev = harness.join_job()
+    dev = checks.join_job()
     world_size = dist.get_world_size()
     model = _mlp(seed).to(dev)
     x, y = _data(seed, n)
@@ -168,7 +168,7 @@ def _average_harness(rank, average_gradients, seed, n):
     local = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     average_gradients(model, world_size)
     after = {name: (None if p.grad is None else p.grad) for name, p in model.named_parameters()}
-    return harness.finish(harness.to_cpu({"local": local, "after": after}))
+    return checks.to_cpu({"local": local, "after": after})
 
 
 def _full_gradients(seed, n):
@@ -196,12 +196,12 @@ def _scale(after, full):
 def check_average_gradients(average_gradients, *, world_sizes=(2, 3), seed=0, n=12):
     """After average_gradients, every rank holds the full-batch gradient: all-reduced (SUM) and divided by world_size."""
     check = "check_average_gradients"
-    harness.require_written(check, average_gradients=average_gradients)
+    checks.require_written(check, average_gradients=average_gradients)
     hints = [("timeout", "every rank must call all_reduce for every parameter, in the same order; "
                          "check your loop ends and no rank skips a parameter")]
     for world_size in world_sizes:
         full = _full_gradients(seed, n)
-        job = harness.run(check, _average_harness, world_size, args=(average_gradients, seed, n), hints=hints)
+        job = checks.run(check, _average_harness, world_size, args=(average_gradients, seed, n), hints=hints)
         for rank, obs in enumerate(job.values):
             local, after = obs["local"], obs["after"]
             if _close(local, full):  # cannot happen with these shards; guards the check itself
@@ -248,7 +248,7 @@ def _explain_gradients(check, rank, world_size, local, after, full):
 
 
 def _two_stage_harness(rank, two_stage_step, seed, dims):
-    dev = harness.join_job()
+    dev = checks.join_job()
     n, d_in, hidden, d_out = dims
     model = _mlp(seed, d_in, hidden, d_out)
     stage = (model[:2] if rank == 0 else model[2:]).to(dev)  # rank 0: Linear+Tanh, rank 1: Linear
@@ -260,7 +260,7 @@ def _two_stage_harness(rank, two_stage_step, seed, dims):
     elif out is not None and not isinstance(out, (int, float)):
         out = f"<{type(out).__name__}>"
     grads = {name: (None if p.grad is None else p.grad) for name, p in stage.named_parameters()}
-    return harness.finish({"loss": out, "grads": harness.to_cpu(grads)})
+    return {"loss": out, "grads": checks.to_cpu(grads)}
 
 
 def _full_model(seed, dims):
@@ -278,7 +278,7 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
     ``dims`` are (batch, d_in, hidden, d_out) triples to try; the job always has 2 ranks (2 stages).
     """
     check = "check_two_stage"
-    harness.require_written(check, two_stage_step=two_stage_step)
+    checks.require_written(check, two_stage_step=two_stage_step)
     hints = [
         ("timeout", "send and recv must pair up: rank 0 first SENDS its activations, then receives their "
                     "gradient; rank 1 first RECEIVES the activations, then sends the gradient back. If both "
@@ -291,7 +291,7 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
     for dim in dims:
         dim = tuple(dim)
         loss, full = _full_model(seed, dim)
-        job = harness.run(check, _two_stage_harness, 2, args=(two_stage_step, seed, dim), hints=hints)
+        job = checks.run(check, _two_stage_harness, 2, args=(two_stage_step, seed, dim), hints=hints)
         first, last = job.values
         where = f"batch {dim[0]}, hidden size {dim[2]}"
         got = last["loss"]

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from graders import harness
-from graders.core import CheckFailed, passed
+from course import checks
+from course.checks import CheckFailed, passed
 
 ATOL = 1e-6
 _HARD_CODED = ("rank < size", "use the rank and world_size arguments; do not hard-code the number of ranks")
@@ -83,16 +83,16 @@ def _setup_harness(rank, setup):
     obs = {"initialized": dist.is_available() and dist.is_initialized()}
     if obs["initialized"]:
         obs.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
-    return harness.finish(obs)
+    return obs
 
 
 def check_setup(setup, *, world_sizes=(2, 3)):
     """After setup(rank, world_size) every rank is in one process group: ranks 0..N-1, world size N."""
     check = "check_setup"
-    harness.require_written(check, setup=setup)
+    checks.require_written(check, setup=setup)
     hints = [_HARD_CODED, ("NCCL", "use the backend course.backend() picks (gloo on a CPU); do not hard-code nccl")]
     for world_size in world_sizes:
-        job = harness.run(check, _setup_harness, world_size, args=(setup,), hints=hints)
+        job = checks.run(check, _setup_harness, world_size, args=(setup,), hints=hints)
         obs = job.values
         missing = [r for r, o in enumerate(obs) if not o["initialized"]]
         if missing:
@@ -118,22 +118,22 @@ def check_setup(setup, *, world_sizes=(2, 3)):
 
 
 def _cleanup_harness(rank, cleanup):
-    harness.join_job()
+    checks.join_job()
     cleanup()
-    return harness.finish(dist.is_initialized())
+    return dist.is_initialized()
 
 
 def check_cleanup(cleanup, *, world_sizes=(2, 3)):
     """After cleanup() the process group is destroyed on every rank."""
     check = "check_cleanup"
-    harness.require_written(check, cleanup=cleanup)
+    checks.require_written(check, cleanup=cleanup)
     for world_size in world_sizes:
-        job = harness.run(check, _cleanup_harness, world_size, args=(cleanup,))
+        job = checks.run(check, _cleanup_harness, world_size, args=(cleanup,))
         still_up = [r for r in range(world_size) if job.pg_initialized[r] or job.values[r]]
         if still_up:
             raise CheckFailed(check, f"the process group is still up after cleanup() ({world_size}-rank job)",
                               ranks=still_up, expected="dist.is_initialized() == False on every rank",
-                              got=f"{harness.rank_list(still_up)} still initialized",
+                              got=f"{checks.rank_list(still_up)} still initialized",
                               hint="call dist.destroy_process_group() in cleanup, on every rank")
     passed(check)
 
@@ -142,7 +142,7 @@ def check_cleanup(cleanup, *, world_sizes=(2, 3)):
 
 
 def _sampler_harness(rank, make_loader, cases):
-    harness.join_job()
+    checks.join_job()
     world_size = dist.get_world_size()
     out = []
     for n, batch_size in cases:
@@ -155,20 +155,20 @@ def _sampler_harness(rank, make_loader, cases):
             epochs.append([torch.as_tensor(b).reshape(-1).tolist() for b in loader])
         out.append({"loader": type(loader).__name__, "sampler": type(sampler).__name__,
                     "has_set_epoch": hasattr(sampler, "set_epoch"), "epochs": epochs})
-    return harness.finish(out)
+    return out
 
 
 def check_sampler(make_loader, *, world_sizes=(2, 3), cases=((10, 2), (11, 4))):
     """Each epoch the ranks' shards are disjoint, cover the dataset and are padded to equal size;
     batches hold batch_size samples per rank; set_epoch reshuffles. ``cases``: (dataset size, batch size)."""
     check = "check_sampler"
-    harness.require_written(check, make_loader=make_loader)
+    checks.require_written(check, make_loader=make_loader)
     hints = [_HARD_CODED, ("Invalid rank", "DistributedSampler(dataset, num_replicas=world_size, rank=rank): "
                                            "use the arguments, not fixed numbers"),
              ("mutually exclusive with shuffle", "the sampler does the shuffling: DistributedSampler(..., "
                                                  "shuffle=True) and no shuffle= for the DataLoader")]
     for world_size in world_sizes:
-        job = harness.run(check, _sampler_harness, world_size, args=(make_loader, [tuple(c) for c in cases]),
+        job = checks.run(check, _sampler_harness, world_size, args=(make_loader, [tuple(c) for c in cases]),
                           hints=hints)
         for i, (n, batch_size) in enumerate(cases):
             _judge_loader(check, [job.values[r][i] for r in range(world_size)], n, batch_size, world_size)
@@ -236,7 +236,7 @@ def _judge_loader(check, per_rank, n, batch_size, world_size):
 
 
 def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
-    dev = harness.join_job()
+    dev = checks.join_job()
     world_size = dist.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP must broadcast rank 0's weights
     dataset = RegressionDataset(n, seed)
@@ -244,15 +244,15 @@ def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     returned = train(rank, model, loader, epochs, lr)
     state = {k: v for k, v in model.state_dict().items()}
-    return harness.finish({"state": harness.to_cpu(state), "fetched": list(dataset.fetched),
-                           "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)})
+    return {"state": checks.to_cpu(state), "fetched": list(dataset.fetched),
+                           "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)}
 
 
 def _run_train(check, train, world_size, n, batch_size, epochs, lr, seed):
     hints = [("Expected to have finished reduction", "every parameter must take part in the loss"),
              ("timeout", "every rank must run the same number of steps and call the same collectives; "
                          "no collective (all_reduce, barrier, ...) inside `if rank == 0:`")]
-    return harness.run(check, _train_harness, world_size, args=(train, n, batch_size, epochs, lr, seed),
+    return checks.run(check, _train_harness, world_size, args=(train, n, batch_size, epochs, lr, seed),
                        hints=hints).values
 
 
@@ -285,7 +285,7 @@ def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, l
     """After train(), parameters are bitwise equal on every rank and equal (1e-6) to one process
     trained with the same lr on the full (global) batches."""
     check = "check_training"
-    harness.require_written(check, train=train)
+    checks.require_written(check, train=train)
     for world_size in world_sizes:
         obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
         where = f"{world_size}-rank job, {epochs} epochs"
@@ -339,7 +339,7 @@ def _training_hint(state, fetched, n, batch_size, epochs, lr, seed, world_size):
 def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, lr=0.1, seed=0):
     """train() calls loader.sampler.set_epoch(epoch) each epoch: a new order every epoch, the same on all ranks."""
     check = "check_set_epoch"
-    harness.require_written(check, train=train)
+    checks.require_written(check, train=train)
     for world_size in world_sizes:
         obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
         where = f"{world_size}-rank job, {epochs} epochs, {n} samples"
@@ -368,7 +368,7 @@ def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, 
 
 
 def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
-    dev = harness.join_job()
+    dev = checks.join_job()
     cwd = os.path.join(workdir, f"rank{rank}")  # relative paths land in a folder of their own per rank
     os.makedirs(cwd, exist_ok=True)
     os.chdir(cwd)
@@ -392,14 +392,14 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
     finally:
         torch.save = torch.serialization.save = real_save
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
-    return harness.finish({"calls": calls, "files": files, "state": harness.to_cpu(model.state_dict())})
+    return {"calls": calls, "files": files, "state": checks.to_cpu(model.state_dict())}
 
 
 def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
     """Only rank 0 writes ckpt_path, a plain state_dict (no `module.` prefix) that loads into a
     model without DDP (strict=True) and holds the trained parameters."""
     check = "check_checkpoint"
-    harness.require_written(check, save_checkpoint=save_checkpoint)
+    checks.require_written(check, save_checkpoint=save_checkpoint)
     hints = [("Connection closed by peer", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits "
                                           "for ranks that never call it: keep collectives outside the if"),
              ("timeout", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits forever for the "
@@ -409,7 +409,7 @@ def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
         try:
             ckpt_path = os.path.join(workdir, "shared", "ckpt.pt")
             os.makedirs(os.path.dirname(ckpt_path))
-            job = harness.run(check, _checkpoint_harness, world_size,
+            job = checks.run(check, _checkpoint_harness, world_size,
                               args=(save_checkpoint, ckpt_path, workdir, seed), hints=hints)
             _judge_checkpoint(check, job.values, ckpt_path, world_size)
         finally:
@@ -434,13 +434,13 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
     if savers != [0]:
         others = [r for r in savers if r != 0]
         if 0 in savers:
-            problem = f"{harness.rank_list(others)} also wrote {name} ({where})"
+            problem = f"{checks.rank_list(others)} also wrote {name} ({where})"
             hint = "save only when rank == 0: every rank holds the same weights, one copy is enough"
         else:
-            problem = f"{harness.rank_list(others)} wrote {name} instead of rank 0 ({where})"
+            problem = f"{checks.rank_list(others)} wrote {name} instead of rank 0 ({where})"
             hint = "save when rank == 0 (rank 0 exists in every job)"
         raise CheckFailed(check, problem, ranks=others, expected="only rank 0 writes the checkpoint",
-                          got=f"written by {harness.rank_list(savers)}", hint=hint)
+                          got=f"written by {checks.rank_list(savers)}", hint=hint)
     try:
         state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the student's mistake

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graders import harness
-from graders.core import CheckFailed, expect, passed
+from course import checks
+from course.checks import CheckFailed, expect, passed
 
 PG_TIMEOUT = timedelta(seconds=15)  # a skipped collective fails in 15 s, not 30 min
 
@@ -49,19 +49,16 @@ def _init_pg() -> None:
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
 
 
-def _run(check: str, fn, world_size: int, args: tuple, *, what: str, mistakes=()):
-    """harness.run, with failures translated: an unwritten answer, and known mistakes recognised by their traces.
+def _run(check: str, fn, world_size: int, args: tuple, *, mistakes=()):
+    """checks.run, with known mistakes recognised by their traces.
 
     ``mistakes``: (predicate(rank, text) -> bool, problem, hint) tried in order on the first failed rank.
     """
     try:
-        return harness.run(check, fn, world_size, args=args)
+        return checks.run(check, fn, world_size, args=args)
     except CheckFailed as err:
         text = f"{err.problem}\n{err.detail or ''}"
         rank = err.ranks[0] if err.ranks else None
-        if "NotImplementedError" in err.problem:
-            raise CheckFailed(check, f"{what} is not written yet (it raises NotImplementedError)",
-                              hint=f"write {what} in its answer cell, run that cell, then this one") from None
         for predicate, problem, hint in mistakes:
             if predicate(rank, text):
                 raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=err.ranks,
@@ -163,7 +160,7 @@ def _describe_modules(model: nn.Module) -> dict:
 
 def _convert_harness(rank: int, convert_model, cases: tuple[str, ...]) -> list[dict]:
     _init_pg()
-    return harness.finish([_convert_case(convert_model, case) for case in cases])
+    return [_convert_case(convert_model, case) for case in cases]
 
 
 def _convert_case(convert_model, case: str) -> dict:
@@ -221,8 +218,8 @@ def _convert_verdict(check: str, obs: dict, case: str, rank: int) -> None:
 
 
 def _check_convert(check: str, convert_model, cases: tuple[str, ...]) -> None:
-    harness.require_written(check, convert_model=convert_model)
-    job = _run(check, _convert_harness, 2, (convert_model, cases), what="convert_model")
+    checks.require_written(check, convert_model=convert_model)
+    job = _run(check, _convert_harness, 2, (convert_model, cases))
     for rank, per_case in enumerate(job.values):
         for case, obs in zip(cases, per_case):
             _convert_verdict(check, obs, case, rank)
@@ -262,7 +259,7 @@ def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
 def _bn_harness(rank: int, bn_cls, cases) -> list[dict]:
     """Every case in one job (a job costs more than a case): a fresh layer per case."""
     _init_pg()
-    return harness.finish([_bn_case(rank, bn_cls, sizes, tail) for sizes, tail in cases])
+    return [_bn_case(rank, bn_cls, sizes, tail) for sizes, tail in cases]
 
 
 def _bn_case(rank: int, bn_cls, sizes, tail) -> dict:
@@ -369,6 +366,7 @@ def _diagnose(xs, rank, running, key: str, got: torch.Tensor) -> str | None:
 
 def _run_bn(check: str, bn_cls):
     """(sizes, tail, observations per rank, reference) for every case, world sizes 2 and 3."""
+    checks.require_written(check, CPUSyncBatchNorm=bn_cls)
     mistakes = [
         (lambda rank, text: "in-place operation" in text,
          "forward changed a tensor in place that autograd tracks, such as its input x (rank {rank})",
@@ -379,7 +377,7 @@ def _run_bn(check: str, bn_cls):
     ]
     for ws, cases in _BN_CASES.items():
         job = _memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: _run(
-            check, _bn_harness, ws, (bn_cls, cases), what="CPUSyncBatchNorm.forward", mistakes=mistakes))
+            check, _bn_harness, ws, (bn_cls, cases), mistakes=mistakes))
         for index, (sizes, tail) in enumerate(cases):
             values = [per_case[index] for per_case in job.values]
             for rank, obs in enumerate(values):
@@ -561,7 +559,7 @@ def _zero_optimizer_harness(rank: int, make_zero_optimizer) -> dict:
     optimizer = make_zero_optimizer(ddp_model.parameters(), ZERO_LR)
     obs = {"type": type(optimizer).__name__, "zero": isinstance(optimizer, ZeroRedundancyOptimizer)}
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return harness.finish(obs)
+        return obs
     _zero_train(ddp_model, optimizer, rank)
     local = optimizer.optim if obs["zero"] else optimizer
     obs["local_type"] = type(local).__name__
@@ -572,7 +570,7 @@ def _zero_optimizer_harness(rank: int, make_zero_optimizer) -> dict:
         obs["state_dict"] = optimizer.state_dict() if rank == 0 else None
     else:
         obs["state_dict"] = optimizer.state_dict()
-    return harness.finish(obs)
+    return obs
 
 
 def _sharding_verdict(check: str, values: list[dict], ws: int) -> None:
@@ -626,13 +624,13 @@ def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
 
 def _zero_optimizer_job(check: str, make_zero_optimizer, world_size: int):
     return _memo(check, ("zero", make_zero_optimizer, world_size), lambda: _run(
-        check, _zero_optimizer_harness, world_size, (make_zero_optimizer,), what="make_zero_optimizer"))
+        check, _zero_optimizer_harness, world_size, (make_zero_optimizer,)))
 
 
 def check_zero_sharded(make_zero_optimizer) -> None:
     """Each rank holds Adam state only for its own parameters; together the ranks cover all, no overlap."""
     check = "check_zero_sharded"
-    harness.require_written(check, make_zero_optimizer=make_zero_optimizer)
+    checks.require_written(check, make_zero_optimizer=make_zero_optimizer)
     _sharding_verdict(check, _zero_optimizer_job(check, make_zero_optimizer, 2).values, 2)
     passed(check)
 
@@ -640,7 +638,7 @@ def check_zero_sharded(make_zero_optimizer) -> None:
 def check_zero_matches_adam(make_zero_optimizer) -> None:
     """With 2 and 3 ranks, sharded Adam ends where single-process Adam on the global batch ends."""
     check = "check_zero_matches_adam"
-    harness.require_written(check, make_zero_optimizer=make_zero_optimizer)
+    checks.require_written(check, make_zero_optimizer=make_zero_optimizer)
     for ws in (2, 3):
         job = _zero_optimizer_job(check, make_zero_optimizer, ws)
         _sharding_verdict(check, job.values, ws)
@@ -666,7 +664,6 @@ def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> None:
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.Adam, lr=ZERO_LR)
     _zero_train(ddp_model, optimizer, rank)
     save_optimizer(optimizer, rank, os.path.join(dirs[rank], "optimizer.pt"))
-    harness.finish(None)
 
 
 _SAVE_MISTAKES = [
@@ -687,17 +684,17 @@ _SAVE_MISTAKES = [
 def check_zero_save(save_optimizer, world_size: int = 2) -> None:
     """The full optimizer state is consolidated on all ranks and saved by rank 0 only; it loads into Adam."""
     check = "check_zero_save"
-    harness.require_written(check, save_optimizer=save_optimizer)
+    checks.require_written(check, save_optimizer=save_optimizer)
     root = tempfile.mkdtemp(prefix="ddp-course-ex3-")
     try:
         dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
         for d in dirs:
             os.makedirs(d)
-        _run(check, _zero_save_harness, world_size, (save_optimizer, dirs), what="save_optimizer",
+        _run(check, _zero_save_harness, world_size, (save_optimizer, dirs),
              mistakes=_SAVE_MISTAKES)
         paths = [os.path.join(d, "optimizer.pt") for d in dirs]
         others = [r for r in range(1, world_size) if os.listdir(dirs[r])]
-        expect(not others, check, f"{harness.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,
+        expect(not others, check, f"{checks.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,
                expected="only rank 0 writes the checkpoint", hint="guard the save with `if rank == 0:`")
         expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at ckpt_path ({world_size}-rank job)",
                ranks=[0], hint="on rank 0: torch.save(optimizer.state_dict(), ckpt_path)")

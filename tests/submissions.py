@@ -110,9 +110,9 @@ def release(assignment: str, course_dir: str | Path) -> Path:
 
 
 def grade(path: str | Path, *, in_process: bool = True, test_timeout: float = 300, timeout: float = 60):
-    """Grade the notebook at ``path`` with :func:`course.grade.grade_notebook` (in this process by default)."""
-    from course.grade import grade_notebook
-    from course.notebook import Timeouts
+    """Grade the notebook at ``path`` with :func:`course.grading.grade.grade_notebook` (in this process by default)."""
+    from course.grading.grade import grade_notebook
+    from course.grading.notebook import Timeouts
 
     return grade_notebook(path, exercises=EXERCISES, in_process=in_process,
                           timeouts=Timeouts(test=test_timeout, other=timeout))
@@ -150,7 +150,7 @@ def fails(check, subject, *words, **kwargs) -> str:
     """Run ``check(subject, **kwargs)``; assert it fails naming the check and each of ``words``; the message."""
     import pytest
 
-    from graders.core import CheckFailed
+    from course.checks import CheckFailed
 
     with pytest.raises(CheckFailed) as info:
         check(subject, **kwargs)

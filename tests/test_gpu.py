@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import course
-from course.launch import resolve_backend
+from course.launcher.job import resolve_backend
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

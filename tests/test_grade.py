@@ -18,9 +18,9 @@ import pytest
 import submissions
 from nbformat.v4 import new_code_cell, new_output
 
-from course.notebook import NotebookError, Timeouts
-from course.scoring import score_cell
-from course.sources import find_source, graded_cells, restore
+from course.grading.notebook import NotebookError, Timeouts
+from course.grading.restore import find_source, graded_cells, restore
+from course.grading.scoring import score_cell
 
 EXERCISES = ["ex1-parallelism", "ex2-ddp-basics"]
 
@@ -288,7 +288,7 @@ def test_scoring_follows_nbgrader_rules_with_a_reason_for_every_lost_point():
 
 @pytest.mark.timeout(120)
 def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
-    from course.inprocess import execute
+    from course.grading.inprocess import execute
 
     nb = nbformat.v4.new_notebook(cells=[new_code_cell("while True:\n    pass"), new_code_cell("x = 41\nx + 1")])
     start = time.monotonic()

@@ -24,9 +24,10 @@ import nbformat
 import psutil
 import pytest
 
+from course.grading.pipeline import WARNINGS_ONLY
 from course.instructor import names
 from course.instructor.coursedir import Course
-from course.instructor.init import WARNINGS_ONLY, init_course
+from course.instructor.init import init_course
 from course.instructor.leaks import plain_text, secrets_of, student_copy_leaks
 from course.instructor.samples import make_sample, solution_text, stall_rank_one
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import course
-from course.launch import resolve_backend
+from course.launcher.job import resolve_backend
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 import click
 import nbformat
 
+from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.names import Placement, Unplaced, place
 
@@ -71,7 +72,7 @@ def collect(course: Course, given: Path) -> CollectReport:
         elif given.is_dir():
             folder = given
         else:
-            raise click.ClickException(f"{given} is neither a folder nor a zip file")
+            raise CourseError(f"{given} is neither a folder nor a zip file")
 
         chosen: dict[tuple[str, str], tuple[Path, Placement]] = {}
         for path in _candidates(folder):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from course.errors import CourseError
+
 CONFIG_FILE = "nbgrader_config.py"
 #: our own records (autograde outcomes, logs, scratch space); nbgrader never looks inside
 STATE_DIR = ".ddp-course"
@@ -26,7 +28,15 @@ def load_config(root: Path):
 
     config = Config()
     if (root / CONFIG_FILE).is_file():
-        config = PyFileConfigLoader(CONFIG_FILE, path=str(root)).load_config()
+        try:
+            config = PyFileConfigLoader(CONFIG_FILE, path=str(root)).load_config()
+        except ImportError as err:
+            if not (err.name or "").startswith("course."):
+                raise
+            raise CourseError(
+                f"{root / CONFIG_FILE} was written by an older ddp-course: it imports {err.name}, which has moved. "
+                f"Rewrite it with: ddp-course init --force {root} (your submissions and grades are kept)"
+            ) from None
     config.CourseDirectory.root = str(root)
     return config
 
@@ -49,13 +59,13 @@ class Course:
 
         root = Path(root or os.getcwd()).resolve()
         if not (root / CONFIG_FILE).is_file():
-            raise click.ClickException(
+            raise CourseError(
                 f"{root} is not a course directory (no {CONFIG_FILE}); create one with: ddp-course init {root}"
             )
         course = cls(root)
         problem = database_problem(course.db_url)
         if problem:
-            raise click.ClickException(problem)
+            raise CourseError(problem)
         return course
 
     @property
@@ -123,7 +133,7 @@ class Course:
             return known
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise click.ClickException(
+            raise CourseError(
                 f"unknown assignment(s): {', '.join(unknown)}; source/ has: {', '.join(known) or 'nothing'}"
             )
         return list(names)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import click
 
+from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secrets_of
 
 
-class FeedbackLeak(click.ClickException):
+class FeedbackLeak(CourseError):
     """A feedback page still shows hidden test source."""
 
 
@@ -57,7 +58,7 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
         for student in (chosen if students else [None]):
             result = course.api.generate_feedback(assignment, student, force=True)
             if not result["success"]:
-                raise click.ClickException(
+                raise CourseError(
                     f"nbgrader generate_feedback {assignment} failed:\n{result.get('error') or result.get('log')}"
                 )
         for student in chosen:

@@ -14,24 +14,14 @@ from pathlib import Path
 
 import click
 
+from course.errors import CourseError
+from course.grading.cells import OTHER_CELL_TIMEOUT, TEST_CELL_TIMEOUT
 from course.instructor.coursedir import CONFIG_FILE
 
 DEFAULT_COURSE_ID = "ddp-course"
-DEFAULT_TEST_TIMEOUT = 300
-DEFAULT_CELL_TIMEOUT = 60
+DEFAULT_TEST_TIMEOUT = int(TEST_CELL_TIMEOUT)
+DEFAULT_CELL_TIMEOUT = int(OTHER_CELL_TIMEOUT)
 _IGNORED = {".ipynb_checkpoints", "__pycache__"}
-
-#: A stderr output made only of warning lines (Python's "file:12: UserWarning: ..." with its
-#: indented source line, torch's C++ "[W... file.cpp:45] ..."): nbgrader's IgnorePattern drops
-#: it. Anything else on stderr still zeroes the cell, as nbgrader intends.
-WARNINGS_ONLY = (
-    r"\A(?:(?:"
-    r"[^\n]*:\d+: \w*Warning: [^\n]*"
-    r"|(?:\[rank\d+\]:)?\[W[^\]\n]*\][^\n]*"
-    r"|[ \t]+[^\n]*"
-    r"|[ \t]*"
-    r")(?:\n|\Z))+\Z"
-)
 
 CONFIG_TEMPLATE = '''\
 """nbgrader settings for a ddp-course class (written by `ddp-course init`).
@@ -41,31 +31,16 @@ exactly as `ddp-course autograde` does. Edit freely: `ddp-course init` keeps
 your changes unless it is run with --force.
 """
 
-import os
-
 from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor
-from nbgrader.preprocessors import (
-    AssignLatePenalties,
-    CheckCellMetadata,
-    GetGrades,
-    IgnorePattern,
-    LimitOutput,
-    SaveAutoGrades,
-)
+from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, GetGrades, SaveAutoGrades
 
+from course.grading.pipeline import GRADING_STEPS, configure
 from course.instructor.redact import RedactHiddenTests
-from course.safeexec import SandboxedExecute, VerifyTests
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 
 c.CourseDirectory.course_id = {course_id!r}
 {db_line}
-
-# Every notebook runs on the kernel the course uses (the one `ddp-course lab` starts).
-c.Execute.kernel_name = {kernel!r}
-# Stop the kernel as soon as its last cell has run: a graceful exit (the kernel, then its
-# rank launcher) adds 3-5 s to every submission and runs nothing that grading needs.
-c.Execute.shutdown_kernel = "immediate"
 
 # Per-cell time limits, in seconds. Test cells run real multi-rank jobs (exercise 4
 # starts torchrun, ~15 s per job here); a hung check is also stopped by its own
@@ -73,37 +48,19 @@ c.Execute.shutdown_kernel = "immediate"
 TEST_CELL_TIMEOUT = {test_timeout}
 OTHER_CELL_TIMEOUT = {cell_timeout}
 
-
-def cell_timeout(cell):
-    """nbclient asks this for every cell it runs (Execute.timeout_func)."""
-    meta = cell.get("metadata", {{}}).get("nbgrader", {{}})
-    is_test = meta.get("grade", False) and not meta.get("solution", False)
-    return TEST_CELL_TIMEOUT if is_test else OTHER_CELL_TIMEOUT
-
-
-c.Execute.timeout_func = cell_timeout
-
-# Student code is not trusted. nbgrader's own steps, in its order, with two changes:
-# SandboxedExecute runs each notebook in a sandbox (its own uid and folder, no network,
+# The grading pipeline `ddp-course grade` runs too (course/grading/pipeline.py): every
+# notebook runs on the course's kernel in a sandbox (its own uid and folder, no network,
 # exercise sources, course folder and gradebook out of sight, memory and process limits;
 # less when not root: `ddp-course autograde` says which) with bounded cells and without
-# the hidden tests; VerifyTests then re-runs every check, hidden tests included, in a
-# trusted process and writes its verdicts into the test cells, so nothing a notebook
-# does to the graders, the launcher or its own outputs can raise its score.
-c.Autograde.autograde_preprocessors = [SandboxedExecute, IgnorePattern, VerifyTests, ClearMetadataPreprocessor,
-                                       LimitOutput, SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
-c.VerifyTests.cell_timeout = TEST_CELL_TIMEOUT
+# the hidden tests; then a trusted process re-runs every check, hidden tests included,
+# and writes its verdicts into the test cells, so nothing a notebook does to the graders,
+# the launcher or its own outputs can raise its score. A stderr output made only of
+# warnings does not zero a cell; any other stderr still does (nbgrader's rule).
+configure(c, test_timeout=TEST_CELL_TIMEOUT, other_timeout=OTHER_CELL_TIMEOUT, kernel_name={kernel!r})
+c.Autograde.autograde_preprocessors = [*GRADING_STEPS, ClearMetadataPreprocessor, SaveAutoGrades,
+                                       AssignLatePenalties, CheckCellMetadata]
 # Each check stops a job of the student's ranks after DDP_COURSE_CHECK_TIMEOUT seconds (default 60):
-# os.environ.setdefault("DDP_COURSE_CHECK_TIMEOUT", "60")
-
-# nbgrader gives a test cell 0 points if it wrote anything on stderr, and torch
-# warns a lot (deprecations, gloo hostname lookups). Kernels inherit this
-# environment, so library warnings stay quiet; a stderr output made only of
-# warnings is dropped as well. Any other stderr still fails the cell.
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-c.IgnorePattern.enabled = True
-c.IgnorePattern.pattern = {warnings_only!r}
+# import os; os.environ.setdefault("DDP_COURSE_CHECK_TIMEOUT", "60")
 
 # Feedback shows each check's score and failure message but never hidden test
 # source (nbgrader issue #917).
@@ -154,7 +111,6 @@ def render_config(
         kernel=kernel,
         test_timeout=int(test_timeout),
         cell_timeout=int(cell_timeout),
-        warnings_only=WARNINGS_ONLY,
     )
 
 
@@ -193,7 +149,7 @@ def init_course(
     exercises = Path(exercises) if exercises else default_exercises()
     assignments = exercise_assignments(exercises)
     if not assignments:
-        raise click.ClickException(f"no exercises found in {exercises} (expected <assignment>/<notebook>.ipynb)")
+        raise CourseError(f"no exercises found in {exercises} (expected <assignment>/<notebook>.ipynb)")
     root = Path(root)
     (root / "source").mkdir(parents=True, exist_ok=True)
     report = []

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import nbformat
 
+from course.grading.cells import HIDDEN_MARKERS
+
 SOLUTION = ("BEGIN SOLUTION", "END SOLUTION")
-HIDDEN_TESTS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+HIDDEN_TESTS = HIDDEN_MARKERS
 #: what nbgrader writes in place of a solution (ClearSolutions' stubs): never a secret
 _STUB_LINES = {"# YOUR CODE HERE", "raise NotImplementedError()", "YOUR ANSWER HERE"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import click
 
+from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import student_copy_leaks
 
 
-class ReleaseLeak(click.ClickException):
+class ReleaseLeak(CourseError):
     """A generated student copy contains solutions or hidden tests."""
 
 
@@ -41,7 +42,7 @@ def release_assignment(course: Course, assignment: str) -> Path:
     """Generate ``assignment``'s student copy and check it; returns its folder or raises ReleaseLeak."""
     result = course.api.generate_assignment(assignment, force=True, create=True)
     if not result["success"]:
-        raise click.ClickException(f"nbgrader generate_assignment {assignment} failed:\n{result.get('error') or result.get('log')}")
+        raise CourseError(f"nbgrader generate_assignment {assignment} failed:\n{result.get('error') or result.get('log')}")
     release = course.folder("release", assignment=assignment)
     leaks = check_release(course, assignment)
     if leaks:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from course.instructor.autograde import Job, is_graded, missing_notebook_reason, read_record
+from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
 from course.instructor.coursedir import Course, course_dir_option
 
 
@@ -30,7 +30,7 @@ def course_status(course: Course) -> list[AssignmentStatus]:
         released = assignment in in_gradebook and any(course.folder("release", assignment=assignment).glob("*.ipynb"))
         status = AssignmentStatus(assignment, released)
         for _, student in course.submitted([assignment]):
-            job = Job(assignment, student)
+            job = Submission(assignment, student)
             status.submitted += 1
             if released and is_graded(course, job):
                 status.graded += 1

@@ -3,9 +3,9 @@
 Not a test (figures, no asserts): ``python tests/adversarial/bench_cost.py [ASSIGNMENT ...] [--repeat N]``.
 For each source notebook it grades, one at a time:
 
-* ``plain``: a fresh kernel, no sandbox, no verifier (:func:`course.notebook.execute`, what
+* ``plain``: a fresh kernel, no sandbox, no verifier (:func:`course.grading.notebook.execute`, what
   ``ddp-course grade`` did before issue 7);
-* ``verified``: :func:`course.grade.grade_notebook`, the sandboxed kernel (visible tests
+* ``verified``: :func:`course.grading.grade.grade_notebook`, the sandboxed kernel (visible tests
   only) then the trusted verifier (all tests), and the verifier's share of it;
 * ``verified, hidden tests in kernel too``: the same with the kernel running the hidden
   tests as well (how it was before they were kept from the kernel).
@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def plain(path: Path) -> float:
-    from course.notebook import clear_outputs, execute, read
-    from course.scoring import score_notebook
-    from course.sources import find_source, graded_cells, restore
+    from course.grading.notebook import clear_outputs, execute, read
+    from course.grading.restore import find_source, graded_cells, restore
+    from course.grading.scoring import score_notebook
 
     started = time.monotonic()
     source = read(find_source(path))
@@ -38,8 +38,9 @@ def plain(path: Path) -> float:
 def verified(path: Path, hidden_in_kernel: bool = False) -> tuple[float, float]:
     """(total seconds, seconds in the verifier). ``hidden_in_kernel``: the kernel runs the hidden tests
     too, as before they were kept from it (for comparison)."""
-    from course import checkcalls, verify
-    from course.grade import grade_notebook
+    from course.grading import checkcalls
+    from course.grading import verifier as verify
+    from course.grading.grade import grade_notebook
 
     spent = []
     real = verify.verify_notebook

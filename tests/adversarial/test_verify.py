@@ -12,8 +12,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from course import checkcalls
-from course.verify import StudentObject, StudentObjectUsed, Verdict, apply_verdicts
+from course.grading import checkcalls
+from course.grading.student import StudentObject, StudentObjectUsed
+from course.grading.verifier import Verdict, apply_verdicts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,8 +145,8 @@ def test_every_exercise_test_cell_can_be_reverified():
 
 def test_calling_a_student_function_runs_it_as_a_one_rank_job():
     """A check that calls a student function directly gets its (weights-only decoded) result from a rank."""
-    from course.exceptions import LaunchError
-    from course.launch import dumps
+    from course.errors import LaunchError
+    from course.launcher.job import dumps
 
     def double(x):
         import os

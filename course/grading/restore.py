@@ -17,7 +17,7 @@ from pathlib import Path
 from nbformat import NotebookNode
 from nbgrader.utils import is_grade, is_locked, is_solution
 
-from course.notebook import NotebookError, read
+from course.grading.notebook import NotebookError, read
 
 
 @dataclass(frozen=True)

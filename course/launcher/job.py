@@ -45,20 +45,20 @@ from typing import Any
 
 import cloudpickle
 
-from course.exceptions import RankFailedError, RankFailure, RankTimeoutError
+from course.errors import RankFailedError, RankFailure, RankTimeoutError, rank_list, were
 
 BACKEND_ENV = "DDP_COURSE_BACKEND"
 GRADING_ENV = "DDP_COURSE_GRADING"  # set in sandboxed grading processes (see warm_up())
 CPUS_ENV = "DDP_COURSE_CPUS"  # cores for this process's jobs (see cpus())
 DEFAULT_TIMEOUT = 120.0
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course._worker"]
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course.launcher.rank"]
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initialising CUDA
 _KEEP_LINES = 200  # per rank, for error messages
 _ECHO_LIMIT = 2000  # lines per rank echoed to the caller before truncating
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
 _CONNECTION_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
-#: Set by a process that runs checks on code it must not trust (course.verify): every job then
+#: Set by a process that runs checks on code it must not trust (course.grading.verifier): every job then
 #: reads its ranks' results as with ``safe_results=True``, whatever the caller asked.
 ALWAYS_SAFE_RESULTS = False
 
@@ -100,6 +100,121 @@ class JobResult:
     port: int = 0
     elapsed: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    echo: bool = True,
+    env: dict | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, *args)`` on ``world_size`` ranks and return their results in rank order.
+
+    Each rank has the torchrun environment, so inside ``fn``::
+
+        dist.init_process_group(course.backend())   # gloo on CPU, nccl on GPUs
+
+    works with no other arguments. See :func:`launch` for the errors raised.
+    """
+    return launch(fn, world_size, args=args, backend=backend, timeout=timeout, echo=echo, env=env).values
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    echo: bool = True,
+    env: dict | None = None,
+    num_threads: int | None = None,
+    safe_results: bool = False,
+) -> JobResult:
+    """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
+
+    Raises :class:`~course.errors.RankFailedError` if a rank raised or died and
+    :class:`~course.errors.RankTimeoutError` if the job passed ``timeout`` seconds.
+    With ``echo`` each line a rank prints is shown on the caller's stdout as
+    ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
+
+    ``safe_results``: the caller does not trust the code on the ranks (a grader
+    running a submission): results travel as ``torch.save`` data and are read with
+    ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples,
+    dicts only), so a rank cannot make the caller run code by what it returns;
+    exception objects are not sent back, only their type name, text and traceback.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"run_ranks needs a function to run on each rank, got {type(fn).__name__}")
+    backend_name = resolve_backend(backend, world_size)
+    safe_results = safe_results or ALWAYS_SAFE_RESULTS
+    try:
+        payload = dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "
+            "Everything the function uses must be picklable (no open files, locks or live process groups)."
+        ) from exc
+    if num_threads is None:
+        num_threads = max(1, cpus() // world_size)
+
+    import torch.multiprocessing as tmp
+
+    _forkserver()
+    port = _agent_store().port
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
+        os.chmod(jobdir, 0o700)
+        specs = []
+        sources = _notebook_sources()
+        for rank in range(world_size):
+            specs.append(
+                dict(
+                    payload=payload,
+                    env=_rank_env(rank, world_size, port, backend_name, env),
+                    cwd=os.getcwd(),
+                    parent_pid=os.getpid(),
+                    num_threads=num_threads,
+                    linecache=sources,
+                    log_path=os.path.join(jobdir, f"rank{rank}.log"),
+                    result_path=os.path.join(jobdir, f"rank{rank}.result"),
+                    error_path=os.path.join(jobdir, f"rank{rank}.error"),
+                    safe=safe_results,
+                    timeout=timeout,
+                    store_path=os.path.join(jobdir, "store"),
+                )
+            )
+        tails = [_Tail(rank, spec["log_path"], echo) for rank, spec in enumerate(specs)]
+        _install_preparation_hook()
+        _NO_MAIN.active = True
+        try:
+            context = tmp.start_processes(
+                _rank_entry(), args=(specs,), nprocs=world_size, join=False, start_method="forkserver"
+            )
+        finally:
+            _NO_MAIN.active = False
+        processes = context.processes
+        try:
+            outcome = _wait(processes, tails, started + timeout)
+        finally:
+            for process in processes:
+                _kill_rank(process.pid)
+            for process in processes:
+                process.join(timeout=5)
+            for process in processes:
+                _kill_rank(process.pid)  # children that outlived their rank
+            for tail in tails:
+                tail.pump(final=True)
+            for path in context.error_files:
+                _remove(path)
+        elapsed = time.monotonic() - started
+        return _report(outcome, processes, specs, tails, world_size, timeout, backend_name, port, elapsed, safe_results)
 
 
 def backend(world_size: int | None = None) -> str:
@@ -161,14 +276,14 @@ def warm_up() -> None:
     """
     if os.environ.get(GRADING_ENV) == "1":
         return
-    _context()
+    _forkserver()
 
 
 _FORKSERVER_LOG = os.path.join(tempfile.gettempdir(), f"ddp-course-forkserver-{os.getuid()}.log")
 _NO_MAIN = threading.local()
 
 
-def _context():
+def _forkserver():
     """The forkserver context, started with torch preloaded and its output kept off the caller's.
 
     The forkserver inherits the caller's stdout/stderr; in a Jupyter kernel those
@@ -380,107 +495,13 @@ def _load(path: str, safe: bool) -> dict | None:
         return {"traceback": "", "type": type(exc).__name__, "message": f"(report unreadable: {type(exc).__name__})"}
 
 
-def launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    *,
-    args: tuple = (),
-    backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
-    echo: bool = True,
-    env: dict | None = None,
-    num_threads: int | None = None,
-    safe_results: bool = False,
-) -> JobResult:
-    """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
-
-    Raises :class:`~course.exceptions.RankFailedError` if a rank raised or died and
-    :class:`~course.exceptions.RankTimeoutError` if the job passed ``timeout`` seconds.
-    With ``echo`` each line a rank prints is shown on the caller's stdout as
-    ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
-
-    ``safe_results``: the caller does not trust the code on the ranks (a grader
-    running a submission): results travel as ``torch.save`` data and are read with
-    ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples,
-    dicts only), so a rank cannot make the caller run code by what it returns;
-    exception objects are not sent back, only their type name, text and traceback.
-    """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not callable(fn):
-        raise TypeError(f"run_ranks needs a function to run on each rank, got {type(fn).__name__}")
-    backend_name = resolve_backend(backend, world_size)
-    safe_results = safe_results or ALWAYS_SAFE_RESULTS
-    try:
-        payload = dumps((fn, tuple(args)))
-    except Exception as exc:
-        raise TypeError(
-            f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "
-            "Everything the function uses must be picklable (no open files, locks or live process groups)."
-        ) from exc
-    if num_threads is None:
-        num_threads = max(1, cpus() // world_size)
-
-    import torch.multiprocessing as tmp
-
-    _context()
-    port = _agent_store().port
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
-        os.chmod(jobdir, 0o700)
-        jobs = []
-        sources = _notebook_sources()
-        for rank in range(world_size):
-            jobs.append(
-                dict(
-                    payload=payload,
-                    env=_rank_env(rank, world_size, port, backend_name, env),
-                    cwd=os.getcwd(),
-                    parent_pid=os.getpid(),
-                    num_threads=num_threads,
-                    linecache=sources,
-                    log_path=os.path.join(jobdir, f"rank{rank}.log"),
-                    result_path=os.path.join(jobdir, f"rank{rank}.result"),
-                    error_path=os.path.join(jobdir, f"rank{rank}.error"),
-                    safe=safe_results,
-                    timeout=timeout,
-                    store_path=os.path.join(jobdir, "store"),
-                )
-            )
-        tails = [_Tail(rank, job["log_path"], echo) for rank, job in enumerate(jobs)]
-        _install_preparation_hook()
-        _NO_MAIN.active = True
-        try:
-            context = tmp.start_processes(
-                _rank_entry(), args=(jobs,), nprocs=world_size, join=False, start_method="forkserver"
-            )
-        finally:
-            _NO_MAIN.active = False
-        processes = context.processes
-        try:
-            outcome = _wait(processes, tails, started + timeout)
-        finally:
-            for process in processes:
-                _kill_rank(process.pid)
-            for process in processes:
-                process.join(timeout=5)
-            for process in processes:
-                _kill_rank(process.pid)  # children that outlived their rank
-            for tail in tails:
-                tail.pump(final=True)
-            for path in context.error_files:
-                _remove(path)
-        elapsed = time.monotonic() - started
-        return _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe_results)
-
-
 @functools.cache
 def _agent_store():
     """The TCPStore this process hosts at MASTER_ADDR:MASTER_PORT, as torchrun's agent does (the cache
     keeps it alive).
 
     The ranks' own rendezvous goes through a file store in the job folder (see
-    ``_worker._rendezvous_through_file``); this store keeps MASTER_PORT a real
+    ``rank._rendezvous_through_file``); this store keeps MASTER_PORT a real
     store for code that connects to it, and is made once because each TCPStore
     connection can cost a slow reverse DNS lookup.
     """
@@ -490,9 +511,9 @@ def _agent_store():
 
 
 def _rank_entry():
-    from course import _worker
+    from course.launcher import rank
 
-    return _worker.rank_main
+    return rank.rank_main
 
 
 def _remove(path: str | None) -> None:
@@ -540,14 +561,14 @@ def _wait(processes, tails, deadline: float) -> dict:
     return {"timeout": False, "running": sorted(pending.values()), "failed_at": failed_at}
 
 
-def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, port, elapsed, safe) -> JobResult:
+def _report(outcome, processes, specs, tails, world_size, timeout, backend_name, port, elapsed, safe) -> JobResult:
     values: list[Any] = [None] * world_size
     meta: list[dict] = [{} for _ in range(world_size)]
     returned: list[int] = []
     failures: dict[int, RankFailure] = {}
-    for rank, job in enumerate(jobs):
-        result = _load(job["result_path"], safe)
-        error = _load(job["error_path"], safe)
+    for rank, spec in enumerate(specs):
+        result = _load(spec["result_path"], safe)
+        error = _load(spec["error_path"], safe)
         last = tails[rank].last()
         # A rank that returned may still have been killed while it waited for its peers.
         if result is not None and "value" in result:
@@ -596,20 +617,20 @@ def _report(outcome, processes, jobs, tails, world_size, timeout, backend_name, 
         running = [r for r, f in failures.items() if f.kind == "timeout"]
         summary = (
             f"the job ({world_size} ranks) did not finish within {timeout:g} s: "
-            f"{_were(running)} still running and killed"
-            + (f"; {_ranks(returned)} had returned" if returned else "; no rank had returned")
+            f"{were(running)} still running and killed"
+            + (f"; {rank_list(returned)} had returned" if returned else "; no rank had returned")
             + ". A rank stuck here usually waits in a collective (all_reduce, barrier, a DDP "
             "backward) that another rank never called, or loops forever: every rank must call the "
             "same collectives in the same order. The last output of each stuck rank shows where it was."
         )
         raise RankTimeoutError(summary, failures, returned, world_size, timeout)
-    order = sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, jobs, outcome))
+    order = sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, specs, outcome))
     first = order[0] if order else min(failures)
     summary = _failure_summary(first, failures, returned, order, world_size)
     raise RankFailedError(summary, failures, returned, world_size, order)
 
 
-_MACHINERY = ("multiprocessing/", "course/_worker.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
+_MACHINERY = ("multiprocessing/", "course/launcher/rank.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
 
 
 def _user_frames(lines: list[str]) -> list[str]:
@@ -617,13 +638,13 @@ def _user_frames(lines: list[str]) -> list[str]:
     return [line for line in lines if not any(m in line for m in _MACHINERY)]
 
 
-def _failure_key(rank, failures, jobs, outcome):
+def _failure_key(rank, failures, specs, outcome):
     """Root causes first: a rank that lost a peer's connection failed *because* of another rank;
     then by when the rank wrote its report (more exact than when the launcher noticed)."""
     failure = failures.get(rank)
     secondary = failure is not None and any(h in failure.message for h in _CONNECTION_HINTS)
     try:
-        written = os.stat(jobs[rank]["error_path"]).st_mtime_ns
+        written = os.stat(specs[rank]["error_path"]).st_mtime_ns
     except OSError:
         written = float("inf")
     return (secondary, written, outcome["failed_at"][rank])
@@ -641,17 +662,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code} without a Python traceback (os._exit, a crash in C code, or a killed process)"
 
 
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    if not ranks:
-        return "no rank"
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _were(ranks) -> str:
-    return _ranks(ranks) + (" was" if len(ranks) == 1 else " were")
-
-
 def _failure_summary(first, failures, returned, order, world_size) -> str:
     f = failures[first]
     if f.kind == "raised":
@@ -661,12 +671,12 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
     lines = [f"{what}  ({world_size}-rank job)"]
     later = [r for r in order[1:] if r in failures]
     if later:
-        lines.append(f"then {_ranks(later)} failed too (often a consequence: a peer of a failed rank cannot finish its collectives)")
+        lines.append(f"then {rank_list(later)} failed too (often a consequence: a peer of a failed rank cannot finish its collectives)")
     stopped = [r for r, x in failures.items() if x.kind == "stopped"]
     if stopped:
-        lines.append(f"{_were(stopped)} stopped by the launcher")
+        lines.append(f"{were(stopped)} stopped by the launcher")
     if returned:
-        lines.append(f"{_ranks(returned)} returned normally")
+        lines.append(f"{rank_list(returned)} returned normally")
     if f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
         lines.append(
             "hint: this rank lost its connection to a peer, which usually means another rank "
@@ -674,24 +684,3 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
             "call the same collectives in the same order"
         )
     return "\n".join(lines)
-
-
-def run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *,
-    args: tuple = (),
-    backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
-    echo: bool = True,
-    env: dict | None = None,
-) -> list[Any]:
-    """Call ``fn(rank, *args)`` on ``world_size`` ranks and return their results in rank order.
-
-    Each rank has the torchrun environment, so inside ``fn``::
-
-        dist.init_process_group(course.backend())   # gloo on CPU, nccl on GPUs
-
-    works with no other arguments. See :func:`launch` for the errors raised.
-    """
-    return launch(fn, world_size, args=args, backend=backend, timeout=timeout, echo=echo, env=env).values

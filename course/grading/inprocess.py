@@ -6,7 +6,7 @@ It follows the kernel closely enough for grading (the same IPython machinery,
 magics included; stdout, stderr and warnings captured per cell; the last
 expression's value as ``execute_result``; a per-cell time limit), but the cells
 share this process with its caller: use it for trusted notebooks (tests), and
-:func:`course.notebook.execute` for students' work.
+:func:`course.grading.notebook.execute` for students' work.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-from course.notebook import Execution, Timeouts, timeout_output
+from course.grading.notebook import Execution, Timeouts, timeout_output
 
 
 class CellTimeout(BaseException):

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from nbformat import NotebookNode
 from nbgrader.utils import determine_grade
 
-from course.notebook import TIMEOUT_ENAME, Execution
-from course.sources import GradedCell
+from course.grading.notebook import TIMEOUT_ENAME, Execution
+from course.grading.restore import GradedCell
 
 
 @dataclass

@@ -17,8 +17,8 @@ import signal
 import sys
 import time
 
-from course.sandbox import Limits
-from course.sandbox_os import (
+from course.sandbox.limits import Limits
+from course.sandbox.linux import (
     CLONE_NEWNET,
     CLONE_NEWNS,
     MS_BIND,

@@ -1,8 +1,8 @@
-"""Record, in the student's kernel, what each check call is given, for :mod:`course.verify` to re-run it.
+"""Record, in the student's kernel, what each check call is given, for :mod:`course.grading.verifier` to re-run it.
 
 A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
 an IPython startup file that calls :func:`install`. Where a test cell
-made of check calls runs (as :func:`course.checkcalls.kernel_source` gives it:
+made of check calls runs (as :func:`course.grading.checkcalls.kernel_source` gives it:
 one comment naming what its checks use), the hook pickles (by value, cloudpickle) every
 notebook object the calls name, and the content of small files they name
 ("train.py"), into ``.ddp-verify/NNNNN.json`` in the work folder. The grader
@@ -37,6 +37,12 @@ class Snapshot:
     objects: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    #: what each object is, for "not written yet" without starting a job (:func:`course.checks.require_written`):
+    #: its type name, "yes"/"no" for callable, and its source (functions and classes). Student-written data:
+    #: a forged entry can only make the check fail its own answer, never pass it.
+    kinds: dict[str, str] = field(default_factory=dict)
+    callable: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- kernel side
@@ -58,12 +64,12 @@ def install(shell, folder: str) -> None:
 
 
 def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
-    from course import checkcalls
+    from course.grading import checkcalls
 
     if checkcalls.USES_PREFIX not in source:
         return
     names, strings = checkcalls.uses(source)  # listed in the comment the kernel runs (checkcalls.kernel_source)
-    from course.launch import dumps
+    from course.launcher.job import dumps
 
     snap = Snapshot(seq, source)
     size = 0
@@ -76,6 +82,7 @@ def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
         except Exception as exc:  # noqa: BLE001
             snap.errors[name] = f"`{name}` cannot be pickled: {type(exc).__name__}: {exc}"[:2000]
             continue
+        _describe(snap, name, namespace[name])
         size += len(blob)
         if size > MAX_SNAPSHOT:
             snap.errors[name] = f"`{name}` is too large to send to the grader (over {MAX_SNAPSHOT >> 20} MB)"
@@ -91,6 +98,16 @@ def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _describe(snap: Snapshot, name: str, obj) -> None:
+    from course.grading.student import answer_source
+
+    snap.kinds[name] = type(obj).__name__
+    snap.callable[name] = "yes" if callable(obj) else "no"
+    source = answer_source(obj)
+    if source is not None and len(source) <= MAX_FILE:
+        snap.sources[name] = source
+
+
 def _plain_relative(path: str) -> bool:
     """A file name inside the work folder (no absolute path, no ``..``)."""
     return bool(path) and not os.path.isabs(path) and ".." not in path.replace("\\", "/").split("/")
@@ -104,7 +121,7 @@ def prepare(box) -> None:
     folder = box.fresh_dir(FOLDER)
     startup = box.fresh_dir(STARTUP_DIR)
     with open(os.path.join(startup, "00-ddp-course-verify.py"), "w") as fh:
-        fh.write("import course.snapshot as _ddp_snapshot\n"
+        fh.write("import course.grading.snapshot as _ddp_snapshot\n"
                  f"_ddp_snapshot.install(get_ipython(), {folder!r})\n"
                  "del _ddp_snapshot\n")
 
@@ -140,7 +157,7 @@ def read(workdir: str, limit: int = 4 * MAX_SNAPSHOT) -> list[Snapshot]:
                 raw = json.loads(data)
                 snap = Snapshot(int(name[:-5]), str(raw["source"]),
                                 *({str(k): str(v) for k, v in dict(raw.get(key) or {}).items()}
-                                  for key in ("objects", "errors", "files")))
+                                  for key in ("objects", "errors", "files", "kinds", "callable", "sources")))
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
             found.append(snap)

@@ -3,7 +3,7 @@
 :func:`execute` runs every code cell in order, like nbgrader's autograde: a cell
 that fails or times out gets an error output and the next cell runs. The result,
 :class:`Execution`, says which cells ran, so a cell that never ran (the kernel
-died earlier) is never mistaken for a cell that passed. :mod:`course.inprocess`
+died earlier) is never mistaken for a cell that passed. :mod:`course.grading.inprocess`
 offers the same interface without a kernel, for fast grading in tests.
 """
 
@@ -15,25 +15,12 @@ from pathlib import Path
 
 import nbformat
 from nbformat import NotebookNode
-from nbgrader.utils import is_grade
+
+from course.errors import NotebookError  # noqa: F401 - re-exported
+from course.grading.cells import Timeouts  # noqa: F401 - re-exported
 
 #: the ename of the error output a timed-out cell gets
 TIMEOUT_ENAME = "CellTimeoutError"
-
-
-class NotebookError(Exception):
-    """A notebook that cannot be read or graded; ``str()`` is one line for the user."""
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds each cell may run: test cells run multi-rank checks, so they get longer."""
-
-    test: float = 300.0
-    other: float = 60.0
-
-    def for_cell(self, cell: NotebookNode) -> float:
-        return self.test if is_grade(cell) else self.other
 
 
 @dataclass
@@ -45,6 +32,8 @@ class Execution:
     ran: set[int] = field(default_factory=set)
     #: why execution stopped before the last cell ("" when every cell ran)
     aborted: str = ""
+    #: report-level lines from the pipeline: how isolated the run was, cells graded from their own output
+    notes: list[str] = field(default_factory=list)
 
 
 def read(path: str | Path) -> NotebookNode:

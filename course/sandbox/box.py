@@ -7,7 +7,7 @@ unprivileged uid (no passwd entry), a memory/pids cgroup and the work folder
 everything the sandbox started (one kill(-1) as the uid, the cgroup, the
 supervisors) and gives the folder back.
 
-The wrapper (:mod:`course.sandbox_run`), as root, runs ``CMD`` in a new network
+The wrapper (:mod:`course.sandbox.wrapper`), as root, runs ``CMD`` in a new network
 namespace (loopback only: ranks still rendezvous on 127.0.0.1) and a private
 mount namespace where the exercises' sources, the nbgrader course folder and
 .git are covered by empty read-only tmpfs mounts, /tmp and /dev/shm are
@@ -32,15 +32,13 @@ import shutil
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
-from course.launch import GRADING_ENV
-from course.sandbox_os import (  # noqa: F401 - re-exported: the sandbox's public names live here
+from course.launcher.job import GRADING_ENV
+from course.sandbox.limits import GiB, Limits, MiB  # noqa: F401 - re-exported
+from course.sandbox.linux import (  # noqa: F401 - re-exported: the sandbox's public names live here
     TOKEN_ENV,
     Cgroups,
-    GiB,
-    MiB,
     blocking_ancestor,
     is_under,
     kill_tree,
@@ -58,27 +56,6 @@ KERNEL_DIR = ".kernel"
 HOME_DIR = ".home"
 
 _FORCE_PARTIAL_ENV = "DDP_COURSE_SANDBOX_PARTIAL"  # tests: behave as when not root
-
-
-@dataclass
-class Limits:
-    """Resource limits of one sandbox (all processes of one submission together, where the OS allows)."""
-
-    #: bytes of memory for the whole sandbox (cgroup); a kernel, its forkserver and 4 gloo ranks
-    #: training a small DDP model use ~0.8 GB (measured: 250 MB kernel, 290 MB forkserver,
-    #: 4 x 15-100 MB ranks sharing the forkserver's pages)
-    memory: int = 3 * GiB
-    #: bytes of address space per process, used only when no cgroup is available (torch ranks map ~1 GB)
-    address_space: int = 6 * GiB
-    #: processes + threads of the sandbox uid (a kernel + 4 ranks use ~60)
-    nproc: int = 512
-    #: CPU seconds per process
-    cpu_seconds: int = 1800
-    #: largest file a sandboxed process may write
-    file_size: int = 512 * MiB
-    open_files: int = 4096
-    #: size of the private /tmp and /dev/shm (counted in ``memory`` too)
-    tmp_size: int = 1 * GiB
 
 
 # --------------------------------------------------------------------------- the grader side
@@ -399,7 +376,7 @@ def _kernel_manager_class():
         nproc_limit = Integer(Limits.nproc, help="Processes and threads of the sandbox.").tag(config=True)
         cpu_limit = Integer(Limits.cpu_seconds, help="CPU seconds per process.").tag(config=True)
         file_size_limit = Integer(Limits.file_size, help="Largest file a sandboxed process may write.").tag(config=True)
-        snapshot_checks = Bool(True, help="Record what each check call receives, for course.verify.").tag(config=True)
+        snapshot_checks = Bool(True, help="Record what each check call receives, for course.grading.verifier.").tag(config=True)
 
         sandbox: Sandbox | None = None
 
@@ -423,7 +400,7 @@ def _kernel_manager_class():
             self.connection_file = os.path.join(kernel_dir, "kernel.json")
             self.ip = os.path.join(kernel_dir, "ipc")
             if self.snapshot_checks:
-                from course import snapshot
+                from course.grading import snapshot
 
                 snapshot.prepare(box)
             kw["cwd"] = workdir
@@ -468,10 +445,3 @@ def course_paths(config) -> list[str]:
     if os.path.islink(source) or os.path.isdir(source):
         paths.append(os.path.dirname(os.path.realpath(source)))
     return paths
-
-
-if __name__ == "__main__":
-    from course.sandbox_run import main
-
-    sys.exit(main())
-

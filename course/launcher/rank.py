@@ -1,4 +1,4 @@
-"""The rank side of :func:`course.launch.run_ranks`.
+"""The rank side of :func:`course.launcher.job.launch`: what runs inside each rank process.
 
 Each rank process is forked from a warm forkserver that has this module (and
 torch) preloaded. ``rank_main`` sets the process up like a torchrun worker,
@@ -119,7 +119,7 @@ def _write(path: str, obj: dict, safe: bool) -> None:
     os.replace(tmp, path)
 
 
-def _rendezvous_through_file(job: dict) -> None:
+def _rendezvous_through_file(spec: dict) -> None:
     """Rendezvous at the launcher's MASTER_ADDR:MASTER_PORT goes through a FileStore in the job folder.
 
     Every TCPStore connection makes c10d format both ends' addresses with a
@@ -130,26 +130,26 @@ def _rendezvous_through_file(job: dict) -> None:
     """
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
     real = rendezvous._create_c10d_store
-    env = job["env"]
+    env = spec["env"]
 
     def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
         if hostname == env["MASTER_ADDR"] and int(port) == int(env["MASTER_PORT"]):
-            return _file_store(job, timeout)
+            return _file_store(spec, timeout)
         return real(hostname, port, rank, world_size, timeout, use_libuv)
 
     create_store.__wrapped__ = real
     rendezvous._create_c10d_store = create_store
 
 
-def _file_store(job: dict, timeout):
+def _file_store(spec: dict, timeout):
     from torch.distributed import FileStore
 
-    store = FileStore(job["store_path"], -1)  # -1: never deletes the file; the job folder goes at the end
+    store = FileStore(spec["store_path"], -1)  # -1: never deletes the file; the job folder goes at the end
     store.set_timeout(timeout)
     return store
 
 
-def _finish_barrier(job: dict) -> None:
+def _finish_barrier(spec: dict) -> None:
     """Leave only once every rank has returned from ``fn``.
 
     A rank that exits while its peers are still connecting (init_process_group
@@ -159,9 +159,9 @@ def _finish_barrier(job: dict) -> None:
     """
     from datetime import timedelta
 
-    env = job["env"]
+    env = spec["env"]
     try:
-        store = _file_store(job, timedelta(seconds=job["timeout"]))
+        store = _file_store(spec, timedelta(seconds=spec["timeout"]))
         if store.add("ddp_course/finished", 1) >= int(env["WORLD_SIZE"]):
             store.set("ddp_course/all_finished", "1")
         store.wait(["ddp_course/all_finished"])
@@ -178,9 +178,9 @@ def _pg_initialized() -> bool:
         return False
 
 
-def rank_main(rank: int, jobs: list[dict]) -> None:
-    """Entry point, called by torch.multiprocessing as ``rank_main(rank, jobs)``."""
-    job = jobs[rank]
+def rank_main(rank: int, specs: list[dict]) -> None:
+    """Entry point, called by torch.multiprocessing as ``rank_main(rank, specs)`` (one spec per rank)."""
+    spec = specs[rank]
     # Everything preloaded by the forkserver (torch and friends) is long-lived:
     # keep the collector from walking it (and copying its pages) in every rank.
     gc.freeze()
@@ -188,40 +188,40 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
         os.setsid()  # own process group: the launcher kills rank + children at once
     except OSError:
         pass
-    _redirect_output(job["log_path"])
-    _watch_parent(job["parent_pid"])
+    _redirect_output(spec["log_path"])
+    _watch_parent(spec["parent_pid"])
     os.environ.clear()
-    os.environ.update(job["env"])
-    os.chdir(job["cwd"])
-    for name, entry in job["linecache"].items():
+    os.environ.update(spec["env"])
+    os.chdir(spec["cwd"])
+    for name, entry in spec["linecache"].items():
         linecache.cache.setdefault(name, entry)
 
     import torch
 
-    torch.set_num_threads(job["num_threads"])
+    torch.set_num_threads(spec["num_threads"])
     _patch_destroy()
-    _rendezvous_through_file(job)
+    _rendezvous_through_file(spec)
 
     code = 0
     try:
-        fn, args = cloudpickle.loads(job["payload"])
+        fn, args = cloudpickle.loads(spec["payload"])
         value = fn(rank, *args)
         try:
             _write(
-                job["result_path"],
+                spec["result_path"],
                 {
                     "value": value,
                     "pg_initialized": _pg_initialized(),
                     "destroy_called": _STATE["destroy_called"],
                 },
-                job["safe"],
+                spec["safe"],
             )
         except Exception as exc:  # the value could not be pickled
             raise TypeError(
                 f"rank {rank} returned a {type(value).__name__} that cannot be sent "
                 f"back to the launcher ({exc}); return plain Python values or tensors"
             ) from None
-        _finish_barrier(job)
+        _finish_barrier(spec)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         code = 1
         report = {"traceback": "", "type": "", "message": "", "exception": None}
@@ -229,13 +229,13 @@ def rank_main(rank: int, jobs: list[dict]) -> None:
             report.update(traceback=_student_traceback(exc), type=type(exc).__name__, message=str(exc))
         except BaseException:  # noqa: BLE001
             report.update(type=type(exc).__name__, message="(the exception could not be printed)")
-        if not job["safe"]:
+        if not spec["safe"]:
             try:
                 report["exception"] = cloudpickle.dumps(exc)
             except Exception:
                 pass
         try:
-            _write(job["error_path"], report, job["safe"])
+            _write(spec["error_path"], report, spec["safe"])
         except Exception:
             sys.stderr.write(report["traceback"])
     finally:

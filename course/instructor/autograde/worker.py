@@ -18,10 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
-from course import sandbox_os
 from course.instructor.coursedir import load_config
 from course.instructor.gradebook import sqlite_url
-from course.launch import CPUS_ENV
+from course.launcher.job import CPUS_ENV
+from course.sandbox import linux as sandbox_os
 
 
 def kill_tree(pid: int, include_self: bool = True) -> None:

@@ -1,14 +1,14 @@
 """Read a test cell as the check calls it makes: ``graders.ex2.check_sampler(make_loader)``.
 
 A test cell the grader can re-run on its own is a sequence of calls to
-``graders.<module>.check_<name>(...)`` whose arguments are names of the
-notebook's objects or literals (plus comments and ``import graders...``
-lines). Anything else returns None: such a cell can only be graded from the
+``graders.<module>.check_<name>(...)`` (or another package of :func:`check_packages`)
+whose arguments are names of the notebook's objects or literals (plus comments and
+``import graders...`` lines). Anything else returns None: such a cell can only be graded from the
 notebook's own output. Parsing never runs the cell.
 
 The student's kernel runs no check at all: for a test cell made of check calls,
 :func:`kernel_source` is one comment naming the notebook objects and files the
-checks use, so the kernel's snapshot hook records them (see :mod:`course.snapshot`)
+checks use, so the kernel's snapshot hook records them (see :mod:`course.grading.snapshot`)
 and the trusted verifier runs the whole cell, hidden tests included, once. Hidden
 tests never reach the kernel, and no check runs twice.
 """
@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from dataclasses import dataclass
+
+from course.grading.cells import HIDDEN_BEGIN, HIDDEN_END
 
 #: an argument: ("name", "make_loader") or ("value", 3)
 Arg = tuple[str, object]
 
 
-HIDDEN_BEGIN, HIDDEN_END = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
+#: packages whose ``<package>.<module>.check_<name>(...)`` calls the grader runs as checks: the course's
+#: ``graders`` and those named (comma-separated) in this variable, e.g. an instructor's own exercises'
+CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
+
+
+def check_packages() -> tuple[str, ...]:
+    """The packages whose ``check_*`` functions test cells may call (see :data:`CHECK_PACKAGES_ENV`)."""
+    extra = [name.strip() for name in os.environ.get(CHECK_PACKAGES_ENV, "").split(",")]
+    return ("graders", *[n for n in extra if n.isidentifier() and n != "graders"])
+
+
 #: the comment the kernel runs in place of a test cell of check calls (followed by what they use, as JSON)
 USES_PREFIX = "# (the grader runs this cell's checks itself; they use: "
 
@@ -71,7 +84,7 @@ def _call(node: ast.expr) -> CheckCall | None:
         return None
     func = node.func
     if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute)
-            and isinstance(func.value.value, ast.Name) and func.value.value.id == "graders"
+            and isinstance(func.value.value, ast.Name) and func.value.value.id in check_packages()
             and func.attr.startswith("check_") and not func.value.attr.startswith("_")):
         return None
     args = [_arg(a) for a in node.args]
@@ -83,7 +96,7 @@ def _call(node: ast.expr) -> CheckCall | None:
         if kw.arg is None or value is None:
             return None
         kwargs.append((kw.arg, value))
-    return CheckCall(f"graders.{func.value.attr}", func.attr, tuple(args), tuple(kwargs))
+    return CheckCall(f"{func.value.value.id}.{func.value.attr}", func.attr, tuple(args), tuple(kwargs))
 
 
 def hidden_lines(source: str) -> set[int]:
@@ -111,7 +124,7 @@ def parse(source: str) -> list[CheckCall] | None:
     hidden = hidden_lines(source)
     calls = []
     for stmt in tree.body:
-        if isinstance(stmt, ast.Import) and all(a.name.split(".")[0] == "graders" and a.asname is None
+        if isinstance(stmt, ast.Import) and all(a.name.split(".")[0] in check_packages() and a.asname is None
                                                 for a in stmt.names):
             continue
         if not isinstance(stmt, ast.Expr):

@@ -4,7 +4,7 @@ nbgrader grades one submission at a time, and its SQLite gradebook is unsafe
 for parallel writers. Here each submission is graded by nbgrader's own
 autograde in a private scratch course with its own gradebook (see
 :mod:`course.instructor.gradebook`), on one of N worker processes
-(:mod:`course.instructor.pool`); the parent alone writes the real gradebook,
+(:mod:`course.instructor.autograde.pool`); the parent alone writes the real gradebook,
 one finished submission at a time, then moves the autograded notebooks into
 ``autograded/``.
 
@@ -17,48 +17,32 @@ loses nothing already graded, and the next run grades only the rest.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
 import click
 import nbformat
 
+from course.errors import CourseError
+from course.instructor.autograde.records import (
+    Row,
+    Submission,
+    fill_scores,
+    is_graded,
+    missing_notebook_reason,
+    summary_table,
+    write_record,
+)
+from course.instructor.autograde.scratch import install_results, prepare_scratch, scratch_course, scratch_root
 from course.instructor.coursedir import Course, course_dir_option
-from course.instructor.gradebook import is_recorded, make_template, merge_submission, sqlite_url
+from course.instructor.gradebook import make_template
 
 #: what a submission may take beyond the sum of its cells' time limits (kernel start, nbgrader's own work)
 STARTUP_MARGIN = 120.0
-
-
-@dataclass(frozen=True, order=True)
-class Job:
-    assignment: str
-    student: str
-
-    def __str__(self) -> str:
-        return f"{self.student} · {self.assignment}"
-
-
-@dataclass
-class Row:
-    """One line of the summary table."""
-
-    job: Job
-    #: "graded", "already graded", "failed", "timeout", "interrupted", "not graded"
-    status: str
-    elapsed: float | None = None
-    reason: str = ""
-    score: float | None = None
-    max_score: float | None = None
-    zeroed: tuple[str, ...] = ()
-    cell_timeouts: tuple[str, ...] = ()
 
 
 def default_jobs() -> int:
@@ -67,47 +51,11 @@ def default_jobs() -> int:
     return max(1, min(8, (os.cpu_count() or 1) + 1))
 
 
-# -- what is already done -------------------------------------------------------------------------------
-
-
-def _submitted_notebooks(course: Course, job: Job) -> list[Path]:
-    folder = course.folder("submitted", job.student, job.assignment)
-    known = set(course.notebooks(job.assignment))
-    return sorted(p for p in folder.glob("*.ipynb") if p.stem in known)
-
-
-def missing_notebook_reason(course: Course, job: Job) -> str | None:
-    """Why nbgrader would find nothing to grade in this submission, or None."""
-    if _submitted_notebooks(course, job):
-        return None
-    folder = course.folder("submitted", job.student, job.assignment)
-    found = ", ".join(p.name for p in sorted(folder.glob("*.ipynb"))) or "no notebook"
-    wanted = ", ".join(f"{n}.ipynb" for n in course.notebooks(job.assignment))
-    return f"no {wanted} in {folder.relative_to(course.root)}/ (found: {found})"
-
-
-def is_graded(course: Course, job: Job) -> bool:
-    """Whether this submission's autograded notebooks are current and its scores are in the gradebook."""
-    submitted = course.folder("submitted", job.student, job.assignment)
-    autograded = course.folder("autograded", job.student, job.assignment)
-    notebooks = _submitted_notebooks(course, job)
-    if not notebooks or not autograded.is_dir():
-        return False
-    for nb in notebooks:
-        graded = autograded / nb.name
-        if not graded.is_file() or graded.stat().st_mtime < nb.stat().st_mtime:
-            return False
-    new, old = (course.coursedir.get_existing_timestamp(str(p)) for p in (submitted, autograded))
-    if new is not None and old is not None and new > old:
-        return False
-    return is_recorded(course.db_url, course.course_id, job.assignment, job.student)
-
-
-def job_timeout(course: Course, assignment: str) -> float:
+def submission_timeout(course: Course, assignment: str) -> float:
     """The most one submission may take: the sum of its cells' limits (Execute.timeout_func), each test
     cell once more for the verifier's re-run when the course verifies (VerifyTests), plus margins."""
-    from course.safeexec import VerifyTests
-    from course.verify import STARTUP as VERIFIER_STARTUP
+    from course.grading.pipeline import VerifyTests
+    from course.grading.verifier import STARTUP as VERIFIER_STARTUP
 
     execute = course.config.Execute
     timeout_func = execute.get("timeout_func")
@@ -135,146 +83,13 @@ def _autograde_steps(course: Course) -> list:
 
 def isolation_line(course: Course) -> str:
     """One line for the start of a run: how each notebook is isolated (course.sandbox), or that it is not."""
-    from course.safeexec import SandboxedExecute
+    from course.grading.execute import SandboxedExecute
     from course.sandbox import describe
 
     if SandboxedExecute in _autograde_steps(course):
         return describe()
     return ("sandbox: none: this course's nbgrader_config.py runs notebooks unsandboxed and unverified "
             "(it predates ddp-course's sandbox; `ddp-course init --force` rewrites it)")
-
-
-# -- records of each outcome, for `ddp-course status` -------------------------------------------------------
-
-
-def record_path(course: Course, job: Job) -> Path:
-    return course.state_dir / "autograde" / job.assignment / f"{job.student}.json"
-
-
-def log_path(course: Course, job: Job) -> Path:
-    return course.state_dir / "logs" / job.assignment / f"{job.student}.log"
-
-
-def write_record(course: Course, job: Job, status: str, elapsed: float | None, reason: str = "", log: str = "") -> None:
-    path = record_path(course, job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    logfile = log_path(course, job)
-    if log:
-        logfile.parent.mkdir(parents=True, exist_ok=True)
-        logfile.write_text(log)
-    record = {
-        "status": status,
-        "reason": reason,
-        "elapsed": round(elapsed, 1) if elapsed is not None else None,
-        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "log": str(logfile.relative_to(course.root)) if log else None,
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
-
-
-def read_record(course: Course, job: Job) -> dict | None:
-    try:
-        return json.loads(record_path(course, job).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-# -- scratch courses ------------------------------------------------------------------------------------------
-
-
-def _scratch_root(course: Course) -> Path:
-    return course.state_dir / "scratch"
-
-
-def scratch_course(course: Course, job: Job) -> Course:
-    """The private course a worker grades ``job`` in (same settings, its own root and SQLite gradebook)."""
-    from course.instructor.coursedir import load_config
-
-    root = _scratch_root(course) / f"{job.assignment}--{job.student}"
-    config = load_config(course.root)
-    config.CourseDirectory.root = str(root)
-    config.CourseDirectory.db_url = sqlite_url(root / "gradebook.db")
-    return Course(root, config=config)
-
-
-def prepare_scratch(course: Course, job: Job, template: Path) -> Course:
-    scratch = scratch_course(course, job)
-    if scratch.root.exists():
-        shutil.rmtree(scratch.root)
-    scratch.root.mkdir(parents=True)
-    scratch.folder("source").parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(course.folder("source"), scratch.folder("source"), target_is_directory=True)
-    shutil.copytree(course.folder("submitted", job.student, job.assignment),
-                    scratch.folder("submitted", job.student, job.assignment), copy_function=shutil.copy2)
-    shutil.copyfile(template, scratch.root / "gradebook.db")
-    return scratch
-
-
-def install_results(course: Course, scratch: Course, job: Job) -> None:
-    """Write the scores into the real gradebook (one transaction), then move the notebooks into autograded/."""
-    merge_submission(scratch.db_url, course.db_url, course.course_id, job.assignment, job.student)
-    source = scratch.folder("autograded", job.student, job.assignment)
-    dest = course.folder("autograded", job.student, job.assignment)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(source, dest)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-
-
-# -- summary -------------------------------------------------------------------------------------------------
-
-
-def fill_scores(course: Course, row: Row) -> Row:
-    """Add the gradebook's score, zero-scored tests and timed-out cells to a summary row."""
-    from nbgrader.api import MissingEntry
-
-    with course.gradebook() as gb:
-        try:
-            submission = gb.find_submission(row.job.assignment, row.job.student)
-        except MissingEntry:
-            return row
-        if row.status in ("graded", "already graded"):
-            row.score, row.max_score = submission.score, submission.max_score
-            row.zeroed = tuple(
-                g.name for nb in submission.notebooks for g in nb.grades
-                if g.max_score and g.score == 0 and g.cell.cell_type == "code"
-            )
-    autograded = course.folder("autograded", row.job.student, row.job.assignment)
-    timeouts = []
-    for path in sorted(autograded.glob("*.ipynb")):
-        for cell in nbformat.read(str(path), as_version=4).cells:
-            for output in cell.get("outputs", []):
-                if output.get("ename") == "CellTimeoutError":
-                    timeouts.append(cell.metadata.get("nbgrader", {}).get("grade_id") or f"{path.stem} cell")
-    row.cell_timeouts = tuple(timeouts)
-    return row
-
-
-def summary_table(rows: list[Row]):
-    from rich.table import Table
-
-    table = Table(title="autograde summary")
-    for column in ("student", "assignment", "score", "status", "time", "notes"):
-        table.add_column(column, justify="right" if column in ("score", "time") else "left",
-                         no_wrap=column != "notes")
-    for row in sorted(rows, key=lambda r: (r.job.student, r.job.assignment)):
-        score = f"{row.score:g} / {row.max_score:g}" if row.score is not None else "-"
-        notes = []
-        if row.zeroed:
-            notes.append("0 points: " + ", ".join(row.zeroed))
-        if row.cell_timeouts:
-            notes.append("cell timed out: " + ", ".join(row.cell_timeouts))
-        if row.reason:
-            notes.append(row.reason)
-        style = {"failed": "red", "timeout": "red", "interrupted": "yellow", "not graded": "yellow"}.get(row.status)
-        table.add_row(row.job.student, row.job.assignment, score, row.status,
-                      f"{row.elapsed:.0f} s" if row.elapsed is not None else "", "; ".join(notes), style=style)
-    return table
 
 
 #: failures nbgrader reports with a misleading or cryptic line, and what they mean
@@ -330,7 +145,7 @@ def _course_lock(course: Course):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            raise click.ClickException(
+            raise CourseError(
                 f"another ddp-course autograde is running in {course.root} (pid {fh.read().strip() or '?'})"
             ) from None
         fh.seek(0)
@@ -363,20 +178,20 @@ def _deferred_interrupts():
 
 
 def plan(course: Course, assignments: list[str], students: tuple[str, ...], force: bool):
-    """(jobs to grade, rows for the submissions that need no work)."""
+    """(submissions to grade, rows for the submissions that need no work)."""
     todo, rows = [], []
     for assignment, student in course.submitted(assignments):
         if students and student not in students:
             continue
-        job = Job(assignment, student)
-        reason = missing_notebook_reason(course, job)
+        submission = Submission(assignment, student)
+        reason = missing_notebook_reason(course, submission)
         if reason:
-            write_record(course, job, "failed", None, reason)
-            rows.append(Row(job, "failed", reason=reason))
-        elif not force and is_graded(course, job):
-            rows.append(Row(job, "already graded"))
+            write_record(course, submission, "failed", None, reason)
+            rows.append(Row(submission, "failed", reason=reason))
+        elif not force and is_graded(course, submission):
+            rows.append(Row(submission, "already graded"))
         else:
-            todo.append(job)
+            todo.append(submission)
     return todo, rows
 
 
@@ -410,14 +225,14 @@ def run_autograde(
             released = {a.name for a in gb.assignments}
         unreleased = sorted({j.assignment for j in todo} - released)
         if unreleased:
-            raise click.ClickException(
+            raise CourseError(
                 f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release"
             )
         console.print(isolation_line(course), highlight=False)
         return _grade(course, todo, rows, jobs=jobs, timeout=timeout, console=console)
 
 
-def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeout: float | None,
+def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int, timeout: float | None,
            console) -> AutogradeRun:
     """Grade ``todo`` on a worker pool with a progress display; ``rows`` (the work already done) grows."""
     from rich.progress import (
@@ -430,22 +245,22 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
         TimeRemainingColumn,
     )
 
-    from course.instructor.pool import WorkerPool
+    from course.instructor.autograde.pool import WorkerPool
 
-    scratch_root = _scratch_root(course)
-    shutil.rmtree(scratch_root, ignore_errors=True)  # what an interrupted run left
-    scratch_root.mkdir(parents=True)
-    template = scratch_root / "template.db"
+    scratch_dir = scratch_root(course)
+    shutil.rmtree(scratch_dir, ignore_errors=True)  # what an interrupted run left
+    scratch_dir.mkdir(parents=True)
+    template = scratch_dir / "template.db"
     make_template(course.db_url, course.course_id, sorted({j.assignment for j in todo}), template,
                   [(j.assignment, j.student) for j in todo])
-    limits = {a: timeout or job_timeout(course, a) for a in {j.assignment for j in todo}}
+    limits = {a: timeout or submission_timeout(course, a) for a in {j.assignment for j in todo}}
 
     pending = list(todo)
     pool = WorkerPool(min(jobs, len(todo)), course.root, course.state_dir / "logs" / "workers")
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-    started: dict[Job, float] = {}
-    slot_of: dict[Job, int] = {}
+    started: dict[Submission, float] = {}
+    slot_of: dict[Submission, int] = {}
     interrupted = False
     try:
         # refreshed from the loop below, not by a thread: the pool forks its workers from this process
@@ -457,12 +272,12 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
                 for index in pool.idle():
                     if not pending:
                         break
-                    job = pending.pop(0)
-                    scratch = prepare_scratch(course, job, template)
-                    pool.submit(index, job, {"scratch": str(scratch.root), "assignment": job.assignment,
-                                             "student": job.student}, limits[job.assignment])
-                    started[job], slot_of[job] = time.monotonic(), index
-                    progress.reset(slots[index], description=f"  {job}", total=None, visible=True)
+                    submission = pending.pop(0)
+                    scratch = prepare_scratch(course, submission, template)
+                    pool.submit(index, submission, {"scratch": str(scratch.root), "assignment": submission.assignment,
+                                             "student": submission.student}, limits[submission.assignment])
+                    started[submission], slot_of[submission] = time.monotonic(), index
+                    progress.reset(slots[index], description=f"  {submission}", total=None, visible=True)
 
             refill()
             while pending or pool.running():
@@ -483,34 +298,34 @@ def _grade(course: Course, todo: list[Job], rows: list[Row], *, jobs: int, timeo
                             f"{row.status:>8}  {row.job}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
     except KeyboardInterrupt:
         interrupted = True
-        running = [job for job, _ in pool.running()]
+        running = [submission for submission, _ in pool.running()]
         pool.close()
-        rows.extend(Row(job, "interrupted", time.monotonic() - started[job], "stopped: rerun to grade it")
-                    for job in running)
-        rows.extend(Row(job, "not graded", reason="rerun to grade it") for job in pending)
+        rows.extend(Row(submission, "interrupted", time.monotonic() - started[submission], "stopped: rerun to grade it")
+                    for submission in running)
+        rows.extend(Row(submission, "not graded", reason="rerun to grade it") for submission in pending)
     finally:
         pool.close()
-        shutil.rmtree(scratch_root, ignore_errors=True)
+        shutil.rmtree(scratch_dir, ignore_errors=True)
     return AutogradeRun([fill_scores(course, r) for r in rows], interrupted)
 
 
 def _finish(course: Course, outcome) -> Row:
-    """Install or record one ended job; its summary row."""
-    job: Job = outcome.job
-    scratch = scratch_course(course, job)
+    """Install or record one ended submission; its summary row."""
+    submission: Submission = outcome.job
+    scratch = scratch_course(course, submission)
     try:
         if outcome.kind == "done" and outcome.result.get("success"):
-            install_results(course, scratch, job)
-            write_record(course, job, "graded", outcome.elapsed, log=outcome.result.get("log", ""))
-            return fill_scores(course, Row(job, "graded", outcome.elapsed))
+            install_results(course, scratch, submission)
+            write_record(course, submission, "graded", outcome.elapsed, log=outcome.result.get("log", ""))
+            return fill_scores(course, Row(submission, "graded", outcome.elapsed))
         if outcome.kind == "done":
             reason = _short_reason(outcome.result)
             log = (outcome.result.get("log") or "") + "\n" + (outcome.result.get("error") or "")
-            write_record(course, job, "failed", outcome.elapsed, reason, log)
-            return Row(job, "failed", outcome.elapsed, reason)
+            write_record(course, submission, "failed", outcome.elapsed, reason, log)
+            return Row(submission, "failed", outcome.elapsed, reason)
         status = "timeout" if outcome.kind == "timeout" else "failed"
-        write_record(course, job, status, outcome.elapsed, outcome.detail)
-        return Row(job, status, outcome.elapsed, outcome.detail)
+        write_record(course, submission, status, outcome.elapsed, outcome.detail)
+        return Row(submission, status, outcome.elapsed, outcome.detail)
     finally:
         shutil.rmtree(scratch.root, ignore_errors=True)
 

@@ -1,11 +1,10 @@
 """``ddp-course grade NOTEBOOK``: grade one exercise notebook as nbgrader's autograde would, without a gradebook.
 
 :func:`grade_notebook` is the reusable entry point: it finds the source notebook of
-a student's copy, restores the locked cells (hidden tests included) from it,
-executes the result in a sandboxed kernel (:mod:`course.sandbox`; or, for tests,
-in this process), re-runs every check in the trusted verifier
-(:mod:`course.verify`) and scores every test cell by nbgrader's rules, giving the
-reason for every lost point.
+a student's copy, restores the locked cells (hidden tests included) from it, runs
+the grading pipeline on the result (:mod:`course.grading.pipeline`, the same steps
+``ddp-course autograde`` runs on nbgrader: sandboxed kernel, trusted verifier) and
+scores every test cell by nbgrader's rules, giving the reason for every lost point.
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import click
 
-from course.notebook import NotebookError, Timeouts, clear_outputs, read
-from course.scoring import GradeReport, score_notebook
-from course.sources import find_source, graded_cells, restore
+from course.errors import CourseError
+from course.grading.notebook import Timeouts, clear_outputs, read
+from course.grading.restore import find_source, graded_cells, restore
+from course.grading.scoring import GradeReport, score_notebook
 
 
 def grade_notebook(
@@ -36,7 +36,7 @@ def grade_notebook(
     this process instead (fast, shares this process's warm rank pool, no sandbox and no
     verification: for trusted notebooks, e.g. tests). ``output``: where to write the graded
     notebook (test cells showing the verdicts), as nbgrader's autograded/ copy would be. Raises
-    :class:`~course.notebook.NotebookError` for a notebook that cannot be read or matched.
+    :class:`~course.errors.NotebookError` for a notebook that cannot be read or matched, or whose kernel died at start.
     """
     path = Path(path)
     student = read(path)
@@ -45,15 +45,20 @@ def grade_notebook(
     nb = restore(student, source)
     clear_outputs(nb)
     if in_process:
-        from course.inprocess import execute
+        from course.grading.inprocess import execute
 
         run = execute(nb, path.resolve().parent, timeouts)
     else:
-        from course.safeexec import execute_verified
+        from traitlets.config import Config
 
-        run = execute_verified(nb, path.resolve().parent, timeouts, hide=[source_path.resolve().parent.parent])
+        from course.grading import pipeline
+
+        kernel = source.metadata.get("kernelspec", {}).get("name") or "python3"
+        config = pipeline.configure(Config(), test_timeout=timeouts.test, other_timeout=timeouts.other,
+                                    kernel_name=kernel, hide=[str(source_path.resolve().parent.parent)])
+        run = pipeline.run(nb, path.resolve().parent, config)
     report = score_notebook(run, graded_cells(source), str(path))
-    report.notes = list(getattr(run, "notes", []))
+    report.notes = list(run.notes)
     if output is not None:
         import nbformat
 
@@ -111,7 +116,7 @@ def command(notebook, as_json, exercises, test_timeout, timeout, output):
     try:
         report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout),
                                 output=output)
-    except NotebookError as err:
+    except CourseError as err:
         raise click.ClickException(str(err)) from None
     except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -3,18 +3,18 @@
 In the student's kernel, student code could monkeypatch the graders, the
 launcher or AssertionError, or print a fake "passed". So the kernel runs no
 check at all (a test cell of check calls becomes a comment there, see
-:func:`course.checkcalls.kernel_source`), and after the notebook ran, the
+:func:`course.grading.checkcalls.kernel_source`), and after the notebook ran, the
 checks run here, once:
 
-1. in the kernel, where each test cell would run, :mod:`course.snapshot` pickled
+1. in the kernel, where each test cell would run, :mod:`course.grading.snapshot` pickled
    the objects its check calls name (``graders.ex1.check_shards(shard_batch)``);
-2. :func:`verify_notebook` starts ``python -m course.verify`` in a fresh
+2. :func:`verify_notebook` starts ``python -m course.grading.verifier`` in a fresh
    sandbox (:mod:`course.sandbox`; no student code ran in that process, it
    imports nothing from the work folder) and hands it the test cells and the
    pickles as opaque bytes;
 3. the verifier calls the real checks with :class:`StudentObject` proxies in
    place of the student's objects. A proxy pickles as the student's own bytes,
-   so a check can ship it to ranks (course.launch), which unpickle and run it
+   so a check can ship it to ranks (:func:`course.launch`), which unpickle and run it
    inside the sandbox; every rank result comes back weights-only decoded
    (``ALWAYS_SAFE_RESULTS``), so nothing a student returns can run code in
    the verifier. A check that calls a student function directly gets a
@@ -34,19 +34,25 @@ import contextlib
 import io
 import json
 import os
-import pickle
 import secrets
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
-from course import checkcalls
+from course.grading import checkcalls
+from course.grading.cells import TEST_CELL_TIMEOUT, is_test_cell
+from course.grading.student import StudentObject, StudentObjectUsed
 
-#: seconds the verifier may spend on one test cell (its jobs have their own deadlines inside)
-DEFAULT_CELL_TIMEOUT = 300.0
+#: seconds the verifier may spend on one test cell (its jobs have their own deadlines inside): as long as
+#: the cell itself may run in the kernel
+DEFAULT_CELL_TIMEOUT = TEST_CELL_TIMEOUT
 STARTUP = 60.0  # the verifier's own start: imports, the forkserver's first start
+
+
+VerdictStatus = Literal["passed", "failed", "not run", "unchecked", ""]
 
 
 @dataclass
@@ -57,8 +63,8 @@ class Verdict:
     index: int
     grade_id: str
     #: "passed", "failed", "not run" (the cell never ran) or "unchecked" (not a check call:
-    #: graded from the notebook's own output)
-    status: str
+    #: graded from the notebook's own output); "" only while the verifier has not answered
+    status: VerdictStatus
     #: the student-facing message (CheckFailed's text on failure)
     message: str = ""
     #: what the checks printed on success ("passed check_x")
@@ -77,12 +83,7 @@ class Verdict:
 
 def test_cells(nb) -> list[tuple[int, dict]]:
     """(index, cell) of every nbgrader test cell (grade: true, code) of ``nb``."""
-    found = []
-    for index, cell in enumerate(nb.cells):
-        meta = cell.get("metadata", {}).get("nbgrader", {})
-        if cell.get("cell_type") == "code" and meta.get("grade") and not meta.get("solution"):
-            found.append((index, cell))
-    return found
+    return [(index, cell) for index, cell in enumerate(nb.cells) if is_test_cell(cell)]
 
 
 def kernel_passed(cell) -> bool:
@@ -101,7 +102,7 @@ def cell_ran(cell) -> bool:
 
 def _match_snapshots(cells, snapshots):
     """For each test cell (in order), the snapshot taken just before it ran: the next one with the source
-    the kernel ran (:func:`course.checkcalls.kernel_source`)."""
+    the kernel ran (:func:`course.grading.checkcalls.kernel_source`)."""
     matched, position = {}, 0
     for index, cell in cells:
         if not cell_ran(cell):
@@ -122,7 +123,7 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
     Call it once the notebook's kernel is dead (its snapshots are then final).
     The verifier runs in a new :class:`course.sandbox.Sandbox` of ``workdir``.
     """
-    from course import snapshot
+    from course.grading import snapshot
     from course.sandbox import Sandbox
 
     cells = test_cells(nb)
@@ -149,7 +150,8 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                          "used (was the grader's startup hook removed, or the kernel replaced?)")
             continue
         requests.append({"index": index, "source": cell["source"], "objects": snap.objects,
-                         "errors": snap.errors, "files": snap.files})
+                         "errors": snap.errors, "files": snap.files, "kinds": snap.kinds,
+                         "callable": snap.callable, "sources": snap.sources})
     if requests:
         with Sandbox(workdir, hide=hide, limits=limits) as box:
             if log:
@@ -180,7 +182,7 @@ def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
     from course.sandbox import HOME_DIR, python_flags
 
     box.fresh_dir(HOME_DIR)  # nothing the kernel left in its home (caches, user site-packages) reaches us
-    cmd = box.command([sys.executable, *python_flags(), "-m", "course.verify"])
+    cmd = box.command([sys.executable, *python_flags(), "-m", "course.grading.verifier"])
     full_env = dict(os.environ)
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -233,68 +235,6 @@ def summary(verdicts: list[Verdict]) -> list[str]:
 # --------------------------------------------------------------------------- the verifier process
 
 
-class StudentObjectUsed(AttributeError):
-    """A check tried to look inside a student object in the trusted process."""
-
-
-def _load_student(blob: bytes):
-    """Rank side: the student's object from its pickle (only ever called inside the sandbox)."""
-    return pickle.loads(blob)
-
-
-def _call_student(rank: int, obj, args: tuple, kwargs: dict):
-    return obj(*args, **kwargs)
-
-
-class StudentObject:
-    """Stands in the verifier for one object of the student's notebook.
-
-    It can travel to ranks (it pickles as the student's own bytes, unpickled
-    there, inside the sandbox) and be called (as a 1-rank sandboxed job whose
-    result is decoded weights-only). Anything else, such as reading an
-    attribute, raises :class:`StudentObjectUsed`: a check must not look inside
-    student objects in the grader's process.
-    """
-
-    _SAFE = {"__name__", "__qualname__"}
-
-    def __init__(self, name: str, blob: bytes):
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_blob", blob)
-        object.__setattr__(self, "misuse", [])
-
-    def __reduce__(self):
-        return (_load_student, (self._blob,))
-
-    def __call__(self, *args, **kwargs):
-        from course.launch import launch
-
-        try:
-            from graders.harness import check_timeout
-
-            timeout = check_timeout()
-        except ImportError:
-            timeout = 60.0
-        job = launch(_call_student, 1, args=(self, args, kwargs), echo=False, timeout=timeout, safe_results=True)
-        return job.values[0]
-
-    def __getattr__(self, attr: str):
-        if attr in self._SAFE:
-            return self._name
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)  # protocol probes (inspect, copy, pickle): "no such attribute"
-        self.misuse.append(attr)
-        raise StudentObjectUsed(
-            f"the check read `{self._name}.{attr}` in the grader's own process, where student code never runs")
-
-    def __setattr__(self, attr, value):
-        self.misuse.append(attr)
-        raise StudentObjectUsed(f"the check set `{self._name}.{attr}` in the grader's own process")
-
-    def __repr__(self) -> str:
-        return f"<student object {self._name}>"
-
-
 class _CellDeadline(BaseException):
     pass
 
@@ -310,8 +250,7 @@ def _resolve(call: checkcalls.CheckCall):
 
 
 def _verify_cell(request: dict, cell_timeout: float) -> dict:
-    from course.exceptions import LaunchError
-    from graders.core import CheckFailed
+    from course.errors import CheckFailed, LaunchError
 
     calls = checkcalls.parse(request["source"])
     result = {"index": request["index"]}
@@ -321,7 +260,9 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
         _restore_file(path, data)
     proxies: dict[str, StudentObject] = {}
     for name, blob in request.get("objects", {}).items():
-        proxies[name] = StudentObject(name, base64.b64decode(blob))
+        proxies[name] = StudentObject(name, base64.b64decode(blob), kind=request.get("kinds", {}).get(name, ""),
+                                      is_callable=request.get("callable", {}).get(name, "yes") != "no",
+                                      source=request.get("sources", {}).get(name))
     printed = io.StringIO()
 
     def on_alarm(signum, frame):
@@ -364,7 +305,7 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
 
 def _restore_file(path: str, data: str) -> None:
     """Put back a file a check reads (as it was when the test ran), without leaving the work folder."""
-    from course.snapshot import _plain_relative
+    from course.grading.snapshot import _plain_relative
 
     if not _plain_relative(path):
         return
@@ -388,9 +329,8 @@ def serve() -> int:
     request = json.loads(sys.stdin.buffer.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    import importlib
+    from course.launcher import job as launcher
 
-    launcher = importlib.import_module("course.launch")  # the module (course.launch is also a function)
     launcher.ALWAYS_SAFE_RESULTS = True
     launcher.warm_up()  # the forkserver imports torch while we import the graders
     nonce = request["nonce"]

@@ -1,13 +1,13 @@
-"""A pool of autograde workers with a deadline per job.
+"""A pool of autograde workers with a deadline per task (a task: one submission to grade).
 
-Each slot holds one :mod:`course.instructor.worker` process, forked from the
+Each slot holds one :mod:`course.instructor.autograde.worker` process, forked from the
 caller, so it starts with nbgrader already imported (a spawned one would spend
 ~2 s of CPU importing it again, per worker). The caller must have no other
 thread when it creates or refills the pool (autograde's progress display is
 refreshed from its poll loop for that reason) and hold no open gradebook
-connection. A job that passes its deadline, or a worker that dies, costs that
+connection. A task that passes its deadline, or a worker that dies, costs that
 slot its worker: its whole process tree is killed and a fresh worker takes the
-next job.
+next task.
 """
 
 from __future__ import annotations
@@ -19,21 +19,25 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from course.instructor import worker as worker_module
 
 _READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
 
 
+#: how a task ended: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
+OutcomeKind = Literal["done", "timeout", "died"]
+
+
 @dataclass
 class Outcome:
-    """How one job ended: nbgrader's result dict, or why there is none."""
+    """How one task ended: nbgrader's result dict, or why there is none."""
 
-    job: Any
+    task: Any
     result: dict | None = None
     #: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
-    kind: str = "done"
+    kind: OutcomeKind = "done"
     elapsed: float = 0.0
     detail: str = ""
 
@@ -44,7 +48,7 @@ class _Slot:
     process: Any = None
     conn: Any = None
     ready: bool = False
-    job: Any = None
+    task: Any = None
     payload: dict = field(default_factory=dict)
     started: float = 0.0
     timeout: float = 0.0
@@ -87,21 +91,21 @@ class WorkerPool:
         slot.ready = False
 
     def idle(self) -> list[int]:
-        """Slots free for a job."""
-        return [s.index for s in self._slots if s.job is None]
+        """Slots free for a task."""
+        return [s.index for s in self._slots if s.task is None]
 
     def running(self) -> list[tuple[Any, float]]:
-        """(job, seconds running) for every running job."""
+        """(task, seconds running) for every running task."""
         now = time.monotonic()
-        return [(s.job, now - s.started) for s in self._slots if s.job is not None]
+        return [(s.task, now - s.started) for s in self._slots if s.task is not None]
 
-    def submit(self, index: int, job: Any, payload: dict, timeout: float) -> None:
-        """Start ``job`` on slot ``index``; ``payload`` goes to worker.grade; killed after ``timeout`` s."""
+    def submit(self, index: int, task: Any, payload: dict, timeout: float) -> None:
+        """Start ``task`` on slot ``index``; ``payload`` goes to worker.grade; killed after ``timeout`` s."""
         slot = self._slots[index]
         if slot.process is None or not slot.process.is_alive():
             self._kill(slot)
             self._start(slot)
-        slot.job, slot.payload, slot.timeout = job, payload, timeout
+        slot.task, slot.payload, slot.timeout = task, payload, timeout
         slot.started = time.monotonic()
         slot.deadline = slot.started + timeout + (0 if slot.ready else _READY_TIMEOUT)
         if slot.ready:
@@ -110,7 +114,7 @@ class WorkerPool:
     def poll(self, wait: float = 0.5) -> list[Outcome]:
         """Wait up to ``wait`` s for workers; return the jobs that finished, timed out or lost their worker."""
         ended: list[Outcome] = []
-        busy = {s.conn: s for s in self._slots if s.job is not None and s.conn is not None}
+        busy = {s.conn: s for s in self._slots if s.task is not None and s.conn is not None}
         for conn in multiprocessing.connection.wait(list(busy), timeout=wait) if busy else []:
             slot = busy[conn]
             try:
@@ -130,20 +134,20 @@ class WorkerPool:
             time.sleep(wait)
         now = time.monotonic()
         for slot in self._slots:
-            if slot.job is not None and now > slot.deadline:
+            if slot.task is not None and now > slot.deadline:
                 ended.append(self._end(slot, "timeout", f"still running after {now - slot.started:.0f} s: stopped"))
                 self._kill(slot)
         return ended
 
-    def _end(self, slot: _Slot, kind: str, detail: str = "", result: dict | None = None) -> Outcome:
-        outcome = Outcome(slot.job, result, kind, time.monotonic() - slot.started, detail)
-        slot.job, slot.payload = None, {}
+    def _end(self, slot: _Slot, kind: OutcomeKind, detail: str = "", result: dict | None = None) -> Outcome:
+        outcome = Outcome(slot.task, result, kind, time.monotonic() - slot.started, detail)
+        slot.task, slot.payload = None, {}
         return outcome
 
     def close(self) -> None:
         """Stop every worker (running jobs are killed with their process trees)."""
         for slot in self._slots:
-            if slot.job is None and slot.conn is not None and slot.process is not None and slot.process.is_alive():
+            if slot.task is None and slot.conn is not None and slot.process is not None and slot.process.is_alive():
                 try:
                     slot.conn.send(None)
                     slot.process.join(timeout=5)

@@ -1,6 +1,6 @@
 """The Linux pieces of the sandbox: namespaces and mounts (libc through ctypes), cgroups, killing by uid.
 
-Used by :mod:`course.sandbox` (the grader side) and :mod:`course.sandbox_run`
+Used by :mod:`course.sandbox` (the grader side) and :mod:`course.sandbox.wrapper`
 (the wrapper that starts a submission's process). Python 3.11 has no
 ``os.unshare``, hence ctypes.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from course.sandbox import Limits
+from course.sandbox.limits import GiB
 
-GiB = 1 << 30
-MiB = 1 << 20
+if TYPE_CHECKING:
+    from course.sandbox.limits import Limits
+
 #: environment marker of every sandboxed process (used to find strays when not root)
 TOKEN_ENV = "DDP_COURSE_SANDBOX"
 

@@ -1,23 +1,19 @@
-"""Executing a submission safely: sandboxed kernel, bounded cells, trusted verdicts (nbclient and nbgrader glue).
+"""Step 2 of the grading pipeline: execute a submission in a sandboxed kernel, every cell bounded.
 
-* :class:`GuardedExecution` (an nbclient mixin): a kernel that dies (``os._exit``,
-  out of memory), a cell that ignores the interrupt after its time limit, or an
-  output flood costs the submission the cells from there on, with a clear
-  message in each, instead of aborting the whole notebook (nbclient raises
-  DeadKernelError; nbgrader then loses the entire submission).
-* :class:`SandboxedClient`: an nbclient NotebookClient with that behaviour and
-  the kernel in :class:`course.sandbox.SandboxKernelManager`.
-* :class:`SandboxedExecute` and :class:`VerifyTests`: the same for nbgrader's
-  autograde (``c.Autograde.autograde_preprocessors``), the second placed after
-  the first: it re-runs the checks in the trusted verifier and rewrites the test
-  cells' outputs to its verdicts (:mod:`course.verify`), so SaveAutoGrades
-  stores trusted scores.
+:class:`SandboxedExecute` is nbgrader's Execute with the kernel in the sandbox
+(:class:`course.sandbox.SandboxKernelManager`) and :class:`GuardedExecution`'s
+bounds: a kernel that dies (``os._exit``, out of memory), a cell that ignores the
+interrupt after its time limit, or an output flood costs the submission the cells
+from there on, with a clear message in each, instead of aborting the whole
+notebook (nbclient raises DeadKernelError; nbgrader then loses the entire
+submission). Both ``ddp-course grade`` and ``ddp-course autograde`` run it, as
+the first of :data:`course.grading.pipeline.GRADING_STEPS`.
 
 The student's kernel runs no check: a test cell of check calls becomes a comment
 naming what the checks use (:func:`kernel_source`), so each check runs once, in
-the verifier, and hidden tests never reach the kernel, where a later cell could
-read them back (``_ih``, ``In``, linecache, a ``pre_run_cell`` hook) and print
-them into the graded notebook.
+the verifier (:mod:`course.grading.verifier`), and hidden tests never reach the
+kernel, where a later cell could read them back (``_ih``, ``In``, linecache, a
+``pre_run_cell`` hook) and print them into the graded notebook.
 """
 
 from __future__ import annotations
@@ -27,11 +23,12 @@ import os
 
 import nbformat
 from jupyter_core.utils import run_sync
-from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
-from nbconvert.preprocessors import Preprocessor
-from traitlets import Bool, Float, Integer, List, Unicode
+from traitlets import Float, Integer
 from traitlets.config import Configurable
+
+from course.grading import cells
+from course.grading.notebook import TIMEOUT_ENAME, timeout_output
 
 KILLED_ENAME = "KernelStopped"
 
@@ -109,6 +106,32 @@ class GuardedExecution(Configurable):
     execute = run_sync(async_execute)
     execute_cell = run_sync(async_execute_cell)
 
+    #: where the kernel process's own stdout/stderr go (the cells' outputs come as messages): None
+    #: inherits ours; ``ddp-course grade --json`` must print nothing but JSON
+    kernel_log = None
+    #: what protects the grader from this notebook (set when its kernel starts)
+    sandbox_summary = ""
+
+    async def async_start_new_kernel(self, **kwargs):
+        if self.kernel_log is not None:
+            kwargs.setdefault("stdout", self.kernel_log)
+            kwargs.setdefault("stderr", self.kernel_log)
+        await super().async_start_new_kernel(**kwargs)
+        box = getattr(self.km, "sandbox", None)
+        self.sandbox_summary = box.summary if box is not None else ""
+
+    start_new_kernel = run_sync(async_start_new_kernel)
+
+    def on_cell_executed(self, **kwargs):
+        """A cell stopped by its time limit gets an error output saying after how long (both verbs alike)."""
+        cell, reply = kwargs["cell"], kwargs.get("execute_reply") or {}
+        content = reply.get("content", {})
+        if content.get("status") == "error" and content.get("ename") == TIMEOUT_ENAME:
+            cell.outputs = [o for o in cell.outputs if o.get("ename") != TIMEOUT_ENAME]
+            cell.outputs.append(timeout_output(self.timeout_func(cell) if self.timeout_func else self.timeout))
+            return
+        super().on_cell_executed(**kwargs)
+
     def output(self, outs, msg, display_id, cell_index):
         self._guard()
         size = _size(msg)
@@ -129,12 +152,9 @@ class GuardedExecution(Configurable):
 
 def kernel_source(cell) -> str:
     """The source the kernel runs for ``cell``: a test cell the verifier runs becomes a comment."""
-    from course import checkcalls
+    from course.grading import checkcalls
 
-    meta = cell.get("metadata", {}).get("nbgrader", {})
-    if cell.get("cell_type") == "code" and meta.get("grade") and not meta.get("solution"):
-        return checkcalls.kernel_source(cell.source)
-    return cell.source
+    return checkcalls.kernel_source(cell.source) if cells.is_test_cell(cell) else cell.source
 
 
 def _size(msg) -> int:
@@ -143,38 +163,6 @@ def _size(msg) -> int:
         return len(content["text"])
     data = content.get("data") or {}
     return sum(len(v) if isinstance(v, str) else len(str(v)) for v in data.values()) + len(str(content.get("traceback", "")))
-
-
-class SandboxedClient(GuardedExecution, NotebookClient):
-    """nbclient's NotebookClient with a sandboxed kernel and bounded cells (see the module doc)."""
-
-    def __init__(self, nb, **kw):
-        from course.sandbox import SandboxKernelManager
-
-        kw.setdefault("kernel_manager_class", SandboxKernelManager)
-        kw.setdefault("allow_errors", True)
-        kw.setdefault("interrupt_on_timeout", True)
-        kw.setdefault("error_on_timeout", {"ename": "CellTimeoutError", "evalue": "",
-                                           "traceback": ["CellTimeoutError: No reply from kernel before timeout"]})
-        super().__init__(nb, **kw)
-        self.on_cell_executed = _record_timeout_error
-
-    sandbox_summary = ""  # what protects the grader from this notebook (set when its kernel starts)
-
-    async def async_start_new_kernel(self, **kwargs):
-        await super().async_start_new_kernel(**kwargs)
-        box = getattr(self.km, "sandbox", None)
-        self.sandbox_summary = box.summary if box is not None else ""
-
-
-def _record_timeout_error(cell, cell_index, execute_reply):
-    """Put a timeout (an error reply without an error output) into the cell, as nbgrader's Execute does."""
-    content = execute_reply["content"]
-    if content.get("status") == "error" and not any(
-            o.get("output_type") == "error" and o.get("ename") == content.get("ename") for o in cell.outputs):
-        cell.outputs.append(nbformat.v4.new_output("error", ename=content.get("ename", ""),
-                                                   evalue=content.get("evalue", ""),
-                                                   traceback=content.get("traceback") or []))
 
 
 # --------------------------------------------------------------------------- nbgrader
@@ -187,33 +175,47 @@ def _execute_base():
 
 
 class SandboxedExecute(GuardedExecution, _execute_base()):
-    """nbgrader's Execute with the kernel in the sandbox and bounded cells: use in place of Execute.
+    """nbgrader's Execute with the kernel in the sandbox and bounded cells: the pipeline's execution step.
 
     nbgrader executes the notebook in the folder where it wrote the restored copy
     (hidden tests included) a moment before; that file, and any other notebook there
     that holds hidden tests, is moved out of the folder while the kernel runs.
+    ``resources["ddp_course"]`` gets ``notes`` (the sandbox summary) and ``stopped``
+    (why the kernel was stopped early, "" when every cell ran).
     """
 
     def __init__(self, *args, **kwargs):
         from course.sandbox import SandboxKernelManager
 
         kwargs.setdefault("kernel_manager_class", SandboxKernelManager)
+        kwargs.setdefault("error_on_timeout", {"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []})
         super().__init__(*args, **kwargs)
 
     def preprocess(self, nb, resources=None, km=None):
-        workdir = (resources or {}).get("metadata", {}).get("path") or os.getcwd()
+        resources = resources if resources is not None else {}
+        workdir = resources.get("metadata", {}).get("path") or os.getcwd()
+        self._stop_reason, self._output_bytes = None, None
         with hidden_notebooks_away(workdir):
-            return super().preprocess(nb, resources, km=km)
-
-
-#: a notebook holding this text holds hidden tests (nbgrader's marker): the kernel must not see it
-HIDDEN_MARKER = b"BEGIN HIDDEN TESTS"
+            try:
+                nb, resources = super().preprocess(nb, resources, km=km)
+            except RuntimeError as err:
+                if "before replying" not in str(err):
+                    raise
+                # a RuntimeError, as nbclient raises it: grading did not run (not a fault of the notebook's cells)
+                raise RuntimeError(f"the sandboxed kernel died before it started: {_last_words(self.kernel_log)}") from err
+        state = resources.setdefault("ddp_course", {})
+        state.setdefault("notes", [])
+        if self.sandbox_summary:
+            state["notes"].append(self.sandbox_summary)
+        state["stopped"] = self.stop_reason or ""
+        return nb, resources
 
 
 def holds_hidden_tests(path: str) -> bool:
+    """Whether the notebook file at ``path`` holds hidden tests: the kernel must not see it."""
     try:
         with open(path, "rb") as fh:
-            return HIDDEN_MARKER in fh.read()
+            return cells.holds_hidden_tests(fh.read())
     except OSError:
         return False
 
@@ -248,41 +250,12 @@ def hidden_notebooks_away(workdir: str):
         shutil.rmtree(stash, ignore_errors=True)
 
 
-class VerifyTests(Preprocessor):
-    """After SandboxedExecute: re-run the checks in the trusted verifier and rewrite the test cells' outputs.
-
-    ``resources["ddp_course"]`` gets the verdicts and the sandbox summary.
-    """
-
-    enabled = Bool(True, help="nbconvert runs a preprocessor only when enabled.").tag(config=True)
-    hide = List(Unicode(), help="Paths the verifier's ranks must not see (besides the course folder).").tag(config=True)
-    cell_timeout = Float(300.0, help="Seconds the verifier may spend on one test cell.").tag(config=True)
-
-    def preprocess(self, nb, resources):
-        from course import verify
-        from course.sandbox import course_paths
-
-        workdir = resources.get("metadata", {}).get("path") or os.getcwd()
-        notes: list[str] = []
-        verdicts = verify.verify_notebook(nb, workdir, hide=[*self.hide, *course_paths(self.config)],
-                                          cell_timeout=self.cell_timeout, log=notes.append)
-        verify.apply_verdicts(nb, verdicts)
-        for line in notes:
-            self.log.info(line)
-        for line in verify.summary(verdicts):
-            self.log.warning(line)
-        remove_machinery(workdir)
-        resources.setdefault("ddp_course", {})["verdicts"] = [v.__dict__ for v in verdicts]
-        resources["ddp_course"]["sandbox"] = notes
-        return nb, resources
-
-
 def remove_machinery(workdir: str) -> None:
     """Remove the sandbox's own folders (kernel sockets, home, snapshots) from a graded work folder."""
     import shutil
 
+    from course.grading.snapshot import FOLDER
     from course.sandbox import HOME_DIR, KERNEL_DIR
-    from course.snapshot import FOLDER
 
     for name in (KERNEL_DIR, HOME_DIR, FOLDER):
         path = os.path.join(workdir, name)
@@ -292,73 +265,10 @@ def remove_machinery(workdir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)  # fd-based: safe against links planted inside
 
 
-# --------------------------------------------------------------------------- ddp-course grade
-
-
-def execute_verified(nb, cwd, timeouts=None, kernel_name: str = "python3", *, hide=(), cell_limit=None):
-    """:func:`course.notebook.execute`, sandboxed and verified: the drop-in for ``ddp-course grade``.
-
-    The submission's folder ``cwd`` is copied into a fresh work folder (regular
-    files only, at most 100 MB), the notebook runs there in a sandboxed kernel
-    with bounded cells, then every test cell is re-run by the trusted verifier
-    and its outputs rewritten to the verdict. ``hide``: paths the submission
-    must not see (the exercises' sources). Returns a ``course.notebook.Execution``
-    with two more attributes: ``notes`` (the sandbox summary, unchecked cells) and
-    ``verdicts``.
-    """
-    import atexit
-    import shutil
-    import subprocess
-    import tempfile
-
-    from traitlets.config import Config
-
-    from course import verify
-    from course.notebook import TIMEOUT_ENAME, Execution, Timeouts, timeout_output
-
-    timeouts = timeouts or Timeouts()
-    workdir = tempfile.mkdtemp(prefix="ddp-course-grade-")
-    try:
-        copy_submission(cwd, workdir)
-        config = Config({"SandboxKernelManager": {"hide": [str(p) for p in hide]}})
-
-        def on_cell_executed(cell, cell_index, execute_reply, **_):
-            content = (execute_reply or {}).get("content", {})
-            if content.get("status") == "error" and content.get("ename") == TIMEOUT_ENAME:
-                cell.outputs.append(timeout_output(timeouts.for_cell(cell)))
-
-        client = SandboxedClient(
-            nb, config=config, kernel_name=kernel_name, timeout_func=timeouts.for_cell,
-            error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []}, record_timing=False,
-            extra_arguments=["--HistoryManager.hist_file=:memory:"], resources={"metadata": {"path": workdir}})
-        client.on_cell_executed = on_cell_executed
-        # the kernel process's own stdout/stderr (not the cells' outputs) must not reach ours; kept
-        # aside (the sandbox relays at most 256 kB) to say why a kernel died before it started
-        with tempfile.TemporaryFile() as kernel_log:
-            try:
-                client.execute(cwd=workdir, stdout=subprocess.DEVNULL, stderr=kernel_log)
-            except RuntimeError as err:
-                if "before replying" not in str(err):
-                    raise
-                raise RuntimeError(f"the sandboxed kernel died before it started: {_last_words(kernel_log)}") from err
-            finally:
-                atexit.unregister(client._cleanup_kernel)  # nbclient's, which fails when no kernel started
-        notes = [client.sandbox_summary] if client.sandbox_summary else []
-        verdicts = verify.verify_notebook(nb, workdir, hide=hide, cell_timeout=timeouts.test,
-                                          log=None if notes else notes.append)
-        verify.apply_verdicts(nb, verdicts)
-        notes = list(dict.fromkeys(notes + verify.summary(verdicts)))
-        ran = {i for i, cell in enumerate(nb.cells) if cell.get("cell_type") == "code"
-               and cell.get("execution_count") is not None}
-        run = Execution(nb, ran, client.stop_reason or "")
-        run.notes, run.verdicts = notes, verdicts
-        return run
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 def _last_words(log) -> str:
     """The last error line a dead kernel wrote (on its stderr, in ``log``), or what to try."""
+    if log is None or not hasattr(log, "seek"):
+        return "check that `python -m ipykernel` runs for this Python (the kernel's own output went to the log)"
     log.seek(0)
     lines = [line.strip() for line in log.read().decode("utf-8", "replace").splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error" in line]

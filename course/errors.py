@@ -1,0 +1,168 @@
+"""The project's errors, in one place. Their text is written for the person who reads it (a student, an instructor).
+
+* :class:`CourseError`: the base of every error the engine raises on purpose; the
+  CLI (:mod:`course.cli`) turns it into one line, never a traceback;
+* :class:`LaunchError` and its two kinds: a multi-rank job did not complete (the launcher);
+* :class:`NotebookError`: a notebook that cannot be read or graded (grading);
+* :class:`CheckFailed`: a check found a mistake in a student's code (the check API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+#: how a rank ended when it did not return: it raised, it died without a Python exception,
+#: the launcher stopped it after another rank failed, or it was still running at the deadline
+RankEnd = Literal["raised", "exited", "stopped", "timeout"]
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """'rank 1', 'ranks 0, 2' or 'no rank', for messages."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "no rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def were(ranks: Iterable[int]) -> str:
+    """'rank 1 was' or 'ranks 0, 2 were'."""
+    ranks = sorted(set(ranks))
+    return rank_list(ranks) + (" was" if len(ranks) == 1 else " were")
+
+
+class CourseError(Exception):
+    """An error the engine raises on purpose; ``str()`` says what happened and what to do."""
+
+
+@dataclass
+class RankFailure:
+    """What one rank left behind when it did not return normally."""
+
+    rank: int
+    #: "raised", "exited" (died without a Python exception), "stopped" (killed by
+    #: the launcher after another rank failed) or "timeout" (still running at the deadline)
+    kind: RankEnd
+    #: the student's traceback (their frames first), or "" when the rank left none
+    traceback: str = ""
+    #: exception class name, e.g. "AssertionError" ("" when none)
+    exc_type: str = ""
+    #: str() of the exception
+    message: str = ""
+    #: process exit code (negative: killed by that signal), None while running
+    exitcode: int | None = None
+    #: the last lines the rank printed (stdout and stderr interleaved)
+    last_output: list[str] = field(default_factory=list)
+    #: the exception object itself, when it could be sent back
+    exception: BaseException | None = None
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in str(text).rstrip().splitlines())
+
+
+class LaunchError(CourseError, RuntimeError):
+    """Base class: a multi-rank job did not complete."""
+
+    def __init__(
+        self,
+        summary: str,
+        failures: dict[int, RankFailure],
+        returned: list[int],
+        world_size: int,
+        order: list[int] | None = None,
+    ):
+        self.summary = summary
+        self.order = list(order or [])
+        self.failures = failures
+        self.returned = returned
+        self.world_size = world_size
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [self.summary]
+        stopped = sorted(r for r, f in self.failures.items() if f.kind == "stopped")
+        for rank in self.ranks + stopped:  # the first rank to fail first
+            failure = self.failures[rank]
+            if failure.traceback:
+                parts.append(f"--- rank {rank} traceback ---\n{_indent(failure.traceback)}")
+            if failure.last_output:
+                parts.append(f"--- rank {rank} last output ---\n{_indent(chr(10).join(failure.last_output))}")
+        return "\n".join(parts)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that failed (raised, died or were stuck), the first to fail first;
+        not those the launcher stopped."""
+        failed = [r for r, f in self.failures.items() if f.kind != "stopped"]
+        first = [r for r in self.order if r in failed]
+        return first + sorted(r for r in failed if r not in first)
+
+
+class RankFailedError(LaunchError):
+    """One or more ranks raised an exception or died."""
+
+
+class RankTimeoutError(LaunchError):
+    """The job passed its deadline; the ranks still running were killed."""
+
+    def __init__(self, summary, failures, returned, world_size, timeout: float, order=None):
+        self.timeout = timeout
+        super().__init__(summary, failures, returned, world_size, order)
+
+    @property
+    def running(self) -> list[int]:
+        return sorted(r for r, f in self.failures.items() if f.kind == "timeout")
+
+
+class NotebookError(CourseError):
+    """A notebook that cannot be read or graded; ``str()`` is one line for the user."""
+
+
+class CheckFailed(AssertionError):
+    """A check found a mistake in the student's code. ``str()`` is the full student-facing message.
+
+    ``FAILED check_x [rank 1]: problem``, then what was expected, what happened, what to try,
+    and a detail (a traceback from the student's code, where stuck ranks waited).
+    """
+
+    def __init__(
+        self,
+        check: str,
+        problem: str,
+        *,
+        ranks: Iterable[int] = (),
+        expected: Any = None,
+        got: Any = None,
+        hint: str | None = None,
+        detail: str | None = None,
+    ):
+        self.check = check
+        self.problem = problem
+        self.ranks = sorted(set(ranks))
+        self.expected = expected
+        self.got = got
+        self.hint = hint
+        self.detail = detail
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = f" [{rank_list(self.ranks)}]" if self.ranks else ""
+        lines = [f"FAILED {self.check}{where}: {self.problem}"]
+        if self.expected is not None:
+            lines.append(f"  expected: {self.expected}")
+        if self.got is not None:
+            lines.append(f"  got:      {self.got}")
+        if self.hint:
+            lines.append(f"  try:      {self.hint}")
+        if self.detail:
+            lines.append(_indent(self.detail, "  | "))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython renders this instead of a traceback through the graders' frames.
+        return self.render().splitlines()

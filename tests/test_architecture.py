@@ -1,0 +1,146 @@
+"""The layout's rules, read from the code's own imports (``ast``, nothing is imported or run).
+
+* The engine never imports the exercises: nothing in ``course/`` imports ``graders``.
+* No import circles anywhere in ``course/`` and ``graders/``, counting every import,
+  also those inside functions (a lazy import still ties two modules together).
+* The three subsystems and the verbs have rooms of their own, and the CLI's verbs
+  point into them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("course", "graders")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The project module an imported name lives in (``course.grading.cells.Timeouts`` -> ``course.grading.cells``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(name: str) -> set[str]:
+    """Every project module ``name`` imports, at its top level or inside a function."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {_owner(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in MODULES else _owner(base))
+    found.discard(None)
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_engine_never_imports_the_exercises_checks():
+    offenders = {name: sorted(m for m in deps if m.split(".")[0] == "graders")
+                 for name, deps in GRAPH.items() if name.split(".")[0] == "course"}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_import_circles():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # the rule above must be able to fail
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
+    assert "course.launcher.job" in GRAPH["course"]  # course/__init__ re-exports the launcher
+    assert "course.grading.restore" in GRAPH["course.grading.grade"]
+    assert "course.grading.execute" in GRAPH["course.grading.pipeline"]
+    assert "course.checks" in GRAPH["graders.ex1"]
+
+
+@pytest.mark.parametrize("room", [
+    "course.launcher.job", "course.launcher.rank",
+    "course.grading.pipeline", "course.grading.verifier", "course.grading.restore", "course.grading.scoring",
+    "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux",
+    "course.instructor.autograde.run", "course.instructor.autograde.pool", "course.instructor.autograde.worker",
+    "course.checks", "course.errors", "graders.ex2", "graders.torchrun",
+])
+def test_each_subsystem_has_its_room(room):
+    assert room in MODULES
+
+
+def test_every_verb_lives_in_its_own_module():
+    from course.cli import COMMANDS
+
+    targets = [target.split(":")[0] for target in COMMANDS.values()]
+    assert len(set(targets)) == len(targets)
+    for verb, target in COMMANDS.items():
+        module, attr = target.split(":")
+        assert module in MODULES, verb
+        assert callable(getattr(importlib.import_module(module), attr)), verb
+    assert COMMANDS["autograde"].startswith("course.instructor.autograde")
+    assert COMMANDS["grade"].startswith("course.grading.")
