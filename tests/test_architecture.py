@@ -144,3 +144,8 @@ def test_every_verb_lives_in_its_own_module():
         assert callable(getattr(importlib.import_module(module), attr)), verb
     assert COMMANDS["autograde"].startswith("course.instructor.autograde")
     assert COMMANDS["grade"].startswith("course.grading.")
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not n.endswith("__main__")])
+def test_every_module_imports(name):
+    importlib.import_module(name)

@@ -30,15 +30,15 @@ def course_status(course: Course) -> list[AssignmentStatus]:
         released = assignment in in_gradebook and any(course.folder("release", assignment=assignment).glob("*.ipynb"))
         status = AssignmentStatus(assignment, released)
         for _, student in course.submitted([assignment]):
-            job = Submission(assignment, student)
+            submission = Submission(assignment, student)
             status.submitted += 1
-            if released and is_graded(course, job):
+            if released and is_graded(course, submission):
                 status.graded += 1
                 if any(course.folder("feedback", student, assignment).glob("*.html")):
                     status.feedback += 1
                 continue
-            record = read_record(course, job) or {}
-            why = missing_notebook_reason(course, job)
+            record = read_record(course, submission) or {}
+            why = missing_notebook_reason(course, submission)
             if why:
                 status.problems.append((student, "failed", why, None))
             elif record.get("status") in ("failed", "timeout"):

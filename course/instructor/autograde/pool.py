@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from course.instructor import worker as worker_module
+from course.instructor.autograde import worker as worker_module
 
 _READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
 

@@ -287,7 +287,7 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                     continue
                 with _deferred_interrupts():  # a Ctrl-C now waits until the ended jobs are recorded
                     for outcome in ended:
-                        progress.update(slots[slot_of.pop(outcome.job)], visible=False)
+                        progress.update(slots[slot_of.pop(outcome.task)], visible=False)
                     refill()  # a freed worker starts its next submission while this one's results are merged
                     for outcome in ended:
                         row = _finish(course, outcome)
@@ -295,7 +295,7 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                         progress.advance(overall)
                         score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
                         progress.console.print(
-                            f"{row.status:>8}  {row.job}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
+                            f"{row.status:>8}  {row.submission}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
     except KeyboardInterrupt:
         interrupted = True
         running = [submission for submission, _ in pool.running()]
@@ -311,7 +311,7 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
 
 def _finish(course: Course, outcome) -> Row:
     """Install or record one ended submission; its summary row."""
-    submission: Submission = outcome.job
+    submission: Submission = outcome.task
     scratch = scratch_course(course, submission)
     try:
         if outcome.kind == "done" and outcome.result.get("success"):
