@@ -218,7 +218,8 @@ def require_written(check: str, **answers: Any) -> None:
             )
         stubs = unwritten(source) if source else []
         if stubs:
-            where = "" if stubs == [name] else f" ({', '.join(f'`{s}`' for s in stubs)})"
+            methods = [s for s in stubs if "." in s]  # a class: say which of its methods
+            where = f" ({', '.join(f'`{s}`' for s in methods)})" if methods else ""
             raise CheckFailed(
                 check,
                 f"`{name}` is not written yet{where}: it only raises NotImplementedError",

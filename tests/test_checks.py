@@ -1,0 +1,130 @@
+"""The check API (course/checks.py) on its own: "not written yet", messages, failures of a job."""
+
+from __future__ import annotations
+
+import pytest
+
+from course import checks
+from course.errors import CheckFailed
+from course.grading.student import StudentObject
+
+STUB = "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+
+
+@pytest.mark.parametrize("source, names", [
+    (STUB, ["f"]),
+    ('def f(x):\n    """Doc."""\n    raise NotImplementedError\n', ["f"]),
+    # nbgrader's stub after a given guard clause (ex3's CPUSyncBatchNorm.forward)
+    ("class B:\n    def forward(self, x):\n        if not self.training:\n            return x\n"
+     "        # YOUR CODE HERE\n        raise NotImplementedError()\n", ["B.forward"]),
+    ("def main():\n    raise NotImplementedError()\n\ndef helper():\n    return 1\n", ["main"]),
+])
+def test_unwritten_finds_nbgraders_stub(source, names):
+    assert checks.unwritten(source) == names
+
+
+@pytest.mark.parametrize("source", [
+    "def f(x):\n    return 2 * x\n",
+    # written, with the stub line forgotten after it: the student's work, never "not written yet"
+    "def f(x):\n    return 2 * x\n    raise NotImplementedError()\n",
+    "def f(x):\n    y = 2 * x\n    raise NotImplementedError()\n",
+    "def f(x):\n    if x:\n        return 1\n    else:\n        return 2\n    raise NotImplementedError()\n",
+    "def f(x):\n    for i in x:\n        return i\n    raise NotImplementedError()\n",
+    'def f(x):\n    raise NotImplementedError("only 2-D inputs")\n',  # the student's own error
+    "class A:\n    def forward(self, x):\n        return x\n",
+    "def f(x:\n",  # unparseable: the job reports it
+])
+def test_unwritten_leaves_the_students_work_alone(source):
+    assert checks.unwritten(source) == []
+
+
+def stub_fn(x):
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+def written_fn(x):
+    return x
+
+
+class StubModule:
+    def forward(self, x):
+        raise NotImplementedError()
+
+
+def test_require_written_in_the_notebook():
+    checks.require_written("check_x", f=written_fn)
+    with pytest.raises(CheckFailed, match="`f` is not written yet: it only raises NotImplementedError"):
+        checks.require_written("check_x", f=stub_fn)
+    with pytest.raises(CheckFailed, match=r"`M` is not written yet \(`StubModule.forward`\)"):
+        checks.require_written("check_x", M=StubModule)
+    with pytest.raises(CheckFailed, match="`f` is not a function \\(got int\\)"):
+        checks.require_written("check_x", f=3)
+
+
+def test_require_written_on_the_trusted_path_starts_no_job(monkeypatch):
+    """In the verifier the answer is a stand-in: its recorded source says it is the stub, and no job starts."""
+    import course.launcher.job
+
+    def no_job(*args, **kwargs):
+        raise AssertionError("a job was started for an untouched stub")
+
+    monkeypatch.setattr(course.launcher.job, "launch", no_job)
+    stand_in = StudentObject("f", b"not a pickle", kind="function", source=STUB)
+    with pytest.raises(CheckFailed, match="`f` is not written yet"):
+        checks.require_written("check_x", f=stand_in)
+    number = StudentObject("f", b"", kind="int", is_callable=False)
+    with pytest.raises(CheckFailed, match="not a function \\(got int\\)"):
+        checks.require_written("check_x", f=number)
+    # no recorded source (the notebook could not say): the job decides, require_written lets it through
+    checks.require_written("check_x", f=StudentObject("f", b"", kind="function", source=None))
+    assert stand_in.misuse == [] and number.misuse == []  # nothing looked inside the stand-ins
+
+
+def test_require_written_source_for_scripts():
+    script = "import os\n\ndef main():\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+    with pytest.raises(CheckFailed, match="train.py is not written yet: main\\(\\) still raises NotImplementedError"):
+        checks.require_written_source("check_x", script, "train.py", names=("main",))
+    with pytest.raises(CheckFailed, match="does not compile"):
+        checks.require_written_source("check_x", "def main(:\n", "train.py")
+    checks.require_written_source("check_x", "def main():\n    print(1)\n", "train.py", names=("main",))
+
+
+def test_answer_source_of_a_class_defined_in_a_notebook_cell():
+    """Python < 3.13 cannot find a notebook class's source by itself; its methods' cell has it."""
+    import linecache
+
+    from course.grading.student import answer_source
+
+    cell = "<ipython-input-7-abc>"
+    text = "import torch\n\nclass Norm:\n    def forward(self, x):\n        raise NotImplementedError()\n"
+    linecache.cache[cell] = (len(text), None, text.splitlines(True), cell)
+    namespace = {"__name__": "__main__"}
+    exec(compile(text, cell, "exec"), namespace)
+    try:
+        assert checks.unwritten(answer_source(namespace["Norm"])) == ["Norm.forward"]
+    finally:
+        del linecache.cache[cell]
+
+
+def _raises(rank):
+    raise ValueError(f"boom on {rank}")
+
+
+def _stub_on_ranks(rank):
+    raise NotImplementedError()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_run_turns_failures_into_rank_aware_messages():
+    with pytest.raises(CheckFailed) as err:
+        checks.run("check_x", _raises, 2)
+    text = str(err.value)
+    assert text.startswith("FAILED check_x [rank")
+    assert "your code raised ValueError: boom on" in text and "(2-rank job)" in text
+    with pytest.raises(CheckFailed, match="part of your answer is not written yet"):
+        checks.run("check_x", _stub_on_ranks, 2)
+    with pytest.raises(CheckFailed) as err:
+        checks.run("check_x", _raises, 2, hints=[("boom", "do not explode")])
+    assert "try:      do not explode" in str(err.value)
