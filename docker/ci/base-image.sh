@@ -4,14 +4,14 @@
 #   ddp-course/debian:bookworm      debootstrap minbase, imported with `docker import`
 #   ddp-course/python:3.11-local    + Debian's python3 (3.11) and a venv on PATH, like python:3.11-slim
 # The machine's CA bundle goes in: HTTPS from inside builds may pass a proxy whose CA only the host trusts.
-#   env MIRROR   Debian mirror (default http://deb.debian.org/debian)
+#   env MIRROR   your Debian mirror (default: the first `deb` source for bookworm in this machine's own apt
+#                sources, one-line or deb822, as apt-get reads them; none is named in this repository)
 #   env CA_FILE  CA bundle to copy in (default /etc/ssl/certs/ca-certificates.crt)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 debian_image=ddp-course/debian:bookworm
 python_image=ddp-course/python:3.11-local
-mirror=${MIRROR:-http://deb.debian.org/debian}
 ca_file=${CA_FILE:-/etc/ssl/certs/ca-certificates.crt}
 
 if docker image inspect "$python_image" >/dev/null 2>&1; then
@@ -20,9 +20,10 @@ if docker image inspect "$python_image" >/dev/null 2>&1; then
 fi
 
 if ! docker image inspect "$debian_image" >/dev/null 2>&1; then
+    mirror=${MIRROR:-$("$here/apt-mirror.sh" bookworm)} || exit 1
     rootfs=$(mktemp -d /tmp/ddp-course-rootfs.XXXXXX)
     trap 'rm -rf "$rootfs"' EXIT
-    echo "base-image: debootstrap bookworm into $rootfs"
+    echo "base-image: debootstrap bookworm from $mirror into $rootfs"
     debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$rootfs.log" 2>&1 \
         || { tail -n 30 "$rootfs.log" >&2; exit 1; }
     rm -f "$rootfs.log"

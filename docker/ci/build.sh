@@ -22,7 +22,7 @@ ls -l "$context"
 build_args=(
     --build-arg "BASE_IMAGE=$base_image"
     --build-arg "TORCH_VERSION=$torch_version"
-    --build-arg "TORCH_INDEX_URL="
+    --build-arg "TORCH_INDEX_URL=none"  # no index: torch only from the wheel in the context
     --build-arg "LOCAL_WHEELS=docker/ci/context"
 )
 for var in HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy; do
