@@ -245,9 +245,18 @@ NET_MARK = "ATTACK-NET"
 
 
 def _network(nb, ctx):
+    # what the namespace holds (interfaces, routes beyond its loopback), then a connection to each of the
+    # listeners on this host's own addresses: only this machine's addresses, so nothing could leave it
     insert_after_first_test(nb, f'''
 import socket
-for host, port in {ctx.get("listeners", [])!r} + [("pypi.org", 443), ("1.1.1.1", 53)]:
+print("{NET_MARK} interfaces", sorted(name for _, name in socket.if_nameindex()))
+routes = open("/proc/net/route").read().splitlines()[1:]  # IPv4's main table
+try:
+    routes += [line for line in open("/proc/net/ipv6_route").read().splitlines() if line.split()[-1] != "lo"]
+except OSError:  # no IPv6 in this kernel
+    pass
+print("{NET_MARK} routes", len(routes), routes)
+for host, port in {ctx.get("listeners", [])!r}:
     try:
         socket.create_connection((host, port), timeout=3).close()
         print("{NET_MARK} CONNECTED", host, port)
@@ -414,7 +423,8 @@ ATTACKS = [
            message=""),
     Attack("write_gradebook", _write_gradebook, "mount namespace (read-only empty tmpfs) and the sandbox uid",
            message=""),
-    Attack("network", _network, "network namespace with only loopback", message=""),
+    Attack("network", _network, "network namespace with only loopback: no interface, no route, "
+           "none of the host's own addresses", message=""),
     Attack("leak_history", _leak_history, "the kernel never gets hidden tests (the verifier runs them); "
            "feedback redacts test cells", message=""),
     Attack("patch_graders", _patch_graders, "verifier re-runs the real checks in a trusted process",

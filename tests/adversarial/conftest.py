@@ -25,6 +25,14 @@ def autograde_batch(tmp_path_factory):
     return _done["autograde"]
 
 
+@pytest.fixture
+def host_listener():
+    """Listeners on this host's own addresses (:class:`runs.Listener`) that sandboxed code must not reach."""
+    listener = runs.Listener()
+    yield listener
+    listener.close()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Each attack's score and time on each path: the figures the suite's report quotes."""
     if not _done:
@@ -44,3 +52,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{attack.name:18}" + "".join(f"{c:>24}" for c in cells) + f"   {attack.bound():.0f}")
     for path in paths:
         terminalreporter.write_line(f"{path}: all {len(attacks.ATTACKS)} submissions in {_done[path].elapsed:.0f} s")
+    for path in paths:  # this host's own addresses only
+        targets = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in _done[path].network_targets)
+        terminalreporter.write_line(f"{path}: the network attack aimed at {targets}")

@@ -79,41 +79,98 @@ def outputs_text(nb) -> str:
 
 
 class Listener:
-    """A TCP server on this machine that counts connections (the network attack must make none)."""
+    """TCP servers on this machine that count connections (sandboxed code must make none).
+
+    They listen on every IPv4 address, and on every IPv6 one where the host has IPv6. The targets
+    (:meth:`addresses`) are this host's loopback, which a sandbox's own namespace does not share, and
+    each address of the host's own interfaces, read with psutil (nothing is sent to find them). So no
+    target is another machine's: were the isolation ever broken, no packet would leave this host.
+    """
 
     def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("0.0.0.0", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
+        self.socks = [self._listen(socket.AF_INET, "0.0.0.0")]
+        if socket.has_ipv6:
+            try:
+                self.socks.append(self._listen(socket.AF_INET6, "::"))
+            except OSError:  # IPv6 off on this host: nothing to reach over it either
+                pass
+        self.ports = {s.family: s.getsockname()[1] for s in self.socks}
+        self.port = self.ports[socket.AF_INET]
         self.accepted = 0
-        self.sock.settimeout(0.5)
+        self._lock = threading.Lock()  # two accepting threads count
         self._stop = False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        self._targets: list[tuple[str, int]] | None = None
+        self.threads = [threading.Thread(target=self._serve, args=(s,), daemon=True) for s in self.socks]
+        for thread in self.threads:
+            thread.start()
 
-    def _serve(self):
+    @staticmethod
+    def _listen(family, address: str) -> socket.socket:
+        sock = socket.socket(family)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((address, 0))
+        sock.listen(16)
+        sock.settimeout(0.5)
+        return sock
+
+    def _serve(self, sock):
         while not self._stop:
             try:
-                conn, _ = self.sock.accept()
-                self.accepted += 1
+                conn, _ = sock.accept()
+                with self._lock:
+                    self.accepted += 1
                 conn.close()
             except OSError:
                 continue
 
     def addresses(self) -> list[tuple[str, int]]:
-        found = [("127.0.0.1", self.port)]
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect(("10.255.255.255", 1))  # no packet is sent: just picks the outgoing interface
-                found.append((s.getsockname()[0], self.port))
-        except OSError:
-            pass
-        return found
+        """(address, port) for the host's loopback and each of its own non-loopback addresses.
+
+        Each is first connected to from here, outside any sandbox: a target this process cannot reach
+        would make "blocked" in a sandbox prove nothing, so it fails the run. The count starts at 0 after.
+        """
+        if self._targets is None:
+            targets = [("127.0.0.1", self.port)]
+            if socket.AF_INET6 in self.ports:
+                targets.append(("::1", self.ports[socket.AF_INET6]))
+            targets += [(a, self.ports[f]) for a, f in host_addresses() if f in self.ports]
+            for target in targets:
+                socket.create_connection(target, timeout=5).close()
+            end = time.monotonic() + 10
+            while self.accepted < len(targets) and time.monotonic() < end:
+                time.sleep(0.05)
+            with self._lock:
+                assert self.accepted == len(targets), f"the listener took {self.accepted} of {targets}"
+                self.accepted = 0
+            self._targets = targets
+        return self._targets
+
+    def beyond_loopback(self) -> list[tuple[str, int]]:
+        """The targets that are not loopback (none on a host whose only interface is ``lo``)."""
+        return [t for t in self.addresses() if not is_loopback(t[0])]
 
     def close(self):
         self._stop = True
-        self.sock.close()
+        for sock in self.socks:
+            sock.close()
+
+
+def is_loopback(address: str) -> bool:
+    return address == "::1" or address.startswith("127.")
+
+
+def host_addresses() -> list[tuple[str, int]]:
+    """(address, family) of this host's own interfaces, loopback and scoped (link-local) IPv6 left out."""
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family in (socket.AF_INET, socket.AF_INET6) and "%" not in addr.address \
+                    and not is_loopback(addr.address) and (addr.address, addr.family) not in found:
+                found.append((addr.address, addr.family))
+    return found
 
 
 def full_sandbox() -> bool:
@@ -212,6 +269,8 @@ class Batch:
     leftovers: list[int]
     elapsed: float
     extra: dict = field(default_factory=dict)
+    #: what the network attack was aimed at: (address, port) on this host (see :class:`Listener`)
+    network_targets: list = field(default_factory=list)
 
 
 def _context(listener: Listener, secret_paths, victim_paths, victim_dirs) -> dict:
@@ -260,7 +319,7 @@ def grade_batch(tmp_path_factory) -> Batch:
     time.sleep(1)
     listener.close()
     return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(victim_paths),
-                 leftovers(), elapsed)
+                 leftovers(), elapsed, network_targets=ctx["listeners"])
 
 
 # --------------------------------------------------------------------------- the autograde path
@@ -340,4 +399,5 @@ def autograde_batch(tmp_path_factory) -> Batch:
     return Batch(outcomes, source, submissions, listener.accepted, before, file_digest(watched),
                  left, elapsed, extra={"stdout": proc.stdout, "stderr": proc.stderr,
                                        "returncode": proc.returncode, "course_dir": course_dir,
-                                       "feedback": feedback, "feedback_pages": pages})
+                                       "feedback": feedback, "feedback_pages": pages},
+                 network_targets=ctx["listeners"])

@@ -104,11 +104,22 @@ def test_nothing_written_outside_the_sandbox(batch):
 
 
 @needs_root
-def test_no_network_beyond_the_sandbox_loopback(batch):
+def test_no_network_beyond_the_sandbox_loopback(batch, request):
+    """The namespace has no interface but its loopback and no route, and none of this host's own
+    addresses (its loopback, outside the namespace; each address of its interfaces) is reached: a
+    listener on each, which this process reached before grading, took no connection."""
     run, path = batch
     text = run.outcomes["network"].outputs
-    assert "CONNECTED" not in text and f"{attacks.NET_MARK} blocked" in text, text[-3000:]
+    assert f"{attacks.NET_MARK} interfaces ['lo']" in text, text[-3000:]
+    assert f"{attacks.NET_MARK} routes 0 " in text, text[-3000:]
+    assert run.network_targets, "the network attack was aimed at nothing"
+    for host, port in run.network_targets:
+        assert f"{attacks.NET_MARK} blocked {host} {port} " in text, f"{host} {port}: {text[-3000:]}"
+    assert "CONNECTED" not in text
     assert run.listener_connections == 0
+    if all(host == "::1" or host.startswith("127.") for host, _ in run.network_targets):
+        request.node.warn(pytest.PytestWarning("this host has no address but loopback: the network attack was "
+                                               "aimed at the host's loopback (outside the sandbox) only"))
 
 
 def test_flood_is_cut_and_kept_small(batch):

@@ -55,13 +55,6 @@ def test_isolation(tmp_path, secret):
                 print("secret", os.listdir({secret!r}))
                 print("nnp", [l for l in open("/proc/self/status") if l.startswith("NoNewPrivs")][0].split()[1])
                 print("token", os.environ.get("INSTRUCTOR_API_TOKEN"))
-                for host in ("1.1.1.1", "pypi.org"):
-                    try:
-                        socket.create_connection((host, 443), timeout=3); print("NET OPEN", host)
-                    except OSError as exc:
-                        print("net blocked", host)
-                srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
-                socket.create_connection(srv.getsockname()).close(); print("loopback ok")
                 try:
                     open("{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/planted", "w")
                     print("WROTE")
@@ -78,9 +71,45 @@ def test_isolation(tmp_path, secret):
     assert "secret []" in out
     assert "nnp 1" in out
     assert "token None" in out
-    assert "NET OPEN" not in out and "net blocked 1.1.1.1" in out and "loopback ok" in out
     assert "write denied" in out
     assert os.stat(work).st_uid == os.getuid()  # handed back
+
+
+@needs_root
+def test_network_is_only_the_namespace_loopback(tmp_path, host_listener, request):
+    """No interface but ``lo``, no route, and none of this host's own addresses answers: not its
+    loopback (the namespace has its own) nor any address of its interfaces, where a listener this
+    process just reached waits. Every target is this machine's, so no packet could leave it."""
+    targets = host_listener.addresses()
+    if not host_listener.beyond_loopback():
+        request.node.warn(pytest.PytestWarning("this host has no address but loopback: only its loopback "
+                                               "(outside the sandbox) was tried"))
+    with Sandbox(tmp_path / "w") as box:
+        r = run_in(box, f"""
+            import socket
+            print("interfaces", sorted(name for _, name in socket.if_nameindex()))
+            routes = open("/proc/net/route").read().splitlines()[1:]  # IPv4's main table
+            try:
+                routes += [l for l in open("/proc/net/ipv6_route").read().splitlines() if l.split()[-1] != "lo"]
+            except OSError:  # no IPv6 in this kernel
+                pass
+            print("routes", len(routes), routes)
+            for host, port in {targets!r}:
+                try:
+                    socket.create_connection((host, port), timeout=3).close(); print("NET OPEN", host, port)
+                except OSError as exc:
+                    print("blocked", host, port, type(exc).__name__)
+            srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+            socket.create_connection(srv.getsockname()).close(); print("loopback ok")
+        """)
+    out = r.stdout
+    assert r.returncode == 0, r.stderr
+    assert "interfaces ['lo']" in out, out
+    assert "routes 0 " in out, out
+    for host, port in targets:
+        assert f"blocked {host} {port} " in out, out
+    assert "NET OPEN" not in out and host_listener.accepted == 0, out
+    assert "loopback ok" in out, out  # its own loopback works: ranks rendezvous there
 
 
 @needs_root
