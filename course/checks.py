@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -132,7 +133,9 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
     hint = ("read the traceback below (it starts in your code); run the cell on its own with "
             "course.run_ranks to see every rank's output")
     if failure is not None and failure.kind == "raised" and failure.exc_type == "NotImplementedError":
-        problem = "part of your answer is not written yet: your code raised NotImplementedError"
+        where = re.findall(r'File "[^"]*", line \d+, in (\w+)', failure.traceback)
+        what = f"`{where[-1]}`" if where else "your code"
+        problem = f"part of your answer is not written yet: {what} raised NotImplementedError"
         hint = "replace every `raise NotImplementedError()` of the answer cells with your code, run them, then this one"
         detail = failure.traceback
     elif failure is not None and failure.kind == "raised":
@@ -161,13 +164,14 @@ def _last_output(err: LaunchError) -> str:
 def unwritten(source: str) -> list[str]:
     """Names of the functions and methods in ``source`` that are still nbgrader's stub.
 
-    One rule for every kind of answer (a function, a class, a whole script): a
-    function is unwritten when its body, after the docstring, is nothing but guard
-    clauses (``if`` without ``else``) and ends in a bare ``raise NotImplementedError()``,
-    which is what nbgrader leaves in place of a solution region. A body that writes
-    anything else at its top level, has an ``else``, a loop or a ``return`` before the
-    stub line, is the student's work, even if a forgotten stub line follows it.
-    Unparseable source gives ``[]`` (the job then reports the error).
+    One rule for every kind of answer (a function, a class, a whole script): a function
+    is unwritten when it always reaches nbgrader's bare ``raise NotImplementedError()``:
+    its body ends with that line, and nothing before it can leave the function, except
+    guard clauses (``if`` without ``else``, such as a given ``if not self.training:
+    return ...``). A body that can return before the stub line (a ``return``, an
+    ``if``/``else``, a loop or ``try`` that returns) is the student's work, even with a
+    forgotten stub line after it; a ``raise NotImplementedError("...")`` with a message
+    is the student's own. Unparseable source gives ``[]`` (the job then reports the error).
     """
     try:
         tree = ast.parse(textwrap.dedent(source))
@@ -188,7 +192,21 @@ def _is_stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
             if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) and not isinstance(node, ast.Pass)]
     if not body or not _is_stub_raise(body[-1]):
         return False
-    return all(isinstance(node, ast.If) and not node.orelse for node in body[:-1])
+    return all((isinstance(node, ast.If) and not node.orelse) or not _can_leave(node) for node in body[:-1])
+
+
+def _can_leave(node: ast.stmt) -> bool:
+    """Whether ``node`` holds a return, yield or raise of this function (nested functions and classes aside)."""
+    nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        if isinstance(current, nested):
+            continue
+        if isinstance(current, (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom)):
+            return True
+        todo += list(ast.iter_child_nodes(current))
+    return False
 
 
 def _is_stub_raise(node: ast.stmt) -> bool:

@@ -9,16 +9,7 @@ from pathlib import Path
 
 import click
 
-
-def course_root() -> Path:
-    """The folder holding ``lessons/`` and ``exercises/`` (a checkout, or DDP_COURSE_ROOT)."""
-    env = os.environ.get("DDP_COURSE_ROOT")
-    if env:
-        return Path(env).resolve()
-    here = Path(__file__).resolve().parent.parent
-    if (here / "lessons").is_dir():
-        return here
-    return Path.cwd()
+from course.paths import course_root
 
 
 def lab_argv(root: Path, port: int, ip: str, open_browser: bool, extra: tuple[str, ...]) -> list[str]:

@@ -149,3 +149,14 @@ def test_every_verb_lives_in_its_own_module():
 @pytest.mark.parametrize("name", [n for n in MODULES if not n.endswith("__main__")])
 def test_every_module_imports(name):
     importlib.import_module(name)
+
+
+def test_the_sandbox_hides_this_checkouts_sources():
+    """Paths computed from a module's own location must follow it when it moves (the sandbox's did not once)."""
+    from course.paths import CHECKOUT
+    from course.sandbox import default_hidden, python_paths
+
+    assert CHECKOUT == ROOT
+    assert str(ROOT / "exercises") in default_hidden()
+    assert str(ROOT / ".git") in default_hidden() or not (ROOT / ".git").exists()
+    assert str(ROOT) in python_paths()

@@ -18,6 +18,10 @@ STUB = "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
     ("class B:\n    def forward(self, x):\n        if not self.training:\n            return x\n"
      "        # YOUR CODE HERE\n        raise NotImplementedError()\n", ["B.forward"]),
     ("def main():\n    raise NotImplementedError()\n\ndef helper():\n    return 1\n", ["main"]),
+    # given lines, then the stub (ex4's main): it always raises, so it is not written yet
+    ("def main():\n    args = parse()\n    # YOUR CODE HERE\n    raise NotImplementedError()\n", ["main"]),
+    # a nested function's return does not leave the outer one
+    ("def f(x):\n    def g():\n        return 1\n    raise NotImplementedError()\n", ["f"]),
 ])
 def test_unwritten_finds_nbgraders_stub(source, names):
     assert checks.unwritten(source) == names
@@ -27,9 +31,11 @@ def test_unwritten_finds_nbgraders_stub(source, names):
     "def f(x):\n    return 2 * x\n",
     # written, with the stub line forgotten after it: the student's work, never "not written yet"
     "def f(x):\n    return 2 * x\n    raise NotImplementedError()\n",
-    "def f(x):\n    y = 2 * x\n    raise NotImplementedError()\n",
     "def f(x):\n    if x:\n        return 1\n    else:\n        return 2\n    raise NotImplementedError()\n",
     "def f(x):\n    for i in x:\n        return i\n    raise NotImplementedError()\n",
+    "def f(x):\n    try:\n        return g(x)\n    except ValueError:\n        pass\n    raise NotImplementedError()\n",
+    # the stub line in the middle, the student's code after it: the job says what happens
+    "def f(x):\n    raise NotImplementedError()\n    return x\n",
     'def f(x):\n    raise NotImplementedError("only 2-D inputs")\n',  # the student's own error
     "class A:\n    def forward(self, x):\n        return x\n",
     "def f(x:\n",  # unparseable: the job reports it
@@ -123,7 +129,7 @@ def test_run_turns_failures_into_rank_aware_messages():
     text = str(err.value)
     assert text.startswith("FAILED check_x [rank")
     assert "your code raised ValueError: boom on" in text and "(2-rank job)" in text
-    with pytest.raises(CheckFailed, match="part of your answer is not written yet"):
+    with pytest.raises(CheckFailed, match="part of your answer is not written yet: `_stub_on_ranks` raised"):
         checks.run("check_x", _stub_on_ranks, 2)
     with pytest.raises(CheckFailed) as err:
         checks.run("check_x", _raises, 2, hints=[("boom", "do not explode")])

@@ -7,6 +7,7 @@ process; each must lose exactly the intended test cells' points.
 
 from __future__ import annotations
 
+import linecache
 import sys
 import time
 
@@ -112,8 +113,14 @@ def bn_class(*edits: tuple[str, str]):
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     namespace = {"nn": nn, "F": F, "torch": torch, "dist": dist, "dist_fn": dist_fn, "__name__": "student"}
-    exec(compile(source, "<student>", "exec"), namespace)
+    name = f"<student-{len(_CELLS)}>"  # a cell's source is in linecache, as IPython keeps it
+    _CELLS.append(name)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    exec(compile(source, name, "exec"), namespace)
     return namespace["CPUSyncBatchNorm"]
+
+
+_CELLS: list[str] = []
 
 
 SyncBN = bn_class()
@@ -129,6 +136,9 @@ BN_NO_RUNNING_UPDATE = bn_class(("        with torch.no_grad():\n            sel
 BN_NOT_DIFFERENTIABLE = bn_class(("stats = dist_fn.all_reduce(stats)", "dist.all_reduce(stats)"))
 BN_DETACHED = bn_class(("stats = dist_fn.all_reduce(stats)", "stats = dist_fn.all_reduce(stats.detach())"))
 BN_STUB = bn_class(("        channels = x.shape[1]\n", "        raise NotImplementedError()\n"))
+#: the released stub: the given eval branch, then nbgrader's stub line
+BN_RELEASED = bn_class((BN_SOURCE[BN_SOURCE.index("        channels = x.shape[1]\n"):], "        # YOUR CODE HERE\n"
+                        "        raise NotImplementedError()\n"))
 
 
 def make_zero_optimizer(params, lr):
@@ -225,7 +235,10 @@ def test_check_syncbn_output():
     fails(ex3.check_syncbn_output, BN_NO_ALL_REDUCE, "never all-reduced", "[rank 0]")
     fails(ex3.check_syncbn_output, BN_LOCAL_COUNT, "own count", "all-reduce the count too")
     fails(ex3.check_syncbn_output, BN_UNBIASED_NORMALISATION, "normalise with the biased one")
-    fails(ex3.check_syncbn_output, BN_STUB, "CPUSyncBatchNorm.forward is not written yet")
+    fails(ex3.check_syncbn_output, BN_STUB, "not written yet", "`forward` raised NotImplementedError")
+    started = time.monotonic()  # the released stub fails at once, without a job
+    fails(ex3.check_syncbn_output, BN_RELEASED, "`CPUSyncBatchNorm` is not written yet (`CPUSyncBatchNorm.forward`)")
+    assert time.monotonic() - started < 2
     ex3.check_syncbn_output(BN_BIASED_RUNNING_VAR)  # running statistics are check_syncbn_running_stats' job
     ex3.check_syncbn_output(BN_NOT_DIFFERENTIABLE)  # gradients are check_syncbn_backward's job
 

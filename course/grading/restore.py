@@ -30,7 +30,7 @@ class GradedCell:
 
 def default_exercises_dir() -> Path:
     """The course's ``exercises/`` folder (a checkout, or $DDP_COURSE_ROOT/exercises)."""
-    from course.lab import course_root
+    from course.paths import course_root
 
     return course_root() / "exercises"
 

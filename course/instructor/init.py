@@ -74,7 +74,7 @@ DB_DEFAULT_LINE = """\
 
 
 def default_exercises() -> Path:
-    from course.lab import course_root
+    from course.paths import course_root
 
     return course_root() / "exercises"
 

@@ -35,6 +35,7 @@ import uuid
 from pathlib import Path
 
 from course.launcher.job import GRADING_ENV
+from course.paths import CHECKOUT
 from course.sandbox.limits import GiB, Limits, MiB  # noqa: F401 - re-exported
 from course.sandbox.linux import (  # noqa: F401 - re-exported: the sandbox's public names live here
     TOKEN_ENV,
@@ -103,8 +104,7 @@ def _free_uid() -> tuple[int, int]:
 
 def default_hidden() -> list[str]:
     """What a submission never sees, whatever the course: this checkout's exercise sources and .git."""
-    repo = Path(__file__).resolve().parent.parent
-    return [str(repo / name) for name in ("exercises", ".git") if (repo / name).exists()]
+    return [str(CHECKOUT / name) for name in ("exercises", ".git") if (CHECKOUT / name).exists()]
 
 
 def python_paths() -> list[str]:
@@ -114,7 +114,7 @@ def python_paths() -> list[str]:
 
     paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
              sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-             str(Path(__file__).resolve().parent.parent)}
+             str(CHECKOUT)}
     try:
         paths.update(site.getsitepackages())
     except AttributeError:
