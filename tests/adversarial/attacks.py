@@ -19,7 +19,7 @@ import nbformat
 from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell
 
-from course import checkcalls
+from course.grading import checkcalls
 
 #: every limit the suite runs under (seconds); the bounds below are made of them
 CHECK_TIMEOUT = 20  # one job of a check (DDP_COURSE_CHECK_TIMEOUT)
@@ -317,16 +317,15 @@ def _patch_launcher(nb, ctx):
     refs = "\n".join(re.sub(r"def (\w+)\(", r"def _ref_\1(", s) for s in source_answers)
     insert_after_imports(nb, refs + '''
 
-import course.launch as _launch_module, graders.core
-_real_launch = graders.core.launch
+import course, course.checks, course.launcher, course.launcher.job
+_real_launch = course.launcher.job.launch
 
 def _swapping_launch(fn, world_size, *, args=(), **kw):
     swapped = tuple(globals().get("_ref_" + getattr(a, "__name__", ""), a) if callable(a) else a for a in args)
     return _real_launch(fn, world_size, args=swapped, **kw)
 
-graders.core.launch = _swapping_launch
-import sys
-sys.modules["course.launch"].launch = _swapping_launch
+for _module in (course, course.checks, course.launcher, course.launcher.job):
+    _module.launch = _swapping_launch
 ''')
 
 
@@ -354,8 +353,9 @@ import os, site
 fake = "def __getattr__(name):\\n    return lambda *a, **k: print('passed', name)\\n"
 hook = "import builtins\\nbuiltins.PWNED = True\\n"
 for folder in (os.getcwd(), site.getusersitepackages()):
-    os.makedirs(os.path.join(folder, "graders"), exist_ok=True)
-    for name, text in (("graders/__init__.py", ""), ("graders/ex1.py", fake), ("graders/core.py", fake),
+    for package in ("graders", "course"):
+        os.makedirs(os.path.join(folder, package), exist_ok=True)
+    for name, text in (("graders/__init__.py", ""), ("graders/ex1.py", fake), ("course/checks.py", fake),
                        ("usercustomize.py", hook), ("sitecustomize.py", hook)):
         with open(os.path.join(folder, name), "w") as fh:
             fh.write(text)

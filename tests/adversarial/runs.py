@@ -2,12 +2,12 @@
 
 (conftest.py turns :func:`grade_batch` and :func:`autograde_batch` into session fixtures.)
 
-* ``grade`` path: :func:`course.grade.grade_notebook`, what ``ddp-course grade`` runs
+* ``grade`` path: :func:`course.grading.grade.grade_notebook`, what ``ddp-course grade`` runs
   (restore the locked cells, run in a sandboxed kernel, re-run the checks in the
   trusted verifier, score by nbgrader's rules); 3 submissions at a time.
 * ``autograde`` path: ``ddp-course init``, ``release``, then ``ddp-course autograde
   --jobs 3`` with the nbgrader_config.py ``init`` wrote (its
-  :class:`course.safeexec.SandboxedExecute` and :class:`course.safeexec.VerifyTests`);
+  :data:`course.grading.pipeline.GRADING_STEPS`, the steps ``grade`` runs too);
   every attack is one student, graded in the same run as an honest one; then
   ``ddp-course feedback`` for the students whose pages must show no hidden test.
 
@@ -237,11 +237,11 @@ def file_digest(paths) -> dict[str, str]:
 
 
 def grade_one(path: Path, exercises: Path) -> Outcome:
-    """``ddp-course grade`` on ``path``: :func:`course.grade.grade_notebook`, the CLI's own entry point."""
+    """``ddp-course grade`` on ``path``: :func:`course.grading.grade.grade_notebook`, the CLI's own entry point."""
     import tempfile
 
-    from course.grade import grade_notebook
-    from course.notebook import NotebookError, Timeouts
+    from course.grading.grade import grade_notebook
+    from course.grading.notebook import NotebookError, Timeouts
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="graded-") as folder:
