@@ -1,25 +1,31 @@
 """Checks for exercise 2, DDP basics (exercises/ex2-ddp-basics/ddp_basics.ipynb).
 
-The student writes six small functions; each check runs one of them as real ranks:
+The student writes six small functions; each check runs one of them as real ranks and judges what
+happened, never what the student's process says about itself:
 
-* ``setup(rank, world_size)`` joins the job (:func:`check_setup`);
-* ``cleanup()`` leaves it (:func:`check_cleanup`);
+* ``setup(rank, world_size)`` joins the job (:func:`check_setup`: a collective through the real
+  default group shows every rank in one group of the job's backend, as its own rank);
+* ``cleanup()`` leaves it (:func:`check_cleanup`: a new process group can be made afterwards,
+  which torch allows only once the old one is really destroyed);
 * ``make_loader(dataset, rank, world_size, batch_size)`` -> a DataLoader over this rank's
-  DistributedSampler shard (:func:`check_sampler`);
-* ``train(rank, model, loader, epochs, lr)`` -> wraps ``model`` in DDP, trains it with SGD on
-  mean-squared error, calling ``loader.sampler.set_epoch(epoch)`` each epoch, and returns the DDP
-  model (:func:`check_training`, :func:`check_set_epoch`);
+  DistributedSampler shard (:func:`check_sampler`: what the loader yields, two epochs);
+* ``train(rank, model, loader, epochs, lr)`` -> the DDP model, trained with SGD on mean-squared
+  error, calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
+  :func:`check_set_epoch`: what reached the model before each optimizer step, and the weights);
 * ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``ddp_model.module.state_dict()`` from
-  rank 0 only (:func:`check_checkpoint`).
+  rank 0 only, and no rank returns before the file is complete (:func:`check_checkpoint`: the
+  files, rank 0's save slowed down, what every rank found when the function returned).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
 import shutil
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +38,7 @@ from course import checks
 from course.checks import CheckFailed, passed
 
 ATOL = 1e-6
+SLOW_SAVE = 1.0  # seconds rank 0's torch.save is slowed by in check_checkpoint
 _HARD_CODED = ("rank < size", "use the rank and world_size arguments; do not hard-code the number of ranks")
 
 
@@ -58,83 +65,164 @@ class IndexDataset(Dataset):
 
 
 class RegressionDataset(Dataset):
-    """(x, y) pairs from a fixed seed; remembers the order the samples were read in (``fetched``)."""
+    """(x, y) pairs from a fixed seed; every x row is different, so a batch says which samples it holds."""
 
     def __init__(self, n: int, seed: int):
         gen = torch.Generator().manual_seed(500 + seed)
         self.x = torch.randn(n, 4, generator=gen)
         self.y = torch.randn(n, 2, generator=gen)
-        self.fetched: list[int] = []
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        self.fetched.append(int(i))
         return self.x[i], self.y[i]
+
+    def indices_of(self, x: torch.Tensor) -> list[int]:
+        """The sample index of every row of a batch of inputs (-1: not a sample of this dataset)."""
+        rows = {self.x[i].numpy().tobytes(): i for i in range(len(self.x))}
+        return [rows.get(row.numpy().tobytes(), -1) for row in x.detach().to("cpu", torch.float32).reshape(-1, 4)]
 
 
 # --- setup and cleanup -------------------------------------------------------------------------
+#
+# What a student's code can overwrite in its own process (dist.is_initialized, dist.get_rank, ...) is
+# never read here. A harness takes torch.distributed's own functions before the student's code runs
+# and observes effects: a collective that only completes in a real process group of every rank, a
+# re-initialisation that only succeeds after the student's group was really destroyed.
+
+REJOIN_TIMEOUT = 5  # seconds a rank waits for the others in the re-initialisation after cleanup()
+
+
+class _Torch:
+    """torch.distributed's own functions and the CUDA device query, taken before student code runs."""
+
+    def __init__(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        self.init = c10d.init_process_group
+        self.all_gather = c10d.all_gather
+        self.get_backend = c10d.get_backend
+        self.destroy = c10d.destroy_process_group
+        self.cuda_device = torch.cuda.current_device
+
+
+def _membership(real: _Torch, rank: int, world_size: int, dev) -> dict:
+    """Prove, with a collective, that this process is rank ``rank`` of one group of ``world_size``.
+
+    Each rank draws a random token and all-gathers it through the real default group: only a real
+    group of every rank can hand each rank all the others' tokens, in rank order."""
+    token = int.from_bytes(os.urandom(6), "little")
+    mine = torch.tensor([token], dtype=torch.int64, device=dev)
+    gathered = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
+    try:
+        real.all_gather(gathered, mine)
+    except Exception as exc:  # noqa: BLE001 - no (real) default group: whatever torch then raises
+        return {"joined": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return {"joined": True, "token": token, "gathered": [int(t.item()) for t in gathered],
+            "backend": str(real.get_backend())}
 
 
 def _setup_harness(rank, setup):
+    real = _Torch()
     world_size = int(os.environ["WORLD_SIZE"])
     setup(rank, world_size)
-    obs = {"initialized": dist.is_available() and dist.is_initialized()}
-    if obs["initialized"]:
-        obs.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
+    nccl = os.environ.get("DDP_COURSE_BACKEND") == "nccl"
+    obs = _membership(real, rank, world_size, torch.device("cuda", real.cuda_device()) if nccl else "cpu")
+    obs["device"] = real.cuda_device() if nccl else None  # the GPU this rank selected
     return obs
 
 
 def check_setup(setup, *, world_sizes=(2, 3)):
-    """After setup(rank, world_size) every rank is in one process group: ranks 0..N-1, world size N."""
+    """After setup(rank, world_size) every rank is in one process group of the job's backend, as
+    rank ``rank`` of ``world_size`` (shown by a collective); under nccl each rank uses GPU LOCAL_RANK."""
     check = "check_setup"
     checks.require_written(check, setup=setup)
     hints = [_HARD_CODED, ("NCCL", "use the backend course.backend() picks (gloo on a CPU); do not hard-code nccl")]
+    pinned = None
     for world_size in world_sizes:
         job = checks.run(check, _setup_harness, world_size, args=(setup,), hints=hints)
         obs = job.values
-        missing = [r for r, o in enumerate(obs) if not o["initialized"]]
+        where = f"{world_size}-rank job"
+        missing = [r for r, o in enumerate(obs) if not o["joined"]]
         if missing:
-            raise CheckFailed(check, f"no process group after setup() ({world_size}-rank job)", ranks=missing,
+            raise CheckFailed(check, f"no process group after setup() ({where}): a collective could not run",
+                              ranks=missing, got=obs[missing[0]]["error"],
                               hint="call dist.init_process_group(course.backend()) in setup")
-        wrong_rank = [r for r, o in enumerate(obs) if o["rank"] != r]
+        tokens = [o["token"] for o in obs]
+        wrong_rank = [r for r, o in enumerate(obs) if o["gathered"] != tokens]
         if wrong_rank:
-            raise CheckFailed(check, f"dist.get_rank() is not the process's rank ({world_size}-rank job)",
-                              ranks=wrong_rank, expected=f"ranks {list(range(world_size))}",
-                              got=f"{[o['rank'] for o in obs]}", hint="pass rank=rank (or nothing: the environment has RANK)")
-        sizes = sorted({o["world_size"] for o in obs})
-        if sizes != [world_size]:
-            raise CheckFailed(check, f"the process group has the wrong size ({world_size}-rank job)",
-                              ranks=[r for r, o in enumerate(obs) if o["world_size"] != world_size],
-                              expected=f"world_size {world_size} on every rank", got=f"{[o['world_size'] for o in obs]}",
-                              hint="pass world_size=world_size (or nothing: the environment has WORLD_SIZE)")
+            order = [o["gathered"].index(tokens[r]) if tokens[r] in o["gathered"] else "?"
+                     for r, o in enumerate(obs)]
+            raise CheckFailed(check, f"the ranks did not join as ranks 0..{world_size - 1} of one group ({where})",
+                              ranks=wrong_rank, expected=f"process r is rank r: {list(range(world_size))}",
+                              got=f"group ranks {order}",
+                              hint="pass rank=rank (or nothing: the environment has RANK)")
         backends = [o["backend"] for o in obs]
         if set(backends) != {job.backend}:
-            raise CheckFailed(check, f"the process group uses another backend than the job's ({world_size}-rank job)",
-                              expected=job.backend, got=backends,
-                              hint="dist.init_process_group(course.backend())")
+            raise CheckFailed(check, f"the process group uses another backend than the job's ({where})",
+                              expected=job.backend, got=backends, hint="dist.init_process_group(course.backend())")
+        if job.backend == "nccl":
+            local = list(range(world_size))  # one machine: LOCAL_RANK == RANK
+            devices = [o["device"] for o in obs]
+            if devices != local:
+                raise CheckFailed(check, f"the ranks did not each select their own GPU ({where})",
+                                  ranks=[r for r in local if devices[r] != r], expected=f"cuda devices {local}",
+                                  got=f"cuda devices {devices}",
+                                  hint="torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) in setup")
+            pinned = True
+        elif pinned is None:
+            pinned = False
     passed(check)
+    if not pinned:
+        print("  (not graded here: selecting each rank's GPU; this job ran on gloo, without a GPU per rank)")
 
 
-def _cleanup_harness(rank, cleanup):
-    checks.join_job()
+def _cleanup_harness(rank, cleanup, store_dir):
+    from datetime import timedelta
+
+    real = _Torch()
+    dev = checks.join_job()
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = str(real.get_backend())
     cleanup()
-    return dist.is_initialized()
+    # Only a destroyed default group lets a new one be made: try, through a store of our own.
+    store = dist.FileStore(os.path.join(store_dir, "rejoin"), world_size)
+    store.set_timeout(timedelta(seconds=REJOIN_TIMEOUT))
+    try:
+        real.init(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=REJOIN_TIMEOUT))
+    except ValueError as exc:  # "trying to initialize the default process group twice"
+        return {"destroyed": False, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
+    except RuntimeError as exc:  # a peer kept its group, so it never came
+        return {"destroyed": True, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
+    obs = {"destroyed": True, **_membership(real, rank, world_size, dev)}
+    obs["rejoined"] = obs.pop("joined")
+    real.destroy()
+    return obs
 
 
 def check_cleanup(cleanup, *, world_sizes=(2, 3)):
-    """After cleanup() the process group is destroyed on every rank."""
+    """After cleanup() the process group is destroyed on every rank: a new one can be made (and works)."""
     check = "check_cleanup"
     checks.require_written(check, cleanup=cleanup)
     for world_size in world_sizes:
-        job = checks.run(check, _cleanup_harness, world_size, args=(cleanup,))
-        still_up = [r for r in range(world_size) if job.pg_initialized[r] or job.values[r]]
+        store_dir = tempfile.mkdtemp(prefix="ddp-course-cleanup-")
+        try:
+            job = checks.run(check, _cleanup_harness, world_size, args=(cleanup, store_dir))
+        finally:
+            shutil.rmtree(store_dir, ignore_errors=True)
+        still_up = [r for r, o in enumerate(job.values) if not o["destroyed"]]
         if still_up:
             raise CheckFailed(check, f"the process group is still up after cleanup() ({world_size}-rank job)",
-                              ranks=still_up, expected="dist.is_initialized() == False on every rank",
-                              got=f"{checks.rank_list(still_up)} still initialized",
+                              ranks=still_up, expected="the default process group destroyed on every rank",
+                              got=f"{checks.rank_list(still_up)}: a new init_process_group failed with "
+                              f"\"{job.values[still_up[0]]['error']}\"",
                               hint="call dist.destroy_process_group() in cleanup, on every rank")
+        broken = [r for r, o in enumerate(job.values) if not o["rejoined"]]
+        if broken:
+            raise CheckFailed(check, f"after cleanup() a new process group does not work ({world_size}-rank job)",
+                              ranks=broken, got=job.values[broken[0]].get("error"),
+                              hint="cleanup() should only call dist.destroy_process_group()")
     passed(check)
 
 
@@ -236,16 +324,42 @@ def _judge_loader(check, per_rank, n, batch_size, world_size):
 
 
 def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
+    """Train with the student's train(); observe what reached the model and what each optimizer step used.
+
+    A forward pre-hook on the model records the samples of every training forward (grad on, model in
+    training mode); a global optimizer step hook closes a step. So a step's batch is what the model
+    really saw before that step, whatever else the loop reads from the loader (to log a batch size, say).
+    """
     dev = checks.join_job()
     world_size = dist.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP must broadcast rank 0's weights
     dataset = RegressionDataset(n, seed)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    returned = train(rank, model, loader, epochs, lr)
-    state = {k: v for k, v in model.state_dict().items()}
-    return {"state": checks.to_cpu(state), "fetched": list(dataset.fetched),
-                           "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)}
+    steps: list[list[int]] = []
+    pending: list[list[int]] = []  # the forwards since the last step, one list of samples each
+
+    def on_forward(module, args):
+        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            seen = dataset.indices_of(args[0])
+            if seen not in pending:  # the same batch again (its loss logged, say): one use
+                pending.append(seen)
+
+    def on_step(optimizer, args, kwargs):
+        if pending:  # an optimizer stepping inside another's step (ZeRO) is not one more step
+            steps.append([i for seen in pending for i in seen])
+            pending.clear()
+
+    model.register_forward_pre_hook(on_forward)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(on_step)
+    try:
+        returned = train(rank, model, loader, epochs, lr)
+    finally:
+        handle.remove()
+    return {"state": checks.to_cpu(model.state_dict()), "steps": steps,
+            "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)}
 
 
 def _run_train(check, train, world_size, n, batch_size, epochs, lr, seed):
@@ -253,27 +367,57 @@ def _run_train(check, train, world_size, n, batch_size, epochs, lr, seed):
              ("timeout", "every rank must run the same number of steps and call the same collectives; "
                          "no collective (all_reduce, barrier, ...) inside `if rank == 0:`")]
     return checks.run(check, _train_harness, world_size, args=(train, n, batch_size, epochs, lr, seed),
-                       hints=hints).values
+                      hints=hints).values
 
 
-def _epochs(fetched, per_rank_n, epochs):
-    return [fetched[e * per_rank_n:(e + 1) * per_rank_n] for e in range(epochs)]
+def _step_plan(n, world_size, batch_size, epochs) -> tuple[int, int]:
+    """(samples per rank and epoch, optimizer steps per epoch) of the loop the exercise asks for."""
+    per_rank_n = math.ceil(n / world_size)
+    return per_rank_n, math.ceil(per_rank_n / batch_size)
 
 
-def _reference(fetched_per_rank, n, batch_size, epochs, lr, seed, lr_scale=1.0, zero_grad=True):
-    """One process trained on the same global batches the ranks formed together."""
+def _judge_steps(check, obs, n, batch_size, epochs, where) -> None:
+    """Every rank took epochs x steps-per-epoch optimizer steps, each on one batch of the loader."""
+    world_size = len(obs)
+    per_rank_n, per_epoch = _step_plan(n, world_size, batch_size, epochs)
+    strangers = [r for r, o in enumerate(obs) if any(i < 0 for step in o["steps"] for i in step)]
+    if strangers:
+        raise CheckFailed(check, f"the model was given inputs that are not the loader's samples ({where})",
+                          ranks=strangers, expected="each batch x exactly as the loader gives it (moved to the device)",
+                          hint="for x, y in loader: x, y = x.to(device), y.to(device); output = ddp_model(x)")
+    counts = [len(o["steps"]) for o in obs]
+    if counts != [epochs * per_epoch] * world_size:
+        raise CheckFailed(check, f"train() took the wrong number of optimizer steps ({where})",
+                          ranks=[r for r, k in enumerate(counts) if k != epochs * per_epoch],
+                          expected=f"{epochs} epochs x {per_epoch} batches = {epochs * per_epoch} steps per rank",
+                          got=f"{counts}", hint="for epoch in range(epochs): for x, y in loader: ... optimizer.step()")
+    for rank, o in enumerate(obs):
+        for e in range(epochs):
+            epoch_steps = o["steps"][e * per_epoch:(e + 1) * per_epoch]
+            sizes = [len(step) for step in epoch_steps]
+            expected = [batch_size] * (per_epoch - 1) + [per_rank_n - batch_size * (per_epoch - 1)]
+            if sizes != expected:
+                raise CheckFailed(check, f"the optimizer steps did not each use one batch of the loader ({where})",
+                                  ranks=[rank], expected=f"samples per step in epoch {e}: {expected}", got=f"{sizes}",
+                                  hint="one forward, backward and optimizer.step() per batch: zero_grad() first")
+
+
+def _epochs(steps, per_epoch, epochs):
+    """The samples each epoch's steps used, in order."""
+    return [[i for step in steps[e * per_epoch:(e + 1) * per_epoch] for i in step] for e in range(epochs)]
+
+
+def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True):
+    """One process that took the same optimizer steps on the global batches (all ranks' batches together)."""
     dataset = RegressionDataset(n, seed)
     model = make_net(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr * lr_scale)
-    per_rank_n = math.ceil(n / len(fetched_per_rank))
-    for epoch in range(epochs):
-        shards = [_epochs(f, per_rank_n, epochs)[epoch] for f in fetched_per_rank]
-        for start in range(0, per_rank_n, batch_size):
-            idx = torch.tensor([i for shard in shards for i in shard[start:start + batch_size]])
-            if zero_grad:
-                opt.zero_grad()
-            F.mse_loss(model(dataset.x[idx]), dataset.y[idx]).backward()
-            opt.step()
+    for step in range(len(steps_per_rank[0])):
+        idx = torch.tensor([i for steps in steps_per_rank for i in steps[step]])
+        if zero_grad:
+            opt.zero_grad()
+        F.mse_loss(model(dataset.x[idx]), dataset.y[idx]).backward()
+        opt.step()
     return model.state_dict()
 
 
@@ -282,20 +426,14 @@ def _diff(a, b):
 
 
 def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, lr=0.1, seed=0):
-    """After train(), parameters are bitwise equal on every rank and equal (1e-6) to one process
-    trained with the same lr on the full (global) batches."""
+    """train() takes one optimizer step per batch of every epoch; after it, parameters are bitwise equal
+    on every rank and equal (1e-6) to one process trained with the same lr on the global batches."""
     check = "check_training"
     checks.require_written(check, train=train)
     for world_size in world_sizes:
         obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
         where = f"{world_size}-rank job, {epochs} epochs"
-        per_rank_n = math.ceil(n / world_size)
-        read = [len(o["fetched"]) for o in obs]
-        if read != [per_rank_n * epochs] * world_size:
-            raise CheckFailed(check, f"train() read the wrong number of samples ({where})",
-                              ranks=[r for r, k in enumerate(read) if k != per_rank_n * epochs],
-                              expected=f"{epochs} passes over the loader: {per_rank_n * epochs} samples per rank",
-                              got=f"{read}", hint="for epoch in range(epochs): for x, y in loader: ...")
+        _judge_steps(check, obs, n, batch_size, epochs, where)
         states = [o["state"] for o in obs]
         differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][k], states[r][k]) for k in states[0])]
         if differ:
@@ -305,14 +443,14 @@ def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, l
                               hint="wrap the model, ddp_model = DDP(model), and train ddp_model (forward, "
                               "backward and the optimizer over ddp_model.parameters()): DDP averages the "
                               "gradients and starts every rank from rank 0's weights")
-        fetched = [o["fetched"] for o in obs]
-        reference = _reference(fetched, n, batch_size, epochs, lr, seed)
+        steps = [o["steps"] for o in obs]
+        reference = _reference(steps, n, lr, seed)
         if _diff(states[0], reference) > ATOL:
             raise CheckFailed(check, f"the trained parameters differ from one process trained on the global "
                               f"batches ({where})", ranks=range(world_size),
                               expected="the same parameters within 1e-6",
                               got=f"max difference {_diff(states[0], reference):.3g}",
-                              hint=_training_hint(states[0], fetched, n, batch_size, epochs, lr, seed, world_size))
+                              hint=_training_hint(states[0], steps, n, lr, seed, world_size, batch_size))
         if not any(o["is_ddp"] for o in obs):
             raise CheckFailed(check, f"train() returned {obs[0]['returned']}, not the DDP model ({where})",
                               expected="ddp_model (a DistributedDataParallel)",
@@ -320,7 +458,7 @@ def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, l
     passed(check)
 
 
-def _training_hint(state, fetched, n, batch_size, epochs, lr, seed, world_size):
+def _training_hint(state, steps, n, lr, seed, world_size, batch_size):
     guesses = [
         (dict(lr_scale=world_size), f"the steps are {world_size} x too large: DDP already averages the gradients, "
          "do not all_reduce them again or sum the losses over ranks"),
@@ -330,7 +468,7 @@ def _training_hint(state, fetched, n, batch_size, epochs, lr, seed, world_size):
         (dict(lr_scale=0.0), "the parameters never changed: call optimizer.step() after loss.backward()"),
     ]
     for kwargs, hint in guesses:
-        if _diff(state, _reference(fetched, n, batch_size, epochs, lr, seed, **kwargs)) <= ATOL:
+        if _diff(state, _reference(steps, n, lr, seed, **kwargs)) <= ATOL:
             return hint
     return ("use torch.optim.SGD(ddp_model.parameters(), lr=lr) and, for every batch: zero_grad, "
             "loss = F.mse_loss(ddp_model(x), y), loss.backward(), step")
@@ -343,8 +481,9 @@ def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, 
     for world_size in world_sizes:
         obs = _run_train(check, train, world_size, n, batch_size, epochs, lr, seed)
         where = f"{world_size}-rank job, {epochs} epochs, {n} samples"
-        per_rank_n = math.ceil(n / world_size)
-        per_epoch = [_epochs(o["fetched"], per_rank_n, epochs) for o in obs]
+        _judge_steps(check, obs, n, batch_size, epochs, where)
+        steps_per_epoch = _step_plan(n, world_size, batch_size, epochs)[1]
+        per_epoch = [_epochs(o["steps"], steps_per_epoch, epochs) for o in obs]
         for epoch in range(epochs):
             shards = [p[epoch] for p in per_epoch]
             seen = [i for s in shards for i in s]
@@ -384,6 +523,8 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
     def spy(obj, f, *args, **kwargs):  # audit hooks do not see torch.save (it opens files in C++)
         path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else f"<{type(f).__name__}>"
         calls.append(path)
+        if rank == 0:
+            time.sleep(SLOW_SAVE)  # a slow disk: the others must not go on before the file is complete
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = torch.serialization.save = spy
@@ -391,13 +532,24 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
         save_checkpoint(rank, ddp_model, ckpt_path)
     finally:
         torch.save = torch.serialization.save = real_save
+    seen = _digest(ckpt_path)  # the checkpoint as this rank finds it the moment save_checkpoint returned
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
-    return {"calls": calls, "files": files, "state": checks.to_cpu(model.state_dict())}
+    return {"calls": calls, "files": files, "state": checks.to_cpu(model.state_dict()), "seen": seen}
+
+
+def _digest(path: str) -> str:
+    """The file's sha256, or "missing"."""
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return "missing"
 
 
 def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
     """Only rank 0 writes ckpt_path, a plain state_dict (no `module.` prefix) that loads into a
-    model without DDP (strict=True) and holds the trained parameters."""
+    model without DDP (strict=True) and holds the trained parameters; when save_checkpoint returns,
+    every rank finds the whole file, though rank 0's save is slowed down (a barrier after the save)."""
     check = "check_checkpoint"
     checks.require_written(check, save_checkpoint=save_checkpoint)
     hints = [("Connection closed by peer", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits "
@@ -420,7 +572,8 @@ def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
 def _judge_checkpoint(check, obs, ckpt_path, world_size):
     where = f"{world_size}-rank job"
     name = os.path.basename(ckpt_path)
-    elsewhere = {r: o["files"] + [c for c in o["calls"] if c != ckpt_path] for r, o in enumerate(obs)}
+    folder = os.path.dirname(ckpt_path)  # a temporary file beside it, then os.replace, is fine
+    elsewhere = {r: o["files"] + [c for c in o["calls"] if os.path.dirname(c) != folder] for r, o in enumerate(obs)}
     elsewhere = {r: paths for r, paths in elsewhere.items() if paths}
     if elsewhere:
         rank, paths = sorted(elsewhere.items())[0]
@@ -470,6 +623,16 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
         raise CheckFailed(check, f"{name} does not hold the model's current parameters ({where})", ranks=[0],
                           got=f"max difference {_diff(state, expected):.3g}",
                           hint="save the state_dict of the model you were given (ddp_model.module), as it is now")
+    final = _digest(ckpt_path)
+    early = [r for r, o in enumerate(obs) if r != 0 and o["seen"] != final]
+    if early:
+        found = "no file" if obs[early[0]]["seen"] == "missing" else "an incomplete file"
+        raise CheckFailed(check, f"save_checkpoint returned on {checks.rank_list(early)} before rank 0's {name} was "
+                          f"complete ({where}; rank 0's save took {SLOW_SAVE:g} s)", ranks=early,
+                          expected=f"every rank finds the whole {name} once save_checkpoint returns",
+                          got=f"rank {early[0]} found {found}",
+                          hint="after rank 0's torch.save, call dist.barrier() on every rank (outside the if): a rank "
+                          "that goes on at once may read a checkpoint that is not written yet")
 
 
 def _first_line(exc: BaseException) -> str:

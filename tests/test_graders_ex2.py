@@ -7,6 +7,7 @@ process; each must lose exactly the intended test cell's points.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -52,8 +53,43 @@ def setup_nothing(rank, world_size):
     print("ready")
 
 
+def setup_keywords(rank, world_size):  # also right: another spelling of the same call
+    dist.init_process_group(backend=course.backend(), init_method="env://", world_size=world_size, rank=rank)
+
+
+def setup_reversed_ranks(rank, world_size):
+    dist.init_process_group(course.backend(), rank=world_size - 1 - rank, world_size=world_size)
+
+
+def setup_forged(rank, world_size):
+    """Never joins: only makes torch.distributed's own questions answer as if it had."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        module.is_initialized = lambda: True
+        module.get_rank = lambda group=None: rank
+        module.get_world_size = lambda group=None: world_size
+        module.get_backend = lambda group=None: "gloo"
+
+
 def cleanup():
     dist.destroy_process_group()
+
+
+def cleanup_guarded():  # also right: the tutorials' guard, and a barrier first
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def cleanup_forged():
+    """Destroys nothing: only makes torch.distributed say it did."""
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.is_initialized = c10d.is_initialized = lambda: False
+    import course.launcher.rank as rank_side
+
+    rank_side._STATE["destroy_called"] = True
 
 
 def cleanup_barrier_only():
@@ -145,10 +181,101 @@ def train_returns_nothing(rank, model, loader, epochs, lr):
     _loop(rank, model, loader, epochs, lr)
 
 
+def train_logs_batch_size(rank, model, loader, epochs, lr):
+    """Right: reads one batch to log its size first (public example code does), and logs each loss
+    with another forward of the same batch."""
+    x0, _ = next(iter(loader))
+    print(f"[rank {rank}] batch size {len(x0)}")
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.mse_loss(ddp_model(x), y).backward()
+            optimizer.step()
+            with torch.no_grad():
+                print(f"[rank {rank}] loss {F.mse_loss(ddp_model(x), y).item():.3f}")
+    return ddp_model
+
+
+class Trainer:
+    """Right, in the style of PyTorch's DDP tutorial series (multigpu.py): a class, nn.MSELoss, set_to_none."""
+
+    def __init__(self, model, loader, lr, local_rank):
+        self.loader = loader
+        self.model = DDP(model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.loss_fn = torch.nn.MSELoss()
+        self.local_rank = local_rank
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+
+    def _run_epoch(self, epoch):
+        self.loader.sampler.set_epoch(epoch)
+        for source, targets in self.loader:
+            self._run_batch(source, targets)
+
+    def train(self, max_epochs):
+        for epoch in range(max_epochs):
+            self._run_epoch(epoch)
+        return self.model
+
+
+def train_tutorial_style(rank, model, loader, epochs, lr):
+    return Trainer(model, loader, lr, int(os.environ["LOCAL_RANK"])).train(epochs)
+
+
+def train_one_epoch_short(rank, model, loader, epochs, lr):
+    return _loop(rank, model, loader, epochs - 1, lr)
+
+
+def train_skips_small_batches(rank, model, loader, epochs, lr):
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            if len(x) < 3:  # "a full batch only": drops the last one
+                continue
+            optimizer.zero_grad()
+            F.mse_loss(ddp_model(x), y).backward()
+            optimizer.step()
+    return ddp_model
+
+
 def save_checkpoint(rank, ddp_model, ckpt_path):
     if rank == 0:
         torch.save(ddp_model.module.state_dict(), ckpt_path)
     dist.barrier()
+
+
+def save_no_barrier(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+
+
+def save_barrier_first(rank, ddp_model, ckpt_path):
+    dist.barrier()
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+
+
+def save_consumed_prefix(rank, ddp_model, ckpt_path):
+    """Right, another API: strip DDP's prefix from the wrapper's state_dict; an all_reduce as the sync."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    if dist.get_rank() == 0:
+        state = ddp_model.state_dict()
+        consume_prefix_in_state_dict_if_present(state, "module.")
+        tmp = ckpt_path + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, ckpt_path)
+    dist.all_reduce(torch.zeros(1))
 
 
 def save_on_every_rank(rank, ddp_model, ckpt_path):
@@ -194,10 +321,26 @@ def test_check_setup():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_check_setup_judges_what_a_collective_shows():
+    ex2.check_setup(setup_keywords, world_sizes=(3,))
+    fails(ex2.check_setup, setup_reversed_ranks, "did not join as ranks 0..1", "group ranks [1, 0]", "rank=rank")
+    fails(ex2.check_setup, setup_forged, "no process group after setup()", "a collective could not run",
+          "[ranks 0, 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_check_cleanup():
     ex2.check_cleanup(cleanup)
     fails(ex2.check_cleanup, cleanup_barrier_only, "still up", "[ranks 0, 1]", "destroy_process_group")
     fails(ex2.check_cleanup, cleanup_rank0_only, "still up", "[rank 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_cleanup_judges_a_real_destroy():
+    ex2.check_cleanup(cleanup_guarded, world_sizes=(3,))
+    fails(ex2.check_cleanup, cleanup_forged, "still up", "[ranks 0, 1]", "initialize the default process group twice")
 
 
 @pytest.mark.slow
@@ -228,6 +371,19 @@ def test_check_training():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_training_is_judged_by_what_reached_the_model():
+    """Reading a batch to log it, or a logging forward, is not training; skipping batches or an epoch is wrong."""
+    ex2.check_training(train_logs_batch_size)
+    ex2.check_set_epoch(train_logs_batch_size)
+    ex2.check_training(train_tutorial_style)
+    ex2.check_set_epoch(train_tutorial_style)
+    fails(ex2.check_training, train_one_epoch_short, "wrong number of optimizer steps", "2 epochs")
+    fails(ex2.check_training, train_skips_small_batches, "wrong number of optimizer steps", "[ranks 0, 1]",
+          n=14, batch_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_check_set_epoch():
     ex2.check_set_epoch(train)
     ex2.check_set_epoch(train_no_ddp)  # wrapping is check_training's business
@@ -248,6 +404,15 @@ def test_check_checkpoint():
     fails(ex2.check_checkpoint, save_stale_weights, "current parameters")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint_sees_the_race_a_barrier_prevents():
+    ex2.check_checkpoint(save_consumed_prefix)
+    fails(ex2.check_checkpoint, save_no_barrier, "returned on rank 1 before rank 0's ckpt.pt was complete",
+          "found no file", "dist.barrier() on every rank")
+    fails(ex2.check_checkpoint, save_barrier_first, "before rank 0's ckpt.pt was complete", "[rank 1]")
+
+
 # --- wrong submissions, graded as notebooks -------------------------------------------------------
 
 
@@ -265,6 +430,8 @@ WRONG = {
                                      "ex2_test_checkpoint", ["'module.'"]),
     "wrong rank saves": ("ex2_save_checkpoint", "if rank == 0:", "if rank:",
                          "ex2_test_checkpoint", ["instead of rank 0"]),
+    "no barrier after the save": ("ex2_save_checkpoint", "    dist.barrier()\n", "",
+                                  "ex2_test_checkpoint", ["before rank 0's ckpt.pt was complete", "dist.barrier()"]),
     "no DDP wrap": ("ex2_train", 'DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)',
                     "model", "ex2_test_training", ["different parameters", "DDP(model)"]),
     "no destroy_process_group": ("ex2_cleanup", "dist.destroy_process_group()", "dist.barrier()",

@@ -127,13 +127,14 @@ def run(nb, submission_dir: str | Path, config: Config) -> Execution:
     runs it in its own copy. Returns an :class:`Execution` whose ``notes`` say how isolated the
     run was and which test cells were graded from their own output.
     """
+    from nbgrader.utils import setenv
+
     workdir = tempfile.mkdtemp(prefix="ddp-course-grade-")
-    previous = os.environ.get("NBGRADER_EXECUTION")
-    os.environ["NBGRADER_EXECUTION"] = "autograde"  # as nbgrader's autograde sets it while executing
     try:
         copy_submission(submission_dir, workdir)
         resources = {"metadata": {"path": workdir}}
-        with tempfile.TemporaryFile() as kernel_log:
+        # as nbgrader's autograde sets it while it executes a notebook
+        with tempfile.TemporaryFile() as kernel_log, setenv(NBGRADER_EXECUTION="autograde"):
             for step_class in GRADING_STEPS:
                 step = step_class(config=config)
                 if isinstance(step, SandboxedExecute):
@@ -144,8 +145,4 @@ def run(nb, submission_dir: str | Path, config: Config) -> Execution:
                if cell.get("cell_type") == "code" and cell.get("execution_count") is not None}
         return Execution(nb, ran, state.get("stopped", ""), list(dict.fromkeys(state.get("notes", []))))
     finally:
-        if previous is None:
-            os.environ.pop("NBGRADER_EXECUTION", None)
-        else:
-            os.environ["NBGRADER_EXECUTION"] = previous
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,27 @@
+"""``ddp-course demo``, the README's main job, runs end to end: init, release, sample submissions, autograde,
+grades; the reference student gets full marks and the untouched one nothing."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_grades_a_sample_class(tmp_path):
+    root = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "course.cli", "demo", str(root), "--assignment", "ex1-parallelism",
+                           "--students", "3"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "5. grades" in proc.stdout
+    with open(root / "grades.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 3, rows
+    scores = sorted(float(r["score"]) for r in rows)
+    maximum = {float(r["max_score"]) for r in rows}
+    assert maximum == {9.0}, rows
+    assert scores[0] < scores[-1] == 9.0, rows  # someone is right, someone is not
