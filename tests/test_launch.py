@@ -390,3 +390,24 @@ def test_a_rank_that_returns_early_does_not_break_slower_peers():
 def test_process_group_can_be_created_again_after_destroy():
     for _ in range(3):
         assert course.run_ranks(init_twice, 2, echo=False, timeout=30) == [2.0, 2.0]
+
+
+def overrides_master_port(rank):
+    import os
+
+    os.environ["MASTER_ADDR"] = "localhost"  # the PyTorch DDP tutorial's setup()
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_master_port_set_by_hand_is_named_at_once():
+    """Under the launcher (as under torchrun) nobody hosts a store at a port the rank picked: say so, don't hang."""
+    start = time.monotonic()
+    with pytest.raises(course.RankFailedError) as err:
+        course.run_ranks(overrides_master_port, 2, echo=False, timeout=60)
+    assert time.monotonic() - start < 20
+    text = str(err.value)
+    assert "told to meet at localhost:12355" in text and "MASTER_PORT=" in text, text
+    assert "Remove the code that sets MASTER_ADDR/MASTER_PORT" in text

@@ -135,6 +135,15 @@ def _rendezvous_through_file(spec: dict) -> None:
     def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
         if hostname == env["MASTER_ADDR"] and int(port) == int(env["MASTER_PORT"]):
             return _file_store(spec, timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # as under torchrun, ranks only connect to the store the launcher hosts: nobody hosts this one
+            raise RuntimeError(
+                f"init_process_group was told to meet at {hostname}:{port}, but this job's rendezvous is at "
+                f"MASTER_ADDR={env['MASTER_ADDR']} MASTER_PORT={env['MASTER_PORT']}, which the launcher set (as "
+                f"torchrun does) and hosts. Nobody hosts a store at {hostname}:{port}: every rank would wait "
+                "there forever. Remove the code that sets MASTER_ADDR/MASTER_PORT (os.environ[...] = ...) or "
+                "passes init_method: dist.init_process_group(backend) reads the launcher's from the environment."
+            )
         return real(hostname, port, rank, world_size, timeout, use_libuv)
 
     create_store.__wrapped__ = real
