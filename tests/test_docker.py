@@ -46,7 +46,7 @@ SITE = r"opt/venv/lib/python3\.\d+/site-packages"
 MARKER_ALLOWED = re.compile(
     # the grading engine names the markers it looks for (nbgrader, course/instructor, the verifier)
     rf"^({SITE}/|src/)(nbgrader|course/instructor)/([^/]+/)*[^/]+\.pyc?$"
-    rf"|^({SITE}/|src/)course/(__pycache__/)?(checkcalls|safeexec)(\.cpython-\d+)?\.pyc?$"
+    rf"|^({SITE}/|src/)course/grading/(__pycache__/)?(cells|checkcalls)(\.cpython-\d+)?\.pyc?$"
     rf"|^{SITE}/nbgrader/([^/]+/)*[^/]+\.(js|js\.map|html|css)$"
     rf"|^{SITE}/nbgrader-[^/]+\.dist-info/RECORD$"
     r"|^opt/venv/share/jupyter/(labextensions|nbextensions)/(@jupyter/)?nbgrader/([^/]+/)*[^/]+\.(js|js\.map)$"

@@ -113,6 +113,9 @@ class GuardedExecution(Configurable):
     sandbox_summary = ""
 
     async def async_start_new_kernel(self, **kwargs):
+        # as nbgrader's autograde sets it while it executes, for the kernel alone (never this process's
+        # environment: ddp-course grade may run several notebooks at once, in threads)
+        kwargs.setdefault("env", {**os.environ, "NBGRADER_EXECUTION": "autograde"})
         if self.kernel_log is not None:
             kwargs.setdefault("stdout", self.kernel_log)
             kwargs.setdefault("stderr", self.kernel_log)

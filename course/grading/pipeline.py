@@ -127,14 +127,11 @@ def run(nb, submission_dir: str | Path, config: Config) -> Execution:
     runs it in its own copy. Returns an :class:`Execution` whose ``notes`` say how isolated the
     run was and which test cells were graded from their own output.
     """
-    from nbgrader.utils import setenv
-
     workdir = tempfile.mkdtemp(prefix="ddp-course-grade-")
     try:
         copy_submission(submission_dir, workdir)
         resources = {"metadata": {"path": workdir}}
-        # as nbgrader's autograde sets it while it executes a notebook
-        with tempfile.TemporaryFile() as kernel_log, setenv(NBGRADER_EXECUTION="autograde"):
+        with tempfile.TemporaryFile() as kernel_log:
             for step_class in GRADING_STEPS:
                 step = step_class(config=config)
                 if isinstance(step, SandboxedExecute):
