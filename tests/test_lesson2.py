@@ -96,6 +96,10 @@ def test_unused_parameters_and_no_sync(nb):
     (micro, without, with_no_sync), = rows(r"(\d+) micro-batches without no_sync: (\d+) all-reduces; with no_sync: (\d+)", text)
     assert int(without) == int(micro) > 1 and int(with_no_sync) == 1
     assert "same accumulated gradients on every rank: True" in text
+    # each micro-batch's loss divided by their number: the accumulated gradient is the big batch's mean gradient
+    (loss_over, samples), = rows(r"accumulated gradient \(each micro-batch's loss / (\d+)\) equals one backward on the "
+                                 r"whole batch of (\d+) on every rank: True", text)
+    assert int(loss_over) == int(micro) and int(samples) == 8 * int(micro)
 
 
 def test_sampler_shards_are_disjoint_covering_and_padded(nb):
