@@ -41,6 +41,9 @@ def test_convert_sync_batchnorm_replaces_every_batchnorm(nb):
     before, synced, left = map(int, m.groups())
     assert before == synced == 3 and left == 0
     assert "the returned module is SyncBatchNorm" in output_of(nb, "bn = nn.BatchNorm1d(16)")
+    # the converted layer holds the same tensors: converting before or after .to(device) is the same
+    assert "holds the argument's own parameters and buffers (the same tensors, not copies): True" in output_of(
+        nb, "bn = nn.BatchNorm1d(16)")
 
 
 def test_syncbatchnorm_on_cpu_raises_in_training_and_works_in_eval(nb):
