@@ -267,6 +267,36 @@ def _final_weights(check: str, run: torchrun.Run) -> dict:
     return run.final
 
 
+def _require_all_reduced(check: str, run: torchrun.Run) -> None:
+    """Every worker all-reduced at least one model's worth of gradient values per optimizer step.
+
+    Seen in torch's flight recorder (what the process group really ran), so right weights computed
+    without communication (every rank training on every rank's batches by itself) are not DDP."""
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        return  # a torch without the flight recorder: the weights alone decide
+    n_params = sum(p.numel() for p in make_model().parameters())
+    short = {}
+    for w in run.workers:
+        entries = w.collectives or []  # None: the worker never reported them (it took no step, or hid them)
+        reduced = sum(e["numel"] for e in entries if e["op"] in ("all_reduce", "allreduce", "all_reduce_coalesced",
+                                                                  "reduce_scatter", "_reduce_scatter_base"))
+        steps = len(w.of("step"))
+        if reduced < steps * n_params:
+            short[w.rank] = (reduced, steps)
+    if short:
+        rank, (reduced, steps) = sorted(short.items())[0]
+        raise CheckFailed(
+            check,
+            f"{rank_list(short)} did not average gradients with the other ranks: rank {rank} all-reduced "
+            f"{reduced} values in {steps} optimizer steps",
+            ranks=list(short),
+            expected=f"at least {n_params} all-reduced gradient values per step (the model's parameters), "
+            "as DDP's backward does",
+            hint="wrap the model in DDP (ddp_model = DDP(model)) and call backward through it: every rank trains on "
+            "its own batch and DDP averages the gradients; do not compute the other ranks' batches yourself",
+        )
+
+
 def check_ddp_training(script: str = "train.py") -> None:
     """The final weights of the uninterrupted 3-rank run equal one process training on all ranks' batches."""
     check = "check_ddp_training"
@@ -292,35 +322,91 @@ def check_ddp_training(script: str = "train.py") -> None:
             f"rank 0's final weights differ from an uninterrupted {world_size}-rank DDP run (max |diff| {diff:.3g})",
             ranks=[0], expected=f"equal within {ATOL:g}", got=f"max |diff| = {diff:.3g}", hint=hint,
         )
+    _require_all_reduced(check, run)  # right weights, but were they averaged, or computed alone?
     passed(check)
 
 
-def check_restart_resume(script: str = "train.py") -> None:
-    """Rank 1 dies once mid-training; with --max-restarts=1 the job resumes from the checkpoint and ends right."""
+def _crash_context(crash: tuple[int, int]) -> str:
+    rank, step = crash
+    return (f"rank {rank} was killed after its optimizer step {step}, in epoch {(step - 1) // STEPS_PER_EPOCH} "
+            f"(epochs 0-{EPOCHS - 1}); ")
+
+
+def _restart_table(run: torchrun.Run) -> str:
+    """What each rank did in each attempt of the restart run, one line a worker (the student's view of it)."""
+    lines = []
+    for n in range(run.attempts):
+        lines.append(f"attempt {n}" + (" (the first launch)" if n == 0 else " (torchrun's restart)") + ":")
+        for w in run.attempt(n):
+            steps = len(w.of("step"))
+            loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
+            ended = ("killed by the grader" if w.of("crash") else
+                     "exited" if w.of("exit") else "stopped by torchrun")
+            lines.append(f"  rank {w.rank}: {'loaded the checkpoint' if loaded else 'no checkpoint loaded'}, "
+                         f"{steps} optimizer step(s) (~{steps / STEPS_PER_EPOCH:g} epoch(s)), {ended}")
+    if isinstance(run.final, dict):
+        diff = _compare(run.final, expected_weights(2))
+        verdict = ("equal to an uninterrupted run" if diff is not None and diff <= ATOL else
+                   "different keys or shapes" if diff is None else f"differ from an uninterrupted run by {diff:.3g}")
+        lines.append(f"final.pt: {verdict}")
+    else:
+        lines.append("final.pt: " + ("not written" if run.final is None else run.final))
+    return "\n".join(lines)
+
+
+def _valid_crash(crash_rank: int, crash_step: int) -> tuple[int, int]:
+    total = EPOCHS * STEPS_PER_EPOCH
+    if not (0 <= crash_rank < 2 and 0 < crash_step < total - STEPS_PER_EPOCH and crash_step % STEPS_PER_EPOCH):
+        # a crash at an epoch's last step races with that epoch's checkpoint: the right resume point is then unknown
+        raise ValueError(f"the crash must hit rank 0 or 1 in the middle of an epoch before the last, not step {crash_step}")
+    return crash_rank, crash_step
+
+
+def try_restart(script: str = "train.py", crash_rank: int = torchrun.CRASH_RANK,
+                crash_step: int = torchrun.CRASH_STEP) -> torchrun.Run:
+    """Run the grader's crash-and-restart launch and print, per attempt, what each rank did.
+
+    The same launch :func:`check_restart_resume` grades (torchrun --standalone --nproc_per_node=2
+    --max-restarts=1; the worker of ``crash_rank`` is killed once after optimizer step ``crash_step``)."""
+    crash = _valid_crash(crash_rank, crash_step)
+    run = torchrun.run_script(script, "restart", "try_restart", crash=crash)
+    print(f"{run.command}: {_crash_context(crash).rstrip('; ')}; "
+          f"{'finished' if run.ok else 'FAILED'} in {run.elapsed:.1f} s")
+    print(_restart_table(run))
+    if not run.ok:
+        print(torchrun.failure("try_restart", run))
+    return run
+
+
+def check_restart_resume(script: str = "train.py", *, crash_rank: int = torchrun.CRASH_RANK,
+                         crash_step: int = torchrun.CRASH_STEP) -> None:
+    """A rank dies once mid-training; with --max-restarts=1 the job resumes from the checkpoint and ends right."""
     check = "check_restart_resume"
-    run = torchrun.run_script(script, "restart", check)
-    context = (f"rank {torchrun.CRASH_RANK} was killed after its optimizer step {torchrun.CRASH_STEP}, in epoch "
-               f"{(torchrun.CRASH_STEP - 1) // STEPS_PER_EPOCH} (epochs 0-{EPOCHS - 1}); ")
+    crash = _valid_crash(crash_rank, crash_step)
+    run = torchrun.run_script(script, "restart", check, crash=crash)
+    context = _crash_context(crash)
+    table = _restart_table(run)
     crashed = any(w.of("crash") for w in run.workers)
     if not crashed:
         if not run.ok:
             raise torchrun.failure(check, run, "before the injected crash: ")
-        steps = max((len(w.of("step")) for w in run.attempt(0) if w.rank == torchrun.CRASH_RANK), default=0)
+        steps = max((len(w.of("step")) for w in run.attempt(0) if w.rank == crash_rank), default=0)
         raise CheckFailed(
             check,
-            f"the grader could not crash rank {torchrun.CRASH_RANK}: it took only {steps} optimizer step(s), and the crash "
-            f"comes after step {torchrun.CRASH_STEP} of {EPOCHS * STEPS_PER_EPOCH}",
-            ranks=[torchrun.CRASH_RANK],
+            f"the grader could not crash rank {crash_rank}: it took only {steps} optimizer step(s), and the crash "
+            f"comes after step {crash_step} of {EPOCHS * STEPS_PER_EPOCH}",
+            ranks=[crash_rank],
             hint=f"every rank trains all {EPOCHS} epochs of {STEPS_PER_EPOCH} steps, in step with the others (DDP), "
             "calling optimizer.step() of a torch.optim optimizer once per step",
+            detail=table,
         )
     if not run.ok:
         raise torchrun.failure(check, run, context + "after the restart, ")
     restarted = run.attempt(1)
     expect(bool(restarted), check, context + "torchrun never restarted the workers",
-           hint="the grader runs torchrun with --max-restarts=1; the job must not end before that")
+           hint="the grader runs torchrun with --max-restarts=1; the job must not end before that", detail=table)
     total = EPOCHS * STEPS_PER_EPOCH
-    crash_epoch = (torchrun.CRASH_STEP - 1) // STEPS_PER_EPOCH
+    crash_epoch = (crash_step - 1) // STEPS_PER_EPOCH
     resumed_steps = (EPOCHS - crash_epoch) * STEPS_PER_EPOCH
     for w in restarted:
         steps = len(w.of("step"))
@@ -338,6 +424,7 @@ def check_restart_resume(script: str = "train.py") -> None:
                 got=f"{steps} steps",
                 hint="at start-up, if os.path.exists(args.ckpt): load it (map_location='cpu') on every rank, "
                 "restore the model and optimizer state, and start at the saved epoch + 1",
+                detail=table,
             )
     final = _final_weights(check, run)
     reference = expected_weights(2)
@@ -359,20 +446,36 @@ def check_restart_resume(script: str = "train.py") -> None:
             expected=f"equal within {ATOL:g} (check_ddp_training compares the uninterrupted run; fix that first if it fails)",
             got=f"max |diff| = {diff:.3g}" if diff is not None else sorted(final),
             hint=hint,
+            detail=table,
         )
     passed(check)
 
 
+def _left_the_group(w: torchrun.Worker) -> bool:
+    """Whether the worker's last destroy_process_group() left the default group, and nothing made one again."""
+    last = max((i for i, e in enumerate(w.events) if e["event"] == "destroy"), default=None)
+    if last is None or not w.events[last].get("default_group_left"):
+        return False
+    later = [e for e in w.events[last:] if e["event"] == "collectives" and "still_initialized" in e]
+    return not any(e["still_initialized"] for e in later)
+
+
 def check_destroy(script: str = "train.py") -> None:
-    """Every worker calls dist.destroy_process_group() before it exits."""
+    """Every worker leaves its process group with dist.destroy_process_group() before it exits.
+
+    Judged by the effect, seen with torch's own functions taken before the script ran: after the call
+    returned, the worker no longer held a default process group (and still did not at exit)."""
     check = "check_destroy"
     run = torchrun.run_script(script, "nodes", check)
     torchrun.require_ok(check, run)
-    missing = [w.rank for w in run.workers if not w.of("destroy")]
+    missing = [w.rank for w in run.workers if not _left_the_group(w)]
+    called = [w.rank for w in run.workers if w.of("destroy")]
     expect(
         not missing,
         check,
-        f"{rank_list(missing)} never called dist.destroy_process_group()",
+        f"{rank_list(missing)} never called dist.destroy_process_group()" if not set(missing) & set(called) else
+        f"{rank_list(missing)} still held the default process group at exit "
+        "(destroy_process_group was called for another group, or the group was made again)",
         ranks=missing,
         hint="end main() with dist.destroy_process_group() on every rank: it releases the process group's "
         "sockets and threads (and, with NCCL, avoids warnings and hangs at exit)",

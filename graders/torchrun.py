@@ -11,9 +11,10 @@ files the script wrote. Two scenarios:
   the second node), uninterrupted;
 * ``restart``: ``--standalone --nproc_per_node=2 --max-restarts=1``; the worker
   of rank :data:`CRASH_RANK` dies once, right after its :data:`CRASH_STEP`-th optimizer
-  step, so the job ends right only if the script resumes from its last checkpoint.
+  step (another rank and step can be asked for: the hidden test does), so the job
+  ends right only if the script resumes from its last checkpoint.
 
-A launch costs several seconds, so runs are cached by the script's content.
+A launch costs several seconds, so runs are cached by the script's content (and the crash).
 :func:`failure` turns a run that did not finish into a CheckFailed that names who
 crashed or hung, with their own output.
 """
@@ -72,6 +73,13 @@ class Worker:
         return [e for e in self.events if e["event"] == kind]
 
     @property
+    def collectives(self) -> list[dict] | None:
+        """This worker's collectives (op, group, numel) as torch's flight recorder saw them; None: not recorded
+        (the worker was killed, or this torch has no flight recorder)."""
+        found = [e for e in self.of("collectives") if "entries" in e]
+        return found[-1]["entries"] if found else None
+
+    @property
     def exited(self) -> bool:
         return bool(self.of("exit")) or bool(self.of("crash"))
 
@@ -85,6 +93,7 @@ class Run:
     """What one torchrun launch of the script did."""
 
     scenario: Scenario
+    crash: tuple[int, int] | None  # (rank, optimizer step) the grader killed, in the restart run
     command: str
     returncodes: list
     timed_out: bool
@@ -127,14 +136,18 @@ def _script(check: str, script: str) -> tuple[str, str]:
     return path, hashlib.sha256(content).hexdigest()
 
 
-def run_script(script: str, scenario: Scenario, check: str = "torchrun") -> Run:
-    """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content."""
+def run_script(script: str, scenario: Scenario, check: str = "torchrun",
+               crash: tuple[int, int] = (CRASH_RANK, CRASH_STEP)) -> Run:
+    """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content.
+
+    ``crash``: in the restart run, the (rank, optimizer step) after which the grader kills that worker once."""
     path, digest = _script(check, script)
-    key = (path, digest, scenario)
+    crash = (int(crash[0]), int(crash[1])) if scenario == "restart" else None
+    key = (path, digest, scenario, crash)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, scenario)
+        _CACHE[key] = _launch(path, scenario, crash)
     return _CACHE[key]
 
 
@@ -144,7 +157,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _job_env(probe_dir: str, watched: list[str], crash: bool) -> dict:
+def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None) -> dict:
     env = dict(os.environ)
     for name in [k for k in env if k.startswith(("TORCHELASTIC_", "DDP_COURSE_PROBE_"))]:
         del env[name]
@@ -157,12 +170,13 @@ def _job_env(probe_dir: str, watched: list[str], crash: bool) -> dict:
         CUDA_VISIBLE_DEVICES="",  # grade on gloo/CPU everywhere, deterministically
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        TORCH_FR_BUFFER_SIZE="4000",  # the flight recorder: every worker's collectives (the probe dumps them)
     )
     if "GLOO_SOCKET_IFNAME" not in env and "lo" in [n for _, n in socket.if_nameindex()]:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # all workers are on this host; hostname lookup is flaky in containers
     if crash:
-        env["DDP_COURSE_PROBE_CRASH_RANK"] = str(CRASH_RANK)
-        env["DDP_COURSE_PROBE_CRASH_STEP"] = str(CRASH_STEP)
+        env["DDP_COURSE_PROBE_CRASH_RANK"] = str(crash[0])
+        env["DDP_COURSE_PROBE_CRASH_STEP"] = str(crash[1])
     return env
 
 
@@ -186,14 +200,14 @@ def _commands(scenario: Scenario, job: str, tail: list[str]) -> list[list[str]]:
     ]
 
 
-def _launch(script: str, scenario: Scenario) -> Run:
+def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> Run:
     job = tempfile.mkdtemp(prefix=f"ddp-course-ex4-{scenario}-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
         for d in (out_dir, ckpt_dir, probe_dir):
             os.makedirs(d)
         ckpt_path = os.path.join(ckpt_dir, "ckpt.pt")
-        env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=scenario == "restart")
+        env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=crash)
         tail = [PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
         commands = _commands(scenario, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
@@ -216,6 +230,7 @@ def _launch(script: str, scenario: Scenario) -> Run:
         elapsed = time.monotonic() - started
         run = Run(
             scenario=scenario,
+            crash=crash,
             command=_DESCRIPTIONS[scenario],
             returncodes=[p.returncode for p in procs],
             timed_out=timed_out,

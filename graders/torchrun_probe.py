@@ -3,8 +3,12 @@
 The ex4 grader starts ``torchrun ... graders/torchrun_probe.py train.py ARGS``:
 every worker runs this file, which records what the worker really did into a
 JSON-lines file per process (its torchrun environment, checkpoint writes and
-renames, optimizer steps, ``destroy_process_group``) and then runs the
-student's script as ``__main__``, exactly as ``python train.py ARGS`` would.
+renames, optimizer steps, ``destroy_process_group`` and whether it really
+left the default group) and then runs the student's script as ``__main__``,
+exactly as ``python train.py ARGS`` would. At exit it also writes the worker's
+collectives as torch's flight recorder saw them (``TORCH_FR_BUFFER_SIZE`` is
+set by the grader; on gloo it records every collective, DDP's own included).
+Every torch function the probe uses is taken before the student's code runs.
 The script needs no grading code of its own.
 
 With ``DDP_COURSE_PROBE_CRASH_RANK``/``_STEP`` set, the worker of that rank
@@ -100,10 +104,13 @@ def _patch_torch() -> None:
     torch.load = torch.serialization.load = load
 
     real_destroy = distributed_c10d.destroy_process_group
+    real_initialized = distributed_c10d.is_initialized
 
     def destroy_process_group(*args, **kwargs):
-        _log("destroy")
-        return real_destroy(*args, **kwargs)
+        result = real_destroy(*args, **kwargs)
+        # logged once it returned, with its effect: is the default group gone?
+        _log("destroy", default_group_left=not real_initialized())
+        return result
 
     destroy_process_group.__doc__, destroy_process_group.__wrapped__ = real_destroy.__doc__, real_destroy
     dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_process_group
@@ -113,15 +120,54 @@ def _patch_torch() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     crash_here = crash_rank == os.environ.get("RANK") and first_attempt and crash_step > 0
 
+    record_collectives = _collectives_recorder(real_initialized)
+
     def after_step(optimizer, args, kwargs) -> None:
         global _steps
         _steps += 1
         _log("step", n=_steps)
+        record_collectives()
         if crash_here and _steps == crash_step:
             _log("crash", step=_steps)
             os._exit(CRASH_EXIT_CODE)
 
     register_optimizer_step_post_hook(after_step)
+    atexit.register(record_collectives)
+
+
+def _collectives_recorder(real_initialized):
+    """A function that logs this worker's collectives so far, as torch's flight recorder saw them.
+
+    Called after every optimizer step and at exit (so a worker that leaves with os._exit has still
+    reported every step's collectives), with every function it uses taken now, before student code."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:  # a torch without the flight recorder: the checks say so
+        return lambda: None
+    import pickle
+
+    loads = pickle.loads
+
+    def dump() -> None:
+        try:
+            trace = loads(_dump_fr_trace())
+            entries = [{"op": str(e.get("profiling_name", "")).split(":")[-1],
+                        "seq": e.get("collective_seq_id"),
+                        "group": str((e.get("process_group") or ("", ""))[1]),
+                        "numel": sum(_numel(s) for s in e.get("input_sizes") or [])}
+                       for e in trace.get("entries", [])]
+            _log("collectives", entries=entries, still_initialized=real_initialized())
+        except Exception as exc:  # noqa: BLE001 - never fail the student's code
+            _log("collectives", error=f"{type(exc).__name__}: {exc}")
+
+    return dump
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
 
 
 def install(probe_dir: str, watched: list[str]) -> None:

@@ -136,6 +136,57 @@ def test_check_ddp_training_catches_gradients_never_averaged(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_right_weights_computed_without_communication_are_not_ddp(tmp_path):
+    """A forgery: every rank trains on every rank's batches by itself. The weights are right, but the flight
+    recorder shows no gradient was ever all-reduced."""
+    script = write_script(
+        tmp_path,
+        ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)", "ddp_model = model"),
+        ("            x, y = get_batch(rank, epoch, step)\n",
+         "            batches = [get_batch(r, epoch, step) for r in range(world_size)]\n"
+         "            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])\n"))
+    # (without collectives the ranks drift apart: a late rank may even resume from rank 0's checkpoint)
+    fails(ex4.check_ddp_training, script, "did not average gradients with the other ranks",
+          "rank 0 all-reduced 0 values in 8 optimizer steps", "wrap the model in DDP")
+    ex4.check_checkpoint_rank0(script)  # the same run: the rest of it is fine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_check_destroy_sees_the_default_group_left_not_a_call(tmp_path):
+    """Destroying another group (or a patched destroy_process_group) leaves the default group: no point."""
+    subgroup = write_script(tmp_path, ("    dist.destroy_process_group()\n",
+                                       "    dist.destroy_process_group(dist.new_group(list(range(world_size))))\n"))
+    fails(ex4.check_destroy, subgroup, "ranks 0, 1, 2 still held the default process group at exit")
+    (tmp_path / "patched").mkdir()
+    patched = write_script(tmp_path / "patched",
+                           ("    dist.destroy_process_group()\n",
+                            "    dist.destroy_process_group = lambda *a, **k: None\n    dist.destroy_process_group()\n"))
+    fails(ex4.check_destroy, patched, "ranks 0, 1, 2 never called dist.destroy_process_group()")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys):
+    script = write_script(tmp_path, ('start_epoch = ckpt["epoch"] + 1', 'start_epoch = ckpt["epoch"]'))
+    run = ex4.try_restart(script, crash_rank=0, crash_step=3)
+    out = capsys.readouterr().out
+    assert run.crash == (0, 3)
+    assert "rank 0 was killed after its optimizer step 3, in epoch 1" in out, out
+    assert "attempt 0 (the first launch):\n  rank 0: no checkpoint loaded, 3 optimizer step(s)" in out, out
+    assert "killed by the grader" in out and "attempt 1 (torchrun's restart):" in out, out
+    # off by one: resumed at the saved epoch 0 again, so 8 steps instead of 6, and the weights are wrong
+    assert "rank 1: loaded the checkpoint, 8 optimizer step(s)" in out, out
+    assert "final.pt: differ from an uninterrupted run by" in out, out
+    fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3",
+          "trained 8 steps: it started from epoch 0 again", "(6 steps)", "saved epoch + 1",
+          crash_rank=0, crash_step=3)
+    with pytest.raises(ValueError, match="middle of an epoch"):
+        ex4.try_restart(script, crash_step=4)  # an epoch's last step races with its checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_atomic_checkpoint_wants_the_temporary_file_next_to_the_checkpoint(tmp_path):
     script = write_script(tmp_path, ('tmp_path = ckpt_path + ".tmp"',
                                      'tmp_path = "/tmp/ddp-course-test-%d.tmp" % os.getpid()'))
