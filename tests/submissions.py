@@ -11,12 +11,21 @@ copies by name)::
     assert submissions.scores(report) == {...}
 
 :func:`release` makes the student copy with nbgrader's own ``generate_assignment``.
+An assignment with several notebooks (ex2 has ``ddp_basics`` and ``ddp_in_practice``) is named
+with ``notebook=`` (the file stem) wherever a function takes it; without it, the assignment's main
+notebook is meant: its only one, or the one named after the assignment (``ex2-ddp-basics`` ->
+``ddp_basics.ipynb``)::
+
+    nb = submissions.load("ex2-ddp-basics", notebook="ddp_in_practice")
+    path = submissions.write(nb, tmp_path, "ex2-ddp-basics", notebook="ddp_in_practice")
+
 Everything here is stable API for every exercise's tests.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 import sys
@@ -29,17 +38,35 @@ ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
 
 
-def source_path(assignment: str) -> Path:
-    """The source notebook of ``assignment`` (the one .ipynb in exercises/<assignment>/)."""
-    found = sorted((EXERCISES / assignment).glob("*.ipynb"))
-    if len(found) != 1:
-        raise FileNotFoundError(f"expected one notebook in {EXERCISES / assignment}, found {len(found)}")
-    return found[0]
+def notebooks(assignment: str) -> list[str]:
+    """The notebook names (file stems) of ``assignment``'s sources, sorted."""
+    return sorted(p.stem for p in (EXERCISES / assignment).glob("*.ipynb"))
 
 
-def load(assignment: str) -> NotebookNode:
-    """A fresh in-memory copy of ``assignment``'s source notebook (solutions and hidden tests included)."""
-    return nbformat.read(str(source_path(assignment)), as_version=4)
+def source_path(assignment: str, notebook: str | None = None) -> Path:
+    """The source notebook ``exercises/<assignment>/<notebook>.ipynb``.
+
+    Without ``notebook``: the assignment's only notebook, or, when it has several, the one named
+    after the assignment (its name without the ``exN-`` prefix, ``-`` as ``_``)."""
+    folder = EXERCISES / assignment
+    names = notebooks(assignment)
+    if notebook is None:
+        main = re.sub(r"^ex\d+-", "", assignment).replace("-", "_")
+        if len(names) == 1:
+            notebook = names[0]
+        elif main in names:
+            notebook = main
+        else:
+            raise FileNotFoundError(f"{folder} has {len(names)} notebooks ({', '.join(names) or 'none'}) and none "
+                                    f"named {main}.ipynb: say which with notebook=")
+    if notebook not in names:
+        raise FileNotFoundError(f"no notebook {notebook}.ipynb in {folder} (found: {', '.join(names) or 'none'})")
+    return folder / f"{notebook}.ipynb"
+
+
+def load(assignment: str, notebook: str | None = None) -> NotebookNode:
+    """A fresh in-memory copy of a source notebook of ``assignment`` (solutions and hidden tests included)."""
+    return nbformat.read(str(source_path(assignment, notebook)), as_version=4)
 
 
 def _cell(nb: NotebookNode, grade_id: str) -> NotebookNode:
@@ -81,19 +108,20 @@ def patch_answer(nb: NotebookNode, grade_id: str, old: str, new: str, count: int
     return replace_answer(nb, grade_id, text.replace(old, new))
 
 
-def write(nb: NotebookNode, folder: str | Path, assignment: str) -> Path:
+def write(nb: NotebookNode, folder: str | Path, assignment: str, notebook: str | None = None) -> Path:
     """Write ``nb`` as ``folder/<assignment>/<source file name>`` (a student's copy) and return the path."""
-    path = Path(folder) / assignment / source_path(assignment).name
+    path = Path(folder) / assignment / source_path(assignment, notebook).name
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(path))
     return path
 
 
-def release(assignment: str, course_dir: str | Path) -> Path:
+def release(assignment: str, course_dir: str | Path, notebook: str | None = None) -> Path:
     """The student copy made by ``nbgrader generate_assignment`` in ``course_dir`` (created as needed).
 
-    Copies the source into ``course_dir/source/<assignment>/``, runs nbgrader there and
-    returns ``course_dir/release/<assignment>/<notebook>``. Takes ~5-10 s (nbgrader's startup).
+    Copies the source into ``course_dir/source/<assignment>/``, runs nbgrader there (it releases
+    every notebook of the assignment) and returns ``course_dir/release/<assignment>/<notebook>``.
+    Takes ~5-10 s (nbgrader's startup).
     """
     course_dir = Path(course_dir)
     target = course_dir / "source" / assignment
@@ -106,7 +134,7 @@ def release(assignment: str, course_dir: str | Path) -> Path:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{proc.stdout}\n{proc.stderr}")
-    return course_dir / "release" / assignment / source_path(assignment).name
+    return course_dir / "release" / assignment / source_path(assignment, notebook).name
 
 
 def grade(path: str | Path, *, in_process: bool = True, test_timeout: float = 300, timeout: float = 60):
@@ -130,15 +158,15 @@ def messages(report) -> dict[str, str]:
     return {t["id"]: t["message"] for t in tests}
 
 
-def full_marks(assignment: str) -> dict[str, float]:
-    """{grade_id: points} of every test cell of ``assignment``'s source."""
+def full_marks(assignment: str, notebook: str | None = None) -> dict[str, float]:
+    """{grade_id: points} of every test cell of ``assignment``'s source (its ``notebook``)."""
     return {c.metadata["nbgrader"]["grade_id"]: float(c.metadata["nbgrader"]["points"])
-            for c in load(assignment).cells if c.metadata.get("nbgrader", {}).get("grade")}
+            for c in load(assignment, notebook).cells if c.metadata.get("nbgrader", {}).get("grade")}
 
 
-def losing(assignment: str, *grade_ids: str) -> dict[str, float]:
+def losing(assignment: str, *grade_ids: str, notebook: str | None = None) -> dict[str, float]:
     """The scores expected when exactly the test cells ``grade_ids`` fail: 0 there, full marks elsewhere."""
-    expected = full_marks(assignment)
+    expected = full_marks(assignment, notebook)
     for gid in grade_ids:
         if gid not in expected:
             raise KeyError(f"{assignment} has no test cell {gid!r}")
@@ -161,31 +189,33 @@ def fails(check, subject, *words, **kwargs) -> str:
     return message
 
 
-def grade_edited(assignment: str, folder: str | Path, *edits: tuple[str, str, str]):
+def grade_edited(assignment: str, folder: str | Path, *edits: tuple[str, str, str], notebook: str | None = None):
     """Grade the source notebook with each ``(answer grade_id, old text, new text)`` edit applied."""
-    nb = load(assignment)
+    nb = load(assignment, notebook)
     for grade_id, old, new in edits:
         nb = patch_answer(nb, grade_id, old, new)
-    return grade(write(nb, folder, assignment))
+    return grade(write(nb, folder, assignment, notebook))
 
 
-def assert_loses_exactly(report, assignment: str, failing: list[str], words: list[str]) -> None:
+def assert_loses_exactly(report, assignment: str, failing: list[str], words: list[str],
+                         notebook: str | None = None) -> None:
     """Exactly the test cells ``failing`` lost their points, each with a FAILED message; the first
     names every one of ``words`` (later ones may defer to it)."""
     got = messages(report)
-    assert scores(report) == losing(assignment, *failing), got
+    assert scores(report) == losing(assignment, *failing, notebook=notebook), got
     assert all(got[gid].startswith("FAILED check_") for gid in failing), got
     for word in words:
         assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
 
 
-def untouched_student_copy(assignment: str, folder: str | Path) -> Path:
-    """Release ``assignment`` (asserting the copy leaks no solution or hidden test) and hand it in unanswered."""
+def untouched_student_copy(assignment: str, folder: str | Path, notebook: str | None = None) -> Path:
+    """Release ``assignment`` (asserting the copy leaks no solution or hidden test) and hand in its
+    ``notebook`` unanswered."""
     from course.instructor.leaks import student_copy_leaks
 
     folder = Path(folder)
-    released = release(assignment, folder / "course")
-    assert student_copy_leaks(source_path(assignment), released) == []
+    released = release(assignment, folder / "course", notebook)
+    assert student_copy_leaks(source_path(assignment, notebook), released) == []
     student = folder / "student" / assignment / released.name
     student.parent.mkdir(parents=True)
     student.write_bytes(released.read_bytes())
