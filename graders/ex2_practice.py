@@ -1,0 +1,630 @@
+"""Checks for exercise 2's second notebook, DDP in practice (exercises/ex2-ddp-basics/ddp_in_practice.ipynb).
+
+Four pitfalls of lesson 2 that a training script meets once it works; the student writes one function
+for each, and each check runs it on real ranks and judges what happened, never what the student's
+process says about itself:
+
+* ``evaluate(model, dataset, rank, world_size, batch_size)`` -> the accuracy over the whole dataset,
+  the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
+  where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
+  all-reduce all give other numbers; the model's own forward records which samples each rank saw);
+* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
+  (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
+  together; :func:`check_no_sync`: a communication hook the grader registers on the DDP model counts
+  DDP's gradient all-reduces, one per step, in the last micro-batch's backward);
+* ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
+  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and they are
+  what Join or a loop equalised to the fewest batches gives);
+* ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
+  a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
+  each tensor went, and the model must hold the saved weights on its device, on every rank).
+
+The harnesses take torch.distributed's functions before the student's code runs, and build the
+observers (the model's forward, the communication hook, the optimizer's step hook, the restore
+spy) themselves; what they record is judged here, in the grader's process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from course import checks
+from course.checks import CheckFailed, passed
+from graders.ex2 import make_net
+
+ATOL = 1e-6
+CLASSES = 3
+UNEVEN_TIMEOUT = 15.0  # seconds: a rank that waits for a partner that ran out of batches fails by then
+SAVED_FROM = "cuda:0"  # where the checkpoint's tensors say they were saved (rank 0's GPU)
+
+
+class _Real:
+    """torch.distributed's own functions, taken on a rank before the student's code runs."""
+
+    def __init__(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        self.all_reduce = c10d.all_reduce
+        self.world_size = int(os.environ["WORLD_SIZE"])
+
+
+def _run(check: str, harness, world_size: int, args: tuple, expected: str, **kwargs):
+    """checks.run; a failed job's message also says what the check expected of the student's function."""
+    try:
+        return checks.run(check, harness, world_size, args=args, **kwargs).values
+    except CheckFailed as err:
+        if err.expected is not None:
+            raise
+        raise CheckFailed(check, err.problem, ranks=err.ranks, expected=expected, got=err.got, hint=err.hint,
+                          detail=err.detail) from None
+
+
+def _wrap(model: nn.Module, dev: torch.device) -> DDP:
+    return DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+def _same(states: list[dict]) -> list[int]:
+    """The ranks whose parameters are not bitwise rank 0's."""
+    return [r for r in range(1, len(states)) if any(not torch.equal(states[0][k], states[r][k]) for k in states[0])]
+
+
+def _number(value):
+    """A returned accuracy or epoch as a float, or a description of what it was instead."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu().reshape(()).item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return f"<{type(value).__name__}>"
+
+
+# --- part 1: a global evaluation metric ---------------------------------------------------------
+
+_SEEN: list[torch.Tensor] = []  # the inputs of every forward of a Classifier in this process
+
+
+class Classifier(nn.Module):
+    """The model check_evaluate gives the student: 4 inputs, 3 class scores.
+
+    Its forward records its input (in this process's list, whatever wraps or copies the model),
+    so the harness knows which samples each rank's model really evaluated."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(1000 + seed)
+        self.linear = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        _SEEN.append(x.detach().to("cpu", torch.float32).reshape(-1, 4).clone())
+        return self.linear(x)
+
+
+def _shards(n: int, world_size: int) -> dict[str, list[list[int]]]:
+    """How students split n samples over the ranks: each rank's sample indices."""
+    padded = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
+              for r in range(world_size)]
+    shuffled = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=True))
+                for r in range(world_size)]
+    chunked = [c.tolist() for c in torch.tensor_split(torch.arange(n), world_size)]
+    return {"strided": [list(range(r, n, world_size)) for r in range(world_size)], "chunked": chunked,
+            "padded": padded, "padded, shuffled": shuffled}
+
+
+def _accuracies(correct: list[int], shards: list[list[int]]) -> dict:
+    """What a correct answer and the known mistakes return, for one split of the samples."""
+    per_rank = [sum(correct[i] for i in s) / len(s) if s else float("nan") for s in shards]
+    counted = [i for s in shards for i in s]
+    return {"local": per_rank, "mean of ranks": sum(per_rank) / len(per_rank),
+            "pooled": sum(correct[i] for i in counted) / max(1, len(counted))}
+
+
+def _eval_case(n: int, world_size: int, seed: int):
+    """(inputs, labels, correct[i]) for check_evaluate: the grader's model gets sample i right iff correct[i].
+
+    Inputs with a clear winning class (so a GPU's rounding cannot change the prediction); labels
+    chosen so that, for every usual split, each rank's own accuracy, the mean of the ranks'
+    accuracies and an accuracy that counts the sampler's padding all differ from the true one."""
+    gen = torch.Generator().manual_seed(700 + seed)
+    model = Classifier(seed)
+    with torch.no_grad():
+        x = torch.randn(8 * n, 4, generator=gen)
+        top = model.linear(x).topk(2, dim=1)
+    x = x[(top.values[:, 0] - top.values[:, 1]) > 0.05][:n]
+    pred = model.linear(x).argmax(1)
+    shards = _shards(n, world_size)
+    for _ in range(2000):
+        correct = (torch.rand(n, generator=gen) < 0.6).long().tolist()
+        true = sum(correct) / n
+        ok = 0 < sum(correct) < n
+        for name, split in shards.items():
+            acc = _accuracies(correct, split)
+            ok = ok and all(abs(a - true) > 0.01 for a in acc["local"])
+            if len({len(s) for s in split}) > 1:
+                ok = ok and abs(acc["mean of ranks"] - true) > 0.01
+            if name.startswith("padded") and n % world_size:
+                ok = ok and abs(acc["pooled"] - true) > 0.01
+        if ok:
+            break
+    else:  # pragma: no cover - the sizes the checks use all find a pattern
+        raise ValueError(f"no evaluation data for n={n}, world_size={world_size}")
+    labels = torch.where(torch.tensor(correct, dtype=torch.bool), pred, (pred + 1) % CLASSES)
+    return x, labels, correct
+
+
+def _evaluate_harness(rank, evaluate, n, batch_size, seed):
+    dev = checks.join_job()
+    world_size = _Real().world_size
+    x, labels, _ = _eval_case(n, world_size, seed)
+    model = Classifier(seed).to(dev)
+    dataset = TensorDataset(x, labels)
+    rows = {x[i].numpy().tobytes(): i for i in range(n)}
+    _SEEN.clear()
+    returned = evaluate(model, dataset, rank, world_size, batch_size)
+    seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
+    return {"accuracy": _number(returned), "seen": seen}
+
+
+def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
+    """evaluate() returns, on every rank, the accuracy over the whole dataset (1e-6), and each rank's
+    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them."""
+    check = "check_evaluate"
+    checks.require_written(check, evaluate=evaluate)
+    where = f"{n} samples on {world_size} ranks"
+    hints = [("Tensors must be CUDA and dense", "under nccl all_reduce only GPU tensors: create the counts on the "
+                                                "model's device, torch.tensor(..., device=device)")]
+    obs = _run(check, _evaluate_harness, world_size, (evaluate, n, batch_size, seed),
+               "evaluate() returns a float on every rank", hints=hints)
+    _, _, correct = _eval_case(n, world_size, seed)
+    true = sum(correct) / n
+    share = math.ceil(n / world_size)
+    strangers = [r for r, o in enumerate(obs) if -1 in o["seen"]]
+    if strangers:
+        raise CheckFailed(check, f"the model was given inputs that are not samples of the dataset ({where})",
+                          ranks=strangers, expected="each x exactly as the dataset holds it (moved to the device)",
+                          hint="for x, y in loader: x, y = x.to(device), y.to(device); model(x)")
+    counts = [len(o["seen"]) for o in obs]
+    whole = [r for r, k in enumerate(counts) if k > share]
+    if whole:
+        everything = [r for r in whole if set(obs[r]["seen"]) == set(range(n))]
+        raise CheckFailed(check, f"{checks.rank_list(whole)} evaluated more than one rank's share of the data "
+                          f"({where})",
+                          ranks=whole, expected=f"at most {share} samples per rank (ceil({n}/{world_size}))",
+                          got=f"samples evaluated per rank: {counts}",
+                          hint=("every rank evaluated the whole dataset: give each rank its own part, e.g. "
+                                "Subset(dataset, range(rank, len(dataset), world_size)), then all_reduce the counts"
+                                if everything else "evaluate each sample on one rank only, then all_reduce the counts"))
+    missing = sorted(set(range(n)) - {i for o in obs for i in o["seen"]})
+    if missing:
+        raise CheckFailed(check, f"{len(missing)} sample(s) were evaluated on no rank ({where})",
+                          ranks=range(world_size), expected=f"all {n} samples, each on one rank",
+                          got=f"samples {missing[:10]} never reached the model; samples per rank: {counts}",
+                          hint="split all the samples over the ranks (every rank takes its own share, the "
+                          "shares together are the dataset), and call model(x) on each batch of your share")
+    values = [o["accuracy"] for o in obs]
+    odd = [r for r, v in enumerate(values) if isinstance(v, str)]
+    if odd:
+        raise CheckFailed(check, f"evaluate() returned {values[odd[0]]}, not a number ({where})", ranks=odd,
+                          expected=f"the accuracy, a float such as {true:.4f}",
+                          hint="return correct / total as a Python float (tensor.item()) on every rank")
+    wrong = [r for r, v in enumerate(values) if abs(v - true) > ATOL]
+    if wrong:
+        raise CheckFailed(check, f"evaluate() did not return the accuracy over the whole dataset ({where})",
+                          ranks=wrong, expected=f"{true:.6f} on every rank ({sum(correct)} of {n} right)",
+                          got=f"{[round(v, 6) for v in values]}",
+                          hint=_evaluate_hint(values, [o["seen"] for o in obs], correct, true))
+    passed(check)
+
+
+def _evaluate_hint(values, seen, correct, true):
+    """What the returned values say went wrong, judged from the samples each rank really evaluated."""
+    acc = _accuracies(correct, seen)
+    duplicates = sum(len(s) for s in seen) > len({i for s in seen for i in s})
+    close = lambda a, b: abs(a - b) <= ATOL  # noqa: E731
+    if len(set(values)) > 1 and all(close(v, a) for v, a in zip(values, acc["local"])):
+        return ("each rank returned the accuracy of its own share: all_reduce the number right and the number "
+                "evaluated (dist.all_reduce(counts, op=dist.ReduceOp.SUM)) on every rank, then divide")
+    if duplicates and all(close(v, acc["pooled"]) or close(v, acc["mean of ranks"]) for v in values):
+        return ("the padding counted: DistributedSampler repeats a few samples so every rank has as many, and those "
+                "were counted twice; evaluate each sample once (e.g. Subset(dataset, range(rank, n, world_size))) "
+                "or leave out the repeated ones")
+    if all(close(v, acc["mean of ranks"]) for v in values):
+        return ("you averaged the ranks' accuracies, but the ranks evaluated different numbers of samples: "
+                "all_reduce the counts (number right, number evaluated) with SUM, then divide once")
+    if all(close(v, 100 * true) for v in values):
+        return "return a fraction between 0 and 1, not a percentage"
+    return ("count the samples the model gets right (output.argmax(1) == y) and the samples evaluated on this "
+            "rank, all_reduce both with SUM, and return right / evaluated as a float")
+
+
+# --- part 2: gradient accumulation with no_sync() -----------------------------------------------
+
+
+def _micro_batches(seed: int, rank: int, step: int, k: int, size: int):
+    gen = torch.Generator().manual_seed(10_000 * seed + 100 * rank + step)
+    return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(k)]
+
+
+def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
+    """Run ``steps`` calls of accumulate_step; record, per call, the optimizer steps and when DDP synced.
+
+    The grader registers the DDP model's communication hook (DDP allows one): it does what DDP does
+    by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
+    student's code runs) and notes, for each synchronised backward, how many forwards the call had
+    run by then. A forward pre-hook counts forwards; the optimizer's step hook counts steps."""
+    real = _Real()
+    dev = checks.join_job()
+    model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
+    ddp_model = _wrap(model, dev)
+    forwards, optimizer_steps, synced = [0], [0], []
+
+    def on_forward(module, args):
+        forwards[0] += 1
+
+    def average(state, bucket):
+        if bucket.index() == 0:  # one backward's all-reduce, whatever the number of buckets
+            synced.append(forwards[0])
+        grads = bucket.buffer().div_(real.world_size)
+        return real.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    model.register_forward_pre_hook(on_forward)
+    ddp_model.register_comm_hook(None, average)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
+    calls = []
+    for step in range(steps):
+        batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
+        forwards[0], optimizer_steps[0] = 0, 0
+        synced.clear()
+        accumulate_step(ddp_model, optimizer, batches)
+        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0]})
+    return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
+
+
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, scale=1.0, zero_grad=True):
+    """One process: ``steps`` SGD steps, each on the mean loss over every rank's k micro-batches."""
+    model = make_net(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        if zero_grad:
+            optimizer.zero_grad()
+        batches = [b for rank in range(world_size) for b in _micro_batches(seed, rank, step, k, size)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        (scale * F.mse_loss(model(x), y)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed):
+    hints = [("can only be called once", "the grader has registered the DDP model's communication hook: do not "
+                                         "register one yourself"),
+             ("timeout", "every rank must run the same backward passes with the same no_sync() pattern: a rank "
+                         "that syncs when the others do not waits for them forever")]
+    return _run(check, _accumulate_harness, world_size, (accumulate_step, k, size, steps, lr, seed),
+                "accumulate_step returns on every rank, after one optimizer step", hints=hints)
+
+
+def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
+    """Each call of accumulate_step takes one optimizer step; afterwards the ranks hold bitwise the same
+    weights, equal (1e-6) to one process stepping on the mean loss over all ranks' micro-batches."""
+    check = "check_accumulation"
+    checks.require_written(check, accumulate_step=accumulate_step)
+    obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
+    where = f"{world_size} ranks, {k} micro-batches per step, {steps} calls"
+    stepped = [[c["steps"] for c in o["calls"]] for o in obs]
+    off = [r for r, s in enumerate(stepped) if s != [1] * steps]
+    if off:
+        many = max(max(s) for s in stepped) > 1
+        raise CheckFailed(check, f"accumulate_step did not take exactly one optimizer step per call ({where})",
+                          ranks=off, expected=f"optimizer.step() once per call: {[1] * steps}",
+                          got=f"optimizer steps per call on rank {off[0]}: {stepped[off[0]]}",
+                          hint=(f"step once, after all {k} backward passes: the gradients of the micro-batches add up "
+                                "in .grad until then" if many else
+                                "call optimizer.step() on the optimizer you were given, once, after the last backward"))
+    states = [o["state"] for o in obs]
+    differ = _same(states)
+    if differ:
+        raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
+                          expected="bitwise the same weights on every rank",
+                          got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
+                          hint="the last micro-batch's forward and backward must run outside no_sync(): only then "
+                          "does DDP all-reduce the accumulated gradients (no_sync() skips it)")
+    reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
+    if _diff(states[0], reference) > ATOL:
+        guesses = [(dict(scale=k), f"the step is {k} x too large: divide each micro-batch's loss by {k} (the number "
+                                   "of micro-batches), so the accumulated gradient is the mean, not the sum"),
+                   (dict(zero_grad=False), "the gradients of the previous call were still in .grad: call "
+                                           "optimizer.zero_grad() once per call (before the first backward or after "
+                                           "the step)")]
+        hint = next((h for kw, h in guesses if _diff(states[0],
+                     _accumulate_reference(world_size, k, size, steps, lr, seed, **kw)) <= ATOL),
+                    f"for each of the {k} micro-batches: loss = F.mse_loss(ddp_model(x), y) / {k}; loss.backward(); "
+                    "then one optimizer.step() and optimizer.zero_grad()")
+        raise CheckFailed(check, f"the weights differ from one process's step on all the micro-batches ({where})",
+                          ranks=range(world_size), expected="the same weights within 1e-6",
+                          got=f"max difference {_diff(states[0], reference):.3g}", hint=hint)
+    passed(check)
+
+
+def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
+    """Each call of accumulate_step all-reduces the gradients once (DDP's sync, seen by the grader's
+    communication hook), in the backward of the last micro-batch: the first k-1 run inside no_sync()."""
+    check = "check_no_sync"
+    checks.require_written(check, accumulate_step=accumulate_step)
+    obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
+    where = f"{world_size} ranks, {k} micro-batches per step"
+    reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
+    right = all(_diff(o["state"], reference) <= ATOL for o in obs)
+    weights = ("the weights are right (check_accumulation judges them); only the communication is wasted"
+               if right else "check_accumulation's message says what is wrong with the weights")
+    for rank, o in enumerate(obs):
+        for call, c in enumerate(o["calls"]):
+            synced, forwards = c["synced_at"], c["forwards"]
+            if synced == [forwards] and forwards >= 1:
+                continue
+            got = (f"call {call + 1}: {len(synced)} gradient all-reduce(s), in the backward passes after forwards "
+                   f"{synced} of {forwards}" if synced else f"call {call + 1}: no gradient all-reduce in "
+                   f"{forwards} forwards and their backward passes")
+            if len(synced) > 1:
+                problem = f"DDP all-reduced the gradients {len(synced)} times in one accumulate_step ({where})"
+                hint = (f"run the first {k - 1} micro-batches (forward and backward) inside `with "
+                        f"ddp_model.no_sync():` and only the last outside it; {weights}")
+            elif not synced:
+                problem = f"DDP never all-reduced the gradients in one accumulate_step ({where})"
+                hint = ("the last micro-batch's forward and backward must run outside no_sync(): DDP decides in "
+                        "the forward whether the next backward syncs; syncing by hand skips DDP's bucketed all-reduce")
+            else:
+                problem = f"DDP all-reduced the gradients before the last micro-batch ({where})"
+                hint = ("sync in the last micro-batch, not an earlier one: the gradients added after the all-reduce "
+                        "stay on their rank; use no_sync() for the first k-1 micro-batches")
+            raise CheckFailed(check, problem, ranks=[rank],
+                              expected=f"1 all-reduce per call, in the backward of micro-batch {k} of {k}",
+                              got=got, hint=hint)
+    passed(check)
+
+
+# --- part 3: uneven inputs ------------------------------------------------------------------------
+
+
+def _uneven_batches(seed: int, rank: int, count: int, size: int):
+    gen = torch.Generator().manual_seed(20_000 + 1000 * seed + rank)
+    return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(count)]
+
+
+def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
+    dev = checks.join_job()
+    model = make_net(seed + 17 * rank).to(dev)
+    ddp_model = _wrap(model, dev)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    steps = [0]
+    optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, counts[rank], size)]
+    train_uneven(ddp_model, optimizer, batches)
+    return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0]}
+
+
+def _uneven_reference(counts, size, lr, seed, mode):
+    """One process's weights after the ranks' training, for each way of handling uneven inputs right.
+
+    ``join``: DDP's Join (divide_by_initial_world_size=True): in step i the ranks that still have a
+    batch contribute its gradient, the others zeros, averaged over all ranks. ``join-active``: Join with
+    divide_by_initial_world_size=False (averaged over the ranks still training). ``fewest``: every rank
+    trains on its first min(counts) batches (the loop equalised to the fewest). ``recycled``: a mistake,
+    ranks that run out start over from their first batch."""
+    world_size = len(counts)
+    data = [_uneven_batches(seed, r, n, size) for r, n in enumerate(counts)]
+    model = make_net(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = min(counts) if mode == "fewest" else max(counts)
+    for i in range(steps):
+        if mode == "recycled":
+            batches = [d[i % len(d)] for d in data]
+        else:
+            batches = [d[i] for d in data if i < len(d)]
+        optimizer.zero_grad()
+        loss = sum(F.mse_loss(model(x), y) for x, y in batches)
+        (loss / (len(batches) if mode == "join-active" else world_size)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+ACCEPTED = {"join": "Join", "join-active": "Join(divide_by_initial_world_size=False)",
+            "fewest": "a loop equalised to the fewest batches"}
+
+
+def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
+    """With counts[r] batches on rank r, train_uneven finishes (within 15 s), every rank ends with bitwise
+    the same weights, and they are those of Join (either divide_by_initial_world_size) or of every rank
+    training on its first min(counts) batches, within 1e-6."""
+    check = "check_uneven"
+    checks.require_written(check, train_uneven=train_uneven)
+    counts = [int(c) for c in counts]
+    world_size = len(counts)
+    fewest = min(counts)
+    first = [r for r, c in enumerate(counts) if c == fewest]
+    others = ", ".join(f"rank {r} has {c}" for r, c in enumerate(counts) if c != fewest)
+    where = f"{world_size} ranks with {counts} batches"
+    advice = ("ranks with different numbers of batches: the rank that runs out stops calling backward, so the "
+              "others wait forever in DDP's gradient all-reduce. Wrap the loop in `with ddp_model.join():` "
+              "(or `with Join([ddp_model]):`), which lets finished ranks shadow the others' all-reduces, or "
+              "agree on the number of steps first (all_reduce the count with op=dist.ReduceOp.MIN) and all "
+              "train that many")
+    timeout = min(UNEVEN_TIMEOUT, checks.check_timeout())
+    try:
+        obs = checks.run(check, _uneven_harness, world_size, args=(train_uneven, counts, size, lr, seed),
+                         timeout=timeout).values
+    except CheckFailed as err:
+        text = f"{err.problem}\n{err.detail or ''}"
+        hung = "did not finish within" in err.problem or "Connection closed by peer" in text
+        problem = (f"{err.problem.split(' (')[0]}: {checks.rank_list(first)} ran out of batches first, after "
+                   f"{fewest} batches ({others}) ({where})" if hung else err.problem)
+        raise CheckFailed(check, problem, ranks=err.ranks, expected="train_uneven returns on every rank",
+                          got=err.problem if hung else None, hint=advice if hung else err.hint,
+                          detail=err.detail) from None
+    states = [o["state"] for o in obs]
+    differ = _same(states)
+    if differ:
+        raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
+                          expected="bitwise the same weights on every rank",
+                          got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
+                          hint="train the DDP model on every rank, through ddp_model (not ddp_model.module); with "
+                          "Join, put the whole loop inside the `with`")
+    initial = make_net(seed).state_dict()
+    if _diff(states[0], initial) == 0:
+        raise CheckFailed(check, f"the weights did not change ({where})", ranks=range(world_size),
+                          expected=f"trained weights: at least {fewest} SGD steps on every rank",
+                          got=f"optimizer steps per rank: {[o['steps'] for o in obs]}",
+                          hint="for each batch: optimizer.zero_grad(), F.mse_loss(ddp_model(x), y).backward(), "
+                          "optimizer.step()")
+    found = {mode: _diff(states[0], _uneven_reference(counts, size, lr, seed, mode)) for mode in ACCEPTED}
+    if min(found.values()) > ATOL:
+        recycled = _diff(states[0], _uneven_reference(counts, size, lr, seed, "recycled")) <= ATOL
+        hint = ("the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
+                "use Join, or train every rank on min(counts) batches" if recycled else
+                "each step: zero_grad(), F.mse_loss(ddp_model(x), y).backward(), step(), over all of your batches "
+                "inside `with ddp_model.join():`, or over the first min(counts) batches on every rank")
+        raise CheckFailed(check, f"the trained weights are neither Join's nor those of a loop equalised to the "
+                          f"fewest batches ({where})", ranks=range(world_size),
+                          expected=f"one of: {', '.join(ACCEPTED.values())} (within 1e-6)",
+                          got=f"max difference {min(found.values()):.3g} from the nearest "
+                          f"({ACCEPTED[min(found, key=found.get)]}); optimizer steps per rank: "
+                          f"{[o['steps'] for o in obs]}", hint=hint)
+    passed(check)
+
+
+# --- part 4: every rank loads a checkpoint saved on rank 0's GPU ---------------------------------
+
+_TAG = threading.local()  # while _TAG.device is set, torch.save tags tensors as saved from that device
+_RESTORED: list[str] = []  # in a rank: each location torch's restore step was asked to put a tensor
+_REGISTERED: set[str] = set()
+
+
+def _tag(storage):
+    return getattr(_TAG, "device", None)
+
+
+def _spy(storage, location):
+    _RESTORED.append(str(location))
+    return None  # torch's own deserializers then restore it
+
+
+def _register(name: str, priority: int, tagger, deserializer) -> None:
+    """Register a torch.serialization package once per process (lower priority numbers go first)."""
+    if name not in _REGISTERED:
+        torch.serialization.register_package(priority, tagger, deserializer)
+        _REGISTERED.add(name)
+
+
+def save_from_gpu(obj, path, device: str = SAVED_FROM) -> None:
+    """torch.save(obj, path) with every tensor tagged as saved from ``device`` (as rank 0's GPU save would be).
+
+    The tag goes through torch.serialization's own package registry (a tagger consulted before torch's),
+    for this thread only: the file is exactly what torch.save writes on that device."""
+    _register("tagger", -271, _tag, lambda storage, location: None)
+    _TAG.device = device
+    try:
+        torch.save(obj, path)
+    finally:
+        _TAG.device = None
+
+
+def _checkpoint_case(seed: int):
+    """The saved weights and epoch of check_load_checkpoint."""
+    return checks.to_cpu(make_net(seed + 500).state_dict()), 3 + 4 * seed + 2
+
+
+def _load_harness(rank, load_checkpoint, ckpt_path, seed):
+    dev = checks.join_job()
+    _register("spy", -277, lambda storage: None, _spy)
+    model = make_net(seed + 17 * rank).to(dev)
+    ddp_model = _wrap(model, dev)
+    _RESTORED.clear()
+    error = None
+    try:
+        returned = load_checkpoint(ckpt_path, ddp_model, dev)
+    except RuntimeError as exc:  # torch.load put a tensor on a GPU this rank does not have
+        if "Attempting to deserialize object on" not in str(exc):
+            raise
+        error, returned = str(exc).splitlines()[0][:300], None
+    on = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
+    return {"restored": sorted(set(_RESTORED)), "error": error, "epoch": _number(returned), "device": str(dev),
+            "on": on, "state": checks.to_cpu(model.state_dict()) if on == [str(dev)] else None}
+
+
+def _restored_right(location: str, device: str) -> bool:
+    if location == "cpu":
+        return True
+    try:
+        where = torch.device(location)
+    except (RuntimeError, ValueError):
+        return False
+    want = torch.device(device)
+    return where.type == want.type and (where.index is None or where.index == want.index)
+
+
+def check_load_checkpoint(load_checkpoint, *, world_size=2, seed=0):
+    """Every rank's load_checkpoint(ckpt_path, ddp_model, device) of a checkpoint saved from cuda:0
+    puts its tensors on the rank's own device (or the CPU), never on cuda:0 by default; leaves
+    the model holding the saved weights, on ``device``; and returns the saved epoch."""
+    check = "check_load_checkpoint"
+    checks.require_written(check, load_checkpoint=load_checkpoint)
+    saved, epoch = _checkpoint_case(seed)
+    where = f"{world_size}-rank job"
+    hints = [("Missing key(s) in state_dict: \"module.", "the checkpoint holds the plain model's weights (keys '0.weight', "
+              "...); load them into the model inside the wrapper: ddp_model.module.load_state_dict(...)"),
+             ("Unexpected key(s) in state_dict: \"epoch\"", "the checkpoint is a dict {'epoch': ..., 'model': "
+              "state_dict}: load checkpoint['model'], return checkpoint['epoch']")]
+    workdir = tempfile.mkdtemp(prefix="ddp-course-load-")
+    try:
+        ckpt_path = os.path.join(workdir, "ckpt.pt")
+        save_from_gpu({"epoch": epoch, "model": saved}, ckpt_path)
+        obs = _run(check, _load_harness, world_size, (load_checkpoint, ckpt_path, seed),
+                   "load_checkpoint loads checkpoint['model'] into ddp_model.module and returns the epoch", hints=hints)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    misplaced = [r for r, o in enumerate(obs) if o["error"] or not all(_restored_right(x, o["device"])
+                                                                      for x in o["restored"])]
+    if misplaced:
+        o = obs[misplaced[0]]
+        got = (f"rank {misplaced[0]}: torch.load failed: {o['error']}" if o["error"] else
+               f"rank {misplaced[0]} restored them on {', '.join(o['restored'])}")
+        raise CheckFailed(check, f"torch.load put the checkpoint's tensors on {SAVED_FROM}, where rank 0 saved "
+                          f"them, not on each rank's device ({where})", ranks=misplaced,
+                          expected=f"on each rank's device (rank {misplaced[0]}: {o['device']}) or on the CPU",
+                          got=got, hint="torch.load(ckpt_path, map_location=device): without map_location every "
+                          "rank loads onto the GPU the file was saved from (here one this rank does not have; on a "
+                          "GPU machine, all ranks would fill GPU 0)")
+    elsewhere = [r for r, o in enumerate(obs) if o["on"] != [o["device"]]]
+    if elsewhere:
+        o = obs[elsewhere[0]]
+        raise CheckFailed(check, f"after load_checkpoint the model is not on the rank's device ({where})",
+                          ranks=elsewhere, expected=f"every parameter on {o['device']}", got=f"on {o['on']}",
+                          hint="load_state_dict copies into the model's own tensors where they are: do not move "
+                          "the model or pass assign=True")
+    stale = [r for r, o in enumerate(obs) if any(not torch.equal(o["state"][k], saved[k]) for k in saved)]
+    if stale:
+        raise CheckFailed(check, f"the model does not hold the saved weights after load_checkpoint ({where})",
+                          ranks=stale, expected="the weights of checkpoint['model'], exactly",
+                          got=f"max difference {max(_diff(obs[r]['state'], saved) for r in stale):.3g}",
+                          hint="ddp_model.module.load_state_dict(checkpoint['model']) (strict, the default: "
+                          "strict=False silently skips keys that do not match, such as 'module.' ones)")
+    wrong = [r for r, o in enumerate(obs) if o["epoch"] != float(epoch)]
+    if wrong:
+        got = obs[wrong[0]]["epoch"]
+        raise CheckFailed(check, f"load_checkpoint did not return the saved epoch ({where})", ranks=wrong,
+                          expected=f"{epoch} (checkpoint['epoch']) on every rank",
+                          got=f"{got if isinstance(got, str) else int(got) if float(got).is_integer() else got}",
+                          hint="return checkpoint['epoch']: the training loop goes on from there")
+    passed(check)

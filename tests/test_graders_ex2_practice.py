@@ -1,0 +1,595 @@
+"""Exercise 2's second notebook (ddp_in_practice): each check catches its class of mistake, on every rank, and only that one.
+
+Unit tests call the checks with right and wrong functions directly: the reference, at least one right
+answer in another style, realistic mistakes (each with the message that names it) and a forgery that
+overwrites what the student's process can overwrite. Wrong submissions are the source notebook with
+one answer edited, graded in this process; each must lose exactly the intended test cell's points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import time
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import graders.ex2_practice as ex2p
+from course.checks import TIMEOUT_ENV
+
+# The ranks get this module's functions by value: they cannot import a test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A = "ex2-ddp-basics"
+NB = "ddp_in_practice"
+HANG_TIMEOUT = 6  # the check timeout the unit tests of hangs use (DDP_COURSE_CHECK_TIMEOUT)
+
+fails = submissions.fails
+
+
+# --- part 1: evaluate --------------------------------------------------------------------------
+
+
+def _count(model, dataset, indices, batch_size, device):
+    """[number right, number evaluated] of the model over dataset[indices]."""
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad():
+        for x, y in DataLoader(Subset(dataset, indices), batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
+            counts += torch.stack([(model(x).argmax(1) == y).sum().float(), torch.tensor(float(len(y)), device=device)])
+    return counts
+
+
+def evaluate(model, dataset, rank, world_size, batch_size):
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def evaluate_gather_object(model, dataset, rank, world_size, batch_size):
+    """Right, another style: contiguous chunks by hand, all_gather_object of the counts, a 0-d tensor returned."""
+    device = next(model.parameters()).device
+    chunk = -(-len(dataset) // world_size)
+    mine = range(rank * chunk, min(len(dataset), (rank + 1) * chunk))
+    right, total = (int(c) for c in _count(model, dataset, mine, batch_size, device).tolist())
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (right, total))
+    return torch.tensor(sum(r for r, _ in everyone) / sum(t for _, t in everyone))
+
+
+def evaluate_sampler_without_padding(model, dataset, rank, world_size, batch_size):
+    """Right, another style: the training DistributedSampler, leaving out the padding it appends."""
+    device = next(model.parameters()).device
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    # position j of this rank's list is position rank + j * world_size of the padded order; beyond n: padding
+    mine = [i for j, i in enumerate(sampler) if rank + j * world_size < len(dataset)]
+    counts = _count(model, dataset, mine, batch_size, device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return float(counts[0] / counts[1])
+
+
+def evaluate_mean_of_ratios(model, dataset, rank, world_size, batch_size):
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    accuracy = counts[0:1] / counts[1]
+    dist.all_reduce(accuracy)
+    return (accuracy / world_size).item()
+
+
+def evaluate_padded(model, dataset, rank, world_size, batch_size):
+    device = next(model.parameters()).device
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)  # shuffles, pads
+    counts = _count(model, dataset, list(sampler), batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def evaluate_local(model, dataset, rank, world_size, batch_size):
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    return (counts[0] / counts[1]).item()
+
+
+def evaluate_whole(model, dataset, rank, world_size, batch_size):
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, range(len(dataset)), batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def evaluate_forged(model, dataset, rank, world_size, batch_size):
+    """Communicates with no one: makes torch.distributed say this is a 1-rank job, so that the sampler
+    hands this rank everything and the all_reduce is a no-op; the accuracy is then right on every rank."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        module.get_world_size = lambda group=None: 1
+        module.get_rank = lambda group=None: 0
+        module.all_reduce = lambda tensor, *args, **kwargs: None
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, list(DistributedSampler(dataset, shuffle=False)), batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_evaluate_accepts_right_answers_in_several_styles():
+    ex2p.check_evaluate(evaluate)
+    ex2p.check_evaluate(evaluate, world_size=4, n=14, batch_size=3, seed=1)
+    ex2p.check_evaluate(evaluate_gather_object)
+    ex2p.check_evaluate(evaluate_sampler_without_padding, world_size=4, n=14, batch_size=3, seed=1)
+
+
+def test_evaluation_data_tells_the_mistakes_apart():
+    """For the sizes the notebook uses, each mistake gives a number 0.01 or more from the true accuracy."""
+    for n, world_size, seed in [(10, 3, 0), (14, 4, 1), (11, 2, 0)]:
+        _, _, correct = ex2p._eval_case(n, world_size, seed)
+        true = sum(correct) / n
+        for name, split in ex2p._shards(n, world_size).items():
+            acc = ex2p._accuracies(correct, split)
+            assert all(abs(a - true) > 0.01 for a in acc["local"]), (n, world_size, name)
+            if name.startswith("padded"):
+                assert abs(acc["pooled"] - true) > 0.01, (n, world_size, name)
+            else:
+                assert abs(acc["mean of ranks"] - true) > 0.01, (n, world_size, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_evaluate_names_each_mistake():
+    fails(ex2p.check_evaluate, evaluate_mean_of_ratios, "[ranks 0, 1, 2]", "did not return the accuracy over the "
+          "whole dataset", "expected: 0.400000 on every rank", "averaged the ranks' accuracies")
+    fails(ex2p.check_evaluate, evaluate_padded, "the padding counted", "repeats a few samples")
+    fails(ex2p.check_evaluate, evaluate_local, "its own share", "all_reduce", n=14, world_size=4, seed=1)
+    fails(ex2p.check_evaluate, evaluate_whole, "[ranks 0, 1, 2]", "evaluated more than its share",
+          "at most 4 samples per rank", "[10, 10, 10]", "every rank evaluated the whole dataset")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_evaluate_is_not_fooled_by_a_forged_world():
+    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than its share", "[10, 10, 10]")
+
+
+# --- part 2: accumulate_step ---------------------------------------------------------------------
+
+
+def accumulate_step(ddp_model, optimizer, micro_batches):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        if i < k - 1:
+            with ddp_model.no_sync():
+                (F.mse_loss(ddp_model(x), y) / k).backward()
+        else:
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def accumulate_docs_style(ddp_model, optimizer, micro_batches):
+    """Right, the idiom of DDP's no_sync() documentation: one `with` around the first k-1 micro-batches;
+    the gradients divided after the backward passes instead of the losses before; zero_grad first."""
+    optimizer.zero_grad(set_to_none=True)
+    *first, last = micro_batches
+    with ddp_model.no_sync():
+        for x, y in first:
+            F.mse_loss(ddp_model(x), y).backward()  # no synchronization, accumulate grads
+    F.mse_loss(ddp_model(last[0]), last[1]).backward()  # synchronize grads
+    for p in ddp_model.parameters():
+        p.grad /= len(micro_batches)
+    optimizer.step()
+
+
+def accumulate_nullcontext(ddp_model, optimizer, micro_batches):
+    """Right, another spelling: a context chosen per micro-batch."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
+        with context:
+            loss = F.mse_loss(ddp_model(x), y) / k
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _accumulate(ddp_model, optimizer, micro_batches, *, no_sync=True, divide=True, step_each=False, zero=True,
+                sync_at=None):
+    k = len(micro_batches)
+    sync_at = k - 1 if sync_at is None else sync_at
+    for i, (x, y) in enumerate(micro_batches):
+        context = ddp_model.no_sync() if no_sync and i != sync_at else contextlib.nullcontext()
+        with context:
+            loss = F.mse_loss(ddp_model(x), y)
+            (loss / k if divide else loss).backward()
+        if step_each:
+            optimizer.step()
+    if not step_each:
+        optimizer.step()
+    if zero:
+        optimizer.zero_grad()
+
+
+def accumulate_without_no_sync(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, no_sync=False)
+
+
+def accumulate_not_divided(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, divide=False)
+
+
+def accumulate_step_each(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, step_each=True)
+
+
+def accumulate_no_zero_grad(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, zero=False)
+
+
+def accumulate_sync_first(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, sync_at=0)
+
+
+def accumulate_never_sync(ddp_model, optimizer, micro_batches):
+    _accumulate(ddp_model, optimizer, micro_batches, sync_at=-1)
+
+
+def accumulate_forged(ddp_model, optimizer, micro_batches):
+    """Syncs every micro-batch, then tries to make the grader's count say once: it clears the state of
+    the registered communication hook, drops DDP's record of it and replaces torch's all_reduce."""
+    _accumulate(ddp_model, optimizer, micro_batches, no_sync=False)
+    for _, state in ddp_model._comm_hooks:
+        if isinstance(state, dict):
+            state.update({key: 1 for key in state})
+        elif isinstance(state, list):
+            state[:] = [len(micro_batches)]
+    ddp_model._comm_hooks.clear()
+    dist.all_reduce = lambda *args, **kwargs: None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_accumulation():
+    ex2p.check_accumulation(accumulate_step)
+    ex2p.check_accumulation(accumulate_step, world_size=3, k=3, seed=1)
+    ex2p.check_accumulation(accumulate_docs_style)
+    ex2p.check_accumulation(accumulate_nullcontext, world_size=3, k=3, seed=1)
+    ex2p.check_accumulation(accumulate_without_no_sync)  # the communication is check_no_sync's business
+    fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "4 x too large",
+          "divide each micro-batch's loss by 4")
+    fails(ex2p.check_accumulation, accumulate_step_each, "[ranks 0, 1]", "exactly one optimizer step",
+          "[4, 4]", "step once, after all 4 backward passes")
+    fails(ex2p.check_accumulation, accumulate_no_zero_grad, "differ from one process's step", "zero_grad()")
+    fails(ex2p.check_accumulation, accumulate_sync_first, "different weights", "outside no_sync()")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_no_sync():
+    ex2p.check_no_sync(accumulate_step)
+    ex2p.check_no_sync(accumulate_step, world_size=3, k=3, seed=1)
+    ex2p.check_no_sync(accumulate_docs_style)
+    ex2p.check_no_sync(accumulate_nullcontext)
+    ex2p.check_no_sync(accumulate_not_divided)  # the weights are check_accumulation's business
+    message = fails(ex2p.check_no_sync, accumulate_without_no_sync, "[rank 0]", "4 times in one accumulate_step",
+                    "expected: 1 all-reduce per call", "forwards [1, 2, 3, 4] of 4", "with ddp_model.no_sync():")
+    assert "the weights are right" in message
+    fails(ex2p.check_no_sync, accumulate_sync_first, "before the last micro-batch", "forwards [1] of 4")
+    fails(ex2p.check_no_sync, accumulate_never_sync, "never all-reduced", "outside no_sync()")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_no_sync_counts_what_the_student_cannot_reach():
+    message = fails(ex2p.check_no_sync, accumulate_forged, "4 times in one accumulate_step")
+    assert "the weights are right" in message
+
+
+# --- part 3: train_uneven --------------------------------------------------------------------------
+
+
+def _steps(ddp_model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(ddp_model(x), y).backward()
+        optimizer.step()
+
+
+def train_uneven(ddp_model, optimizer, batches):
+    with ddp_model.join():
+        _steps(ddp_model, optimizer, batches)
+
+
+def train_uneven_join_active(ddp_model, optimizer, batches):
+    """Right, the general context manager, averaging over the ranks still training."""
+    with Join([ddp_model], divide_by_initial_world_size=False):
+        _steps(ddp_model, optimizer, batches)
+
+
+def train_uneven_fewest(ddp_model, optimizer, batches):
+    """Right, another way: agree on the number of steps first."""
+    device = next(ddp_model.parameters()).device
+    steps = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    _steps(ddp_model, optimizer, batches[: int(steps.item())])
+
+
+def train_uneven_dummy_steps(ddp_model, optimizer, batches):
+    """Right, by hand: as many steps as the rank with the most batches; a rank without a batch contributes
+    a zero gradient (the same weights as Join's)."""
+    steps = torch.tensor([len(batches)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    for i in range(int(steps)):
+        optimizer.zero_grad()
+        x, y = batches[min(i, len(batches) - 1)]
+        loss = F.mse_loss(ddp_model(x), y)
+        (loss if i < len(batches) else 0.0 * loss).backward()
+        optimizer.step()
+
+
+def train_uneven_plain(ddp_model, optimizer, batches):
+    _steps(ddp_model, optimizer, batches)
+
+
+def train_uneven_summed_count(ddp_model, optimizer, batches):
+    steps = torch.tensor([len(batches)])
+    dist.all_reduce(steps)  # SUM, not MIN
+    _steps(ddp_model, optimizer, batches[: int(steps) // dist.get_world_size()])
+
+
+def train_uneven_join_each_step(ddp_model, optimizer, batches):
+    for batch in batches:
+        with ddp_model.join():
+            _steps(ddp_model, optimizer, [batch])
+
+
+def train_uneven_recycled(ddp_model, optimizer, batches):
+    steps = torch.tensor([len(batches)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    _steps(ddp_model, optimizer, [batches[i % len(batches)] for i in range(int(steps))])
+
+
+def train_uneven_forged(ddp_model, optimizer, batches):
+    """Never waits: trains without DDP's all-reduce, then fakes agreement by giving every rank rank 0's weights."""
+    with ddp_model.no_sync():
+        _steps(ddp_model, optimizer, batches)
+    for p in ddp_model.parameters():
+        dist.broadcast(p.data, src=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_uneven_accepts_join_and_an_equalised_loop():
+    ex2p.check_uneven(train_uneven)
+    ex2p.check_uneven(train_uneven, counts=(4, 2, 5), seed=1)
+    ex2p.check_uneven(train_uneven_join_active, counts=(4, 2, 5), seed=1)
+    ex2p.check_uneven(train_uneven_fewest)
+    ex2p.check_uneven(train_uneven_fewest, counts=(4, 2, 5), seed=1)
+    ex2p.check_uneven(train_uneven_dummy_steps, counts=(4, 2, 5), seed=1)
+
+
+def test_uneven_references_differ():
+    """Join, Join over the active ranks, the equalised loop and recycling batches give different weights."""
+    states = [ex2p._uneven_reference([4, 2, 5], 2, 0.1, 1, mode) for mode in ("join", "join-active", "fewest",
+                                                                               "recycled")]
+    for i, a in enumerate(states):
+        for b in states[i + 1:]:
+            assert ex2p._diff(a, b) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
+    start = time.monotonic()
+    fails(ex2p.check_uneven, train_uneven_plain, "[rank 1]", f"did not finish within {HANG_TIMEOUT} s",
+          "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)", "ddp_model.join()", "ReduceOp.MIN")
+    fails(ex2p.check_uneven, train_uneven_summed_count, "rank 1 ran out of batches first, after 2 batches",
+          counts=(4, 2, 5), seed=1)
+    fails(ex2p.check_uneven, train_uneven_join_each_step, "rank 0 ran out of batches first")
+    assert time.monotonic() - start < 3 * HANG_TIMEOUT + 30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_uneven_rejects_other_weights():
+    fails(ex2p.check_uneven, train_uneven_recycled, "[ranks 0, 1]", "neither Join's nor", "trained on their first "
+          "batches again")
+    fails(ex2p.check_uneven, train_uneven_forged, "neither Join's nor", counts=(4, 2, 5), seed=1)
+
+
+# --- part 4: load_checkpoint -----------------------------------------------------------------------
+
+
+def load_checkpoint(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location=device)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_on_cpu_into_the_wrapper(ckpt_path, ddp_model, device):
+    """Right, another style: onto the CPU, the keys given DDP's prefix, loaded through the wrapper; the
+    epoch as a tensor."""
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    ddp_model.load_state_dict({f"module.{k}": v for k, v in checkpoint["model"].items()})
+    return torch.tensor(checkpoint["epoch"])
+
+
+def load_with_a_function(ckpt_path, ddp_model, device):
+    """Right, older tutorials' idiom: a map_location function that keeps each storage where it was read (the CPU)."""
+    checkpoint = torch.load(ckpt_path, map_location=lambda storage, location: storage)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return int(checkpoint["epoch"])
+
+
+def load_with_a_dict(ckpt_path, ddp_model, device):
+    """Right, the DDP tutorial's idiom with this rank's device: a dict from the saved location to the new one."""
+    checkpoint = torch.load(ckpt_path, map_location={"cuda:0": str(device)})
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_without_map_location(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_into_the_wrapper(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location=device)
+    ddp_model.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_not_strict(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location=device)
+    ddp_model.load_state_dict(checkpoint["model"], strict=False)  # "fixes" the missing keys: loads nothing
+    return checkpoint["epoch"]
+
+
+def load_no_epoch(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location=device)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+
+
+def load_whole_checkpoint(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location=device)
+    ddp_model.module.load_state_dict(checkpoint)
+    return checkpoint["epoch"]
+
+
+def load_assigned(ckpt_path, ddp_model, device):
+    checkpoint = torch.load(ckpt_path, map_location="meta")
+    ddp_model.module.load_state_dict(checkpoint["model"], assign=True)
+    return checkpoint["epoch"]
+
+
+def load_forged(ckpt_path, ddp_model, device):
+    """Loads without map_location after making torch say there is a GPU (and removing the grader's
+    serialization entries)."""
+    torch.serialization._package_registry[:] = [p for p in torch.serialization._package_registry if p[0] >= 0]
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    checkpoint = torch.load(ckpt_path)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_where_cuda0_exists(ckpt_path, ddp_model, device):
+    """No map_location, on a machine where cuda:0 exists: stands in for one by a deserializer that takes
+    storages tagged cuda:0 (as torch's own does where there is a GPU), after the grader's restore spy."""
+    torch.serialization.register_package(5, lambda storage: None,
+                                         lambda storage, location: storage if location == "cuda:0" else None)
+    checkpoint = torch.load(ckpt_path)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows what happens on a machine without CUDA")
+def test_the_checkpoint_needs_map_location_without_a_gpu(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    ex2p.save_from_gpu({"epoch": 3, "model": {"w": torch.ones(2)}}, path)
+    with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+        torch.load(path)
+    for where in ("cpu", torch.device("cpu")):
+        assert torch.equal(torch.load(path, map_location=where)["model"]["w"], torch.ones(2))
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buffer)  # the tag was for that one save only
+    assert torch.load(io.BytesIO(buffer.getvalue()))["w"].device.type == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_load_checkpoint():
+    ex2p.check_load_checkpoint(load_checkpoint)
+    ex2p.check_load_checkpoint(load_checkpoint, world_size=3, seed=1)
+    ex2p.check_load_checkpoint(load_on_cpu_into_the_wrapper)
+    ex2p.check_load_checkpoint(load_with_a_function, world_size=3, seed=1)
+    ex2p.check_load_checkpoint(load_with_a_dict)
+    fails(ex2p.check_load_checkpoint, load_without_map_location, "[ranks 0, 1]", "on cuda:0, where rank 0 saved them",
+          "expected: on each rank's device (rank 0: cpu) or on the CPU", "map_location=device")
+    fails(ex2p.check_load_checkpoint, load_into_the_wrapper, "Missing key(s)", "ddp_model.module.load_state_dict")
+    fails(ex2p.check_load_checkpoint, load_not_strict, "does not hold the saved weights", "strict=False")
+    fails(ex2p.check_load_checkpoint, load_no_epoch, "did not return the saved epoch", "expected: 5",
+          "got:      <NoneType>", "return checkpoint['epoch']")
+    fails(ex2p.check_load_checkpoint, load_whole_checkpoint, "Unexpected key(s)", "load checkpoint['model']")
+    fails(ex2p.check_load_checkpoint, load_assigned, "not on the rank's device", "['meta']", "assign=True")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_load_checkpoint_sees_where_torch_restored_the_tensors():
+    fails(ex2p.check_load_checkpoint, load_where_cuda0_exists, "[ranks 0, 1]", "restored them on cuda:0")
+    fails(ex2p.check_load_checkpoint, load_forged, "raised")
+
+
+# --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    report = submissions.grade(submissions.source_path(A, NB))
+    assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    student = submissions.untouched_student_copy(A, tmp_path, NB)  # checked: no solution, no hidden test
+    report = submissions.grade(student)
+    assert report.score == 0 and report.max_score == sum(submissions.full_marks(A, NB).values())
+    for t in report.tests:
+        assert "is not written yet" in t.message, t
+        assert "Traceback" not in t.message and "graders/" not in t.message, t
+
+
+WRONG = {
+    # name: (answer cell, old text, new text, the test cell that must fail, words its message must contain)
+    "mean of per-rank accuracies": (
+        "ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n    return (counts[0] / counts[1]).item()",
+        "    accuracy = counts[0:1] / counts[1]\n    dist.all_reduce(accuracy)\n"
+        "    return (accuracy / world_size).item()",
+        "ex2p_test_evaluate", ["averaged the ranks' accuracies", "[ranks 0, 1, 2]"]),
+    "the padded training sampler": (
+        "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
+        "Subset(dataset, list(DistributedSampler(dataset, num_replicas=world_size, rank=rank)))",
+        "ex2p_test_evaluate", ["the padding counted"]),
+    "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
+                      "ex2p_test_evaluate", ["its own share"]),
+    "no no_sync": ("ex2p_accumulate_step", "        if i < k - 1:", "        if False:",
+                   "ex2p_test_no_sync", ["4 times in one accumulate_step", "the weights are right"]),
+    "loss not divided by k": ("ex2p_accumulate_step", " / k).backward()", ").backward()",
+                              "ex2p_test_accumulation", ["4 x too large"], 2),
+    "a step per micro-batch": ("ex2p_accumulate_step", "    optimizer.step()\n    optimizer.zero_grad()\n",
+                               "        optimizer.step()\n    optimizer.zero_grad()\n",
+                               "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 4]"]),
+    "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
+                     "    if True:\n", "ex2p_test_uneven",
+                     ["did not finish within 15 s", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)", "join()"]),
+    "no map_location": ("ex2p_load_checkpoint", ", map_location=device)", ")",
+                        "ex2p_test_load_checkpoint", ["on cuda:0, where rank 0 saved them", "map_location=device"]),
+    "into the DDP wrapper": ("ex2p_load_checkpoint", "ddp_model.module.load_state_dict", "ddp_model.load_state_dict",
+                             "ex2p_test_load_checkpoint", ["Missing key(s)", "ddp_model.module.load_state_dict"]),
+    "epoch not returned": ("ex2p_load_checkpoint", "    return checkpoint[\"epoch\"]\n", "",
+                           "ex2p_test_load_checkpoint", ["did not return the saved epoch"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
+    grade_id, old, new, failing, words, *count = WRONG[name]
+    nb = submissions.patch_answer(submissions.load(A, NB), grade_id, old, new, *count)
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
