@@ -145,16 +145,20 @@ def make_sample(kind: str, source_path: Path, release_path: Path):
 def write_samples(course, students: dict[str, str], assignments: list[str], folder: Path) -> dict[tuple[str, str], str]:
     """Write ``<student>_<notebook>.ipynb`` into ``folder`` for each student (name -> kind) and assignment.
 
-    Returns {(student, assignment): what the sample does}. Collect files them like any LMS download.
+    Returns {(student, assignment): what the sample does} (for an assignment of several notebooks,
+    what each does, by notebook). Collect files them like any LMS download.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    notes = {}
+    notes: dict[tuple[str, str], str] = {}
     for assignment in assignments:
-        for notebook in course.notebooks(assignment):
+        notebooks = course.notebooks(assignment)
+        for notebook in notebooks:
             source = course.folder("source", assignment=assignment) / f"{notebook}.ipynb"
             release = course.folder("release", assignment=assignment) / f"{notebook}.ipynb"
             for student, kind in students.items():
                 nb, note = make_sample(kind, source, release)
                 nbformat.write(nb, str(folder / f"{student}_{notebook}.ipynb"))
+                if len(notebooks) > 1:
+                    note = "; ".join(filter(None, [notes.get((student, assignment)), f"{notebook}: {note}"]))
                 notes[(student, assignment)] = note
     return notes
