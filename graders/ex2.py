@@ -95,7 +95,11 @@ REJOIN_TIMEOUT = 5  # seconds a rank waits for the others in the re-initialisati
 
 
 class _Torch:
-    """torch.distributed's own functions and the CUDA device query, taken before student code runs."""
+    """torch.distributed's own functions and the CUDA device query, taken before student code runs.
+
+    One instance, :data:`_REAL`, is made when this module is imported: in a rank that is while the
+    job's payload is unpickled, the harness (this module) before the student's objects, so even
+    code that runs as the student's objects are unpickled cannot swap what it holds."""
 
     def __init__(self):
         from torch.distributed import distributed_c10d as c10d
@@ -105,6 +109,9 @@ class _Torch:
         self.get_backend = c10d.get_backend
         self.destroy = c10d.destroy_process_group
         self.cuda_device = torch.cuda.current_device
+
+
+_REAL = _Torch()
 
 
 def _membership(real: _Torch, rank: int, world_size: int, dev) -> dict:
@@ -124,7 +131,7 @@ def _membership(real: _Torch, rank: int, world_size: int, dev) -> dict:
 
 
 def _setup_harness(rank, setup):
-    real = _Torch()
+    real = _REAL
     world_size = int(os.environ["WORLD_SIZE"])
     setup(rank, world_size)
     nccl = os.environ.get("DDP_COURSE_BACKEND") == "nccl"
@@ -181,7 +188,7 @@ def check_setup(setup, *, world_sizes=(2, 3)):
 def _cleanup_harness(rank, cleanup, store_dir):
     from datetime import timedelta
 
-    real = _Torch()
+    real = _REAL
     dev = checks.join_job()
     world_size = int(os.environ["WORLD_SIZE"])
     backend = str(real.get_backend())

@@ -143,16 +143,21 @@ def _convert_model(case: str) -> nn.Module:
     return model
 
 
-def _describe_modules(model: nn.Module) -> dict:
-    from torch.nn.modules.batchnorm import _BatchNorm
+# torch's own classes, taken when the grader is imported (before any student code runs in a rank): a
+# student's convert_model that assigns `nn.SyncBatchNorm = nn.BatchNorm2d` must not make BatchNorms look converted
+_SYNC_BATCHNORM = nn.SyncBatchNorm
+_BATCHNORM = nn.modules.batchnorm._BatchNorm
+_IS_INSTANCE = isinstance
 
+
+def _describe_modules(model: nn.Module) -> dict:
     return {
         name: {
             "cls": type(m).__name__,
-            "sync": isinstance(m, nn.SyncBatchNorm),
-            "bn": isinstance(m, _BatchNorm),
+            "sync": _IS_INSTANCE(m, _SYNC_BATCHNORM),
+            "bn": _IS_INSTANCE(m, _BATCHNORM),
             "config": (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats)
-            if isinstance(m, _BatchNorm) else None,
+            if _IS_INSTANCE(m, _BATCHNORM) else None,
         }
         for name, m in model.named_modules()
     }

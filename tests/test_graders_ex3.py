@@ -40,6 +40,13 @@ def convert_nothing(model):
     return model
 
 
+def convert_forged(model):
+    """A forgery: make every BatchNorm look converted by renaming torch's classes, convert nothing."""
+    nn.SyncBatchNorm = nn.modules.batchnorm._BatchNorm
+    torch.nn.modules.batchnorm.SyncBatchNorm = nn.modules.batchnorm._BatchNorm
+    return model
+
+
 def convert_ignoring_result(model):
     nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
@@ -216,6 +223,7 @@ def test_check_convert():
     fails(ex3.check_convert, convert_nothing, "3 of 3 BatchNorm layers were not converted", "3.branch.1")
     fails(ex3.check_convert, convert_fresh_layers, "does not keep the trained weights", "running_mean")
     fails(ex3.check_convert, convert_returns_none, "returned NoneType, not a model")
+    fails(ex3.check_convert, convert_forged, "3 of 3 BatchNorm layers were not converted")
     fails(ex3.check_convert, convert_stub, "not written yet")
 
 

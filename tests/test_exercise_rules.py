@@ -1,0 +1,69 @@
+"""Rules every exercise notebook keeps (issue 13): no graded property is hidden from the student.
+
+Every graded test cell runs at least one check in its visible part (what the student's copy keeps
+after nbgrader removes the hidden block), and a hidden block only calls checks that the visible part
+of the same cell calls too: hidden tests vary world sizes, data, seeds and timings, never what is judged.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course.grading.cells import HIDDEN_BEGIN, HIDDEN_END
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "exercises").glob("*/*.ipynb"))
+
+
+def _graded_cells(path: Path):
+    nb = nbformat.read(str(path), as_version=4)
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade") and not meta.get("solution"):
+            yield meta["grade_id"], cell.source
+
+
+def _split(source: str) -> tuple[str, str]:
+    pattern = re.compile(rf"^[ \t]*#+[ \t]*{re.escape(HIDDEN_BEGIN)}.*?^[ \t]*#+[ \t]*{re.escape(HIDDEN_END)}[^\n]*\n?", re.S | re.M)
+    hidden = "\n".join(m.group(0) for m in pattern.finditer(source))
+    return pattern.sub("", source), hidden
+
+
+def _checks_called(source: str) -> set[str]:
+    lines = [line for line in source.splitlines() if not line.strip().startswith("###")]
+    found = set()
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.rsplit(".", 1)[-1].startswith("check_"):
+                found.add(name)
+    return found
+
+
+def test_there_are_exercise_notebooks():
+    assert len(NOTEBOOKS) >= 4, NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_every_graded_property_has_a_visible_check(path):
+    cells = list(_graded_cells(path))
+    assert cells, f"{path.name} has no graded test cell"
+    for grade_id, source in cells:
+        visible, hidden = _split(source)
+        shown = _checks_called(visible)
+        assert shown, f"{path.name}:{grade_id} runs its checks only in hidden tests:\n{source}"
+        secret = _checks_called(hidden) - shown
+        assert not secret, f"{path.name}:{grade_id}: the hidden tests call {sorted(secret)}, the visible part never"
+
+
+def test_the_rule_catches_a_hidden_only_cell():
+    visible, hidden = _split(f"### {HIDDEN_BEGIN}\ngraders.ex1.check_shard_sizes(shard_batch)\n### {HIDDEN_END}\n")
+    assert not _checks_called(visible) and _checks_called(hidden) == {"graders.ex1.check_shard_sizes"}
+    visible, hidden = _split(f"graders.ex1.check_shards(f)\n### {HIDDEN_BEGIN}\ngraders.ex1.check_shard_sizes(f)\n"
+                             f"### {HIDDEN_END}\n")
+    assert _checks_called(hidden) - _checks_called(visible) == {"graders.ex1.check_shard_sizes"}
