@@ -285,10 +285,12 @@ def join_job():
 
     from course.launcher.job import backend
 
-    dist.init_process_group(backend())
     dev = device()
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # as the lessons teach: select the GPU first, then bind the group to it
         torch.cuda.set_device(dev)
+        dist.init_process_group(backend(), device_id=dev)
+    else:
+        dist.init_process_group(backend())
     return dev
 
 

@@ -29,14 +29,16 @@ pytestmark = [
 
 
 def _join_pinned():
-    """What the lessons do on nccl: join, pin this process to GPU LOCAL_RANK, return that device."""
+    """What the lessons do on nccl: select GPU LOCAL_RANK, join bound to it, return that device."""
     import torch.distributed as dist
 
-    dist.init_process_group(course.backend())
     local_rank = int(os.environ["LOCAL_RANK"])
-    if dist.get_backend() == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    if course.backend() == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group(course.backend())
     return torch.device("cpu")
 
 
