@@ -106,6 +106,7 @@ class Run:
     reports: dict = field(default_factory=dict)  # pid -> parsed report (or an error string)
     final: object = None  # rank 0's final weights (dict), None if absent, or an error string
     ckpt_exists: bool = False
+    alive_at_deadline: set = field(default_factory=set)  # pids of the job's processes still running when it timed out
 
     @property
     def ok(self) -> bool:
@@ -218,13 +219,14 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             procs.append(subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         timed_out = False
+        alive: set[int] = set()
         try:
             for proc in procs:
                 proc.wait(timeout=max(0.1, started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _stop(procs, dump_stacks=timed_out)
+            alive = _stop(procs, dump_stacks=timed_out)
             for fh in logs:
                 fh.close()
         elapsed = time.monotonic() - started
@@ -239,6 +241,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             log="\n".join(_read(os.path.join(job, f"agent{i}.log")) for i in range(len(procs))),
             out_dir=out_dir,
             ckpt_path=ckpt_path,
+            alive_at_deadline=alive if timed_out else set(),
         )
         _observe(run, probe_dir)
         return run
@@ -246,8 +249,8 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
         shutil.rmtree(job, ignore_errors=True)
 
 
-def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
-    """End every agent and worker of the job (workers run in sessions of their own)."""
+def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> set[int]:
+    """End every agent and worker of the job (workers run in sessions of their own); the pids that were alive."""
     import psutil
 
     victims = []
@@ -256,6 +259,7 @@ def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
             victims += psutil.Process(proc.pid).children(recursive=True)
         except psutil.Error:
             pass
+    alive = {v.pid for v in victims if _running(v)}
     if dump_stacks:  # stuck workers: ask them where they are (faulthandler, installed by the probe)
         for victim in victims:
             try:
@@ -274,6 +278,16 @@ def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+    return alive
+
+
+def _running(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _read(path: str) -> str:
@@ -361,29 +375,72 @@ def _tail(text: str, n: int = 12) -> str:
     return "\n".join(lines[-n:])
 
 
+_LOST_PEER = re.compile(r"Connection (closed|reset)|[Tt]imed out|Broken pipe|peer|connectFullMesh")
+
+
+def _raised(w: Worker) -> bool:
+    return "Traceback (most recent call last)" in w.output and not w.of("crash")
+
+
+def _lost_peer(w: Worker) -> bool:
+    """Whether the worker's error is the kind a rank gets when ANOTHER rank failed (a consequence)."""
+    tb = _student_traceback(w.output)
+    return bool(_LOST_PEER.search(tb.splitlines()[-1] if tb else ""))
+
+
+def _ended_at(w: Worker) -> float:
+    return w.events[-1]["t"] if w.events else float("inf")
+
+
+def _root_cause_pid(run: Run) -> int | None:
+    """The pid torchrun's error report names as the first observed failure."""
+    found = re.search(r"Root Cause \(first observed failure\):.*?\(pid: (\d+)\)", _unprefix(run.log), re.S)
+    return int(found.group(1)) if found else None
+
+
 def failure(check: str, run: Run, context: str = "") -> CheckFailed:
-    """A CheckFailed that says why ``run`` did not finish: who crashed or hung, with their own output."""
+    """A CheckFailed that says why ``run`` did not finish, the root cause first.
+
+    In order: a worker whose own code raised (not a lost-peer error); a worker that died (a signal,
+    os._exit: its exit reason and its own last output); workers stuck at the deadline; workers that
+    only lost a peer; then whatever the workers printed. The others are named as consequences."""
     what = run.command
     if not run.workers:
         return CheckFailed(
             check, f"{context}{what} started no worker", hint="run the same command in a terminal to see why",
             detail=_tail(run.log, 20),
         )
-    last = run.attempt(run.attempts - 1)
-    if run.timed_out:
-        stuck = [w for w in last if not w.exited]
-        detail = "\n".join(
-            f"{w.name} was at:\n{_student_stack(w.stack) or _tail(w.output, 8)}" for w in stuck
+    last = run.attempt(run.attempts - 1)  # the last attempt: in the restart run, attempt 0 fails by design
+    raised = sorted((w for w in last if _raised(w)), key=_ended_at)
+    causes = [w for w in raised if not _lost_peer(w)]
+    dead = [w for w in last if _died(w, run)]
+    stuck = [w for w in last if run.timed_out and not w.exited and w not in dead]
+    if causes:
+        first = causes[0]
+        tb = _student_traceback(first.output)
+        message = tb.splitlines()[-1] if tb else "an error"
+        return CheckFailed(
+            check,
+            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
+            ranks=[first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank}),
+            hint=_hint_for(message) or "read the traceback below (it starts in your script)",
+            detail=tb,
         )
-        if not stuck:  # the workers ended, the agents did not: a worker died and its agent hung waiting
-            return CheckFailed(
-                check,
-                f"{context}{what} did not finish within {run.timeout:g} s: every worker had ended, "
-                "but torchrun did not (a worker was killed or crashed; see torchrun's report below)",
-                hint="run the same command in a terminal; if a worker was killed by a signal (SIGABRT, SIGKILL), "
-                "look for an error it printed just before, or for a machine out of memory",
-                detail=_tail(run.log, 20),
-            )
+    if dead:
+        root = _root_cause_pid(run)
+        first = next((w for w in dead if w.pid == root), None) or min(dead, key=_ended_at)
+        tb = _student_traceback(first.output)
+        return CheckFailed(
+            check,
+            f"{context}{what} failed: {first.name} died ({_exit_reason(first, run)})" + _consequences(first, last, run),
+            ranks=[first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank}),
+            hint=("a worker killed by a signal usually crashed inside torch (SIGABRT, SIGSEGV) or was killed for "
+                  "memory (SIGKILL); its own last output is below: run the same torchrun command in a terminal "
+                  "to see all of it"),
+            detail=f"{first.name}'s last output:\n{tb or _tail(_unprefix(first.output), 12) or '(nothing)'}",
+        )
+    if stuck:
+        detail = "\n".join(f"{w.name} was at:\n{_student_stack(w.stack) or _tail(w.output, 8)}" for w in stuck)
         return CheckFailed(
             check,
             f"{context}{what} did not finish within {run.timeout:g} s; "
@@ -394,21 +451,25 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
             "given a wrong rank or world_size; let init_process_group read them from the environment",
             detail=detail or _tail(run.log, 20),
         )
-    # the last attempt's failures first: in the restart run, attempt 0 fails by design
-    crashed = sorted((w for w in run.workers if "Traceback (most recent call last)" in w.output and not w.of("crash")),
-                     key=lambda w: (-w.attempt, w.rank))
-    failed = crashed[0] if crashed else None
-    if failed is not None:
-        tb = _student_traceback(failed.output)
+    if raised:
+        first = raised[0]
+        tb = _student_traceback(first.output)
         message = tb.splitlines()[-1] if tb else "an error"
-        others = sorted({w.rank for w in crashed[1:] if w.attempt == failed.attempt})
-        also = f" ({rank_list(others)} failed too)" if others else ""
         return CheckFailed(
             check,
-            f"{context}{what} failed: {failed.name} raised {message}{also}",
-            ranks=[failed.rank],
+            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
+            ranks=sorted({w.rank for w in raised}),
             hint=_hint_for(message) or "read the traceback below (it starts in your script)",
             detail=tb,
+        )
+    if run.timed_out:  # the workers ended, the agents did not
+        return CheckFailed(
+            check,
+            f"{context}{what} did not finish within {run.timeout:g} s: every worker had ended, "
+            "but torchrun did not (see torchrun's report below)",
+            hint="run the same command in a terminal; if a worker was killed by a signal (SIGABRT, SIGKILL), "
+            "look for an error it printed just before, or for a machine out of memory",
+            detail=_tail(run.log, 20),
         )
     talked = [w for w in last if _unprefix(w.output).strip()]
     detail = "\n".join(f"{w.name} printed:\n{_tail(_unprefix(w.output), 8)}" for w in talked[:2])
@@ -420,6 +481,52 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         "to see all of it",
         detail=detail or _tail(run.log, 20),
     )
+
+
+def _finished(w: Worker) -> bool:
+    return w.exited and not _raised(w)
+
+
+def _consequences(first: Worker, last: list[Worker], run: Run) -> str:
+    """What the other workers of the attempt did after ``first`` failed: the consequences, named."""
+    parts = []
+    lost = sorted(w.rank for w in last if w is not first and _raised(w))
+    waiting = sorted(w.rank for w in last if w is not first and not w.exited and not _raised(w))
+    if lost:
+        parts.append(f"{rank_list(lost)} failed after it (lost {'its' if len(lost) == 1 else 'their'} peer)")
+    if waiting:
+        parts.append(f"{were(waiting)} {'left waiting' if run.timed_out else 'stopped by torchrun'}")
+    return f"; then {' and '.join(parts)}" if parts else ""
+
+
+def _died(w: Worker, run: Run) -> bool:
+    """Whether a worker ended without finishing Python (no exit record), other than by the grader's own crash."""
+    if w.exited:
+        return False
+    if run.timed_out:
+        return bool(run.alive_at_deadline) and w.pid not in run.alive_at_deadline
+    # a job that ended: a worker of the last attempt without an exit record was killed
+    return w.attempt == run.attempts - 1 and not run.ok
+
+
+def _exit_reason(w: Worker, run: Run) -> str:
+    """What torchrun said about the worker's end: the signal or the exit code, from its failure report."""
+    log = _unprefix(run.log)
+    found = re.search(rf"Signal (\d+) \((\w+)\) received by PID {w.pid}\b", log)
+    if found:
+        return f"killed by signal {found.group(2)}"
+    found = re.search(rf"exitcode\s*:\s*(-?\d+) \(pid: {w.pid}\)", log)
+    if found:
+        code = int(found.group(1))
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+    if "terminate called" in w.output:
+        return "aborted in C++ (terminate called)"
+    return "no exit record: killed, or it called os._exit"
 
 
 def _hint_for(message: str) -> str | None:

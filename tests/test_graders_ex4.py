@@ -243,6 +243,60 @@ def _processes() -> list[str]:
     return found
 
 
+def _worker(rank, output="", events=("start", "exit"), pid=None, t=0.0):
+    return torchrun.Worker(pid=pid or 100 + rank, rank=rank, local_rank=rank, world_size=3, group_rank=0, attempt=0,
+                           events=[{"event": e, "t": t + i} for i, e in enumerate(events)], output=output)
+
+
+def _run(workers, timed_out=False, alive=(), log=""):
+    return torchrun.Run(scenario="nodes", crash=None, command="the run", returncodes=[1], timed_out=timed_out,
+                        timeout=9.0, elapsed=1.0, log=log, out_dir="/nonexistent", ckpt_path="/nonexistent/c",
+                        workers=list(workers), alive_at_deadline=set(alive))
+
+
+def _traceback(line: str) -> str:
+    return f'Traceback (most recent call last):\n  File "train.py", line 3, in main\n    x()\n{line}\n'
+
+
+def test_a_failure_leads_with_the_rank_whose_own_code_raised_not_those_that_lost_it():
+    lost = _traceback("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    run = _run([_worker(0, lost, t=5), _worker(1, _traceback("ValueError: bad shape"), t=9), _worker(2, lost, t=6)])
+    message = str(torchrun.failure("check_x", run))
+    assert message.startswith("FAILED check_x [ranks 0, 1, 2]: the run failed: rank 1 (LOCAL_RANK 1, node 0, "
+                              "attempt 0) raised ValueError: bad shape; then ranks 0, 2 failed after it "
+                              "(lost their peer)"), message
+
+
+def test_a_worker_that_died_comes_first_with_its_exit_reason_and_its_own_output():
+    log = ("Root Cause (first observed failure):\n[0]:\n  rank      : 2 (local_rank: 1)\n"
+           "  exitcode  : -6 (pid: 102)\n  traceback : Signal 6 (SIGABRT) received by PID 102\n")
+    lost = _traceback("RuntimeError: Connection closed by peer")
+    died = _worker(2, "step 3 done\nterminate called without an active exception\n", events=("start", "step"))
+    run = _run([_worker(0, lost), _worker(1, events=("start", "step")), died], timed_out=True, alive={101}, log=log)
+    message = str(torchrun.failure("check_x", run))
+    assert "rank 2 (LOCAL_RANK 2, node 0, attempt 0) died (killed by signal SIGABRT); then rank 0 failed after it " \
+           "(lost its peer) and rank 1 was left waiting" in message, message
+    assert "terminate called without an active exception" in message  # the dead worker's own last output
+    stuck = _run([_worker(0), _worker(1, events=("start", "step"))], timed_out=True, alive={101})
+    assert "rank 1 was still running (stuck)" in str(torchrun.failure("check_x", stuck))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_worker_killed_by_a_signal_is_named_first_at_once(tmp_path):
+    """Rank 2 aborts in epoch 1 (as a crash inside torch would): the message names it and its last words,
+    and the others as consequences, without waiting for the deadline."""
+    script = write_script(tmp_path, ("            optimizer.step()\n",
+                                     "            optimizer.step()\n"
+                                     "            if rank == 2 and epoch == 1:\n"
+                                     "                print('rank 2 about to abort', flush=True)\n"
+                                     "                os.abort()\n"))
+    start = time.monotonic()
+    message = fails(ex4.check_ddp_training, script, "rank 2 (LOCAL_RANK 1, node 1, attempt 0) died (killed by signal "
+                    "SIGABRT)", "rank 2 about to abort")
+    assert time.monotonic() - start < torchrun.NODES_TIMEOUT / 2, message
+
+
 # --- the notebook: reference, untouched release, wrong submissions --------------------------------
 
 
