@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -297,3 +298,24 @@ def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
     assert nb.cells[0].outputs[-1]["evalue"] == "cell timed out after 1 s"
     assert nb.cells[1].outputs[-1]["data"]["text/plain"] == "42"
     assert run.ran == {0, 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "sandboxed-kernel-and-verifier"])
+def test_a_rank_traceback_shows_the_students_cells_and_lines_not_the_graders(tmp_path, in_process):
+    """The student's error two calls deep: the message shows their cell and lines as IPython names them
+    ("Cell In[N], line L" and the source line), and no frame of the grader's harness (graders/ex1.py)."""
+    nb = submissions.patch_answer(submissions.load("ex1-parallelism"), "ex1_average_gradients",
+                                  "            p.grad /= world_size", "            p.grad /= world_size\n"
+                                  "            helper(p)")
+    nb = submissions.patch_answer(nb, "ex1_average_gradients", "def average_gradients(model, world_size):",
+                                  "def helper(p):\n    raise ValueError('boom: ' + str(tuple(p.shape)))\n\n\n"
+                                  "def average_gradients(model, world_size):")
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex1-parallelism"), in_process=in_process)
+    message = submissions.messages(report)["ex1_test_average_gradients"]
+    assert "your code raised ValueError: boom: (7, 5)" in message, message
+    assert re.search(r"Cell In\[\d+\], line 12, in average_gradients\n\s*\|\s+helper\(p\)", message), message
+    assert re.search(r"Cell In\[\d+\], line 2, in helper\n\s*\|\s+raise ValueError", message), message
+    assert "graders" not in message and "_average_harness" not in message and "ipykernel_" not in message, message
+    assert submissions.scores(report)["ex1_test_shards"] == 2.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class Snapshot:
     kinds: dict[str, str] = field(default_factory=dict)
     callable: dict[str, str] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    #: the notebook's cells as the kernel compiled them, {cell file: JSON [label, source]}, so a rank's
+    #: traceback in the verifier shows the student's lines as "Cell In[7], line 3". Display only.
+    cells: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- kernel side
@@ -56,14 +60,14 @@ def install(shell, folder: str) -> None:
         try:
             source = info.raw_cell if info is not None else shell.user_ns.get("_ih", [""])[-1]
             state["seq"] += 1
-            _record(shell.user_ns, folder, state["seq"], source)
+            _record(shell.user_ns, folder, state["seq"], source, shell)
         except BaseException:  # noqa: BLE001 - never disturb the student's cell
             pass
 
     shell.events.register("pre_run_cell", pre_run_cell)
 
 
-def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
+def _record(namespace: dict, folder: str, seq: int, source: str, shell=None) -> None:
     from course.grading import checkcalls
 
     if checkcalls.USES_PREFIX not in source:
@@ -88,6 +92,7 @@ def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
             snap.errors[name] = f"`{name}` is too large to send to the grader (over {MAX_SNAPSHOT >> 20} MB)"
             continue
         snap.objects[name] = base64.b64encode(blob).decode()
+    _record_cells(snap, shell)
     for text in strings:
         if _plain_relative(text) and os.path.isfile(text) and os.path.getsize(text) <= MAX_FILE:
             with open(text, "rb") as fh:
@@ -96,6 +101,46 @@ def _record(namespace: dict, folder: str, seq: int, source: str) -> None:
     with open(path + ".tmp", "w") as fh:
         json.dump(snap.__dict__, fh)
     os.replace(path + ".tmp", path)
+
+
+def _record_cells(snap: Snapshot, shell) -> None:
+    import linecache
+
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    size = 0
+    for name, number in list(numbers.items()):
+        entry = linecache.cache.get(name)
+        if not (isinstance(entry, tuple) and len(entry) == 4 and is_cell_file(str(name))):
+            continue
+        text = "".join(entry[2])
+        size += len(text)
+        if size > MAX_FILE:
+            break
+        snap.cells[str(name)] = json.dumps([f"Cell In[{number}]", text])
+
+
+def is_cell_file(name: str) -> bool:
+    """A notebook cell's file as ipykernel names it (``/tmp/ipykernel_123/456.py``), nothing else."""
+    return bool(re.fullmatch(r"[^\0\n]*/ipykernel_\d+/\d+\.py", name))
+
+
+def install_cells(cells: dict[str, str]) -> None:
+    """In the verifier: make the kernel's cells known to linecache and the launcher (for rank tracebacks)."""
+    import linecache
+
+    from course.launcher import job
+
+    for name, data in cells.items():
+        try:
+            label, text = json.loads(data)
+        except (ValueError, TypeError):
+            continue
+        if not (is_cell_file(name) and isinstance(label, str) and isinstance(text, str)
+                and re.fullmatch(r"Cell In\[\d+\]", label)):
+            continue
+        lines = text.splitlines(keepends=True)
+        linecache.cache[name] = (len(text), None, lines, name)
+        job.CELL_NAMES[name] = label
 
 
 def _describe(snap: Snapshot, name: str, obj) -> None:
@@ -157,7 +202,8 @@ def read(workdir: str, limit: int = 4 * MAX_SNAPSHOT) -> list[Snapshot]:
                 raw = json.loads(data)
                 snap = Snapshot(int(name[:-5]), str(raw["source"]),
                                 *({str(k): str(v) for k, v in dict(raw.get(key) or {}).items()}
-                                  for key in ("objects", "errors", "files", "kinds", "callable", "sources")))
+                                  for key in ("objects", "errors", "files", "kinds", "callable", "sources",
+                                              "cells")))
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
             found.append(snap)

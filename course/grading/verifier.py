@@ -151,7 +151,7 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
             continue
         requests.append({"index": index, "source": cell["source"], "objects": snap.objects,
                          "errors": snap.errors, "files": snap.files, "kinds": snap.kinds,
-                         "callable": snap.callable, "sources": snap.sources})
+                         "callable": snap.callable, "sources": snap.sources, "cells": snap.cells})
     if requests:
         with Sandbox(workdir, hide=hide, limits=limits) as box:
             if log:
@@ -258,6 +258,9 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
         return {**result, "status": "unchecked", "message": "not a check call"}
     for path, data in request.get("files", {}).items():
         _restore_file(path, data)
+    from course.grading.snapshot import install_cells
+
+    install_cells(request.get("cells") or {})
     proxies: dict[str, StudentObject] = {}
     for name, blob in request.get("objects", {}).items():
         proxies[name] = StudentObject(name, base64.b64decode(blob), kind=request.get("kinds", {}).get(name, ""),

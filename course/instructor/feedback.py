@@ -4,7 +4,9 @@ nbgrader's generate_feedback writes ``feedback/<student>/<assignment>/<notebook>
 each test cell with its score and output (a failed check's message says what
 went wrong and what to try). :class:`~course.instructor.redact.RedactHiddenTests`
 takes the hidden tests out first (nbgrader #917); then every page is read back
-and one that still shows a hidden test line is deleted and reported.
+and one that still shows a hidden test line is deleted and reported, and each
+page gets a style that wraps long output lines (a check's message, a traceback)
+instead of cutting them off at the page's right edge.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secr
 
 class FeedbackLeak(CourseError):
     """A feedback page still shows hidden test source."""
+
+
+#: long lines of outputs (messages, tracebacks) wrap in the page instead of running off its right edge
+WRAP_STYLE = ('<style id="ddp-course-wrap">'
+              ".output_area pre, .output_subarea pre, .jp-OutputArea-output pre, div.output_text pre "
+              "{white-space: pre-wrap; overflow-wrap: anywhere;}"
+              "</style>")
+
+
+def wrap_long_lines(page: Path) -> None:
+    """Add :data:`WRAP_STYLE` to an HTML page (once)."""
+    text = page.read_text(errors="replace")
+    if 'id="ddp-course-wrap"' in text:
+        return
+    at = text.find("</head>")
+    text = text[:at] + WRAP_STYLE + text[at:] if at >= 0 else WRAP_STYLE + text
+    page.write_text(text)
 
 
 def ensure_redaction(config) -> None:
@@ -68,6 +87,7 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
                     page.unlink()
                     leaks.append(f"{page.relative_to(course.root)}: {', '.join(repr(s) for s in found)}")
                 else:
+                    wrap_long_lines(page)
                     pages.append(page)
     if leaks:
         raise FeedbackLeak("feedback pages showing hidden tests were deleted:\n  " + "\n  ".join(leaks))

@@ -172,7 +172,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
         os.chmod(jobdir, 0o700)
         specs = []
-        sources = _notebook_sources()
+        sources, cell_names, grader_dirs = _notebook_sources(), _cell_names(), _grader_dirs()
         for rank in range(world_size):
             specs.append(
                 dict(
@@ -182,6 +182,8 @@ def launch(
                     parent_pid=os.getpid(),
                     num_threads=num_threads,
                     linecache=sources,
+                    cell_names=cell_names,
+                    grader_dirs=grader_dirs,
                     log_path=os.path.join(jobdir, f"rank{rank}.log"),
                     result_path=os.path.join(jobdir, f"rank{rank}.result"),
                     error_path=os.path.join(jobdir, f"rank{rank}.error"),
@@ -348,6 +350,37 @@ def _install_preparation_hook() -> None:
 
 
 _ORIGINAL_PREPARATION_DATA = None
+
+
+#: notebook cell file -> how IPython names it ("Cell In[7]"), for cells of a kernel other than this
+#: process's (the verifier fills it from the kernel's record); this process's own IPython is asked too
+CELL_NAMES: dict[str, str] = {}
+#: the packages whose frames are the grader's in a rank's traceback (besides the engine itself)
+CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
+
+
+def _cell_names() -> dict[str, str]:
+    names = dict(CELL_NAMES)
+    shell = None
+    if "IPython" in sys.modules:
+        try:
+            shell = sys.modules["IPython"].get_ipython()
+        except Exception:  # noqa: BLE001 - no IPython, or a broken one: plain file names then
+            shell = None
+    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(filename_map, dict):
+        names.update({str(name): f"Cell In[{number}]" for name, number in filename_map.items()})
+    return names
+
+
+def _grader_dirs() -> list[str]:
+    """The engine's folder and those of the check packages this process imported (``graders``, ...)."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    extra = [n.strip() for n in os.environ.get(CHECK_PACKAGES_ENV, "").split(",")]
+    for name in ["graders", *[n for n in extra if n.isidentifier()]]:
+        module = sys.modules.get(name)
+        dirs += [os.path.abspath(p) for p in getattr(module, "__path__", None) or []]
+    return dirs
 
 
 def _notebook_sources() -> dict:

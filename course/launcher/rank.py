@@ -97,12 +97,38 @@ def _patch_destroy() -> None:
     c10d.destroy_process_group = destroy_process_group
 
 
-def _student_traceback(exc: BaseException) -> str:
-    """The traceback without this module's own frames: the student's code first."""
+def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = None) -> str:
+    """The traceback the student should read: their own frames, named as they know them.
+
+    Dropped: this module's frames, and those under ``hidden`` (the folders of the code that called
+    the student's: the engine and the check packages, e.g. ``graders/``); kept: the student's code and
+    the libraries it called. A notebook cell's file (``/tmp/ipykernel_123/456.py``) is named as
+    IPython names it (``cell_names``): ``Cell In[7], line 3``."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    hidden = tuple(hidden)
+    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    seen, todo = set(), [te]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.stack = traceback.StackSummary.from_list(
+            [f for f in current.stack if not _under(f.filename, hidden)])
+        todo += [t for t in (current.__cause__, current.__context__) if t is not None]
+    text = "".join(te.format())
+    for name, label in (cell_names or {}).items():
+        text = text.replace(f'File "{name}", line', f"{label}, line")
+    return text
+
+
+def _under(filename: str, places: tuple[str, ...]) -> bool:
+    if not filename or filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    return any(path.startswith(p.rstrip(os.sep) + os.sep) for p in places)
 
 
 def _write(path: str, obj: dict, safe: bool) -> None:
@@ -235,7 +261,8 @@ def rank_main(rank: int, specs: list[dict]) -> None:
         code = 1
         report = {"traceback": "", "type": "", "message": "", "exception": None}
         try:  # str() of a hostile exception can raise too
-            report.update(traceback=_student_traceback(exc), type=type(exc).__name__, message=str(exc))
+            report.update(traceback=_student_traceback(exc, spec.get("grader_dirs", ()), spec.get("cell_names")),
+                          type=type(exc).__name__, message=str(exc))
         except BaseException:  # noqa: BLE001
             report.update(type=type(exc).__name__, message="(the exception could not be printed)")
         if not spec["safe"]:
