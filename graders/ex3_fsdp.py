@@ -1,0 +1,852 @@
+"""Checks for exercise 3's second notebook, FSDP2 and distributed checkpoints
+(exercises/ex3-syncbn-sharding/fsdp_checkpoint.ipynb).
+
+The student writes five small functions; each check runs them on real ranks (gloo, CPU) on a model
+of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :class:`Block`, and
+``head``) and judges what happened, never what the student's process says about itself:
+
+* ``shard_model(model)``: ``fully_shard`` on every block, then on the root (:func:`check_shard`:
+  every parameter is a DTensor whose rows are split across all ranks; torch's flight recorder shows
+  the all-gathers of one forward: one of the root's own parameters, then one per block, each just
+  before that block runs, its parameters whole while it runs);
+* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters, and
+  ``train_step(model, optimizer, x, y)``: one step on this rank's batch (:func:`check_training`:
+  after a few steps the gathered weights equal single-process SGD on the global batch; the check
+  passes its own correct ``shard``, so this part is graded on its own);
+* ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
+  torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
+  every rank's shard must be in the folder; a second job loads into a fresh sharded model and
+  optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
+* ``export_weights(model, path)``: the full state dict, gathered on every rank, saved by rank 0
+  alone (:func:`check_export`: the file loads into a plain :class:`Net` with ``strict=True`` and
+  holds the trained weights; no other rank wrote; a gather on rank 0 only is named as such, within
+  the process-group timeout).
+
+The harnesses take torch's classes and functions (DTensor, its ``to_local``, the flight recorder's
+dump, module hooks) when this module is imported, which in a rank is before the student's objects
+are unpickled: reassigning torch attributes cannot fake an observation.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import distributed_c10d as _c10d
+from torch.distributed.tensor import DTensor, Shard
+
+from course import checks
+from course.checks import CheckFailed, expect, passed, rank_list
+
+PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
+FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000"}  # torch's flight recorder: the collectives each rank ran
+
+INPUTS, OUTPUTS = 6, 2
+BATCH = 4  # samples per rank and step
+LR = 0.05
+MOMENTUM = 0.9
+STEPS = 3
+ATOL = 1e-5
+
+SHARD_HINT = ("for block in model.blocks: fully_shard(block); then fully_shard(model): each block becomes a unit "
+              "that is all-gathered just before it runs, and the root unit holds what is left (embed, head)")
+
+# --------------------------------------------------------------------------- the model
+
+
+class Block(nn.Module):
+    """A residual MLP block: the unit ``fully_shard`` is applied to."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """``embed`` -> ``blocks`` (an ``nn.ModuleList`` of :class:`Block`) -> ``head``."""
+
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(INPUTS, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, OUTPUTS)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_net(spec: tuple) -> Net:
+    """The model of ``spec`` = (width, depth, seed), with weights from ``seed``."""
+    width, depth, seed = spec
+    torch.manual_seed(seed)
+    return Net(width, depth)
+
+
+def batch(rank: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: every rank's data has its own mean and scale."""
+    g = torch.Generator().manual_seed(1000 * seed + 50 * step + rank)
+    x = torch.randn(BATCH, INPUTS, generator=g) * (1 + 0.5 * rank) + rank
+    y = torch.stack([torch.sin(x.sum(1)), torch.cos(x[:, 0] - x[:, 1])], dim=1)
+    return x, y
+
+
+def _global_batch(world_size: int, step: int, seed: int):
+    parts = [batch(r, step, seed) for r in range(world_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+# --------------------------------------------------------------------------- torch, taken at import
+
+# In a rank this module is imported while the job's payload is unpickled, before the student's objects: what
+# is taken here is torch's own, whatever the student's code later assigns to torch's attributes.
+_DTENSOR = DTensor
+_SHARD = Shard
+_TO_LOCAL = DTensor.to_local
+_PLACEMENTS = DTensor.placements.fget
+_MESH = DTensor.device_mesh.fget
+_IS_INSTANCE = isinstance
+_NAMED_PARAMETERS = nn.Module.named_parameters
+_PRE_HOOK = nn.Module.register_forward_pre_hook
+_TENSOR = torch.Tensor
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_CPU = torch.Tensor.cpu
+_SGD = torch.optim.SGD
+_OPTIMIZER = torch.optim.Optimizer
+_DUMP_FR = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+_LOADS = pickle.loads
+_MSE = F.mse_loss
+
+
+_INIT_PG = _c10d.init_process_group
+
+
+def _join() -> torch.device:
+    """Join the job as the grader: gloo on the CPU, or the job's backend with this rank's GPU (selected first)."""
+    from course.launcher.job import backend
+
+    dev = checks.device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        _INIT_PG(backend(), device_id=dev, timeout=PG_TIMEOUT)
+    else:
+        _INIT_PG("gloo", timeout=PG_TIMEOUT)
+    return dev
+
+
+def _job_env(world_size: int, extra: dict | None = None) -> dict:
+    """The ranks' extra environment. A gloo job (no GPU per rank) hides the GPUs: fully_shard's default mesh is
+    the accelerator's whenever one is visible, and the model and data of a gloo job are on the CPU."""
+    from course.launcher.job import resolve_backend
+
+    env = dict(extra or {})
+    if resolve_backend("auto", world_size) != "nccl":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _data(rank: int, step: int, seed: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(rank, step, seed)
+    return x.to(dev), y.to(dev)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return _CLONE(_CPU(_DETACH(t)))
+
+
+def _local(p) -> torch.Tensor:
+    """This rank's part of a parameter (all of it when it is a plain tensor)."""
+    return _copy(_TO_LOCAL(p)) if _IS_INSTANCE(p, _DTENSOR) else _copy(p)
+
+
+def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _local(p) for name, p in _NAMED_PARAMETERS(model)}
+
+
+def _gathers_so_far() -> list[int] | None:
+    """The per-rank sizes of every all-gather this rank ran so far (the flight recorder); None without one."""
+    if _DUMP_FR is None:
+        return None
+    entries = _LOADS(_DUMP_FR()).get("entries", [])
+    out = []
+    for e in entries:
+        name = str(e.get("profiling_name", "")).lower()
+        if "all_gather" in name or "allgather" in name:
+            sizes = e.get("input_sizes") or [[0]]
+            n = 1
+            for d in sizes[0]:
+                n *= int(d)
+            out.append(n)
+    return out
+
+
+def _chunk_rows(rows: int, world_size: int, rank: int) -> int:
+    """How many rows rank ``rank`` holds of a tensor of ``rows`` rows sharded on dim 0 (torch.chunk's split)."""
+    chunks = torch.arange(rows).chunk(world_size)
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
+def _padded(shape: tuple, world_size: int) -> int:
+    """Values per rank FSDP2 all-gathers for one parameter: its rows padded to a multiple of the world size."""
+    rows = -(-shape[0] // world_size)
+    n = rows
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def _shard_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``t`` sharded on dim 0 (possibly none)."""
+    chunks = t.chunk(world_size)
+    return chunks[rank] if rank < len(chunks) else t[:0]
+
+
+def _full(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's dim-0 shards (rank order)."""
+    return {name: torch.cat([obs[name] for obs in per_rank]) for name in per_rank[0]}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in b)
+
+
+# --------------------------------------------------------------------------- running jobs
+
+
+def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=None):
+    """checks.run, with known mistakes recognised by their traces.
+
+    ``mistakes``: (predicate(rank, text) -> bool, problem, hint) tried in order on the first failed rank.
+    """
+    try:
+        return checks.run(check, harness, world_size, args=args, env=_job_env(world_size, env))
+    except CheckFailed as err:
+        text = f"{err.problem}\n{err.detail or ''}"
+        rank = err.ranks[0] if err.ranks else None
+        for predicate, problem, hint in mistakes:
+            if predicate(rank, text):
+                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=err.ranks,
+                                  hint=hint, detail=err.detail) from None
+        raise
+
+
+def _where(world_size: int) -> str:
+    return f"{world_size}-rank job"
+
+
+def _every_rank(values: list, verdict: Callable[[int, object], None]) -> None:
+    """``verdict(rank, obs)`` on every rank; the first failure is raised, naming every rank that failed the same way."""
+    failures = []
+    for rank, obs in enumerate(values):
+        try:
+            verdict(rank, obs)
+        except CheckFailed as err:
+            failures.append((rank, err))
+    if failures:
+        first = failures[0][1]
+        ranks = [rank for rank, err in failures if err.problem == first.problem]
+        raise CheckFailed(first.check, first.problem, ranks=ranks, expected=first.expected, got=first.got,
+                          hint=first.hint, detail=first.detail)
+
+
+# =========================================================================== part 1: shard_model
+
+
+def reference_shard(model: nn.Module) -> nn.Module:
+    """The right answer of part 1, which the other parts' checks use: blocks, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _shard_harness(rank: int, shard_model, spec: tuple) -> dict:
+    dev = _join()
+    model = make_net(spec).to(dev)
+    returned = shard_model(model)
+    obs: dict = {"returned": None}
+    if returned is not None and not _IS_INSTANCE(returned, nn.Module):
+        obs["returned"] = type(returned).__name__
+        return obs
+    if returned is not None:
+        model = returned
+    params = {}
+    for name, p in _NAMED_PARAMETERS(model):
+        if _IS_INSTANCE(p, _DTENSOR):
+            placements = _PLACEMENTS(p)
+            params[name] = {"dtensor": True, "placements": [repr(pl) for pl in placements],
+                            "rows": all(_IS_INSTANCE(pl, _SHARD) and pl.dim == 0 for pl in placements),
+                            "mesh": int(_MESH(p).size()), "local": list(_TO_LOCAL(p).shape)}
+        else:
+            params[name] = {"dtensor": False, "local": list(p.shape)}
+    obs["params"] = params
+    blocks = getattr(model, "blocks", None)
+    if not _IS_INSTANCE(blocks, nn.ModuleList):
+        obs["blocks"] = None
+        return obs
+    marks: list[dict] = []
+
+    def pre_hook(index):
+        def hook(module, args):
+            gathered = _gathers_so_far()
+            whole = all(not _IS_INSTANCE(p, _DTENSOR) and list(p.shape) == full
+                        for (_, p), full in zip(_NAMED_PARAMETERS(module), shapes[index]))
+            marks.append({"block": index, "gathers": None if gathered is None else len(gathered), "whole": whole})
+        return hook
+
+    shapes = [[list(t.shape) for _, t in _NAMED_PARAMETERS(Block(spec[0]))] for _ in blocks]
+    for index, block in enumerate(blocks):
+        _PRE_HOOK(block, pre_hook(index))
+    before = _gathers_so_far()
+    with torch.no_grad():
+        model(_data(rank, 0, spec[2], dev)[0])
+    after = _gathers_so_far()
+    obs["blocks"] = len(blocks)
+    obs["marks"] = marks
+    obs["gathers"] = None if after is None else after[len(before):]
+    obs["start"] = None if before is None else len(before)
+    return obs
+
+
+def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None:
+    width, depth, _ = spec
+    where = _where(ws)
+    reference = make_net(spec)
+    names = [name for name, _ in reference.named_parameters()]
+    shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
+    root_own = [n for n in names if not n.startswith("blocks.")]
+    odd = [r for r, obs in enumerate(values) if obs["returned"] is not None]
+    expect(not odd, check, f"shard_model returned {values[odd[0]]['returned'] if odd else ''}, not the model ({where})",
+           ranks=odd, hint="fully_shard works in place: shard the model, then `return model`")
+    for rank, obs in enumerate(values):
+        params = obs["params"]
+        missing = [n for n in names if n not in params]
+        expect(not missing, check, f"the sharded model lost parameters: {', '.join(missing[:4])} ({where})",
+               ranks=[rank], hint="keep the model's modules; only call fully_shard on them: " + SHARD_HINT)
+    plain = sorted({n for obs in values for n in names if not obs["params"][n]["dtensor"]}, key=names.index)
+    if plain:
+        ranks = [r for r, obs in enumerate(values) if any(not obs["params"][n]["dtensor"] for n in names)]
+        total = sum(reference.state_dict()[n].numel() for n in names)
+        if len(plain) == len(names):
+            problem = (f"nothing is sharded: every rank holds all {total} values of the model's {len(names)} "
+                       f"parameters as plain tensors ({where})")
+            hint = SHARD_HINT
+        elif set(plain) <= set(root_own):
+            problem = (f"the root's own parameters are not sharded: {', '.join(plain)} are plain tensors, whole on "
+                       f"every rank, while the blocks are sharded ({where})")
+            hint = ("after sharding the blocks, call fully_shard(model) too: the root unit takes the parameters no "
+                    "block holds (embed, head), and it is what runs the forward and backward hooks of the whole model")
+        else:
+            problem = (f"{len(plain)} of {len(names)} parameters are not sharded, e.g. {', '.join(plain[:4])} ({where})")
+            hint = SHARD_HINT
+        raise CheckFailed(check, problem, ranks=ranks, expected="every parameter a DTensor sharded across all ranks",
+                          got="plain tensors: " + ", ".join(plain[:6]) + (" ..." if len(plain) > 6 else ""), hint=hint)
+
+    def sharded_by_rows(rank, obs):
+        for name in names:
+            p = obs["params"][name]
+            want = [_chunk_rows(shapes[name][0], ws, rank), *shapes[name][1:]]
+            if p["mesh"] != ws or not p["rows"] or p["local"] != want:
+                raise CheckFailed(
+                    check, f"{name} is a DTensor but not sharded by rows across all {ws} ranks ({where})",
+                    ranks=[rank], expected=f"placements [Shard(dim=0)] on a mesh of {ws} ranks; this rank holds "
+                    f"{tuple(want)} of {shapes[name]}",
+                    got=f"placements {p['placements']} on a mesh of {p['mesh']}; this rank holds {tuple(p['local'])}",
+                    hint="call fully_shard(module) with its defaults (or a 1-D mesh of all ranks: "
+                    "init_device_mesh('cpu', (world_size,))): " + SHARD_HINT)
+
+    _every_rank(values, sharded_by_rows)
+    _units_verdict(check, values, spec, ws, names, shapes, root_own)
+
+
+def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
+    width, depth, _ = spec
+    where = _where(ws)
+    block_values = sum(_padded(shapes[n], ws) for n in names if n.startswith("blocks.0."))
+    root_values = sum(_padded(shapes[n], ws) for n in root_own)
+
+    def units(rank, obs):
+        if obs.get("blocks") is None:
+            raise CheckFailed(check, f"the sharded model has no `blocks` ModuleList any more ({where})", ranks=[rank],
+                              hint="shard the model in place and return it: " + SHARD_HINT)
+        marks = obs["marks"]
+        ran = [m["block"] for m in marks]
+        expect(ran == list(range(depth)), check, f"the blocks did not each run once in the forward ({where})",
+               ranks=[rank], expected=f"blocks {list(range(depth))} in order", got=ran, hint=SHARD_HINT)
+        cold = [m["block"] for m in marks if not m["whole"]]
+        if cold:
+            raise CheckFailed(
+                check, f"model.blocks[{cold[0]}] is not an FSDP unit of its own: its parameters were still sharded when "
+                f"it started running ({where})", ranks=[rank],
+                expected="each block's parameters all-gathered (whole) from the moment the block starts",
+                got=f"blocks {cold} started with DTensor shards (only parts of them are units, e.g. each Linear)",
+                hint=SHARD_HINT)
+        if obs["gathers"] is None:
+            return  # a torch without the flight recorder: the parameters' state alone decides
+        gathers = obs["gathers"]
+        if len(gathers) == 1:
+            raise CheckFailed(
+                check, f"the whole model is ONE FSDP unit: the blocks are not units of their own ({where}, seen in "
+                "torch's flight recorder)", ranks=[rank],
+                expected=f"one all-gather of the root's own parameters ({root_values} values per rank), then one of "
+                f"{block_values} values per rank just before each of the {depth} blocks runs",
+                got=f"ONE all-gather of {gathers[0]} values per rank (every parameter) before model.blocks[0] ran, "
+                "none per block: all the weights are whole on every rank during the whole forward",
+                hint="call fully_shard(block) on EACH block before fully_shard(model): the root alone makes one unit "
+                "that gathers everything at once. " + SHARD_HINT)
+        counts = [m["gathers"] - obs["start"] for m in marks]
+        bounds = [0, *counts]
+        for i in range(depth):
+            seen = gathers[bounds[i]:bounds[i + 1]]
+            allowed = block_values + (root_values if i == 0 else 0)
+            if block_values in seen and sum(seen) <= allowed:
+                continue
+            total = sum(gathers)
+            if i > 0 and not seen:
+                got = f"no all-gather between model.blocks[{i - 1}] and model.blocks[{i}]; all-gathers: {gathers}"
+            else:
+                got = (f"{len(seen)} all-gather(s) of {seen} values per rank just before model.blocks[{i}]; "
+                       f"all-gathers of the forward: {gathers} ({total} values)")
+            raise CheckFailed(
+                check, f"model.blocks[{i}] is not its own FSDP unit: its parameters were not all-gathered on their "
+                f"own, just before it ran ({where}, seen in torch's flight recorder)", ranks=[rank],
+                expected=f"one all-gather of the root's own parameters ({root_values} values per rank), then one of "
+                f"{block_values} values per rank just before each block runs",
+                got=got,
+                hint="call fully_shard(block) on EACH block before fully_shard(model); the root alone makes one unit "
+                "that gathers everything at once. " + SHARD_HINT)
+
+    _every_rank(values, units)
+
+
+_SHARD_MISTAKES = [
+    (lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
+     "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard already "
+     "took every parameter, the blocks' too",
+     "shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
+]
+
+
+def check_shard(shard_model, world_size: int = 2, width: int = 8, depth: int = 3, seed: int = 0) -> None:
+    """Every parameter is a DTensor split by rows across all ranks; each block is its own FSDP unit (one
+    all-gather just before it runs) and the root unit holds the rest."""
+    check = "check_shard"
+    checks.require_written(check, shard_model=shard_model)
+    spec = (width, depth, seed)
+    job = _run(check, _shard_harness, world_size, (shard_model, spec), mistakes=_SHARD_MISTAKES, env=FR_ENV)
+    _shard_verdict(check, job.values, spec, world_size)
+    passed(check)
+
+
+# =========================================================================== part 2: training
+
+
+def reference_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+
+
+def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _training_harness(rank: int, make_optimizer, train_step, spec: tuple, steps: int) -> dict:
+    dev = _join()
+    model = make_net(spec).to(dev)
+    optimizer = make_optimizer(model, LR, reference_shard)
+    if not _IS_INSTANCE(optimizer, _OPTIMIZER):
+        return {"optimizer": type(optimizer).__name__}
+    init = _locals(model)
+    own = {id(p) for _, p in _NAMED_PARAMETERS(model)}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    obs = {"optimizer": None, "sgd": type(optimizer) is _SGD, "type": type(optimizer).__name__,
+           "groups": [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups],
+           "foreign": sum(id(p) not in own for p in held), "held": len(held),
+           "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
+           "init": init}
+    for step in range(steps):
+        train_step(model, optimizer, *_data(rank, step, spec[2], dev))
+    obs["final"] = _locals(model)
+    return obs
+
+
+@torch.no_grad()
+def _training_reference(spec: tuple, ws: int, steps: int, variant: str = "right") -> dict[str, torch.Tensor]:
+    """Single-process SGD on the global batch; ``variant`` is a known mistake: summed (the loss summed, not
+    averaged), accumulated (no zero_grad: gradients pile up)."""
+    model = make_net(spec)
+    optimizer = reference_optimizer(model)
+    for step in range(steps):
+        x, y = _global_batch(ws, step, spec[2])
+        with torch.enable_grad():
+            loss = F.mse_loss(model(x), y)
+            if variant == "summed":
+                loss = loss * BATCH * OUTPUTS  # each rank's sum over its batch; FSDP averages over the ranks
+            if variant != "accumulated":
+                optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, steps: int) -> None:
+    where = _where(ws)
+    odd = [r for r, obs in enumerate(values) if obs["optimizer"] is not None]
+    expect(not odd, check, f"make_optimizer returned {values[odd[0]]['optimizer'] if odd else ''}, not an optimizer "
+           f"({where})", ranks=odd, hint="return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), built after "
+           "shard(model)")
+    foreign = [r for r, obs in enumerate(values) if obs["foreign"]]
+    if foreign:
+        obs = values[foreign[0]]
+        unchanged = _max_diff(_full([v["final"] for v in values]), _full([v["init"] for v in values])) == 0
+        raise CheckFailed(
+            check, f"the optimizer holds {obs['foreign']} of its {obs['held']} tensors that are not the model's "
+            f"parameters: it was built before shard(model) ({where})", ranks=foreign,
+            expected="an optimizer over the sharded model's parameters (the DTensors fully_shard put in)",
+            got=f"after {steps} steps the weights " + ("never changed" if unchanged else "are not what SGD gives"),
+            hint="fully_shard replaces every parameter with a new sharded one, and the old ones never get a gradient "
+            "again: call shard(model) first, THEN torch.optim.SGD(model.parameters(), ...)")
+    plain = [r for r, obs in enumerate(values) if obs["plain"]]
+    expect(not plain, check, f"after make_optimizer, parameters are not sharded: {', '.join(values[plain[0]]['plain'][:4]) if plain else ''} "
+           f"({where})", ranks=plain, hint="call shard(model) (the function you are given) before building the optimizer")
+    def settings(rank, obs):
+        groups = obs["groups"]
+        if not obs["sgd"] or any(abs(lr - LR) > 1e-12 or abs(m - MOMENTUM) > 1e-12 for lr, m in groups):
+            shown = ", ".join(f"lr={lr:g}" + (f", momentum={m:g}" if m >= 0 else ", no momentum") for lr, m in groups)
+            raise CheckFailed(
+                check, f"the optimizer is not SGD(lr=lr, momentum={MOMENTUM}) ({where})", ranks=[rank],
+                expected=f"torch.optim.SGD with lr={LR} (the lr given) and momentum={MOMENTUM}",
+                got=f"{obs['type']} ({shown})",
+                hint=f"return torch.optim.SGD(model.parameters(), lr=lr, momentum={MOMENTUM})")
+
+    _every_rank(values, settings)
+    want = _training_reference(spec, ws, steps)
+    got = _full([obs["final"] for obs in values])
+    diff = _max_diff(got, want)
+    if diff <= ATOL:
+        return
+    init = _full([obs["init"] for obs in values])
+    wrong_ranks = [r for r, obs in enumerate(values)
+                   if any(not torch.allclose(obs["final"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
+    if _max_diff(got, init) == 0:
+        got_text, hint = (f"the weights never changed in {steps} steps",
+                          "in train_step: loss = F.mse_loss(model(x), y); optimizer.zero_grad(); loss.backward(); "
+                          "optimizer.step()")
+    elif _max_diff(got, _training_reference(spec, ws, steps, "summed")) <= ATOL:
+        got_text, hint = ("what SGD gives with the loss SUMMED over the batch: gradients "
+                          f"{BATCH * OUTPUTS} x too large", "average the loss: F.mse_loss(model(x), y) (its default "
+                          "reduction is the mean); FSDP then averages the gradients over the ranks")
+    elif _max_diff(got, _training_reference(spec, ws, steps, "accumulated")) <= ATOL:
+        got_text, hint = ("what SGD gives when each step's gradients are ADDED to the previous steps' "
+                          "(no zero_grad)", "call optimizer.zero_grad() in every step, before loss.backward()")
+    else:
+        got_text, hint = (f"max |diff| {diff:.3g}",
+                          "one step: loss = F.mse_loss(model(x), y) on this rank's batch, optimizer.zero_grad(), "
+                          "loss.backward() (FSDP reduce-scatters and averages the gradients), optimizer.step()")
+    raise CheckFailed(
+        check, f"after {steps} steps the gathered weights differ from single-process SGD on the global batch "
+        f"({where})", ranks=wrong_ranks or list(range(ws)),
+        expected=f"SGD(lr={LR}, momentum={MOMENTUM}) on all ranks' batches together, within {ATOL:g}",
+        got=got_text, hint=hint)
+
+
+def check_training(make_optimizer, train_step, world_size: int = 2, steps: int = STEPS, seed: int = 0,
+                   width: int = 8, depth: int = 3) -> None:
+    """With the optimizer built after sharding, k training steps give single-process SGD's weights."""
+    check = "check_training"
+    checks.require_written(check, make_optimizer=make_optimizer, train_step=train_step)
+    spec = (width, depth, seed)
+    job = _run(check, _training_harness, world_size, (make_optimizer, train_step, spec, steps))
+    _training_verdict(check, job.values, spec, world_size, steps)
+    passed(check)
+
+
+# =========================================================================== part 3: a DCP round trip
+
+
+def _trained(rank: int, spec: tuple, steps: int, dev):
+    """The grader's own sharded model and optimizer after ``steps`` steps on this rank's batches."""
+    model = reference_shard(make_net(spec).to(dev))
+    optimizer = reference_optimizer(model)
+    for step in range(steps):
+        reference_step(model, optimizer, *_data(rank, step, spec[2], dev))
+    return model, optimizer
+
+
+def _momenta(model: nn.Module, optimizer) -> dict[str, torch.Tensor | None]:
+    """This rank's part of SGD's momentum buffer of every parameter (None: the optimizer holds no state for it)."""
+    state = optimizer.state
+    out = {}
+    for name, p in _NAMED_PARAMETERS(model):
+        buf = state[p].get("momentum_buffer") if p in state else None
+        out[name] = None if buf is None else _local(buf)
+    return out
+
+
+def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int) -> dict:
+    model, optimizer = _trained(rank, spec, steps, _join())
+    obs = {"params": _locals(model), "momentum": _momenta(model, optimizer)}
+    save_checkpoint(model, optimizer, path)
+    return obs  # no collective of the grader's after the student's: a save on some ranks only hangs in DCP's own
+
+
+def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int) -> dict:
+    dev = _join()
+    width, depth, seed = spec
+    model = reference_shard(make_net((width, depth, seed + 100)).to(dev))  # fresh: other weights, no optimizer state yet
+    optimizer = reference_optimizer(model)
+    obs = {"fresh": _locals(model)}
+    load_checkpoint(model, optimizer, path)
+    obs["params"] = _locals(model)
+    obs["momentum"] = _momenta(model, optimizer)
+    obs["groups"] = [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups]
+    reference_step(model, optimizer, *_data(rank, steps, seed, dev))
+    obs["next"] = _locals(model)  # one more step: as the uninterrupted run's (single-process SGD, steps + 1)
+    return obs
+
+
+def _collective_on_some(what: str, name: str, fix: str):
+    return (lambda rank, text: name in text and any(w in text for w in _LOST_PEER),
+            f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a collective, "
+            "every rank must call it", fix)
+
+
+_LOST_PEER = ("Timed out", "timed out", "did not finish within", "Connection closed", "Connection reset")
+
+_SAVE_MISTAKES = [
+    _collective_on_some("dcp.save", "checkpoint", "call dcp.save(...) on EVERY rank (outside `if rank == 0:`): each "
+                        "rank writes its own shard, and they agree on one .metadata file"),
+]
+
+_LOAD_MISTAKES = [
+    _collective_on_some("dcp.load", "checkpoint", "call dcp.load(...) and set_state_dict(...) on EVERY rank: each "
+                        "rank reads its own shard"),
+    (lambda rank, text: "Missing key in checkpoint" in text,
+     "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
+     "save the model's AND the optimizer's state dicts, under the same keys the load uses: "
+     "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
+     "model_sd, optim_sd = get_state_dict(model, optimizer)"),
+    (lambda rank, text: "Unsupported global" in text or "weights_only" in text,
+     "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a plain "
+     "state dict", "save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
+]
+
+
+def _checkpoint_files(check: str, path: str, ws: int) -> None:
+    """Every rank's shard is in the DCP folder: ``.metadata`` and one ``__<rank>_<n>.distcp`` per rank."""
+    where = _where(ws)
+    hint = ("model_sd, optim_sd = get_state_dict(model, optimizer); "
+            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
+    if os.path.isfile(path):
+        raise CheckFailed(
+            check, f"save_checkpoint wrote ONE file at `path` (torch.save?), not a DCP checkpoint folder ({where})",
+            expected=f"a folder with .metadata and one shard file per rank (__0_0.distcp ... __{ws - 1}_0.distcp)",
+            got="a single file: what one rank held, its own shards of each tensor; the other ranks' shards are lost",
+            ranks=list(range(1, ws)), hint="use torch.distributed.checkpoint, on every rank: " + hint)
+    files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    writers = {r for r in range(ws) for f in files if re.fullmatch(rf"__{r}_\d+\.distcp", f)}
+    missing = [r for r in range(ws) if r not in writers]
+    if ".metadata" in files and not missing:
+        return
+    if not files:
+        problem, got = "save_checkpoint wrote nothing at `path`", "no folder" if not os.path.isdir(path) else "an empty folder"
+    elif ".metadata" not in files and not writers:
+        problem, got = "`path` holds no DCP checkpoint (no .metadata, no shard files)", f"files {files[:6]}"
+    else:
+        problem, got = f"{rank_list(missing)} wrote no shard into the checkpoint", f"files {files[:8]}"
+    raise CheckFailed(check, f"{problem} ({where})", ranks=missing or list(range(ws)),
+                      expected=f".metadata and one __<rank>_0.distcp file per rank (ranks 0..{ws - 1})", got=got,
+                      hint="dcp.save writes every rank's own shard, so call it on every rank: " + hint)
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec: tuple, ws: int, steps: int) -> None:
+    where = _where(ws)
+    set_hint = ("dcp.load fills the tensors of the dict you give it, in place: load into get_state_dict(model, "
+                "optimizer) (the model's and optimizer's own tensors), then set_state_dict(model, optimizer, "
+                "model_state_dict=..., optim_state_dict=...) puts them in")
+
+    def restored(rank, after):
+        before = saved[rank]
+        wrong = [n for n in before["params"] if not _same(after["params"][n], before["params"][n])]
+        if wrong:
+            fresh = all(_same(after["params"][n], after["fresh"][n]) for n in wrong)
+            raise CheckFailed(
+                check, f"after load_checkpoint, the model does not hold the weights that were saved ({where})", ranks=[rank],
+                expected="the saved shards of every parameter, in the fresh sharded model",
+                got=(f"the fresh model's weights, unchanged ({len(wrong)} parameters)" if fresh
+                     else f"other values in {len(wrong)} parameters, e.g. {wrong[0]}"),
+                hint=set_hint if fresh else "save and load with torch.distributed.checkpoint on every rank, each "
+                "rank its own shard: " + set_hint)
+        lost = [n for n, m in after["momentum"].items() if m is None]
+        if lost:
+            raise CheckFailed(
+                check, f"after load_checkpoint, the optimizer has no state: the momentum of {len(lost)} of "
+                f"{len(after['momentum'])} parameters was not restored ({where})", ranks=[rank],
+                expected="SGD's momentum_buffer of every parameter, as saved", got="none",
+                hint="load the optimizer too. A fresh optimizer's own state_dict() is empty, so dcp.load has nothing "
+                "to fill: load into get_state_dict(model, optimizer), which creates the state, then "
+                "set_state_dict(model, optimizer, ...)")
+        off = [n for n in before["momentum"] if not _same(after["momentum"][n], before["momentum"][n])]
+        if off:
+            zeros = all(float(after["momentum"][n].abs().max()) == 0 if after["momentum"][n].numel() else True
+                        for n in off)
+            raise CheckFailed(
+                check, f"after load_checkpoint, the optimizer's momentum differs from what was saved in {len(off)} "
+                f"parameters ({where})", ranks=[rank], expected="SGD's momentum_buffer of every parameter, as saved",
+                got="zeros: the fresh optimizer's state, never loaded" if zeros else f"other values, e.g. {off[0]}",
+                hint="save and load the optimizer's state dict with the model's: " + set_hint)
+        groups = after["groups"]
+        if any(abs(lr - LR) > 1e-12 or abs(m - MOMENTUM) > 1e-12 for lr, m in groups):
+            raise CheckFailed(check, f"after load_checkpoint the optimizer's settings changed ({where})", ranks=[rank],
+                              expected=f"lr={LR}, momentum={MOMENTUM}", got=f"(lr, momentum) per group {groups}",
+                              hint="load the saved optimizer state dict as it is: " + set_hint)
+
+    _every_rank(loaded, restored)
+    want = _training_reference(spec, ws, steps + 1)
+    bad = [r for r, obs in enumerate(loaded)
+           if not all(torch.allclose(obs["next"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
+    expect(not bad, check, f"one more training step after load_checkpoint differs from the uninterrupted run ({where})",
+           ranks=bad, expected=f"the weights of {steps + 1} steps without a checkpoint, within {ATOL:g}",
+           got=f"max |diff| {_max_diff(_full([obs['next'] for obs in loaded]), want):.3g}",
+           hint="load into the model and optimizer you are given (do not replace their parameters): " + set_hint)
+
+
+def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed: int = 0, width: int = 8,
+                     depth: int = 3, steps: int = 2) -> None:
+    """save_checkpoint writes a DCP checkpoint, every rank its own shard; load_checkpoint restores the weights and
+    the optimizer state into a fresh sharded model and optimizer (another job): training goes on as if never stopped."""
+    check = "check_checkpoint"
+    checks.require_written(check, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
+    spec = (width, depth, seed)
+    root = tempfile.mkdtemp(prefix="ddp-course-ex3-fsdp-")
+    try:
+        path = os.path.join(root, "checkpoint")
+        saved = _run(check, _save_harness, world_size, (save_checkpoint, path, spec, steps),
+                     mistakes=_SAVE_MISTAKES).values
+        _checkpoint_files(check, path, world_size)
+        loaded = _run(check, _load_harness, world_size, (load_checkpoint, path, spec, steps),
+                      mistakes=_LOAD_MISTAKES).values
+        _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    passed(check)
+
+
+# =========================================================================== part 4: a full state dict for export
+
+
+def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:
+    model, _ = _trained(rank, spec, steps, _join())
+    params = _locals(model)
+    export_weights(model, paths[rank])
+    return {"params": params}
+
+
+_EXPORT_MISTAKES = [
+    (lambda rank, text: any(w in text for w in _LOST_PEER)
+     and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict")),
+     "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
+     "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when only "
+     "rank 0 calls it",
+     "call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on EVERY "
+     "rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an empty dict)"),
+]
+
+
+def _first_error(text: str) -> str:
+    """load_state_dict's error without its header line, on one line, cut to 300 characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading"):
+        lines = lines[1:]
+    flat = " ".join(lines)
+    return flat[:300] + (" ..." if len(flat) > 300 else "")
+
+
+def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tuple, ws: int) -> None:
+    where = _where(ws)
+    hint = ("on every rank: sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True)); then on rank 0 only: torch.save(sd, path)")
+    others = [r for r in range(1, ws) if os.path.exists(paths[r])]
+    expect(not others, check, f"{rank_list(others)} wrote a file too ({where})", ranks=others,
+           expected="only rank 0 saves the exported weights", hint="guard the torch.save with `if rank == 0:` "
+           "(dist.get_rank()); keep the gather outside it")
+    expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at `path` ({where})", ranks=[0], hint=hint)
+    try:
+        state = torch.load(paths[0], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - shown to the student
+        text = f"{type(exc).__name__}: {exc}"
+        shards = "DTensor" in text or "distributed" in text
+        raise CheckFailed(
+            check, "the exported file " + ("holds DTensor shards (model.state_dict() of a sharded model), not plain "
+                                           "tensors" if shards else "does not load with torch.load"),
+            ranks=[0], got=text.splitlines()[0][:300],
+            hint=("model.state_dict() gives each rank's DTensor shards, so rank 0 alone saves only its part of every "
+                  "weight; instead, " if shards else "save a dict of tensors: ") + hint) from None
+    expect(isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()), check,
+           f"the exported file holds {type(state).__name__}, not a state dict of tensors", ranks=[0], hint=hint)
+    sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
+    expect(not sharded, check, f"the exported file holds DTensor shards ({len(sharded)} of {len(state)} tensors), "
+           "not plain full tensors", ranks=[0], got="model.state_dict() of a sharded model: rank 0's part of each weight",
+           hint="model.state_dict() gives each rank's DTensor shards, so rank 0 alone saves only its part of every "
+           "weight; instead, " + hint)
+    plain = make_net(spec)
+    try:
+        plain.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        text = str(exc)
+        shards = "size mismatch" in text
+        raise CheckFailed(
+            check, "the exported weights do not load into a plain (unsharded) model with load_state_dict(strict=True)"
+            + (": the tensors are shards (smaller than the parameters)" if shards else ""),
+            ranks=[0], got=_first_error(text),
+            hint=("each rank holds only its rows of every parameter (to_local()): gather the full tensors; "
+                  if shards else "save the model's own keys, without a prefix; ") + hint) from None
+    want = _full([obs["params"] for obs in values])
+    diff = _max_diff({k: v for k, v in plain.state_dict().items()}, want)
+    expect(diff <= 1e-6, check, f"the exported weights differ from the trained model's by {diff:.3g} ({where})",
+           ranks=[0], expected="the model's trained weights, gathered whole", hint=hint)
+
+
+def check_export(export_weights, world_size: int = 2, seed: int = 0, width: int = 8, depth: int = 3,
+                 steps: int = 2) -> None:
+    """Rank 0 alone writes the full (gathered) weights, which a plain model loads with strict=True; every rank
+    takes part in the gather (a gather on rank 0 only is reported within the process-group timeout)."""
+    check = "check_export"
+    checks.require_written(check, export_weights=export_weights)
+    spec = (width, depth, seed)
+    root = tempfile.mkdtemp(prefix="ddp-course-ex3-fsdp-")
+    try:
+        dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
+        for d in dirs:
+            os.makedirs(d)
+        paths = [os.path.join(d, "weights.pt") for d in dirs]
+        values = _run(check, _export_harness, world_size, (export_weights, paths, spec, steps),
+                      mistakes=_EXPORT_MISTAKES).values
+        _export_verdict(check, values, paths, spec, world_size)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    passed(check)

@@ -1,0 +1,470 @@
+"""Exercise 3's second notebook (fsdp_checkpoint): each check catches its class of mistake, on every rank, and only that one.
+
+Unit tests call the checks with right and wrong functions directly: the reference, right answers in other
+styles (the FSDP2 tutorial's ``full_tensor`` export, the DCP tutorial's ``Stateful`` app state, plain
+``model.state_dict()`` with DCP), realistic mistakes (each with the message that names it) and forgeries that
+reassign torch attributes. Wrong submissions are the source notebook with one answer edited, graded in this
+process; each must lose exactly the intended test cell's points.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import graders.ex3_fsdp as fsdp
+
+# The ranks get this module's functions by value: they cannot import a test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A = "ex3-syncbn-sharding"
+NB = "fsdp_checkpoint"
+
+fails = submissions.fails
+
+
+# --- part 1: shard_model ---------------------------------------------------------------------------
+
+
+def shard_model(model):
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def shard_with_a_mesh(model):
+    """Right, another style: an explicit 1-D mesh, nothing returned (fully_shard works in place)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_by_type(model):
+    """Right, another style: the blocks found by their class, the root's result returned."""
+    for module in model.modules():
+        if type(module).__name__ == "Block":
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard_root_only(model):
+    fully_shard(model)
+    return model
+
+
+def shard_blocks_only(model):
+    for block in model.blocks:
+        fully_shard(block)
+    return model
+
+
+def shard_nothing(model):
+    return model
+
+
+def shard_root_first(model):
+    fully_shard(model)
+    for block in model.blocks:
+        fully_shard(block)
+    return model
+
+
+def shard_every_linear(model):
+    """Lesson 3's demo applied blindly: every Linear a unit, the blocks themselves not."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def shard_forged(model):
+    """A forgery: make plain parameters look like DTensors and fake the flight recorder's record."""
+    import pickle
+
+    import torch.distributed.tensor as dt
+
+    dt.DTensor = torch.nn.Parameter
+    torch.distributed.tensor.DTensor = torch.nn.Parameter
+    torch._C._distributed_c10d._dump_fr_trace = lambda: pickle.dumps({"entries": []})
+    return model
+
+
+def shard_stub(model):
+    """As nbgrader releases it."""
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_check_shard():
+    fsdp.check_shard(shard_model)
+    fsdp.check_shard(shard_model, world_size=3, width=10, depth=4, seed=1)
+    fsdp.check_shard(shard_with_a_mesh)
+    fsdp.check_shard(shard_by_type, world_size=3)
+    fails(fsdp.check_shard, shard_root_only, "the whole model is ONE FSDP unit", "ONE all-gather of 457 values",
+          "fully_shard(block) on EACH block")
+    fails(fsdp.check_shard, shard_root_only, "ONE FSDP unit", world_size=3, depth=4)
+    fails(fsdp.check_shard, shard_blocks_only, "the root's own parameters are not sharded", "embed.weight",
+          "fully_shard(model) too")
+    fails(fsdp.check_shard, shard_nothing, "nothing is sharded", "[ranks 0, 1]")
+    fails(fsdp.check_shard, shard_root_first, "fully_shard(block) for each block FIRST")
+    fails(fsdp.check_shard, shard_every_linear, "model.blocks[0] is not an FSDP unit of its own")
+    fails(fsdp.check_shard, shard_forged, "nothing is sharded")
+    fails(fsdp.check_shard, shard_stub, "not written yet")
+
+
+# --- part 2: training ------------------------------------------------------------------------------
+
+
+def make_optimizer(model, lr, shard):
+    shard(model)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def train_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def make_optimizer_from_the_result(model, lr, shard):
+    """Right, another style: the parameters taken from what shard returns, in one param group of a dict."""
+    sharded = shard(model)
+    return torch.optim.SGD([{"params": list(sharded.parameters())}], lr=lr, momentum=0.9)
+
+
+def train_step_by_hand(model, optimizer, x, y):
+    """Right, another style: the mean written out, model.zero_grad(set_to_none=False)."""
+    model.zero_grad(set_to_none=False)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_optimizer_first(model, lr, shard):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    shard(model)
+    return optimizer
+
+
+def make_optimizer_unsharded(model, lr, shard):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def make_adam(model, lr, shard):
+    shard(model)
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def make_optimizer_no_momentum(model, lr, shard):
+    shard(model)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def train_step_summed(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y, reduction="sum")
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def train_step_no_zero_grad(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def train_step_forged(model, optimizer, x, y):
+    """A forgery: no step at all, and DTensor.to_local patched to hide it."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor.to_local = lambda self, **kwargs: torch.zeros(1)
+    torch.nn.Module.named_parameters = lambda self, *a, **k: iter(())
+    return 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_check_training():
+    fsdp.check_training(make_optimizer, train_step)
+    fsdp.check_training(make_optimizer, train_step, world_size=3, seed=1, steps=4)
+    fsdp.check_training(make_optimizer_from_the_result, train_step_by_hand)
+    fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]",
+          train_step=train_step)
+    fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)",
+          train_step=train_step)
+    fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]", train_step=train_step)
+    fails(fsdp.check_training, make_optimizer_no_momentum, "not SGD", train_step=train_step)
+    fails(fsdp.check_training, make_optimizer, "loss SUMMED", "8 x too large", train_step=train_step_summed)
+    fails(fsdp.check_training, make_optimizer, "no zero_grad", train_step=train_step_no_zero_grad)
+    fails(fsdp.check_training, make_optimizer, "never changed", train_step=train_step_forged)
+
+
+# --- part 3: a DCP round trip ----------------------------------------------------------------------
+
+
+def save_checkpoint(model, optimizer, path):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+
+
+def load_checkpoint(model, optimizer, path):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class AppState(Stateful):
+    """The DCP tutorial's application state: dcp.save calls state_dict(), dcp.load calls load_state_dict()."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict):
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+
+def save_app_state(model, optimizer, path):
+    dcp.state_dict_saver.save({"app": AppState(model, optimizer)}, checkpoint_id=path)
+
+
+def load_app_state(model, optimizer, path):
+    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=path)
+
+
+def save_plain_model(model, optimizer, path):
+    """Right, another style: the model's own state_dict (DTensors), the optimizer's through the helper."""
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+
+
+def load_plain_model(model, optimizer, path):
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
+
+
+def load_full_and_set(model, optimizer, path):
+    """Right, another style: full (unsharded) state dicts loaded from the sharded checkpoint, then set."""
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
+
+
+def save_torch_rank0(model, optimizer, path):
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def load_torch(model, optimizer, path):
+    checkpoint = torch.load(path, weights_only=False)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+
+
+def save_dcp_rank0(model, optimizer, path):
+    if dist.get_rank() == 0:
+        save_checkpoint(model, optimizer, path)
+
+
+def load_model_only(model, optimizer, path):
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
+def load_full_not_set(model, optimizer, path):
+    """dcp.load into full state dicts (new tensors, not the model's), and no set_state_dict."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+
+
+def save_model_only(model, optimizer, path):
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+
+
+def save_plain(model, optimizer, path):
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+
+
+def load_plain(model, optimizer, path):
+    """A fresh optimizer's own state_dict() has no state: dcp.load has nothing of the optimizer's to fill."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def save_forged(model, optimizer, path):
+    """A forgery: DCP's file names, no checkpoint in them; the load patches torch instead of loading."""
+    os.makedirs(path, exist_ok=True)
+    open(os.path.join(path, f"__{dist.get_rank()}_0.distcp"), "w").close()
+    open(os.path.join(path, ".metadata"), "w").close()
+
+
+def load_forged(model, optimizer, path):
+    from torch.distributed.tensor import DTensor
+
+    DTensor.to_local = lambda self, **kwargs: torch.zeros(1)
+    torch.allclose = lambda *a, **k: True
+
+
+def save_stub(model, optimizer, path):
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_check_checkpoint_accepts_every_style():
+    fsdp.check_checkpoint(save_checkpoint, load_checkpoint)
+    fsdp.check_checkpoint(save_checkpoint, load_checkpoint, world_size=3, seed=1)
+    fsdp.check_checkpoint(save_app_state, load_app_state)
+    fsdp.check_checkpoint(save_plain_model, load_plain_model)
+    fsdp.check_checkpoint(save_checkpoint, load_full_and_set)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_checkpoint_names_each_mistake():
+    fails(fsdp.check_checkpoint, save_torch_rank0, "wrote ONE file", "other ranks' shards are lost", "dcp.save",
+          load_checkpoint=load_torch)
+    fails(fsdp.check_checkpoint, save_checkpoint, "the optimizer has no state", "[ranks 0, 1]",
+          load_checkpoint=load_model_only)
+    fails(fsdp.check_checkpoint, save_checkpoint, "does not hold the weights that were saved", "fresh model's weights",
+          "set_state_dict", load_checkpoint=load_full_not_set)
+    fails(fsdp.check_checkpoint, save_model_only, "did not save", "AND the optimizer's", load_checkpoint=load_checkpoint)
+    fails(fsdp.check_checkpoint, save_plain, "the optimizer has no state", "state_dict() is empty",
+          load_checkpoint=load_plain)
+    fails(fsdp.check_checkpoint, save_forged, "does not hold the weights that were saved", load_checkpoint=load_forged)
+    fails(fsdp.check_checkpoint, save_stub, "`save_checkpoint` is not written yet", load_checkpoint=load_checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_checkpoint_names_a_save_on_rank_0_only():
+    start = time.monotonic()
+    fails(fsdp.check_checkpoint, save_dcp_rank0, "[rank 0]", "waited in dcp.save", "EVERY rank",
+          load_checkpoint=load_checkpoint)
+    assert time.monotonic() - start < fsdp.PG_TIMEOUT.total_seconds() + 30
+
+
+# --- part 4: export ----------------------------------------------------------------------------------
+
+
+def export_weights(model, path):
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+
+
+def export_full_tensor(model, path):
+    """Right, another style: the FSDP2 tutorial's loop, DTensor.full_tensor() on every rank."""
+    full = {}
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor()
+        if dist.get_rank() == 0:
+            full[name] = whole.cpu()
+    if dist.get_rank() == 0:
+        torch.save(full, path)
+
+
+def export_full_everywhere(model, path):
+    """Right, another style: every rank gets the full dict (no cpu_offload); rank 0 saves it."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in state.items()}, path)
+
+
+def export_sharded(model, path):
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+
+
+def export_local_shards(model, path):
+    if dist.get_rank() == 0:
+        torch.save({k: v.to_local() for k, v in model.state_dict().items()}, path)
+
+
+def export_on_every_rank(model, path):
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    torch.save(state, path)
+
+
+def export_gather_on_rank0(model, path):
+    if dist.get_rank() == 0:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save(state, path)
+
+
+def export_forged(model, path):
+    """A forgery: torch.load and load_state_dict patched on the ranks (the check loads in its own process)."""
+    torch.load = lambda *a, **k: {}
+    torch.nn.Module.load_state_dict = lambda self, *a, **k: None
+    if dist.get_rank() == 0:
+        torch.save({}, path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_check_export_accepts_every_style():
+    fsdp.check_export(export_weights)
+    fsdp.check_export(export_weights, world_size=3, seed=1)
+    fsdp.check_export(export_full_tensor)
+    fsdp.check_export(export_full_everywhere, world_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_export_names_each_mistake():
+    fails(fsdp.check_export, export_sharded, "DTensor shards", "[rank 0]", "full_state_dict=True")
+    fails(fsdp.check_export, export_local_shards, "the tensors are shards", "size mismatch")
+    fails(fsdp.check_export, export_on_every_rank, "[rank 1]", "wrote a file too", "if rank == 0:")
+    fails(fsdp.check_export, export_forged, "do not load into a plain", "Missing key(s)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_export_names_a_gather_on_rank_0_only():
+    start = time.monotonic()
+    fails(fsdp.check_export, export_gather_on_rank0, "[rank 0]", "waited in the full-state gather", "EVERY rank")
+    assert time.monotonic() - start < fsdp.PG_TIMEOUT.total_seconds() + 30
