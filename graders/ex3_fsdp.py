@@ -237,10 +237,12 @@ def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=
         return checks.run(check, harness, world_size, args=args, env=_job_env(world_size, env))
     except CheckFailed as err:
         text = f"{err.problem}\n{err.detail or ''}"
-        rank = err.ranks[0] if err.ranks else None
+        waiting = sorted({int(r) for r in re.findall(r"rank (\d+) waits in", err.problem)})
+        ranks = waiting or err.ranks  # a deadlock: the ranks left waiting, not those that returned
+        rank = ranks[0] if ranks else None
         for predicate, problem, hint in mistakes:
             if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=err.ranks,
+                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=ranks,
                                   hint=hint, detail=err.detail) from None
         raise
 
@@ -626,7 +628,9 @@ def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int
 
 
 def _collective_on_some(what: str, name: str, fix: str):
-    return (lambda rank, text: name in text and any(w in text for w in _LOST_PEER),
+    """A known mistake: a collective that only some ranks called (seen as a deadlock, or as the process group's
+    timeout in a traceback through ``name``)."""
+    return (lambda rank, text: "deadlocked" in text or (name in text and any(w in text for w in _LOST_PEER)),
             f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a collective, "
             "every rank must call it", fix)
 
@@ -767,8 +771,9 @@ def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, st
 
 
 _EXPORT_MISTAKES = [
-    (lambda rank, text: any(w in text for w in _LOST_PEER)
-     and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict")),
+    (lambda rank, text: ("deadlocked" in text and "all_gather" in text) or (
+        any(w in text for w in _LOST_PEER)
+        and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
      "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
      "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when only "
      "rank 0 calls it",

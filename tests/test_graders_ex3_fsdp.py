@@ -468,3 +468,100 @@ def test_check_export_names_a_gather_on_rank_0_only():
     start = time.monotonic()
     fails(fsdp.check_export, export_gather_on_rank0, "[rank 0]", "waited in the full-state gather", "EVERY rank")
     assert time.monotonic() - start < fsdp.PG_TIMEOUT.total_seconds() + 30
+
+
+# --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    report = submissions.grade(submissions.source_path(A, NB))
+    assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
+    assert report.max_score == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    student = submissions.untouched_student_copy(A, tmp_path, NB)  # checked: no solution, no hidden test
+    report = submissions.grade(student)
+    assert report.score == 0 and report.max_score == 12
+    for t in report.tests:
+        assert t.message.startswith("FAILED check_"), t
+        assert "is not written yet" in t.message, t
+        assert "Traceback" not in t.message and "graders/" not in t.message, t
+
+
+WRONG = {
+    # name: ((answer cell, old text, new text), ...), the test cell that must fail, words its message must contain
+    "only the root sharded": (
+        [("ex3f_shard_model", "    for block in model.blocks:\n        fully_shard(block)  # each block: one all-gather "
+          "just before it runs\n", "")],
+        "ex3f_test_shard", ["the whole model is ONE FSDP unit"]),
+    "the root not sharded": (
+        [("ex3f_shard_model", "    fully_shard(model)  # the root unit: embed and head\n", "")],
+        "ex3f_test_shard", ["the root's own parameters are not sharded", "embed.weight"]),
+    "the optimizer built before sharding": (
+        [("ex3f_training", "    shard(model)  # first: fully_shard replaces the parameters\n"
+          "    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
+          "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n    shard(model)\n"
+          "    return optimizer")],
+        "ex3f_test_training", ["built before shard(model)", "never changed"]),
+    "the loss summed": (
+        [("ex3f_training", "F.mse_loss(model(x), y)", "F.mse_loss(model(x), y, reduction=\"sum\")")],
+        "ex3f_test_training", ["loss SUMMED"]),
+    "torch.save on rank 0": (
+        [("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n"
+          "    dcp.save({\"model\": model_sd, \"optimizer\": optim_sd}, checkpoint_id=path)",
+          "    if dist.get_rank() == 0:\n"
+          "        torch.save({\"model\": model.state_dict(), \"optimizer\": optimizer.state_dict()}, path)")],
+        "ex3f_test_checkpoint", ["wrote ONE file", "shards are lost"]),
+    "only the model loaded": (
+        [("ex3f_checkpoint", "    state = {\"model\": model_sd, \"optimizer\": optim_sd}\n", "    state = {\"model\": model_sd}\n"),
+         ("ex3f_checkpoint", "    set_state_dict(model, optimizer, model_state_dict=state[\"model\"], "
+          "optim_state_dict=state[\"optimizer\"])", "    model.load_state_dict(state[\"model\"])")],
+        "ex3f_test_checkpoint", ["momentum differs from what was saved", "zeros"]),
+    "a full state dict loaded, never set": (
+        [("ex3f_checkpoint", "    set_state_dict(model, optimizer, model_state_dict=state[\"model\"], "
+          "optim_state_dict=state[\"optimizer\"])\n", ""),
+         ("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n    state = {",
+          "    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))\n"
+          "    state = {")],
+        "ex3f_test_checkpoint", ["fresh model's weights", "set_state_dict"]),
+    "model.state_dict() exported": (
+        [("ex3f_export_weights", "    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+          "cpu_offload=True))\n", "    full = model.state_dict()\n")],
+        "ex3f_test_export", ["DTensor shards"]),
+    "exported on every rank": (
+        [("ex3f_export_weights", "    if dist.get_rank() == 0:\n        torch.save(full, path)",
+          "    torch.save(full, path)")],
+        "ex3f_test_export", ["wrote a file too"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
+    edits, failing, words = WRONG[name]
+    report = submissions.grade_edited(A, tmp_path, *edits, notebook=NB)
+    submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_gather_on_rank_0_only_is_graded_within_the_timeout(tmp_path):
+    """get_model_state_dict inside `if rank == 0:` hangs rank 0: the export test loses, naming the gather."""
+    nb = submissions.patch_answer(submissions.load(A, NB), "ex3f_export_weights",
+                                  "    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                                  "cpu_offload=True))\n    if dist.get_rank() == 0:\n",
+                                  "    if dist.get_rank() == 0:\n        full = get_model_state_dict(model, "
+                                  "options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n")
+    start = time.monotonic()
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    seconds = time.monotonic() - start
+    assert submissions.scores(report) == submissions.losing(A, "ex3f_test_export", notebook=NB)
+    message = submissions.messages(report)["ex3f_test_export"]
+    assert "[rank 0]" in message and "waited in the full-state gather" in message, message
+    assert seconds < 2 * (fsdp.PG_TIMEOUT.total_seconds() + 30), f"grading took {seconds:.0f} s"
