@@ -4,7 +4,7 @@ The engine's public names: :func:`run_ranks` runs a function on N ranks,
 :func:`backend` says which backend a job uses.
 """
 
-from course.errors import LaunchError, RankFailedError, RankFailure, RankTimeoutError
+from course.errors import LaunchError, RankFailedError, RankFailure, RankStallError, RankTimeoutError
 from course.launcher.job import JobResult, backend, launch, run_ranks, warm_up
 
 __version__ = "0.1.0"
@@ -14,6 +14,7 @@ __all__ = [
     "LaunchError",
     "RankFailedError",
     "RankFailure",
+    "RankStallError",
     "RankTimeoutError",
     "__version__",
     "backend",

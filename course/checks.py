@@ -48,7 +48,7 @@ import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from course.errors import CheckFailed, LaunchError, RankTimeoutError, rank_list
+from course.errors import CheckFailed, LaunchError, RankStallError, RankTimeoutError, rank_list
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
 from course.launcher.job import JobResult, launch
@@ -102,17 +102,22 @@ def run(
     A rank that raises, dies or hangs (past ``timeout``, default :func:`check_timeout`)
     becomes a :class:`CheckFailed` that leads with the first rank that failed and shows
     its traceback (the student's frames) or where each stuck rank waited.
+    A deadlock (every rank waiting in collectives that cannot complete) is reported as soon as
+    it is certain, with each rank's collective and source line (:mod:`course.launcher.stall`).
     ``hints``: (text, advice) pairs; when the failure's report contains ``text`` (or,
-    for ``"timeout"``, when the job hung), ``advice`` replaces the generic hint.
+    for ``"timeout"``, when the job hung or deadlocked), ``advice`` replaces the generic hint.
     """
     try:
         return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env)
     except LaunchError as err:
         problem, ranks, hint, detail = _describe_failure(world_size, err)
         hung = isinstance(err, RankTimeoutError)
+        found = err.verdict.hint if isinstance(err, RankStallError) and err.verdict is not None else None
     report = f"{problem}\n{detail or ''}"
     for text, advice in hints:
         if (text == "timeout" and hung) or (text != "timeout" and text in report):
+            if found:  # the check's advice, and what the ranks' collectives showed
+                detail = f"{detail}\nwhy: {found}"
             hint = advice
             break
     raise CheckFailed(check, problem, ranks=ranks, hint=hint, detail=detail)
@@ -120,6 +125,11 @@ def run(
 
 def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int], str, str]:
     """(problem, ranks, hint, detail) of a failed job, the first rank that failed first."""
+    if isinstance(err, RankStallError) and err.verdict is not None:
+        v = err.verdict
+        lines = "\n".join(f"rank {r} {v.lines[r]}" for r in sorted(v.lines))
+        return (f"the {world_size}-rank job deadlocked: {v.summary}", sorted(v.lines), v.hint,
+                f"where each rank was when the grader stopped the job:\n{textwrap.indent(lines, '    ')}")
     if isinstance(err, RankTimeoutError):
         return (f"the {world_size}-rank job did not finish within {err.timeout:g} s "
                 f"({rank_list(err.running)} still running, {rank_list(err.returned)} returned)",

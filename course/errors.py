@@ -116,6 +116,16 @@ class RankTimeoutError(LaunchError):
         return sorted(r for r, f in self.failures.items() if f.kind == "timeout")
 
 
+class RankStallError(RankTimeoutError):
+    """The ranks deadlocked (found by :mod:`course.launcher.stall` before the deadline); they were killed.
+
+    ``verdict``: each rank lined up with the collective it waits in and its source line, and a hint."""
+
+    def __init__(self, summary, failures, returned, world_size, timeout: float, order=None, verdict=None):
+        self.verdict = verdict
+        super().__init__(summary, failures, returned, world_size, timeout, order)
+
+
 class NotebookError(CourseError):
     """A notebook that cannot be read or graded; ``str()`` is one line for the user."""
 

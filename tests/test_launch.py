@@ -411,3 +411,99 @@ def test_a_master_port_set_by_hand_is_named_at_once():
     text = str(err.value)
     assert "told to meet at localhost:12355" in text and "MASTER_PORT=" in text, text
     assert "Remove the code that sets MASTER_ADDR/MASTER_PORT" in text
+
+
+# --- deadlocks found early (course.launcher.stall) -------------------------------------------------
+
+STALL_TIMEOUT = 60  # the deadline each deadlock below must beat by far
+STALL_TARGET = 5  # seconds from the divergence to the failure (issue 15's target), plus start-up
+
+
+def _join():
+    dist.init_process_group("gloo")
+    t = torch.ones(2)
+    dist.all_reduce(t)  # every rank is in step here: collective #1
+    return t
+
+
+def stall_other_op(rank):
+    t = _join()
+    if rank == 0:
+        dist.all_reduce(t)  # rank 0: all_reduce #2
+    else:
+        dist.barrier()  # rank 1: barrier #2
+
+
+def stall_only_rank0(rank):
+    t = _join()
+    if rank == 0:
+        dist.all_reduce(t)  # nobody else calls it
+    return rank
+
+
+def stall_shapes(rank):
+    _join()
+    dist.all_reduce(torch.ones(2 + rank))  # a 2-element tensor on rank 0, 3 elements on rank 1
+
+
+def stall_rank_returns_early(rank):
+    t = _join()
+    for _ in range(3 if rank == 1 else 5):  # uneven data: rank 1 runs out of batches first
+        dist.all_reduce(t)
+    return rank
+
+
+def slow_rank_in_step(rank):
+    """Correct, but rank 0 sleeps while the others wait in a barrier: never a deadlock."""
+    _join()
+    if rank == 0:
+        time.sleep(4)
+    dist.barrier()
+    dist.all_reduce(torch.ones(3))
+    dist.destroy_process_group()
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn, words", [
+    (stall_other_op, ["rank 0 waits in all_reduce #2 of shape [2]", "rank 1 waits in barrier #2",
+                      "dist.all_reduce(t)  # rank 0", "dist.barrier()  # rank 1", "different collectives"]),
+    (stall_only_rank0, ["rank 0 waits in all_reduce #2 of shape [2]", "rank 1 had returned from the function",
+                        "dist.all_reduce(t)  # nobody else calls it", "Rank 1 returned without calling"]),
+    (stall_shapes, ["all_reduce #2 of shape [2]", "all_reduce #2 of shape [3]", "different shapes"]),
+    (stall_rank_returns_early, ["rank 0 waits in all_reduce #5", "rank 1 had returned from the function",
+                                "different number of times on different ranks"]),
+], ids=["another op", "only rank 0", "other shapes", "a rank returned early"])
+def test_a_deadlock_fails_in_seconds_lining_up_every_rank(fn, words):
+    before = _descendants()
+    start = time.monotonic()
+    with pytest.raises(course.RankStallError) as info:
+        course.run_ranks(fn, 2, echo=False, timeout=STALL_TIMEOUT)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert text.startswith("the job (2 ranks) is deadlocked, stopped after"), text
+    for word in words:
+        assert word in text, f"{word!r} not in:\n{text}"
+    assert f'{os.path.basename(__file__)}", line' in text  # each rank's own source line
+    assert elapsed < STALL_TARGET + 5, f"{elapsed:.1f} s"
+    assert info.value.verdict is not None and sorted(info.value.verdict.lines) == [0, 1]
+    assert _descendants() <= before
+
+
+@pytest.mark.slow
+def test_a_slow_rank_and_an_endless_loop_are_not_deadlocks():
+    assert course.run_ranks(slow_rank_in_step, 3, echo=False, timeout=STALL_TIMEOUT) == [0, 1, 2]
+    start = time.monotonic()
+    with pytest.raises(course.RankTimeoutError) as info:  # computing forever: only the deadline can tell
+        course.run_ranks(stubborn_loop, 2, echo=False, timeout=6)
+    assert not isinstance(info.value, course.RankStallError)
+    assert time.monotonic() - start >= 6
+
+
+@pytest.mark.slow
+def test_without_stall_detection_a_deadlock_waits_for_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(course.RankTimeoutError) as info:
+        course.run_ranks(stall_other_op, 2, echo=False, timeout=8, detect_stalls=False)
+    assert not isinstance(info.value, course.RankStallError)
+    assert time.monotonic() - start >= 8

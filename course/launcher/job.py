@@ -45,7 +45,8 @@ from typing import Any
 
 import cloudpickle
 
-from course.errors import RankFailedError, RankFailure, RankTimeoutError, rank_list, were
+from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, rank_list, were
+from course.launcher.stall import StallWatch
 
 BACKEND_ENV = "DDP_COURSE_BACKEND"
 GRADING_ENV = "DDP_COURSE_GRADING"  # set in sandboxed grading processes (see warm_up())
@@ -111,6 +112,7 @@ def run_ranks(
     timeout: float = DEFAULT_TIMEOUT,
     echo: bool = True,
     env: dict | None = None,
+    detect_stalls: bool | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, *args)`` on ``world_size`` ranks and return their results in rank order.
 
@@ -120,7 +122,8 @@ def run_ranks(
 
     works with no other arguments. See :func:`launch` for the errors raised.
     """
-    return launch(fn, world_size, args=args, backend=backend, timeout=timeout, echo=echo, env=env).values
+    return launch(fn, world_size, args=args, backend=backend, timeout=timeout, echo=echo, env=env,
+                  detect_stalls=detect_stalls).values
 
 
 def launch(
@@ -134,12 +137,16 @@ def launch(
     env: dict | None = None,
     num_threads: int | None = None,
     safe_results: bool = False,
+    detect_stalls: bool | None = None,
 ) -> JobResult:
     """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
 
     Raises :class:`~course.errors.RankFailedError` if a rank raised or died and
-    :class:`~course.errors.RankTimeoutError` if the job passed ``timeout`` seconds.
-    With ``echo`` each line a rank prints is shown on the caller's stdout as
+    :class:`~course.errors.RankTimeoutError` if the job passed ``timeout`` seconds, or
+    :class:`~course.errors.RankStallError` (a RankTimeoutError) as soon as the ranks are
+    deadlocked: all idle, waiting in collectives that can never complete (another op, other
+    shapes, or a peer that returned); see :mod:`course.launcher.stall`. ``detect_stalls=False``
+    (or ``DDP_COURSE_DETECT_STALLS=0`` in the environment) leaves every hang to the deadline. With ``echo`` each line a rank prints is shown on the caller's stdout as
     ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
 
     ``safe_results``: the caller does not trust the code on the ranks (a grader
@@ -187,6 +194,7 @@ def launch(
                     log_path=os.path.join(jobdir, f"rank{rank}.log"),
                     result_path=os.path.join(jobdir, f"rank{rank}.result"),
                     error_path=os.path.join(jobdir, f"rank{rank}.error"),
+                    probe_path=os.path.join(jobdir, f"rank{rank}.probe"),
                     safe=safe_results,
                     timeout=timeout,
                     store_path=os.path.join(jobdir, "store"),
@@ -203,7 +211,11 @@ def launch(
             _NO_MAIN.active = False
         processes = context.processes
         try:
-            outcome = _wait(processes, tails, started + timeout)
+            if detect_stalls is None:
+                detect_stalls = os.environ.get(STALLS_ENV, "1") != "0"
+            watch = StallWatch([p.pid for p in processes], [s["probe_path"] for s in specs],
+                               [s["result_path"] for s in specs]) if detect_stalls else None
+            outcome = _wait(processes, tails, started + timeout, watch)
         finally:
             for process in processes:
                 _kill_rank(process.pid)
@@ -355,6 +367,8 @@ _ORIGINAL_PREPARATION_DATA = None
 #: notebook cell file -> how IPython names it ("Cell In[7]"), for cells of a kernel other than this
 #: process's (the verifier fills it from the kernel's record); this process's own IPython is asked too
 CELL_NAMES: dict[str, str] = {}
+#: "0": no early deadlock detection (every hang waits for the job's deadline)
+STALLS_ENV = "DDP_COURSE_DETECT_STALLS"
 #: the packages whose frames are the grader's in a rank's traceback (besides the engine itself)
 CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
 
@@ -419,6 +433,7 @@ def _rank_env(rank: int, world_size: int, port: int, backend_name: str, extra: d
         PYTHONUNBUFFERED="1",
     )
     env[BACKEND_ENV] = backend_name
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the flight recorder: each rank's collectives (stall probe)
     env.setdefault("OMP_NUM_THREADS", "1")
     if backend_name == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
         # gloo picks an interface from the hostname, which is flaky on CI
@@ -557,16 +572,19 @@ def _remove(path: str | None) -> None:
             pass
 
 
-def _wait(processes, tails, deadline: float) -> dict:
-    """Wait for all ranks, the first failure (plus a short grace) or the deadline."""
+def _wait(processes, tails, deadline: float, watch: StallWatch | None = None) -> dict:
+    """Wait for all ranks, the first failure (plus a short grace), a deadlock (``watch``) or the deadline."""
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     failed_at: dict[int, float] = {}
     grace_end = None
+    stall = None
     while pending:
         now = time.monotonic()
         if grace_end is not None and now >= grace_end:
             break
-        if now >= deadline:
+        if watch is not None and not failed_at and stall is None:
+            stall = watch.poll(sorted(pending.values()), now)
+        if now >= deadline or stall is not None:
             if failed_at:
                 break
             running = sorted(pending.values())
@@ -579,7 +597,7 @@ def _wait(processes, tails, deadline: float) -> dict:
                 except (ProcessLookupError, TypeError):
                     pass
             time.sleep(0.3)
-            return {"timeout": True, "running": running, "failed_at": failed_at}
+            return {"timeout": True, "running": running, "failed_at": failed_at, "stall": stall}
         limit = min(0.05, deadline - now)
         ready = multiprocessing.connection.wait(list(pending), timeout=max(limit, 0))
         for tail in tails:
@@ -646,6 +664,11 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
             port=port,
             elapsed=elapsed,
         )
+    if outcome.get("stall") is not None:
+        verdict = outcome["stall"]
+        summary = (f"the job ({world_size} ranks) is deadlocked, stopped after {elapsed:.1f} s: {verdict.summary}. "
+                   f"{verdict.hint[:1].upper()}{verdict.hint[1:]}.")
+        raise RankStallError(summary, failures, returned, world_size, timeout, verdict=verdict)
     if outcome["timeout"]:
         running = [r for r, f in failures.items() if f.kind == "timeout"]
         summary = (

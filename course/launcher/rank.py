@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import importlib
+import json
 import linecache
 import os
 import signal
@@ -122,6 +123,81 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
     for name, label in (cell_names or {}).items():
         text = text.replace(f'File "{name}", line', f"{label}, line")
     return text
+
+
+# --------------------------------------------------------------------------- the stall probe
+#
+# When every rank of a job has been idle for a while, the launcher asks each one (a request file
+# next to its log) where it is: a thread started before the student's code answers with the
+# rank's recent collectives, as torch's flight recorder saw them (the launcher sets
+# TORCH_FR_BUFFER_SIZE; on gloo each entry stays "scheduled": no completion), and the main
+# thread's stack (is it inside a collective? on which line of the student's code?). The
+# launcher compares the answers (course.launcher.stall). Student code can break this thread only
+# to lose the early diagnosis: the job's deadline still holds.
+
+
+def _start_stall_probe(spec: dict) -> None:
+    path = spec.get("probe_path")
+    if not path:
+        return
+    main = threading.main_thread().ident
+    hidden = tuple(spec.get("grader_dirs", ())) + (os.path.dirname(os.path.abspath(__file__)),)
+    import sysconfig
+
+    libraries = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    names = dict(spec.get("cell_names") or {})
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:
+        _dump_fr_trace = None
+    import pickle
+
+    loads, exists, unlink, replace = pickle.loads, os.path.exists, os.unlink, os.replace
+
+    def answer() -> None:
+        entries = []
+        if _dump_fr_trace is not None:
+            try:
+                for e in loads(_dump_fr_trace()).get("entries", [])[-16:]:
+                    group = e.get("process_group") or ("", "")
+                    entries.append({"op": str(e.get("profiling_name", "")).split(":")[-1],
+                                    "seq": e.get("collective_seq_id"), "p2p": bool(e.get("is_p2p")),
+                                    "p2p_seq": e.get("p2p_seq_id"), "sizes": e.get("input_sizes"),
+                                    "dtypes": [str(d) for d in e.get("input_dtypes") or []],
+                                    "group": str(group[1] if len(group) > 1 else group)})
+            except Exception:  # noqa: BLE001 - no flight recorder answer: the launcher decides nothing
+                entries = None
+        frame = sys._current_frames().get(main)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        waiting = any(code in f.filename.replace(os.sep, "/") for f in stack for code in _COLLECTIVE_CODE)
+        site = None
+        for f in reversed(stack):  # the innermost frame of the student's code
+            if f.filename.startswith(("<frozen", "<string>")) or _under(f.filename, hidden + libraries):
+                continue
+            label = names.get(f.filename) or f'File "{f.filename}"'
+            site = {"where": f"{label}, line {f.lineno}", "line": (f.line or "").strip(), "function": f.name}
+            break
+        data = json.dumps({"t": time.time(), "entries": entries, "waiting": waiting, "site": site})
+        with open(path + ".tmp", "w") as fh:
+            fh.write(data)
+        replace(path + ".tmp", path)
+
+    def loop() -> None:
+        while True:
+            time.sleep(0.1)
+            if exists(path + ".req"):
+                try:
+                    unlink(path + ".req")
+                    answer()
+                except Exception:  # noqa: BLE001 - never disturb the rank
+                    pass
+
+    threading.Thread(target=loop, name="ddp-course-stall-probe", daemon=True).start()
+
+
+#: an idle main thread in this code waits for a collective: torch.distributed's functions, DDP's forward
+#: (buffer broadcasts), and a backward (DDP's gradient all-reduce finishes inside it)
+_COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/graph.py")
 
 
 def _under(filename: str, places: tuple[str, ...]) -> bool:
@@ -235,6 +311,7 @@ def rank_main(rank: int, specs: list[dict]) -> None:
 
     torch.set_num_threads(spec["num_threads"])
     _patch_destroy()
+    _start_stall_probe(spec)
     _rendezvous_through_file(spec)
 
     code = 0
