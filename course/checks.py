@@ -58,6 +58,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "CheckFailed",
     "answer_source",
+    "collectives",
     "describe",
     "check_timeout",
     "device",
@@ -302,6 +303,34 @@ def join_job():
     else:
         dist.init_process_group(backend())
     return dev
+
+
+def collectives() -> list[dict]:
+    """In a harness: the collectives this rank has issued so far, oldest first, as torch's flight recorder saw them.
+
+    Each is ``{"op": "all_reduce", "seq": 5, "group": "default_pg", "sizes": [[49]], "dtypes": ["Float"],
+    "p2p": False}``, DDP's own (bucket all-reduces, buffer broadcasts) and the student's alike;
+    ``since``: only those with a sequence number above it (take ``collectives()[-1]["seq"]`` before
+    the student's step, then count what the step issued). The launcher turns the recorder on
+    (``TORCH_FR_BUFFER_SIZE``); what it records cannot be faked by patching ``torch.distributed``
+    (it is written by the process group itself), only by really communicating. On gloo the
+    entries stay "scheduled": they say what was issued, not when it completed. A torch without
+    the flight recorder raises RuntimeError.
+    """
+    import pickle
+
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError as exc:
+        raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)") from exc
+    found = []
+    for e in pickle.loads(_dump_fr_trace()).get("entries", []):
+        group = e.get("process_group") or ("", "")
+        entry = {"op": str(e.get("profiling_name", "")).split(":")[-1], "seq": e.get("collective_seq_id"),
+                 "group": str(group[1] if len(group) > 1 else group), "sizes": e.get("input_sizes"),
+                 "dtypes": [str(d) for d in e.get("input_dtypes") or []], "p2p": bool(e.get("is_p2p"))}
+        found.append(entry)
+    return found
 
 
 def to_cpu(obj: Any) -> Any:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import course
 from course import checks
 from course.errors import CheckFailed
 from course.grading.student import StudentObject
@@ -134,3 +137,32 @@ def test_run_turns_failures_into_rank_aware_messages():
     with pytest.raises(CheckFailed) as err:
         checks.run("check_x", _raises, 2, hints=[("boom", "do not explode")])
     assert "try:      do not explode" in str(err.value)
+
+
+def _count_step(rank, per_parameter):
+    """A harness: what one DDP-free step of manual gradient averaging issued, seen in the trace."""
+    from course import checks
+
+    checks.join_job()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    model(torch.randn(2, 3)).sum().backward()
+    before = len(checks.collectives())
+    grads = [p.grad for p in model.parameters()]
+    if per_parameter:
+        for g in grads:
+            dist.all_reduce(g)
+    else:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+    # a patched torch.distributed cannot hide or invent what the process group really ran
+    dist.all_reduce = lambda *a, **k: None
+    dist.all_reduce(torch.ones(1))
+    return [(e["op"], e["sizes"]) for e in checks.collectives()[before:]]
+
+
+def test_collectives_show_what_the_process_group_really_ran():
+    per_parameter = course.run_ranks(_count_step, 2, args=(True,), echo=False)
+    assert per_parameter[0] == per_parameter[1] == [("all_reduce", [[4, 3]]), ("all_reduce", [[4]]),
+                                                    ("all_reduce", [[1, 4]]), ("all_reduce", [[1]])]
+    flat = course.run_ranks(_count_step, 2, args=(False,), echo=False)
+    assert flat == [[("all_reduce", [[21]])]] * 2
