@@ -48,14 +48,21 @@ UNEVEN_TIMEOUT = 15.0  # seconds: a rank that waits for a partner that ran out o
 SAVED_FROM = "cuda:0"  # where the checkpoint's tensors say they were saved (rank 0's GPU)
 
 
-class _Real:
-    """torch.distributed's own functions, taken on a rank before the student's code runs."""
+class _Torch:
+    """torch.distributed's own functions, taken before the student's code runs.
+
+    One instance, :data:`_REAL`, is made when this module is imported: in a rank that is while the
+    job's payload is unpickled, the harness (this module) before the student's objects, so even code
+    that runs as the student's objects are unpickled cannot swap what it holds."""
 
     def __init__(self):
         from torch.distributed import distributed_c10d as c10d
 
         self.all_reduce = c10d.all_reduce
-        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.get_world_size = c10d.get_world_size
+
+
+_REAL = _Torch()
 
 
 def _run(check: str, harness, world_size: int, args: tuple, expected: str, **kwargs):
@@ -166,7 +173,7 @@ def _eval_case(n: int, world_size: int, seed: int):
 
 def _evaluate_harness(rank, evaluate, n, batch_size, seed):
     dev = checks.join_job()
-    world_size = _Real().world_size
+    world_size = _REAL.get_world_size()
     x, labels, _ = _eval_case(n, world_size, seed)
     model = Classifier(seed).to(dev)
     dataset = TensorDataset(x, labels)
@@ -264,8 +271,9 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
     student's code runs) and notes, for each synchronised backward, how many forwards the call had
     run by then. A forward pre-hook counts forwards; the optimizer's step hook counts steps."""
-    real = _Real()
+    real = _REAL
     dev = checks.join_job()
+    world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
     ddp_model = _wrap(model, dev)
     forwards, optimizer_steps, synced = [0], [0], []
@@ -276,7 +284,7 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     def average(state, bucket):
         if bucket.index() == 0:  # one backward's all-reduce, whatever the number of buckets
             synced.append(forwards[0])
-        grads = bucket.buffer().div_(real.world_size)
+        grads = bucket.buffer().div_(world_size)
         return real.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     model.register_forward_pre_hook(on_forward)
@@ -462,17 +470,18 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
               "agree on the number of steps first (all_reduce the count with op=dist.ReduceOp.MIN) and all "
               "train that many")
     timeout = min(UNEVEN_TIMEOUT, checks.check_timeout())
+    # the launcher names a hung (or deadlocked) job's ranks and where they wait; this check adds why:
+    # checks.run gives a failure the "timeout" advice when the job hung, so the advice marks a hang
+    hints = [("timeout", advice), ("Connection closed by peer", advice)]
     try:
         obs = checks.run(check, _uneven_harness, world_size, args=(train_uneven, counts, size, lr, seed),
-                         timeout=timeout).values
+                         hints=hints, timeout=timeout).values
     except CheckFailed as err:
-        text = f"{err.problem}\n{err.detail or ''}"
-        hung = "did not finish within" in err.problem or "Connection closed by peer" in text
-        problem = (f"{err.problem.split(' (')[0]}: {checks.rank_list(first)} ran out of batches first, after "
-                   f"{fewest} batches ({others}) ({where})" if hung else err.problem)
+        hung = err.hint == advice
+        problem = (f"train_uneven did not return on every rank: {checks.rank_list(first)} ran out of batches "
+                   f"first, after {fewest} batches ({others}) ({where})" if hung else err.problem)
         raise CheckFailed(check, problem, ranks=err.ranks, expected="train_uneven returns on every rank",
-                          got=err.problem if hung else None, hint=advice if hung else err.hint,
-                          detail=err.detail) from None
+                          got=err.problem if hung else None, hint=err.hint, detail=err.detail) from None
     states = [o["state"] for o in obs]
     differ = _same(states)
     if differ:
@@ -507,24 +516,27 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
 # --- part 4: every rank loads a checkpoint saved on rank 0's GPU ---------------------------------
 
 _TAG = threading.local()  # while _TAG.device is set, torch.save tags tensors as saved from that device
-_RESTORED: list[str] = []  # in a rank: each location torch's restore step was asked to put a tensor
-_REGISTERED: set[str] = set()
+_RESTORED: list[str] = []  # while _WATCH is set: each location torch's restore step was asked to put a tensor
+_WATCH = threading.Event()
+_PRIORITY = -271  # before torch's own packages (cpu is 10, cuda 20)
 
 
 def _tag(storage):
-    return getattr(_TAG, "device", None)
+    return getattr(_TAG, "device", None)  # None: torch's own taggers say where the tensor is
 
 
 def _spy(storage, location):
-    _RESTORED.append(str(location))
+    if _WATCH.is_set():
+        _RESTORED.append(str(location))
     return None  # torch's own deserializers then restore it
 
 
-def _register(name: str, priority: int, tagger, deserializer) -> None:
-    """Register a torch.serialization package once per process (lower priority numbers go first)."""
-    if name not in _REGISTERED:
-        torch.serialization.register_package(priority, tagger, deserializer)
-        _REGISTERED.add(name)
+# One package in torch.serialization's registry, consulted before torch's own: on save it tags
+# tensors only while save_from_gpu asks it to; on load it only watches, and only while a harness
+# asks it to. Registered at import (in a rank, before the student's objects are unpickled), once
+# per process: two packages of one priority would make the registry's sort compare functions.
+if not any(entry[0] == _PRIORITY for entry in torch.serialization._package_registry):
+    torch.serialization.register_package(_PRIORITY, _tag, _spy)
 
 
 def save_from_gpu(obj, path, device: str = SAVED_FROM) -> None:
@@ -532,7 +544,6 @@ def save_from_gpu(obj, path, device: str = SAVED_FROM) -> None:
 
     The tag goes through torch.serialization's own package registry (a tagger consulted before torch's),
     for this thread only: the file is exactly what torch.save writes on that device."""
-    _register("tagger", -271, _tag, lambda storage, location: None)
     _TAG.device = device
     try:
         torch.save(obj, path)
@@ -547,10 +558,10 @@ def _checkpoint_case(seed: int):
 
 def _load_harness(rank, load_checkpoint, ckpt_path, seed):
     dev = checks.join_job()
-    _register("spy", -277, lambda storage: None, _spy)
     model = make_net(seed + 17 * rank).to(dev)
     ddp_model = _wrap(model, dev)
     _RESTORED.clear()
+    _WATCH.set()
     error = None
     try:
         returned = load_checkpoint(ckpt_path, ddp_model, dev)
@@ -558,6 +569,8 @@ def _load_harness(rank, load_checkpoint, ckpt_path, seed):
         if "Attempting to deserialize object on" not in str(exc):
             raise
         error, returned = str(exc).splitlines()[0][:300], None
+    finally:
+        _WATCH.clear()
     on = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
     return {"restored": sorted(set(_RESTORED)), "error": error, "epoch": _number(returned), "device": str(dev),
             "on": on, "state": checks.to_cpu(model.state_dict()) if on == [str(dev)] else None}

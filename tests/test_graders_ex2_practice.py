@@ -151,14 +151,14 @@ def test_check_evaluate_names_each_mistake():
           "whole dataset", "expected: 0.400000 on every rank", "averaged the ranks' accuracies")
     fails(ex2p.check_evaluate, evaluate_padded, "the padding counted", "repeats a few samples")
     fails(ex2p.check_evaluate, evaluate_local, "its own share", "all_reduce", n=14, world_size=4, seed=1)
-    fails(ex2p.check_evaluate, evaluate_whole, "[ranks 0, 1, 2]", "evaluated more than its share",
+    fails(ex2p.check_evaluate, evaluate_whole, "[ranks 0, 1, 2]", "evaluated more than one rank's share",
           "at most 4 samples per rank", "[10, 10, 10]", "every rank evaluated the whole dataset")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_evaluate_is_not_fooled_by_a_forged_world():
-    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than its share", "[10, 10, 10]")
+    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than one rank's share", "[10, 10, 10]")
 
 
 # --- part 2: accumulate_step ---------------------------------------------------------------------
@@ -391,7 +391,7 @@ def test_uneven_references_differ():
 def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch):
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     start = time.monotonic()
-    fails(ex2p.check_uneven, train_uneven_plain, "[rank 1]", f"did not finish within {HANG_TIMEOUT} s",
+    fails(ex2p.check_uneven, train_uneven_plain, "did not return on every rank",
           "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)", "ddp_model.join()", "ReduceOp.MIN")
     fails(ex2p.check_uneven, train_uneven_summed_count, "rank 1 ran out of batches first, after 2 batches",
           counts=(4, 2, 5), seed=1)
@@ -575,7 +575,8 @@ WRONG = {
                                "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 4]"]),
     "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
                      "    if True:\n", "ex2p_test_uneven",
-                     ["did not finish within 15 s", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)", "join()"]),
+                     ["did not return on every rank", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)",
+                      "join()"]),
     "no map_location": ("ex2p_load_checkpoint", ", map_location=device)", ")",
                         "ex2p_test_load_checkpoint", ["on cuda:0, where rank 0 saved them", "map_location=device"]),
     "into the DDP wrapper": ("ex2p_load_checkpoint", "ddp_model.module.load_state_dict", "ddp_model.load_state_dict",
