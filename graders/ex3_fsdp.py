@@ -29,6 +29,7 @@ are unpickled: reassigning torch attributes cannot fake an observation.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -800,6 +801,9 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
            expected="only rank 0 saves the exported weights", hint="guard the torch.save with `if rank == 0:` "
            "(dist.get_rank()); keep the gather outside it")
     expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at `path` ({where})", ranks=[0], hint=hint)
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")  # a DTensor's mesh unpickled here warns
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
     try:
         state = torch.load(paths[0], map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - shown to the student
@@ -811,6 +815,8 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
             ranks=[0], got=text.splitlines()[0][:300],
             hint=("model.state_dict() gives each rank's DTensor shards, so rank 0 alone saves only its part of every "
                   "weight; instead, " if shards else "save a dict of tensors: ") + hint) from None
+    finally:
+        mesh_log.setLevel(level)
     expect(isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()), check,
            f"the exported file holds {type(state).__name__}, not a state dict of tensors", ranks=[0], hint=hint)
     sharded = [k for k, v in state.items() if isinstance(v, DTensor)]

@@ -44,6 +44,28 @@ NB = "fsdp_checkpoint"
 fails = submissions.fails
 
 
+# --- what the checks rely on --------------------------------------------------------------------------
+
+
+def test_the_training_data_tells_the_mistakes_apart():
+    """Summing the loss, skipping zero_grad and not training at all all end far from the right weights."""
+    for spec, ws, steps in (((8, 3, 0), 2, 3), ((8, 3, 1), 3, 4), ((10, 3, 1), 3, 3)):
+        right = fsdp._training_reference(spec, ws, steps)
+        others = [fsdp._training_reference(spec, ws, steps, variant) for variant in ("summed", "accumulated")]
+        others.append({n: p.detach() for n, p in fsdp.make_net(spec).named_parameters()})
+        assert all(fsdp._max_diff(right, other) > 100 * fsdp.ATOL for other in others)
+
+
+def test_a_gloo_job_hides_the_gpus(monkeypatch):
+    """fully_shard's default mesh is the accelerator's whenever one is visible: a gloo job must not see it."""
+    import course.launcher.job as job
+
+    monkeypatch.setattr(job, "resolve_backend", lambda name, world_size: "gloo")
+    assert fsdp._job_env(2, fsdp.FR_ENV) == {**fsdp.FR_ENV, "CUDA_VISIBLE_DEVICES": ""}
+    monkeypatch.setattr(job, "resolve_backend", lambda name, world_size: "nccl")
+    assert fsdp._job_env(2) == {}
+
+
 # --- part 1: shard_model ---------------------------------------------------------------------------
 
 
