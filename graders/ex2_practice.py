@@ -60,6 +60,7 @@ class _Torch:
 
         self.all_reduce = c10d.all_reduce
         self.get_world_size = c10d.get_world_size
+        self.collectives = checks.collectives
 
 
 _REAL = _Torch()
@@ -270,7 +271,9 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     The grader registers the DDP model's communication hook (DDP allows one): it does what DDP does
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
     student's code runs) and notes, for each synchronised backward, how many forwards the call had
-    run by then. A forward pre-hook counts forwards; the optimizer's step hook counts steps."""
+    run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
+    bucket the call really issued, whatever the student's code does to the hook. A forward pre-hook
+    counts forwards; the optimizer's step hook counts steps."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
@@ -291,13 +294,30 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     ddp_model.register_comm_hook(None, average)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
+    numel = sum(p.numel() for p in model.parameters())  # a tiny model: one bucket holds every gradient
+
+    def issued():
+        """The collectives this rank has issued so far (None: this torch has no flight recorder)."""
+        try:
+            return real.collectives()
+        except RuntimeError:
+            return None
+
     calls = []
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
         forwards[0], optimizer_steps[0] = 0, 0
         synced.clear()
+        before = issued()
         accumulate_step(ddp_model, optimizer, batches)
-        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0]})
+        after = issued()
+        reduced = None
+        if before is not None and after is not None:
+            last = max([e["seq"] or 0 for e in before], default=0)
+            reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
+                          and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
+        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
+                      "all_reduces": reduced})
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
 
 
@@ -380,13 +400,16 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
     for rank, o in enumerate(obs):
         for call, c in enumerate(o["calls"]):
             synced, forwards = c["synced_at"], c["forwards"]
-            if synced == [forwards] and forwards >= 1:
+            # how many all-reduces of the gradients: what the process group issued, where the flight
+            # recorder says; the hook's count otherwise (they agree unless the hook was tampered with)
+            count = len(synced) if c["all_reduces"] is None else max(c["all_reduces"], len(synced))
+            if count == 1 and synced == [forwards] and forwards >= 1:
                 continue
-            got = (f"call {call + 1}: {len(synced)} gradient all-reduce(s), in the backward passes after forwards "
-                   f"{synced} of {forwards}" if synced else f"call {call + 1}: no gradient all-reduce in "
+            got = (f"call {call + 1}: {count} all-reduce(s) of the gradients; DDP's hook saw them in the backward "
+                   f"passes after forwards {synced} of {forwards}" if count else f"call {call + 1}: no gradient all-reduce in "
                    f"{forwards} forwards and their backward passes")
-            if len(synced) > 1:
-                problem = f"DDP all-reduced the gradients {len(synced)} times in one accumulate_step ({where})"
+            if count > 1:
+                problem = f"DDP all-reduced the gradients {count} times in one accumulate_step ({where})"
                 hint = (f"run the first {k - 1} micro-batches (forward and backward) inside `with "
                         f"ddp_model.no_sync():` and only the last outside it; {weights}")
             elif not synced:

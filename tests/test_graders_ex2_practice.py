@@ -244,14 +244,18 @@ def accumulate_never_sync(ddp_model, optimizer, micro_batches):
 
 
 def accumulate_forged(ddp_model, optimizer, micro_batches):
-    """Syncs every micro-batch, then tries to make the grader's count say once: it clears the state of
-    the registered communication hook, drops DDP's record of it and replaces torch's all_reduce."""
+    """Syncs every micro-batch, then makes the grader's communication hook say once, in the last backward:
+    it rewrites the hook's state and the lists its closure counts in, drops DDP's record of the hook and
+    replaces torch's all_reduce."""
+    k = len(micro_batches)
     _accumulate(ddp_model, optimizer, micro_batches, no_sync=False)
-    for _, state in ddp_model._comm_hooks:
+    for hook, state in ddp_model._comm_hooks:
         if isinstance(state, dict):
             state.update({key: 1 for key in state})
-        elif isinstance(state, list):
-            state[:] = [len(micro_batches)]
+        for cell in getattr(hook, "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, list) and len(value) == k and all(isinstance(v, int) for v in value):
+                value[:] = [k]  # "one sync, after the k-th forward"
     ddp_model._comm_hooks.clear()
     dist.all_reduce = lambda *args, **kwargs: None
 
