@@ -123,7 +123,6 @@ _MESH = DTensor.device_mesh.fget
 _IS_INSTANCE = isinstance
 _NAMED_PARAMETERS = nn.Module.named_parameters
 _PRE_HOOK = nn.Module.register_forward_pre_hook
-_TENSOR = torch.Tensor
 _CLONE = torch.Tensor.clone
 _DETACH = torch.Tensor.detach
 _CPU = torch.Tensor.cpu
@@ -131,9 +130,6 @@ _SGD = torch.optim.SGD
 _OPTIMIZER = torch.optim.Optimizer
 _DUMP_FR = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
 _LOADS = pickle.loads
-_MSE = F.mse_loss
-
-
 _INIT_PG = _c10d.init_process_group
 
 
