@@ -42,6 +42,7 @@ import torch
 from course import checks
 from course.checks import CheckFailed
 from course.errors import rank_list, were
+from course.launcher.stall import StallVerdict, StallWatch
 
 CRASH_RANK = 1
 CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
@@ -107,10 +108,12 @@ class Run:
     final: object = None  # rank 0's final weights (dict), None if absent, or an error string
     ckpt_exists: bool = False
     alive_at_deadline: set = field(default_factory=set)  # pids of the job's processes still running when it timed out
+    stall: StallVerdict | None = None  # the deadlock the grader found in the workers' collectives (it stopped the run)
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+        return not self.timed_out and self.stall is None and all(rc == 0 for rc in self.returncodes)
+
 
     def attempt(self, n: int) -> list[Worker]:
         return sorted((w for w in self.workers if w.attempt == n), key=lambda w: w.rank)
@@ -218,15 +221,13 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
             procs.append(subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        timed_out = False
+        timed_out, stall = False, None
         alive: set[int] = set()
         try:
-            for proc in procs:
-                proc.wait(timeout=max(0.1, started + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            stall = _wait(procs, probe_dir, started + timeout)
+            timed_out = stall is None and any(proc.poll() is None for proc in procs)
         finally:
-            alive = _stop(procs, dump_stacks=timed_out)
+            alive = _stop(procs, dump_stacks=timed_out or stall is not None)
             for fh in logs:
                 fh.close()
         elapsed = time.monotonic() - started
@@ -242,11 +243,75 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             out_dir=out_dir,
             ckpt_path=ckpt_path,
             alive_at_deadline=alive if timed_out else set(),
+            stall=stall,
         )
         _observe(run, probe_dir)
         return run
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> StallVerdict | None:
+    """Wait for the agents to end or the deadline; a deadlock in the workers' collectives ends it at once."""
+    watch, members, starts = None, None, {}
+    while time.monotonic() < deadline:
+        if all(proc.poll() is not None for proc in procs):
+            return None
+        time.sleep(0.05)
+        workers = _live_attempt(probe_dir, starts)
+        if not workers:
+            continue
+        key = tuple(sorted((rank, pid) for rank, (pid, _) in workers.items()))
+        size = max(workers) + 1
+        if key != members:
+            if sorted(workers) != list(range(size)):
+                continue  # not every worker of the attempt has started yet
+            members = key
+            pids = [workers[r][0] for r in range(size)]
+            watch = StallWatch(pids, [os.path.join(probe_dir, f"stall-{pid}.json") for pid in pids],
+                               [os.path.join(probe_dir, f"returned-{pid}") for pid in pids])
+        running = [r for r, (pid, _) in workers.items() if _alive(pid)]
+        finished = [r for r, (pid, exited) in workers.items() if exited and not _alive(pid)]
+        if len(running) + len(finished) < len(workers):
+            continue  # a worker died: torchrun's own report says why
+        verdict = watch.poll(sorted(running), finished=sorted(finished))
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def _live_attempt(probe_dir: str, starts: dict) -> dict[int, tuple[int, bool]]:
+    """{rank: (pid, exited normally)} of the workers of the latest attempt, from the probe's event logs."""
+    found: dict[int, tuple[int, int, bool]] = {}
+    for path in glob.glob(os.path.join(probe_dir, "events-*.jsonl")):
+        if path not in starts:
+            try:
+                with open(path, "rb") as fh:
+                    first = json.loads(fh.readline())
+                env = first["env"]
+                starts[path] = (int(first["pid"]), int(env.get("RANK")), int(env.get("TORCHELASTIC_RESTART_COUNT") or 0))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        pid, rank, attempt = starts[path]
+        try:
+            with open(path, "rb") as fh:
+                exited = b'"event": "exit"' in fh.read()[-400:]
+        except OSError:
+            exited = False
+        if rank not in found or found[rank][1] < attempt:
+            found[rank] = (pid, attempt, exited)
+    if not found:
+        return {}
+    latest = max(a for _, a, _ in found.values())
+    return {rank: (pid, exited) for rank, (pid, attempt, exited) in found.items() if attempt == latest}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> set[int]:
@@ -409,6 +474,13 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         return CheckFailed(
             check, f"{context}{what} started no worker", hint="run the same command in a terminal to see why",
             detail=_tail(run.log, 20),
+        )
+    if run.stall is not None:
+        v = run.stall
+        lines = "\n".join(f"rank {r} {v.lines[r]}" for r in sorted(v.lines))
+        return CheckFailed(
+            check, f"{context}{what} deadlocked: {v.summary}", ranks=sorted(v.lines), hint=v.hint,
+            detail=f"where each worker was when the grader stopped the run (after {run.elapsed:.1f} s):\n{lines}",
         )
     last = run.attempt(run.attempts - 1)  # the last attempt: in the restart run, attempt 0 fails by design
     raised = sorted((w for w in last if _raised(w)), key=_ended_at)

@@ -283,6 +283,24 @@ def test_a_worker_that_died_comes_first_with_its_exit_reason_and_its_own_output(
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_collective_only_rank0_calls_is_a_deadlock_found_in_seconds(tmp_path):
+    """A barrier inside `if rank == 0:` (after its save): the workers' collectives disagree, so the run
+    stops long before its deadline, each worker lined up with its collective and its line of train.py."""
+    script = write_script(tmp_path, ("            save_checkpoint(state, args.ckpt)\n",
+                                     "            save_checkpoint(state, args.ckpt)\n"
+                                     "            dist.barrier()  # wait until the file is there\n"))
+    start = time.monotonic()
+    message = fails(ex4.check_checkpoint_rank0, script, "deadlocked: rank 0 waits in barrier",
+                    'train.py", line', "dist.barrier()  # wait until the file is there",
+                    "rank 1 waits in all_reduce", "rank 2 waits in all_reduce", "loss.backward()",
+                    "inside `if rank == ...:`")
+    assert time.monotonic() - start < torchrun.NODES_TIMEOUT / 3, message
+    leftovers = [p for p in _processes() if "torchrun_probe" in p and str(tmp_path) in p]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_a_worker_killed_by_a_signal_is_named_first_at_once(tmp_path):
     """Rank 2 aborts in epoch 1 (as a crash inside torch would): the message names it and its last words,
     and the others as consequences, without waiting for the deadline."""

@@ -136,10 +136,11 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
 # to lose the early diagnosis: the job's deadline still holds.
 
 
-def _start_stall_probe(spec: dict) -> None:
+def _start_stall_probe(spec: dict):
+    """Start the probe thread; returns the function that answers (a worker may call it as it exits)."""
     path = spec.get("probe_path")
     if not path:
-        return
+        return None
     main = threading.main_thread().ident
     hidden = tuple(spec.get("grader_dirs", ())) + (os.path.dirname(os.path.abspath(__file__)),)
     import sysconfig
@@ -193,6 +194,7 @@ def _start_stall_probe(spec: dict) -> None:
                     pass
 
     threading.Thread(target=loop, name="ddp-course-stall-probe", daemon=True).start()
+    return answer
 
 
 #: an idle main thread in this code waits for a collective: torch.distributed's functions, DDP's forward

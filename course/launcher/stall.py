@@ -73,7 +73,9 @@ class StallWatch:
         self.last_key: tuple | None = None
         self.streak = 0
 
-    def poll(self, running: list[int], now: float | None = None) -> StallVerdict | None:
+    def poll(self, running: list[int], now: float | None = None, finished: list[int] = ()) -> StallVerdict | None:
+        """``running``: ranks whose process is alive; ``finished``: ranks whose function returned and whose
+        process has exited since (torchrun's workers do; their probe answered as they exited)."""
         now = time.monotonic() if now is None else now
         if now < self.next_sample or not running:
             return None
@@ -91,9 +93,11 @@ class StallWatch:
             if answers is None and now - self.asked_at < ANSWER_WAIT:
                 return None
             self.asked_at = None
-            returned = self._returned(running)
-            verdict = analyse({r: a for r, a in (answers or {}).items() if r not in returned},
-                              returned, {r: a for r, a in (answers or {}).items() if r in returned})
+            returned = sorted(set(self._returned(running)) | set(finished))
+            gone = self._answers(list(finished), missing_ok=True) or {}
+            answers = {**gone, **(answers or {})}
+            verdict = analyse({r: a for r, a in answers.items() if r not in returned},
+                              returned, {r: a for r, a in answers.items() if r in returned})
             if verdict is None:
                 self.last_key, self.streak = None, 0
                 self.window_start, self.window_cpu = now, cpu  # look again after another idle window
@@ -126,13 +130,15 @@ class StallWatch:
         """Ranks still alive whose function has returned (they wait for the others to finish)."""
         return [r for r in running if os.path.exists(self.result_paths[r])]
 
-    def _answers(self, ranks: list[int]) -> dict[int, dict] | None:
+    def _answers(self, ranks: list[int], missing_ok: bool = False) -> dict[int, dict] | None:
         found = {}
         for r in ranks:
             try:
                 with open(self.probe_paths[r], "rb") as fh:
                     data = json.loads(fh.read(1 << 20))
             except (OSError, ValueError):
+                if missing_ok:
+                    continue
                 return None
             if not isinstance(data, dict):
                 return None
