@@ -243,6 +243,20 @@ def accumulate_never_sync(ddp_model, optimizer, micro_batches):
     _accumulate(ddp_model, optimizer, micro_batches, sync_at=-1)
 
 
+def accumulate_synced_by_hand(ddp_model, optimizer, micro_batches):
+    """Right weights, but every backward inside no_sync() and the gradients all-reduced by hand, one
+    parameter at a time, instead of DDP's one bucketed all-reduce."""
+    k = len(micro_batches)
+    with ddp_model.no_sync():
+        for x, y in micro_batches:
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+    for p in ddp_model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def accumulate_forged(ddp_model, optimizer, micro_batches):
     """Syncs every micro-batch, then makes the grader's communication hook say once, in the last backward:
     it rewrites the hook's state and the lists its closure counts in, drops DDP's record of the hook and
@@ -268,6 +282,7 @@ def test_check_accumulation():
     ex2p.check_accumulation(accumulate_docs_style)
     ex2p.check_accumulation(accumulate_nullcontext, world_size=3, k=3, seed=1)
     ex2p.check_accumulation(accumulate_without_no_sync)  # the communication is check_no_sync's business
+    ex2p.check_accumulation(accumulate_synced_by_hand)
     fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "4 x too large",
           "divide each micro-batch's loss by 4")
     fails(ex2p.check_accumulation, accumulate_step_each, "[ranks 0, 1]", "exactly one optimizer step",
@@ -289,6 +304,7 @@ def test_check_no_sync():
     assert "the weights are right" in message
     fails(ex2p.check_no_sync, accumulate_sync_first, "before the last micro-batch", "forwards [1] of 4")
     fails(ex2p.check_no_sync, accumulate_never_sync, "never all-reduced", "outside no_sync()")
+    fails(ex2p.check_no_sync, accumulate_synced_by_hand, "never all-reduced", "syncing by hand")
 
 
 @pytest.mark.slow
@@ -356,6 +372,16 @@ def train_uneven_join_each_step(ddp_model, optimizer, batches):
             _steps(ddp_model, optimizer, [batch])
 
 
+def train_uneven_breaks_when_out(ddp_model, optimizer, batches):
+    """Agrees on the most batches, but a rank with none left breaks out of the loop (on that rank only)."""
+    steps = torch.tensor([len(batches)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    for i in range(int(steps)):
+        if i >= len(batches):
+            break
+        _steps(ddp_model, optimizer, [batches[i]])
+
+
 def train_uneven_recycled(ddp_model, optimizer, batches):
     steps = torch.tensor([len(batches)])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
@@ -400,7 +426,8 @@ def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch
     fails(ex2p.check_uneven, train_uneven_summed_count, "rank 1 ran out of batches first, after 2 batches",
           counts=(4, 2, 5), seed=1)
     fails(ex2p.check_uneven, train_uneven_join_each_step, "rank 0 ran out of batches first")
-    assert time.monotonic() - start < 3 * HANG_TIMEOUT + 30
+    fails(ex2p.check_uneven, train_uneven_breaks_when_out, "rank 0 ran out of batches first")
+    assert time.monotonic() - start < 4 * HANG_TIMEOUT + 30
 
 
 @pytest.mark.slow
@@ -558,7 +585,8 @@ def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
 
 
 WRONG = {
-    # name: (answer cell, old text, new text, the test cell that must fail, words its message must contain)
+    # name: (answer cell, old text, new text, the test cell that must fail, words its message must contain[, count]);
+    # old and new may be tuples of texts: several edits of the one cell
     "mean of per-rank accuracies": (
         "ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n    return (counts[0] / counts[1]).item()",
         "    accuracy = counts[0:1] / counts[1]\n    dist.all_reduce(accuracy)\n"
@@ -577,10 +605,21 @@ WRONG = {
     "a step per micro-batch": ("ex2p_accumulate_step", "    optimizer.step()\n    optimizer.zero_grad()\n",
                                "        optimizer.step()\n    optimizer.zero_grad()\n",
                                "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 4]"]),
+    "every backward in no_sync, the gradients synced by hand": (
+        "ex2p_accumulate_step", ("        if i < k - 1:", "    optimizer.step()\n"),
+        ("        if True:", "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n"
+         "        p.grad /= dist.get_world_size()\n    optimizer.step()\n"),
+        "ex2p_test_no_sync", ["never all-reduced", "syncing by hand"]),
     "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
                      "    if True:\n", "ex2p_test_uneven",
                      ["did not return on every rank", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)",
                       "join()"]),
+    "ranks that run out start over": (
+        "ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n"
+        "        for x, y in batches:\n",
+        "    steps = torch.tensor([len(batches)])\n    dist.all_reduce(steps, op=dist.ReduceOp.MAX)\n"
+        "    if True:\n        for x, y in (batches[i % len(batches)] for i in range(int(steps))):\n",
+        "ex2p_test_uneven", ["neither Join's nor", "trained on their first batches again"]),
     "no map_location": ("ex2p_load_checkpoint", ", map_location=device)", ")",
                         "ex2p_test_load_checkpoint", ["on cuda:0, where rank 0 saved them", "map_location=device"]),
     "into the DDP wrapper": ("ex2p_load_checkpoint", "ddp_model.module.load_state_dict", "ddp_model.load_state_dict",
@@ -595,6 +634,8 @@ WRONG = {
 @pytest.mark.parametrize("name", list(WRONG))
 def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
     grade_id, old, new, failing, words, *count = WRONG[name]
-    nb = submissions.patch_answer(submissions.load(A, NB), grade_id, old, new, *count)
+    nb = submissions.load(A, NB)
+    for before, after in [(old, new)] if isinstance(old, str) else zip(old, new):
+        nb = submissions.patch_answer(nb, grade_id, before, after, *count)
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
