@@ -152,6 +152,14 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
     elif failure is not None and failure.kind == "raised":
         problem = f"your code raised {failure.exc_type}: {failure.message}".rstrip(": ")
         detail = failure.traceback
+    elif failure is not None and any("Received data size doesn't match expected size" in line
+                                     or "gloo::EnforceNotMet" in line for line in failure.last_output):
+        problem = (f"rank {first} was killed by gloo ({failure.message}): the data it received did not match the "
+                   "collective it was in, i.e. the ranks called different collectives, or the same one with "
+                   "tensors of different sizes")
+        hint = ("every rank must call the same collectives in the same order, with tensors of the same shape and "
+                "dtype: look for a collective inside `if rank == ...:` or tensors whose size depends on the rank")
+        detail = "\n".join(failure.last_output)
     elif failure is not None:
         problem = f"a rank died: {failure.message}"
         detail = "\n".join(failure.last_output)

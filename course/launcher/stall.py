@@ -161,7 +161,13 @@ def _last(entries: list) -> dict | None:
     return None
 
 
+def _latest(entries: list) -> dict | None:
+    return next((e for e in reversed(entries) if isinstance(e, dict)), None)
+
+
 def _describe(entry: dict | None, site: dict | None, verb: str = "waits in") -> str:
+    if entry and entry.get("p2p"):
+        entry = {**entry, "seq": entry.get("p2p_seq")}
     what = (f"{verb} {entry.get('op') or 'a collective'} #{entry.get('seq')}"
             + (f" of shape {_shape(entry)}" if entry.get("sizes") else "")
             if entry else f"{verb} a collective")
@@ -187,10 +193,11 @@ def analyse(answers: dict[int, dict], returned: list[int],
         if not data.get("waiting") or not isinstance(data.get("entries"), list):
             return None  # a rank computing, sleeping or looping (or no flight recorder): the deadline decides
     last = {r: _last(data["entries"]) for r, data in answers.items()}
+    shown = {r: _latest(data["entries"]) for r, data in answers.items()}  # a send/recv is named too
     sites = {r: data.get("site") for r, data in answers.items()}
     waiting = sorted(answers)
     if returned:
-        lines = {r: _describe(last[r], sites[r]) for r in waiting}
+        lines = {r: _describe(shown[r], sites[r]) for r in waiting}
         same = _same_step(last, waiting, returned_answers or {})
         if same is not None:
             kind, matches = same
@@ -220,7 +227,7 @@ def analyse(answers: dict[int, dict], returned: list[int],
             if e else None for r, e in last.items()}
     if len(set(keys.values())) == 1:
         return None  # every rank is in the same collective: slow, not stuck
-    lines = {r: _describe(last[r], sites[r]) for r in waiting}
+    lines = {r: _describe(shown[r], sites[r]) for r in waiting}
     seqs = {(last[r] or {}).get("seq") for r in waiting}
     ops = {(last[r] or {}).get("op") for r in waiting}
     if len(seqs) > 1:
