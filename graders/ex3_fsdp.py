@@ -228,7 +228,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=None):
     """checks.run, with known mistakes recognised by their traces.
 
-    ``mistakes``: (predicate(rank, text) -> bool, problem, hint) tried in order on the first failed rank.
+    ``mistakes``: (predicate(rank, text) -> bool, problem, expected, hint) tried in order on the first failed rank.
     """
     try:
         return checks.run(check, harness, world_size, args=args, env=_job_env(world_size, env))
@@ -237,10 +237,13 @@ def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=
         waiting = sorted({int(r) for r in re.findall(r"rank (\d+) waits in", err.problem)})
         ranks = waiting or err.ranks  # a deadlock: the ranks left waiting, not those that returned
         rank = ranks[0] if ranks else None
-        for predicate, problem, hint in mistakes:
+        first = err.problem.splitlines()[0]
+        missing = re.search(r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+", text)  # DCP's own words, the key it lacks
+        got = missing.group(0).rstrip(".") if missing else first[:300] + (" ..." if len(first) > 300 else "")
+        for predicate, problem, expected, hint in mistakes:
             if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=ranks,
-                                  hint=hint, detail=err.detail) from None
+                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=ranks, expected=expected,
+                                  got=got, hint=hint, detail=err.detail) from None
         raise
 
 
@@ -438,7 +441,7 @@ def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
 _SHARD_MISTAKES = [
     (lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
      "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard already "
-     "took every parameter, the blocks' too",
+     "took every parameter, the blocks' too", "fully_shard on each block, then on the model",
      "shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
 ]
 
@@ -629,7 +632,7 @@ def _collective_on_some(what: str, name: str, fix: str):
     timeout in a traceback through ``name``)."""
     return (lambda rank, text: "deadlocked" in text or (name in text and any(w in text for w in _LOST_PEER)),
             f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a collective, "
-            "every rank must call it", fix)
+            "every rank must call it", f"every rank calls {what}, with the same arguments", fix)
 
 
 _LOST_PEER = ("Timed out", "timed out", "did not finish within", "Connection closed", "Connection reset")
@@ -644,12 +647,14 @@ _LOAD_MISTAKES = [
                         "rank reads its own shard"),
     (lambda rank, text: "Missing key in checkpoint" in text,
      "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
+     "a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
      "save the model's AND the optimizer's state dicts, under the same keys the load uses: "
      "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
      "model_sd, optim_sd = get_state_dict(model, optimizer)"),
     (lambda rank, text: "Unsupported global" in text or "weights_only" in text,
      "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a plain "
-     "state dict", "save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
+     "state dict", "a DCP checkpoint folder, read with dcp.load on every rank",
+     "save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
 ]
 
 
@@ -773,7 +778,7 @@ _EXPORT_MISTAKES = [
         and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
      "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
      "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when only "
-     "rank 0 calls it",
+     "rank 0 calls it", "every rank calls the gather; rank 0 alone saves",
      "call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on EVERY "
      "rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an empty dict)"),
 ]
@@ -796,7 +801,8 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
     expect(not others, check, f"{rank_list(others)} wrote a file too ({where})", ranks=others,
            expected="only rank 0 saves the exported weights", hint="guard the torch.save with `if rank == 0:` "
            "(dist.get_rank()); keep the gather outside it")
-    expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at `path` ({where})", ranks=[0], hint=hint)
+    expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at `path` ({where})", ranks=[0],
+           expected="a file at `path`, written by rank 0 with torch.save", hint=hint)
     mesh_log = logging.getLogger("torch.distributed.device_mesh")  # a DTensor's mesh unpickled here warns
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)
@@ -808,16 +814,19 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
         raise CheckFailed(
             check, "the exported file " + ("holds DTensor shards (model.state_dict() of a sharded model), not plain "
                                            "tensors" if shards else "does not load with torch.load"),
-            ranks=[0], got=text.splitlines()[0][:300],
+            ranks=[0], expected="a dict of plain tensors that torch.load(path, weights_only=True) reads",
+            got=text.splitlines()[0][:300],
             hint=("model.state_dict() gives each rank's DTensor shards, so rank 0 alone saves only its part of every "
                   "weight; instead, " if shards else "save a dict of tensors: ") + hint) from None
     finally:
         mesh_log.setLevel(level)
     expect(isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()), check,
-           f"the exported file holds {type(state).__name__}, not a state dict of tensors", ranks=[0], hint=hint)
+           f"the exported file holds {type(state).__name__}, not a state dict of tensors", ranks=[0],
+           expected="a dict of plain tensors, one per parameter", hint=hint)
     sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
     expect(not sharded, check, f"the exported file holds DTensor shards ({len(sharded)} of {len(state)} tensors), "
-           "not plain full tensors", ranks=[0], got="model.state_dict() of a sharded model: rank 0's part of each weight",
+           "not plain full tensors", ranks=[0], expected="plain full tensors, one per parameter",
+           got="model.state_dict() of a sharded model: rank 0's part of each weight",
            hint="model.state_dict() gives each rank's DTensor shards, so rank 0 alone saves only its part of every "
            "weight; instead, " + hint)
     plain = make_net(spec)
@@ -829,7 +838,7 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
         raise CheckFailed(
             check, "the exported weights do not load into a plain (unsharded) model with load_state_dict(strict=True)"
             + (": the tensors are shards (smaller than the parameters)" if shards else ""),
-            ranks=[0], got=_first_error(text),
+            ranks=[0], expected="the keys and full shapes of a plain Net's state_dict", got=_first_error(text),
             hint=("each rank holds only its rows of every parameter (to_local()): gather the full tensors; "
                   if shards else "save the model's own keys, without a prefix; ") + hint) from None
     want = _full([obs["params"] for obs in values])
