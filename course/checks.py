@@ -48,7 +48,7 @@ import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from course.errors import CheckFailed, LaunchError, RankStallError, RankTimeoutError, rank_list
+from course.errors import CheckFailed, LaunchError, RankStallError, RankTimeoutError, explain, rank_list
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
 from course.launcher.job import JobResult, launch
@@ -151,6 +151,7 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
         detail = failure.traceback
     elif failure is not None and failure.kind == "raised":
         problem = f"your code raised {failure.exc_type}: {failure.message}".rstrip(": ")
+        hint = explain(f"{failure.message}\n{failure.traceback}") or hint
         detail = failure.traceback
     elif failure is not None and any("Received data size doesn't match expected size" in line
                                      or "gloo::EnforceNotMet" in line for line in failure.last_output):

@@ -32,6 +32,34 @@ def were(ranks: Iterable[int]) -> str:
     return rank_list(ranks) + (" was" if len(ranks) == 1 else " were")
 
 
+#: (text in an error message, what it means and what to do): misconfigurations students really make
+KNOWN_MISTAKES = (
+    ("initialize the default process group twice",
+     "init_process_group was called twice in one process: join once per process (in setup()); in a check, the "
+     "grader has already joined the job before calling your function, so your function must not join again"),
+    ("Default process group has not been initialized",
+     "a collective (or get_rank/get_world_size, or DDP) ran before init_process_group: join the job first "
+     "(dist.init_process_group(backend)), then communicate"),
+    ("device_ids and output_device arguments only work with",
+     "DDP got device_ids for a model on the CPU: pass device_ids=[local_rank] only when the model is on that GPU "
+     "(model.to(device) first); on the CPU (gloo) leave device_ids out"),
+    ("Duplicate GPU detected",
+     "two ranks use the same GPU under NCCL: select GPU LOCAL_RANK in each rank (torch.cuda.set_device(local_rank)) "
+     "before init_process_group, and run at most one rank per GPU"),
+    ("Expected all tensors to be on the same device",
+     "a tensor and the model are on different devices: move each batch to the rank's device (x.to(device)) and "
+     "the model before wrapping it in DDP"),
+)
+
+
+def explain(message: str) -> str | None:
+    """What a known misconfiguration's error means and what to do, or None."""
+    for text, advice in KNOWN_MISTAKES:
+        if text in message:
+            return advice
+    return None
+
+
 class CourseError(Exception):
     """An error the engine raises on purpose; ``str()`` says what happened and what to do."""
 

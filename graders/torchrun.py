@@ -41,7 +41,7 @@ import torch
 
 from course import checks
 from course.checks import CheckFailed
-from course.errors import rank_list, were
+from course.errors import explain, rank_list, were
 from course.launcher.stall import StallVerdict, StallWatch
 
 CRASH_RANK = 1
@@ -602,6 +602,9 @@ def _exit_reason(w: Worker, run: Run) -> str:
 
 
 def _hint_for(message: str) -> str | None:
+    known = explain(message)
+    if known:
+        return known
     if "NotImplementedError" in message:
         return "write train.py first: the answer parts of the %%writefile cell still raise NotImplementedError"
     if re.search(r"--local[-_]rank", message):

@@ -507,3 +507,31 @@ def test_without_stall_detection_a_deadlock_waits_for_the_deadline():
         course.run_ranks(stall_other_op, 2, echo=False, timeout=8, detect_stalls=False)
     assert not isinstance(info.value, course.RankStallError)
     assert time.monotonic() - start >= 8
+
+
+def joins_twice(rank):
+    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")
+
+
+def collective_before_joining(rank):
+    dist.all_reduce(torch.ones(1))
+
+
+def device_ids_on_cpu(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    DDP(torch.nn.Linear(2, 1), device_ids=[rank])
+
+
+@pytest.mark.parametrize("fn, words", [
+    (joins_twice, "init_process_group was called twice in one process"),
+    (collective_before_joining, "ran before init_process_group: join the job first"),
+    (device_ids_on_cpu, "DDP got device_ids for a model on the CPU"),
+], ids=["init twice", "collective before init", "device_ids on a CPU model"])
+def test_known_misconfigurations_are_named_with_what_to_do(fn, words):
+    with pytest.raises(course.RankFailedError) as info:
+        course.run_ranks(fn, 2, echo=False, timeout=60)
+    text = str(info.value)
+    assert "hint: " in text and words in text, text

@@ -45,7 +45,7 @@ from typing import Any
 
 import cloudpickle
 
-from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, rank_list, were
+from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, explain, rank_list, were
 from course.launcher.stall import StallWatch
 
 BACKEND_ENV = "DDP_COURSE_BACKEND"
@@ -733,7 +733,10 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
         lines.append(f"{were(stopped)} stopped by the launcher")
     if returned:
         lines.append(f"{rank_list(returned)} returned normally")
-    if f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
+    known = explain(f"{f.message}\n{f.traceback}") if f.kind == "raised" else None
+    if known:
+        lines.append(f"hint: {known}")
+    elif f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
         lines.append(
             "hint: this rank lost its connection to a peer, which usually means another rank "
             "had already returned or died while this one waited in a collective: every rank must "
