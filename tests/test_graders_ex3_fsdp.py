@@ -84,6 +84,14 @@ def shard_with_a_mesh(model):
     fully_shard(model, mesh=mesh)
 
 
+def shard_keep_unsharded(model):
+    """Right, another style: the blocks keep their gathered weights from forward to backward (ZeRO-2 like)."""
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model)
+    return model
+
+
 def shard_by_type(model):
     """Right, another style: the blocks found by their class, the root's result returned."""
     for module in model.modules():
@@ -148,6 +156,7 @@ def test_check_shard():
     fsdp.check_shard(shard_model, world_size=3, width=10, depth=4, seed=1)
     fsdp.check_shard(shard_with_a_mesh)
     fsdp.check_shard(shard_by_type, world_size=3)
+    fsdp.check_shard(shard_keep_unsharded)
     fails(fsdp.check_shard, shard_root_only, "the whole model is ONE FSDP unit", "ONE all-gather of 457 values",
           "fully_shard(block) on EACH block")
     fails(fsdp.check_shard, shard_root_only, "ONE FSDP unit", world_size=3, depth=4)
