@@ -10,8 +10,9 @@ process says about itself:
   all-reduce all give other numbers; the model's own forward records which samples each rank saw);
 * ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
   (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
-  together; :func:`check_no_sync`: a communication hook the grader registers on the DDP model counts
-  DDP's gradient all-reduces, one per step, in the last micro-batch's backward);
+  together; :func:`check_no_sync`: a communication hook the grader registers on the DDP model sees
+  when DDP syncs, torch's flight recorder how many all-reduces of the gradients the rank issued: one
+  per step, in the last micro-batch's backward);
 * ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
   batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and they are
   what Join or a loop equalised to the fewest batches gives);
