@@ -123,3 +123,12 @@ def test_device_ids_on_a_cpu_model_fails_and_the_right_wrap_works(nb):
     assert len(rows) == ws >= 2
     for _, device, device_ids in rows:
         assert device_ids == ("None" if device == "cpu" else f"[{device.split(':')[1]}]")
+
+
+def test_the_timeline_shows_the_late_rank_keeping_the_others_waiting(nb):
+    text = output_of(nb, "def late_rank(rank):")
+    assert world_sizes(text) == [4]
+    assert "rank 2 waited least: True" in text, text
+    waited = {int(r): float(s) for r, s in re.findall(r"(\d+): ([\d.]+)", text.split("collectives:", 1)[1])}
+    assert sorted(waited) == [0, 1, 2, 3]
+    assert all(waited[r] >= 0.1 for r in (0, 1, 3)), waited  # 3 collectives x 60 ms of waiting, minus noise

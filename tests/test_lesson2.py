@@ -218,3 +218,12 @@ def test_complete_training_script(nb):
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert len({n for *_, n in epochs}) == 1
     assert rows(r"the checkpoint loads into a plain model; its loss on the whole dataset: (\S+)", text)
+
+
+def test_the_bucket_timeline_shows_all_reduce_overlapping_backward(nb):
+    text = output_of(nb, "def bucket_overlap(rank, steps=3):")
+    assert world_sizes(text) == [2]
+    buckets = ast.literal_eval(rows(r"^buckets in the last step: (\[.*\])$", text)[0])
+    assert len(buckets) >= 2, buckets  # 0.3 MB buckets: the 6 layers need several
+    overlap = [float(ms) for _, ms in rows(r"^rank (\d): ([\d.]+) ms of all-reduce ran while backward", text)]
+    assert len(overlap) == 2 and all(ms > 0 for ms in overlap), text
