@@ -53,13 +53,13 @@ class Recorder:
         count = {"bucket": 0}
 
         def hook(state, bucket):
-            start = time.time()
             count["bucket"] += 1
-            name = f"bucket {bucket.index()} ({bucket.buffer().numel()} values)"
+            recorder.add("bucket", f"bucket {bucket.index()} ({bucket.buffer().numel()} values)", time.time(), None)
+            event = recorder.events[-1]  # its end is set when the all-reduce completes (never, if it hangs)
             future = allreduce_hook(state, bucket)
 
             def finished(fut):
-                recorder.add("bucket", name, start, time.time())
+                event["end"] = time.time()
                 return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
 
             return future.then(finished)
