@@ -213,7 +213,48 @@ def main() -> None:
     script = os.path.abspath(script)
     sys.argv = [script, *argv]
     sys.path[0] = os.path.dirname(script)  # as `python train.py` would have it
-    runpy.run_path(script, run_name="__main__")
+    code = 0
+    try:
+        namespace = runpy.run_path(script, run_name="__main__")
+        namespace.clear()  # the script's globals: files it left open are closed (and flushed) by the collection below
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the same exit status
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _exit(code)
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _exit(code: int) -> None:
+    """End the worker as Python would, minus the C++ teardown of torch's static objects.
+
+    Python's exit handlers run (the probe's records, the student's atexit functions) and every
+    stream is flushed, then the process ends with os._exit. An ordinary exit goes on to destroy
+    torch's and gloo's static C++ objects, and on a loaded machine that teardown sometimes aborts
+    ("terminate called without an active exception", SIGABRT) after the script has finished: the
+    worker's exit status then fails a correct run (seen about once in 16 graded submissions)."""
+    import atexit
+    import gc
+
+    try:
+        gc.collect()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to flush
+                pass
+        os._exit(code)
 
 
 if __name__ == "__main__":

