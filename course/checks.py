@@ -129,7 +129,8 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
     if isinstance(err, RankStallError) and err.verdict is not None:
         v = err.verdict
         lines = "\n".join(f"rank {r} {v.lines[r]}" for r in sorted(v.lines))
-        return (f"the {world_size}-rank job deadlocked: {v.summary}", sorted(v.lines), v.hint,
+        culprits = v.waiting if v.kind == "returned" else sorted(v.lines)  # a collective the others skipped
+        return (f"the {world_size}-rank job deadlocked: {v.summary}", culprits, v.hint,
                 f"where each rank was when the grader stopped the job:\n{textwrap.indent(lines, '    ')}")
     if isinstance(err, RankTimeoutError):
         return (f"the {world_size}-rank job did not finish within {err.timeout:g} s "

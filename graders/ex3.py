@@ -66,7 +66,7 @@ def _run(check: str, fn, world_size: int, args: tuple, *, mistakes=()):
         raise
 
 
-_LOST_PEER = ("Connection", "Timed out", "timed out", "did not finish within")
+_LOST_PEER = ("Connection", "Timed out", "timed out", "did not finish within", "deadlocked")
 
 
 _MEMO: dict[str, tuple[str, object]] = {}

@@ -499,8 +499,11 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
             detail=tb,
         )
     if dead:
+        # torchrun stops the other workers with SIGTERM once one failed: those are consequences
+        primary = ([w for w in dead if not _raised(w) and "SIGTERM" not in _exit_reason(w, run)]
+                   or [w for w in dead if not _raised(w)] or dead)
         root = _root_cause_pid(run)
-        first = next((w for w in dead if w.pid == root), None) or min(dead, key=_ended_at)
+        first = next((w for w in primary if w.pid == root), None) or min(primary, key=_ended_at)
         tb = _student_traceback(first.output)
         return CheckFailed(
             check,
@@ -522,6 +525,17 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
             "another rank never reached, e.g. a collective inside `if rank == 0:`, or an init_process_group "
             "given a wrong rank or world_size; let init_process_group read them from the environment",
             detail=detail or _tail(run.log, 20),
+        )
+    left = [w for w in last if _finished(w)]
+    if raised and left:  # the others only lost their peer: the root cause is a worker that left too early
+        return CheckFailed(
+            check,
+            f"{context}{what} failed: {_names(left)} finished while {rank_list([w.rank for w in raised])} still "
+            "waited in a collective (then they lost their peer)",
+            ranks=sorted({w.rank for w in left + raised}),
+            hint=("every rank must run the same steps and call the same collectives: a rank that runs fewer steps "
+                  "(uneven data, a loop that ends early) or skips a collective leaves its peers waiting"),
+            detail=_student_traceback(raised[0].output),
         )
     if raised:
         first = raised[0]
@@ -553,6 +567,10 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         "to see all of it",
         detail=detail or _tail(run.log, 20),
     )
+
+
+def _names(workers: list[Worker]) -> str:
+    return ", ".join(w.name for w in workers)
 
 
 def _finished(w: Worker) -> bool:

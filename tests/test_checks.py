@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,3 +168,46 @@ def test_collectives_show_what_the_process_group_really_ran():
                                                     ("all_reduce", [[1, 4]]), ("all_reduce", [[1]])]
     flat = course.run_ranks(_count_step, 2, args=(False,), echo=False)
     assert flat == [[("all_reduce", [[21]])]] * 2
+
+
+def _harness_diverging(rank, kind):
+    """A check's harness whose 'student code' deadlocks in one of the four ways the launcher recognises."""
+    from course import checks
+
+    checks.join_job()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if kind == "another op":
+        dist.all_reduce(t) if rank == 0 else dist.barrier()
+    elif kind == "only rank 0":
+        if rank == 0:
+            dist.all_reduce(t)
+    elif kind == "other shapes":
+        dist.all_reduce(torch.ones(2 + rank))
+    elif kind == "returns early":
+        for _ in range(1 if rank == 1 else 3):
+            dist.all_reduce(t)
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, words", [
+    ("another op", ["rank 0 waits in all_reduce #2", "rank 1 waits in barrier #2", "different collectives"]),
+    ("only rank 0", ["rank 0 waits in all_reduce #2", "rank 1 had returned from the function"]),
+    ("other shapes", ["of shape [2]", "of shape [3]", "different shapes"]),
+    ("returns early", ["rank 0 waits in all_reduce #3", "rank 1 had returned from the function"]),
+])
+def test_a_deadlocked_check_fails_in_seconds_naming_every_rank_and_line(kind, words):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(CheckFailed) as info:
+        checks.run("check_demo", _harness_diverging, 2, args=(kind,), timeout=60,
+                   hints=[("timeout", "every rank must call the same collectives")])
+    message = str(info.value)
+    assert re.match(r"FAILED check_demo \[ranks? [0-9, ]+\]: the 2-rank job deadlocked: ", message), message
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+    assert 'test_checks.py", line' in message  # each rank's own line
+    assert "try:      every rank must call the same collectives" in message and "why: " in message
+    assert time.monotonic() - start < 15, message

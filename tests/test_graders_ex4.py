@@ -301,6 +301,22 @@ def test_a_collective_only_rank0_calls_is_a_deadlock_found_in_seconds(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_worker_that_skips_the_last_step_is_a_deadlock_found_in_seconds(tmp_path):
+    """Rank 2 leaves the loop one step early (it returns, its peers wait in DDP's all-reduce)."""
+    script = write_script(tmp_path, ("        for step in range(STEPS_PER_EPOCH):\n",
+                                     "        for step in range(STEPS_PER_EPOCH - (rank == 2 and epoch == EPOCHS - 1)):\n"))
+    start = time.monotonic()
+    message = fails(ex4.check_ddp_training, script, "rank 2")
+    # found as a deadlock (rank 2 returned, the others wait), or, when rank 2's exit closes its connections
+    # first, as the others losing their peer: either way rank 2's early finish leads
+    assert ("deadlocked: rank 0 waits in all_reduce" in message and "rank 2 had returned from the function" in message) \
+        or "rank 2 (LOCAL_RANK 1, node 1, attempt 0) finished while ranks 0, 1 still waited in a collective" in message, \
+        message
+    assert time.monotonic() - start < torchrun.NODES_TIMEOUT / 3, message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_a_worker_killed_by_a_signal_is_named_first_at_once(tmp_path):
     """Rank 2 aborts in epoch 1 (as a crash inside torch would): the message names it and its last words,
     and the others as consequences, without waiting for the deadline."""

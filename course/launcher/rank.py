@@ -170,7 +170,8 @@ def _start_stall_probe(spec: dict):
                 entries = None
         frame = sys._current_frames().get(main)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        waiting = any(code in f.filename.replace(os.sep, "/") for f in stack for code in _COLLECTIVE_CODE)
+        waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in _COLLECTIVE_CODE)
+                   and not any(f.name in _JOINING for f in stack))  # a rendezvous may wait for a late peer
         site = None
         for f in reversed(stack):  # the innermost frame of the student's code
             if f.filename.startswith(("<frozen", "<string>")) or _under(f.filename, hidden + libraries):
@@ -197,6 +198,9 @@ def _start_stall_probe(spec: dict):
     return answer
 
 
+#: a main thread in these functions is joining a group (waiting in a store for its peers), not in a collective
+_JOINING = frozenset({"init_process_group", "new_group", "new_subgroups", "_new_process_group_helper",
+                      "_store_based_barrier", "rendezvous", "init_device_mesh"})
 #: an idle main thread in this code waits for a collective: torch.distributed's functions, DDP's forward
 #: (buffer broadcasts), and a backward (DDP's gradient all-reduce finishes inside it)
 _COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/graph.py")

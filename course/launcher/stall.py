@@ -193,6 +193,8 @@ def analyse(answers: dict[int, dict], returned: list[int],
         if not data.get("waiting") or not isinstance(data.get("entries"), list):
             return None  # a rank computing, sleeping or looping (or no flight recorder): the deadline decides
     last = {r: _last(data["entries"]) for r, data in answers.items()}
+    if any(entry is None for entry in last.values()):
+        return None  # a rank that has issued no collective yet is not waiting in one
     shown = {r: _latest(data["entries"]) for r, data in answers.items()}  # a send/recv is named too
     sites = {r: data.get("site") for r, data in answers.items()}
     waiting = sorted(answers)
