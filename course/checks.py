@@ -128,10 +128,9 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
     """(problem, ranks, hint, detail) of a failed job, the first rank that failed first."""
     if isinstance(err, RankStallError) and err.verdict is not None:
         v = err.verdict
-        lines = "\n".join(f"rank {r} {v.lines[r]}" for r in sorted(v.lines))
         culprits = v.waiting if v.kind == "returned" else sorted(v.lines)  # a collective the others skipped
         return (f"the {world_size}-rank job deadlocked: {v.summary}", culprits, v.hint,
-                f"where each rank was when the grader stopped the job:\n{textwrap.indent(lines, '    ')}")
+                f"where each rank was when the grader stopped the job:\n{textwrap.indent(v.lined_up, '    ')}")
     if isinstance(err, RankTimeoutError):
         return (f"the {world_size}-rank job did not finish within {err.timeout:g} s "
                 f"({rank_list(err.running)} still running, {rank_list(err.returned)} returned)",
@@ -333,14 +332,9 @@ def collectives() -> list[dict]:
         from torch._C._distributed_c10d import _dump_fr_trace
     except ImportError as exc:
         raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)") from exc
-    found = []
-    for e in pickle.loads(_dump_fr_trace()).get("entries", []):
-        group = e.get("process_group") or ("", "")
-        entry = {"op": str(e.get("profiling_name", "")).split(":")[-1], "seq": e.get("collective_seq_id"),
-                 "group": str(group[1] if len(group) > 1 else group), "sizes": e.get("input_sizes"),
-                 "dtypes": [str(d) for d in e.get("input_dtypes") or []], "p2p": bool(e.get("is_p2p"))}
-        found.append(entry)
-    return found
+    from course.launcher.stall import entry_of
+
+    return [entry_of(e) for e in pickle.loads(_dump_fr_trace()).get("entries", [])]
 
 
 def to_cpu(obj: Any) -> Any:

@@ -91,6 +91,16 @@ def _same(states: list[dict]) -> list[int]:
     return [r for r in range(1, len(states)) if any(not torch.equal(states[0][k], states[r][k]) for k in states[0])]
 
 
+def _require_same_weights(check: str, states: list[dict], where: str, hint: str) -> None:
+    """Fail ``check`` unless every rank ended with bitwise the same weights as rank 0."""
+    differ = _same(states)
+    if differ:
+        raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
+                          expected="bitwise the same weights on every rank",
+                          got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
+                          hint=hint)
+
+
 def _number(value):
     """A returned accuracy or epoch as a float, or a description of what it was instead."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -363,12 +373,8 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
                                 "in .grad until then" if many else
                                 "call optimizer.step() on the optimizer you were given, once, after the last backward"))
     states = [o["state"] for o in obs]
-    differ = _same(states)
-    if differ:
-        raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
-                          expected="bitwise the same weights on every rank",
-                          got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
-                          hint="the last micro-batch's forward and backward must run outside no_sync(): only then "
+    _require_same_weights(check, states, where,
+                          "the last micro-batch's forward and backward must run outside no_sync(): only then "
                           "does DDP all-reduce the accumulated gradients (no_sync() skips it)")
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     if _diff(states[0], reference) > ATOL:
@@ -507,12 +513,8 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
         raise CheckFailed(check, problem, ranks=err.ranks, expected="train_uneven returns on every rank",
                           got=err.problem if hung else None, hint=err.hint, detail=err.detail) from None
     states = [o["state"] for o in obs]
-    differ = _same(states)
-    if differ:
-        raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
-                          expected="bitwise the same weights on every rank",
-                          got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
-                          hint="train the DDP model on every rank, through ddp_model (not ddp_model.module); with "
+    _require_same_weights(check, states, where,
+                          "train the DDP model on every rank, through ddp_model (not ddp_model.module); with "
                           "Join, put the whole loop inside the `with`")
     initial = make_net(seed).state_dict()
     if _diff(states[0], initial) == 0:

@@ -477,10 +477,9 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         )
     if run.stall is not None:
         v = run.stall
-        lines = "\n".join(f"rank {r} {v.lines[r]}" for r in sorted(v.lines))
         return CheckFailed(
             check, f"{context}{what} deadlocked: {v.summary}", ranks=sorted(v.lines), hint=v.hint,
-            detail=f"where each worker was when the grader stopped the run (after {run.elapsed:.1f} s):\n{lines}",
+            detail=f"where each worker was when the grader stopped the run (after {run.elapsed:.1f} s):\n{v.lined_up}",
         )
     last = run.attempt(run.attempts - 1)  # the last attempt: in the restart run, attempt 0 fails by design
     raised = sorted((w for w in last if _raised(w)), key=_ended_at)
@@ -494,7 +493,7 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         return CheckFailed(
             check,
             f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
-            ranks=[first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank}),
+            ranks=_first_then_affected(first, last),
             hint=_hint_for(message) or "read the traceback below (it starts in your script)",
             detail=tb,
         )
@@ -508,7 +507,7 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         return CheckFailed(
             check,
             f"{context}{what} failed: {first.name} died ({_exit_reason(first, run)})" + _consequences(first, last, run),
-            ranks=[first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank}),
+            ranks=_first_then_affected(first, last),
             hint=("a worker killed by a signal usually crashed inside torch (SIGABRT, SIGSEGV) or was killed for "
                   "memory (SIGKILL); its own last output is below: run the same torchrun command in a terminal "
                   "to see all of it"),
@@ -567,6 +566,11 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         "to see all of it",
         detail=detail or _tail(run.log, 20),
     )
+
+
+def _first_then_affected(first: Worker, last: list[Worker]) -> list[int]:
+    """The failing worker's rank, then those of the attempt's workers that did not finish because of it."""
+    return [first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank})
 
 
 def _names(workers: list[Worker]) -> str:

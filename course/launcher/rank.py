@@ -153,19 +153,15 @@ def _start_stall_probe(spec: dict):
         _dump_fr_trace = None
     import pickle
 
+    from course.launcher.stall import entry_of
+
     loads, exists, unlink, replace = pickle.loads, os.path.exists, os.unlink, os.replace
 
     def answer() -> None:
         entries = []
         if _dump_fr_trace is not None:
             try:
-                for e in loads(_dump_fr_trace()).get("entries", [])[-16:]:
-                    group = e.get("process_group") or ("", "")
-                    entries.append({"op": str(e.get("profiling_name", "")).split(":")[-1],
-                                    "seq": e.get("collective_seq_id"), "p2p": bool(e.get("is_p2p")),
-                                    "p2p_seq": e.get("p2p_seq_id"), "sizes": e.get("input_sizes"),
-                                    "dtypes": [str(d) for d in e.get("input_dtypes") or []],
-                                    "group": str(group[1] if len(group) > 1 else group)})
+                entries = [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])[-16:]]
             except Exception:  # noqa: BLE001 - no flight recorder answer: the launcher decides nothing
                 entries = None
         frame = sys._current_frames().get(main)

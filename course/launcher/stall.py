@@ -47,7 +47,25 @@ class StallVerdict:
 
     @property
     def summary(self) -> str:
-        return "; ".join(f"rank {r} {self.lines[r]}" for r in sorted(self.lines))
+        return "; ".join(self._lined_up())
+
+    @property
+    def lined_up(self) -> str:
+        """One line per rank: "rank 0 waits in all_reduce #3 (...)"."""
+        return "\n".join(self._lined_up())
+
+    def _lined_up(self) -> list[str]:
+        return [f"rank {r} {self.lines[r]}" for r in sorted(self.lines)]
+
+
+def entry_of(raw: dict) -> dict:
+    """One flight-recorder entry (torch's dump) in the shape every reader here uses:
+    op, seq, group, sizes, dtypes, p2p, p2p_seq."""
+    group = raw.get("process_group") or ("", "")
+    return {"op": str(raw.get("profiling_name", "")).split(":")[-1], "seq": raw.get("collective_seq_id"),
+            "group": str(group[1] if len(group) > 1 else group), "sizes": raw.get("input_sizes"),
+            "dtypes": [str(d) for d in raw.get("input_dtypes") or []], "p2p": bool(raw.get("is_p2p")),
+            "p2p_seq": raw.get("p2p_seq_id")}
 
 
 def _cpu_seconds(pid: int) -> float | None:
