@@ -42,7 +42,7 @@ import torch
 from course import checks
 from course.checks import CheckFailed
 from course.errors import explain, rank_list, were
-from course.launcher.stall import StallVerdict, StallWatch
+from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
 
 CRASH_RANK = 1
 CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
@@ -253,11 +253,14 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
 
 def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> StallVerdict | None:
     """Wait for the agents to end or the deadline; a deadlock in the workers' collectives ends it at once."""
-    watch, members, starts = None, None, {}
+    watch, members, starts, next_look = None, None, {}, 0.0
     while time.monotonic() < deadline:
         if all(proc.poll() is not None for proc in procs):
             return None
         time.sleep(0.05)
+        if time.monotonic() < next_look:
+            continue  # the agents are polled often; the workers' logs only as often as the watch samples
+        next_look = time.monotonic() + SAMPLE
         workers = _live_attempt(probe_dir, starts)
         if not workers:
             continue
