@@ -23,7 +23,7 @@ def number(pattern: str, text: str) -> float:
 
 
 def test_clean_run_with_plots_summary_and_quick_check(nb):
-    assert_clean_run(nb, images=3)
+    assert_clean_run(nb, images=5)
     assert_summary_and_quick_check(nb, answers=3)
 
 
@@ -44,7 +44,7 @@ def test_collectives_give_what_each_rank_should_hold(nb):
     [ws] = world_sizes(text)
     assert ws >= 2
     blocks = {}
-    for op in ["broadcast", "all_reduce", "all_gather"]:
+    for op in ["broadcast", "all_reduce", "all_gather", "reduce_scatter"]:
         block = re.search(rf"^{op}:\n((?:  rank .*\n?)+)", text, re.M)
         assert block, f"no {op} block in:\n{text}"
         rows = re.findall(r"rank (\d+): before (\[.*?\]) -> after (.*)", block.group(1))
@@ -57,6 +57,10 @@ def test_collectives_give_what_each_rank_should_hold(nb):
         assert blocks["broadcast"][rank][1] == before[0]
         assert blocks["all_reduce"][rank][1] == pytest.approx(total)
         assert blocks["all_gather"][rank][1] == before
+    pieces = [b for b, _ in blocks["reduce_scatter"]]
+    assert all(len(p) == ws for p in pieces), "each rank passes world_size pieces to reduce_scatter"
+    piece_sums = [sum(col) for col in zip(*pieces)]
+    assert [after for _, after in blocks["reduce_scatter"]] == [[piece_sums[rank]] for rank in range(ws)]
 
 
 def test_data_parallel_by_hand_matches_one_process(nb):
@@ -132,3 +136,42 @@ def test_the_timeline_shows_the_late_rank_keeping_the_others_waiting(nb):
     waited = {int(r): float(s) for r, s in re.findall(r"(\d+): ([\d.]+)", text.split("collectives:", 1)[1])}
     assert sorted(waited) == [0, 1, 2, 3]
     assert all(waited[r] >= 0.1 for r in (0, 1, 3)), waited  # 3 collectives x 60 ms of waiting, minus noise
+
+
+def has_plot(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.outputs)
+
+
+def test_the_hand_written_ring_sends_exactly_2_n_minus_1_over_n_p_and_matches_all_reduce(nb):
+    cell = cell_with(nb, "run_ranks(ring_vs_all_reduce")
+    text = stdout_of(cell)
+    P = int(re.search(r"^P = (\d+)$", cell.source, re.M).group(1))
+    rows = re.findall(r"^N=(\d+): values sent per rank (\[.*?\]), formula 2\(N-1\)/N x P = (\S+); "
+                      r"ring == all_reduce on every rank: (True|False)$", text, re.M)
+    ns = [int(n) for n, *_ in rows]
+    assert world_sizes(text) == ns and {2, 3, 4} <= set(ns), text
+    for n, sent, formula, equal in rows:
+        n, sent = int(n), ast.literal_eval(sent)
+        assert P % n == 0, f"P={P} must be divisible by N={n} for the exact figure"
+        exact = 2 * (n - 1) * P // n
+        assert sent == [exact] * n, f"N={n}: ranks sent {sent}, the ring sends exactly 2(N-1)/N x P = {exact}"
+        assert float(formula) == exact and equal == "True"
+    halves = re.findall(r"^without the all-gather, N=(\d+): values sent per rank (\[.*?\]); == all_reduce on some "
+                        r"rank: (True|False); own chunk fully summed on every rank: (True|False)$", text, re.M)
+    assert [int(n) for n, *_ in halves] == ns
+    for n, sent, equal, own in halves:
+        n = int(n)
+        assert ast.literal_eval(sent) == [(n - 1) * P // n] * n
+        assert (equal, own) == ("False", "True"), f"N={n}: a reduce-scatter alone must not pass for an all-reduce"
+    assert has_plot(cell_with(nb, "ax.plot(ns, [course.commcost.ring_sent(P, n) for n in ns]"))
+
+
+def test_all_reduce_is_timed_against_message_size_on_two_ranks(nb):
+    cell = cell_with(nb, "run_ranks(time_all_reduce")
+    text = stdout_of(cell)
+    assert world_sizes(text) == [2]
+    rows = [(int(n), float(ms)) for n, ms in re.findall(r"all_reduce of +(\d+) values \(.*?\): +(\S+) ms", text)]
+    assert [n for n, _ in rows] == [4**k for k in range(3, 12)]
+    assert all(ms > 0 for _, ms in rows)
+    assert rows[-1][1] > rows[0][1], f"16 MB should take longer than 256 bytes: {rows}"
+    assert has_plot(cell)
