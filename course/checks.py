@@ -314,27 +314,44 @@ def join_job():
     return dev
 
 
-def collectives() -> list[dict]:
-    """In a harness: the collectives this rank has issued so far, oldest first, as torch's flight recorder saw them.
+def _flight_recorder() -> Callable[[], list[dict]]:
+    """:func:`collectives`, with torch's dump function, ``pickle.loads`` and the entry reader taken now.
 
-    Each is ``{"op": "all_reduce", "seq": 5, "group": "default_pg", "sizes": [[49]], "dtypes": ["Float"],
-    "p2p": False}``, DDP's own (bucket all-reduces, buffer broadcasts) and the student's alike;
-    ``since``: only those with a sequence number above it (take ``collectives()[-1]["seq"]`` before
-    the student's step, then count what the step issued). The launcher turns the recorder on
-    (``TORCH_FR_BUFFER_SIZE``); what it records cannot be faked by patching ``torch.distributed``
-    (it is written by the process group itself), only by really communicating. On gloo the
-    entries stay "scheduled": they say what was issued, not when it completed. A torch without
-    the flight recorder raises RuntimeError.
-    """
+    ``course.checks`` is imported in a rank (as a harness's import) before any student object is
+    unpickled, so code the student runs later cannot swap what this closure calls: patching
+    ``torch._C._distributed_c10d._dump_fr_trace``, ``pickle.loads`` or this module's globals changes
+    nothing here."""
     import pickle
+
+    from course.launcher.stall import entry_of
 
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError as exc:
-        raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)") from exc
-    from course.launcher.stall import entry_of
+    except ImportError:
+        _dump_fr_trace = None
+    loads = pickle.loads
 
-    return [entry_of(e) for e in pickle.loads(_dump_fr_trace()).get("entries", [])]
+    def collectives() -> list[dict]:
+        """In a harness: the collectives this rank has issued so far, oldest first, as torch's flight recorder saw them.
+
+        Each is ``{"op": "all_reduce", "seq": 5, "group": "default_pg", "sizes": [[49]], "dtypes": ["Float"],
+        "p2p": False}``, DDP's own (bucket all-reduces, buffer broadcasts) and the student's alike;
+        to count what a student's step issued, take ``collectives()[-1]["seq"]`` before it and keep
+        the entries with a higher sequence number afterwards. The launcher turns the recorder on
+        (``TORCH_FR_BUFFER_SIZE``); what it records cannot be faked by patching ``torch.distributed``
+        (it is written by the process group itself), only by really communicating. On gloo the
+        entries stay "scheduled": they say what was issued, not when it completed. A torch without
+        the flight recorder raises RuntimeError. The references it uses are taken when this module is
+        imported (:func:`_flight_recorder`).
+        """
+        if _dump_fr_trace is None:
+            raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
+        return [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])]
+
+    return collectives
+
+
+collectives = _flight_recorder()
 
 
 def to_cpu(obj: Any) -> Any:
