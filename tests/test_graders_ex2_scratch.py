@@ -1,0 +1,542 @@
+"""Exercise 2's third notebook (ddp_from_scratch): each check catches its class of mistake, on every rank, and only that one.
+
+The checks are called directly with wrapper classes defined here: the notebook's reference, right answers
+in other styles (a plain class, tensor hooks, torch's flatten helpers, futures, torch's own DDP inside),
+realistic mistakes (each must fail the checks it breaks, with a message that names it, and pass the
+others) and forgeries. The notebook itself is graded in tests/test_exercise_notebooks-style tests below.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graders.ex2_scratch as ex2s
+from course.checks import TIMEOUT_ENV
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A = "ex2-ddp-basics"
+NB = "ddp_from_scratch"
+HANG_TIMEOUT = 6
+HIDDEN = {"bucket_size_mb": 0.0015, "world_size": 3, "width": 24, "seed": 1}
+
+fails = submissions.fails
+
+
+# --- the reference (the notebook's solution) ---------------------------------------------------------
+
+
+class NaiveDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        world_size = dist.get_world_size()
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+
+
+def _buckets(params, bucket_size_mb):
+    limit = bucket_size_mb * 2**20
+    buckets, current, size = [], [], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedDDP(nn.Module):
+    """The reference; its keyword switches make the realistic mistakes below (one thing changed each)."""
+
+    def __init__(self, module, bucket_size_mb, *, broadcast=True, average=True, per_param=False, launch_unfilled=True,
+                 in_hooks=True, wait_in_finish=True, rank_order=False):
+        super().__init__()
+        self.module = module
+        self.average, self.launch_unfilled, self.in_hooks, self.wait_in_finish = (
+            average, launch_unfilled, in_hooks, wait_in_finish)
+        if broadcast:
+            for p in module.parameters():
+                dist.broadcast(p.data, src=0)
+        self.buckets = [[p] for p in reversed(list(module.parameters()))] if per_param else _buckets(
+            module.parameters(), bucket_size_mb)
+        if rank_order and dist.get_rank() % 2 == 1:
+            self.buckets.reverse()  # another order on odd ranks: the all-reduces no longer match
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._reset()
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _reset(self):
+        self.waiting = [len(b) for b in self.buckets]
+        self.pending = {}
+
+    def _grad_ready(self, p):
+        i = self.bucket_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0 and self.in_hooks:
+            self._launch(i)
+
+    def _launch(self, i):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.pending[i] = (dist.all_reduce(flat, async_op=True), flat)
+
+    def forward(self, *args, **kwargs):
+        if not self.wait_in_finish:
+            self._wait()  # the previous step's handles: after its optimizer.step()
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for i in range(len(self.buckets)):
+            if i not in self.pending and self.launch_unfilled:
+                self._launch(i)
+        if self.wait_in_finish:
+            self._wait()
+
+    def _wait(self):
+        world_size = dist.get_world_size()
+        for i, (work, flat) in sorted(self.pending.items()):
+            work.wait()
+            if self.average:
+                flat /= world_size
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self._reset()
+
+
+# --- right answers in other styles -------------------------------------------------------------------
+
+
+class NaiveFlat:
+    """Right: a plain class (no nn.Module), torch's flatten helpers, ONE all-reduce of every gradient (the
+    naive part asks for no particular number), broadcast of one flat vector."""
+
+    def __init__(self, module):
+        self.module = module
+        params = list(module.parameters())
+        flat = _flatten_dense_tensors([p.data for p in params])
+        dist.broadcast(flat, 0)
+        for p, value in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
+            p.data.copy_(value)
+
+    def __call__(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors([p.grad for p in params]) / dist.get_world_size()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+            p.grad.copy_(g)
+
+
+class NaiveAsyncPerParam(nn.Module):
+    """Right: parameters_to_vector for the broadcast, async all-reduces of pre-divided gradients, waited together."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        vec = nn.utils.parameters_to_vector(module.parameters()).detach()
+        dist.broadcast(vec, src=0)
+        with torch.no_grad():
+            nn.utils.vector_to_parameters(vec, module.parameters())
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        works = []
+        for p in self.module.parameters():
+            if p.grad is None:
+                continue
+            p.grad.div_(dist.get_world_size())
+            works.append(dist.all_reduce(p.grad, async_op=True))
+        for w in works:
+            w.wait()
+
+
+class TorchDDPInside:
+    """torch's own DDP behind the interface: shows that the checks' reference is what DDP computes."""
+
+    def __init__(self, module, bucket_size_mb=None):
+        self.ddp = DDP(module, find_unused_parameters=True)
+
+    def __call__(self, x):
+        return self.ddp(x)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+class BucketedFutures:
+    """Right, another style (Horovod's and apex's): a plain class, hooks on each parameter's AccumulateGrad node
+    (they run once the gradient is in `.grad`), buckets by named_parameters, pre-divided buckets whose futures
+    copy back (`.then`), one torch.futures.wait_all. (A tensor hook, `p.register_hook`, would be wrong here:
+    it runs before the gradient is accumulated, so an all-reduce that finished first would be added to:
+    a race, that the checks catch when the race is lost; the notebook asks for post-accumulate hooks.)"""
+
+    def __init__(self, module, bucket_size_mb):
+        self.module = module
+        with torch.no_grad():
+            for _, p in module.named_parameters():
+                dist.broadcast(p, 0)
+        self.buckets = _buckets([p for _, p in module.named_parameters()], bucket_size_mb)
+        self.ready = set()
+        self.futures = []
+        self.nodes = []  # the AccumulateGrad nodes must stay alive for their hooks to fire
+        for i, bucket in enumerate(self.buckets):
+            for p in bucket:
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                node.register_hook(self._hook(i, p))
+                self.nodes.append(node)
+
+    def _hook(self, i, p):
+        def hook(*_):
+            self.ready.add(p)
+            if all(q in self.ready for q in self.buckets[i]):
+                self._launch(i)
+        return hook
+
+    def _launch(self, i):
+        bucket = self.buckets[i]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([g.flatten() for g in grads]) / dist.get_world_size()
+        work = dist.all_reduce(flat, async_op=True)
+
+        def copy_back(fut, bucket=bucket):
+            out, offset = fut.value()[0], 0
+            for p in bucket:
+                p.grad = out[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+        self.futures.append((i, work.get_future().then(copy_back)))
+
+    def __call__(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        launched = {i for i, _ in self.futures}
+        for i in range(len(self.buckets)):
+            if i not in launched:
+                self._launch(i)
+        torch.futures.wait_all([f for _, f in self.futures])
+        self.futures, self.ready = [], set()
+
+
+# --- mistakes ----------------------------------------------------------------------------------------
+
+
+class NaiveNoBroadcast(NaiveDDP):
+    def __init__(self, module):
+        nn.Module.__init__(self)
+        self.module = module
+
+
+class NaiveAveragedStart(NaiveDDP):
+    """Averages the ranks' initial weights instead of taking rank 0's."""
+
+    def __init__(self, module):
+        nn.Module.__init__(self)
+        self.module = module
+        for p in module.parameters():
+            dist.all_reduce(p.data)
+            p.data /= dist.get_world_size()
+
+
+class NaiveSum(NaiveDDP):
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+
+class NaiveNoneCrash(NaiveDDP):
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+def _variant(**switches):
+    class Variant(BucketedDDP):
+        def __init__(self, module, bucket_size_mb):
+            super().__init__(module, bucket_size_mb, **switches)
+
+    return Variant
+
+
+PerParam = _variant(per_param=True)
+Summed = _variant(average=False)
+NoBroadcast = _variant(broadcast=False)
+Unfilled = _variant(launch_unfilled=False)
+AfterBackward = _variant(in_hooks=False)  # right buckets, all launched in finish: no overlap
+AfterStep = _variant(wait_in_finish=False)  # waits on the handles in the next forward, after step()
+RankOrder = _variant(rank_order=True)
+
+
+class OneBucket(BucketedDDP):
+    """Every gradient in one flat all-reduce after backward."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, 1e9, in_hooks=False)
+
+
+class WaitsForever(BucketedDDP):
+    """Waits until every bucket was launched from a hook: the one with an unused parameter never is."""
+
+    def finish_gradient_synchronization(self):
+        self.ready = getattr(self, "ready", threading.Event())
+        while len(self.pending) < len(self.buckets):
+            self.ready.wait(0.05)
+        self._wait()
+
+
+class FakeOverlap(BucketedDDP):
+    """Forgery: an extra all-reduce of zeros launched from the last layer's hook, the real buckets after backward."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb, in_hooks=False)
+        last = list(module.parameters())[-1]
+        self.fake = []
+        last.register_post_accumulate_grad_hook(
+            lambda p: self.fake.append(dist.all_reduce(torch.zeros(p.numel()), async_op=True)))
+
+
+class FakeOverlapEmpty(BucketedDDP):
+    """Forgery: an all-reduce of an EMPTY tensor from the last layer's hook (adds no values to the total)."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb, in_hooks=False)
+        last = list(module.parameters())[-1]
+        self.fake = []
+        last.register_post_accumulate_grad_hook(lambda p: self.fake.append(dist.all_reduce(torch.zeros(0), async_op=True)))
+
+
+class ForgedRecorder(BucketedDDP):
+    """Forgery: communicates nothing, but replaces torch's flight-recorder dump (and pickle.loads) with ones that
+    show the wanted all-reduces, launched early, and makes torch.distributed say this is a 1-rank job."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb, in_hooks=False)
+        import pickle
+
+        import torch._C._distributed_c10d as c10d_C
+        from torch.distributed import distributed_c10d as c10d
+
+        sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        entries = [{"profiling_name": "gloo:all_reduce", "collective_seq_id": 10**6 + i, "input_sizes": [[n]],
+                    "process_group": ("0", "default_pg")} for i, n in enumerate(sizes)]
+        fake = pickle.dumps({"entries": entries})
+        c10d_C._dump_fr_trace = lambda *a, **k: fake
+        pickle.loads = lambda *a, **k: {"entries": entries}
+        c10d.get_world_size = dist.get_world_size = lambda group=None: 1
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+# --- the tests ----------------------------------------------------------------------------------------
+
+
+def test_bucket_rule_and_test_models():
+    mlp = ex2s.make_model("mlp", 0)
+    assert ex2s.buckets_of(mlp, 0.001) == [["l3.bias", "l3.weight", "l2.bias"], ["l2.weight"], ["l1.bias", "l1.weight"]]
+    assert ex2s.buckets_of(mlp, 1.0) == [[n for n, _ in reversed(list(mlp.named_parameters()))]]
+    assert len(ex2s.buckets_of(mlp, 1e-9)) == 6  # every parameter bigger than the limit: a bucket each
+    tied = ex2s.make_model("tied", 0)
+    assert tied.head.weight is tied.embed.weight and len(list(tied.parameters())) == 3
+    for kwargs in ({"bucket_size_mb": 0.001, "width": 16}, {"bucket_size_mb": HIDDEN["bucket_size_mb"], "width": 24}):
+        buckets = ex2s.buckets_of(ex2s.make_model("unused", 0, kwargs["width"]), kwargs["bucket_size_mb"])
+        assert any(any(n.startswith("spare.") for n in b) and not all(n.startswith("spare.") for n in b) for b in buckets)
+        assert len(ex2s.buckets_of(ex2s.make_model("mlp", 0, kwargs["width"]), kwargs["bucket_size_mb"])) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_and_other_styles_pass_every_check():
+    for cls in (NaiveDDP, NaiveFlat, NaiveAsyncPerParam):
+        ex2s.check_broadcast(cls)
+        ex2s.check_naive(cls)
+    ex2s.check_naive(NaiveDDP, world_size=3, width=24, seed=1)
+    for cls in (BucketedDDP, BucketedFutures):
+        for kwargs in ({}, HIDDEN):
+            ex2s.check_broadcast(cls, **{k: v for k, v in {"bucket_size_mb": 0.001, **kwargs}.items()})
+            ex2s.check_bucketed(cls, **kwargs)
+            ex2s.check_buckets(cls, **kwargs)
+            ex2s.check_overlap(cls, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torch_ddp_itself_meets_the_reference():
+    """The checks' one-process reference is torch's DDP: DDP behind the interface passes the training checks
+    (its buckets follow its own rule, so check_buckets is not asked of it)."""
+    ex2s.check_naive(TorchDDPInside)
+    ex2s.check_bucketed(TorchDDPInside, **HIDDEN)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_naive_mistakes():
+    fails(ex2s.check_broadcast, NaiveNoBroadcast, "[rank 1]", "does not hold rank 0's weights",
+          "still hold this rank's own initial values", "dist.broadcast(p.data, src=0)")
+    fails(ex2s.check_broadcast, NaiveAveragedStart, "[rank 0]", "hold other values", "do not average")
+    ex2s.check_naive(NaiveNoBroadcast)  # same-seeded ranks: the broadcast is judged only by check_broadcast
+    ex2s.check_broadcast(NaiveSum)
+    fails(ex2s.check_naive, NaiveSum, "[rank 0]", "not the ranks' average", "SUM over the 2 ranks",
+          "divide by the world size")
+    fails(ex2s.check_naive, NaiveNoneCrash, "NoneType", "`spare`", "Skip it")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bucketed_mistakes_lose_exactly_their_checks():
+    # one all-reduce per parameter: right weights and overlap, wrong communication
+    ex2s.check_bucketed(PerParam)
+    ex2s.check_overlap(PerParam)
+    fails(ex2s.check_buckets, PerParam, "6 all-reduces", "one all-reduce per parameter", "3 all-reduces carrying")
+    # everything in one all-reduce after backward
+    ex2s.check_bucketed(OneBucket)
+    fails(ex2s.check_buckets, OneBucket, "1 all-reduces carrying 435", "every gradient in one all-reduce")
+    fails(ex2s.check_overlap, OneBucket, "no all-reduce had started", "register_post_accumulate_grad_hook")
+    # right buckets, launched synchronously after backward
+    ex2s.check_bucketed(AfterBackward)
+    ex2s.check_buckets(AfterBackward)
+    fails(ex2s.check_overlap, AfterBackward, "no all-reduce had started", "0 all-reduces launched before `l1.weight`")
+    # sums
+    ex2s.check_buckets(Summed)
+    ex2s.check_overlap(Summed)
+    fails(ex2s.check_bucketed, Summed, "SUM over the 2 ranks")
+    # no broadcast
+    fails(ex2s.check_broadcast, NoBroadcast, "[rank 1]", "own initial values", bucket_size_mb=0.001)
+    ex2s.check_bucketed(NoBroadcast)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stale_gradients_and_unfilled_buckets():
+    fails(ex2s.check_bucketed, AfterStep, "not the ranks' average", "this rank's own gradients", "work.wait()")
+    ex2s.check_buckets(AfterStep)
+    msg = fails(ex2s.check_bucketed, Unfilled, "share a bucket with `spare`", "never filled", "zeros")
+    assert "l2.weight" in msg or "l1." in msg, msg
+    ex2s.check_buckets(Unfilled)  # the plain MLP fills every bucket
+    ex2s.check_overlap(Unfilled)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_bucket_that_never_fills_fails_within_the_timeout(monkeypatch):
+    import time
+
+    monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
+    started = time.monotonic()
+    fails(ex2s.check_bucketed, WaitsForever, "did not finish within 6 s", "unused in forward",
+          "launch the all-reduce of every bucket not launched yet")
+    assert time.monotonic() - started < HANG_TIMEOUT + 20
+    ex2s.check_buckets(WaitsForever)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_buckets_in_another_order_on_some_ranks_are_reported_not_hung(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "20")
+    msg = fails(ex2s.check_bucketed, RankOrder, "tensors of different sizes", "formed different buckets",
+                "the same on every rank")
+    assert "did not finish within" not in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_forgeries_do_not_pass():
+    fails(ex2s.check_overlap, FakeOverlap, "did not carry every gradient value once", "438 values in 4 all-reduces")
+    fails(ex2s.check_overlap, FakeOverlapEmpty, "no all-reduce had started")
+    fails(ex2s.check_buckets, ForgedRecorder, "did not all-reduce one flat tensor per bucket", "0 all-reduces",
+          "no all-reduce ran in this step")
+    fails(ex2s.check_bucketed, ForgedRecorder, "this rank's own gradients")
+    fails(ex2s.check_overlap, ForgedRecorder, "did not carry every gradient value once", "0 values")
+
+
+# --- the notebook ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    report = submissions.grade(submissions.source_path(A, NB))
+    assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    student = submissions.untouched_student_copy(A, tmp_path, NB)
+    report = submissions.grade(student)
+    assert report.score == 0 and report.max_score == sum(submissions.full_marks(A, NB).values())
+    for t in report.tests:
+        assert "is not written yet" in t.message and "__init__" in t.message, t
+        assert "Traceback" not in t.message and "graders/" not in t.message, t
+
+
+WRONG = {
+    # name: (answer cell, old text, new text, the test cells that must fail, words the first one's message contains)
+    "no broadcast": ("ex2s_naive", "            dist.broadcast(p.data, src=0)  # in place: every rank now holds rank 0's values",
+                     "            pass", ["ex2s_test_broadcast_naive"], ["own initial values"]),
+    "gradients summed, not averaged": ("ex2s_naive", "                p.grad /= world_size\n", "",
+                                       ["ex2s_test_naive"], ["SUM over the 2 ranks"]),
+    "one all-reduce per parameter": (
+        "ex2s_bucketed", "            if current and size + nbytes > limit:", "            if current:",
+        ["ex2s_test_buckets"], ["one all-reduce per parameter"]),
+    "all-reduced after backward, not from the hooks": (
+        "ex2s_bucketed", "            if self.waiting[i] == 0:  # the bucket's last gradient: send it while backward goes on",
+        "            if False:", ["ex2s_test_overlap"], ["no all-reduce had started"]),
+    "waits on the handles after step()": (
+        "ex2s_bucketed", "        for i, (work, flat) in sorted(self.launched.items()):\n            work.wait()\n",
+        "        for i, (work, flat) in sorted(self.launched.items()):\n", ["ex2s_test_bucketed"], ["not the ranks' average"]),
+    "bucket sums not averaged": ("ex2s_bucketed", "            flat /= world_size\n", "",
+                                 ["ex2s_test_bucketed"], ["SUM over the 2 ranks"]),
+    "unfilled buckets never launched": ("ex2s_bucketed", "                self.launch(i)\n        world_size",
+                                        "                pass\n        world_size",
+                                        ["ex2s_test_bucketed"], ["share a bucket with `spare`"]),
+    "buckets in another order on odd ranks": (
+        "ex2s_bucketed", "        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for",
+        "        if dist.get_rank() % 2:\n            self.buckets.reverse()\n"
+        "        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for",
+        # the hooks still launch in gradient order; only the unfilled buckets, launched by index, then differ
+        ["ex2s_test_bucketed"], ["formed different buckets"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
+    grade_id, old, new, failing, words = WRONG[name]
+    nb = submissions.patch_answer(submissions.load(A, NB), grade_id, old, new)
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, failing, words, notebook=NB)
