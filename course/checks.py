@@ -121,7 +121,9 @@ def run(
                 detail = f"{detail}\nwhy: {found}"
             hint = advice
             break
-    raise CheckFailed(check, problem, ranks=ranks, hint=hint, detail=detail)
+    failure = CheckFailed(check, problem, ranks=ranks, hint=hint, detail=detail)
+    failure.hung = hung  # a check that judges what happened before the end can still do so
+    raise failure
 
 
 def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int], str, str]:

@@ -163,7 +163,11 @@ class CheckFailed(AssertionError):
 
     ``FAILED check_x [rank 1]: problem``, then what was expected, what happened, what to try,
     and a detail (a traceback from the student's code, where stuck ranks waited).
+    ``hung``: the failure is a job that did not finish (past its deadline, or deadlocked), not a crash
+    (set by :func:`course.checks.run`).
     """
+
+    hung: bool = False
 
     def __init__(
         self,

@@ -1,0 +1,197 @@
+"""Exercise 2's fourth notebook (debug_training): each bug fixed is graded on its own, by what the job did.
+
+The script given to students (exercises/ex2-ddp-basics/buggy_training.py) is the source of every
+variant here: the four fixes applied one by one, other correct ways to fix each bug, and wrong fixes.
+Each must pass exactly the checks of the bugs it fixes, with messages that name the symptom.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import submissions
+
+import graders.ex2_debug as ex2d
+
+A = "ex2-ddp-basics"
+NB = "debug_training"
+BUGGY = (Path(submissions.EXERCISES) / A / "buggy_training.py").read_text()
+HIDDEN = {"world_size": 3, "n_train": 30, "n_val": 13, "seed": 1}
+CHECKS = {"shuffle": ex2d.check_shuffle, "metric": ex2d.check_metric, "checkpoint": ex2d.check_checkpoint,
+          "finishes": ex2d.check_finishes}
+
+fails = submissions.fails
+
+# each bug's fix: (old text of the given script, new text)
+FIX = {
+    "shuffle": ("        ddp_model.train()\n", "        sampler.set_epoch(epoch)\n        ddp_model.train()\n"),
+    "metric": ("    accuracy = torch.tensor([correct / len(share)], device=device)\n    dist.all_reduce(accuracy)\n"
+               "    return accuracy.item() / world_size",
+               "    counts = torch.tensor([float(correct), float(len(share))], device=device)\n"
+               "    dist.all_reduce(counts)\n    return (counts[0] / counts[1]).item()"),
+    "checkpoint": ('"model": ddp_model.state_dict()}', '"model": ddp_model.module.state_dict()}'),
+    "finishes": ("        dist.barrier()  # the other ranks", "    dist.barrier()  # the other ranks"),
+}
+
+# other right fixes of the same bugs
+OTHER_FIX = {
+    "shuffle": ("    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)\n\n    for epoch in range(epochs):\n",
+                "\n    for epoch in range(epochs):\n        sampler = DistributedSampler(train_set, num_replicas=world_size, "
+                "rank=rank, seed=1000 + epoch)\n        loader = DataLoader(train_set, batch_size=batch_size, "
+                "sampler=sampler)\n"),
+    "metric": ("    accuracy = torch.tensor([correct / len(share)], device=device)\n    dist.all_reduce(accuracy)\n"
+               "    return accuracy.item() / world_size",
+               "    everyone = [None] * world_size\n    dist.all_gather_object(everyone, (correct, len(share)))\n"
+               "    return sum(c for c, _ in everyone) / sum(n for _, n in everyone)"),
+    "checkpoint": ('"model": ddp_model.state_dict()}, ckpt_path)',
+                   '"model": {k.removeprefix("module."): v for k, v in ddp_model.state_dict().items()}}, ckpt_path)'),
+    "finishes": ("        dist.barrier()  # the other ranks must not go on before the checkpoint is written",
+                 "    flag = torch.ones(1)\n    dist.all_reduce(flag)  # every rank waits for rank 0's save"),
+}
+
+# wrong fixes: (edits, the check that must fail, words in its message)
+WRONG_FIX = {
+    "set_epoch with a constant": (("        ddp_model.train()\n", "        sampler.set_epoch(7)\n        ddp_model.train()\n"),
+                                  "shuffle", ["the same samples in the same order"]),
+    "a shuffle per rank": (("        ddp_model.train()\n", "        sampler.set_epoch(epoch + rank)\n        ddp_model.train()\n"),
+                           "shuffle", ["never trained on"]),
+    "the barrier removed": (("        dist.barrier()  # the other ranks must not go on before the checkpoint is written\n",
+                             ""), "finishes", ["returned from main before the checkpoint was complete"]),
+    "rank 0's share only": (("    dist.all_reduce(accuracy)\n    return accuracy.item() / world_size",
+                             "    return accuracy.item()"), "metric", ["logged an accuracy the model does not have"]),
+}
+
+
+def _script(source: str, name: str):
+    """``main`` of a script variant, as a module the ranks get by value."""
+    module = types.ModuleType(f"debug_variant_{name}")
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)  # noqa: S102 - our own test scripts
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
+    return module.main
+
+
+def _edit(source: str, *edits) -> str:
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
+def _fixed(*bugs, other=()):
+    return _edit(BUGGY, *(FIX[b] for b in bugs), *(OTHER_FIX[b] for b in other))
+
+
+def test_the_given_script_is_the_solution_with_four_bugs():
+    """The reference solution in the notebook is the given script with exactly the four fixes."""
+    nb = submissions.load(A, NB)
+    solution = submissions.answer(nb, "ex2d_script")
+    body = "\n".join(line for line in solution.splitlines() if "### " not in line)
+    fixed = _fixed(*FIX).replace("sampler.set_epoch(epoch)\n", "sampler.set_epoch(epoch)  # a new shuffle every "
+                                 "epoch, the same on every rank\n").replace(
+        "    dist.all_reduce(counts)\n", "    dist.all_reduce(counts)  # the totals over all ranks\n")
+    code = "\n".join(line for line in fixed.splitlines() if not line.startswith("#")).strip()
+    assert code == body.strip()
+
+
+def test_the_validation_shares_differ_in_size():
+    """For the sizes the tests use, the ranks' validation shares differ in size: what makes the mean of per-rank
+    accuracies differ from the accuracy (test_the_given_script_fails_with_the_symptoms shows it does)."""
+    for n_val, world_size in [(11, 2), (13, 3)]:
+        assert len({len(range(r, n_val, world_size)) for r in range(world_size)}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_each_fix_is_graded_on_its_own():
+    """The given script fails all four checks; with any one bug fixed, exactly that check passes."""
+    for bug in [None, *FIX]:
+        main = _script(_fixed(bug) if bug else BUGGY, f"only_{bug}")
+        for name, check in CHECKS.items():
+            if name == bug:
+                check(main)
+            else:
+                fails(check, main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_given_script_fails_with_the_symptoms():
+    main = _script(BUGGY, "buggy")
+    fails(ex2d.check_shuffle, main, "epochs 1 and 2 fed rank 0's model the same samples in the same order",
+          "repeats the first one's order")
+    fails(ex2d.check_metric, main, "logged an accuracy the model does not have", "mean of the ranks' own accuracies",
+          "check_finishes says why")
+    fails(ex2d.check_checkpoint, main, "does not load into the model without DDP", "Unexpected key(s)", "module.0.weight",
+          "wrapper's prefix")
+    fails(ex2d.check_finishes, main, "deadlocked", "rank 0 waits in barrier", "rank 1 had returned",
+          "a collective runs only when every rank calls it")
+    for check in CHECKS.values():
+        fails(check, main, **HIDDEN)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_other_right_fixes_pass():
+    main = _script(_fixed(other=list(OTHER_FIX)), "other_fixes")
+    for check in CHECKS.values():
+        check(main)
+        check(main, **HIDDEN)
+    # and the fixes mixed with the reference's
+    for mix in itertools.islice(itertools.combinations(FIX, 2), 2):
+        main = _script(_fixed(*mix, other=[b for b in FIX if b not in mix]), f"mix_{'_'.join(mix)}")
+        for check in CHECKS.values():
+            check(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(WRONG_FIX))
+def test_wrong_fixes_fail_their_check(name):
+    edit, failing, words = WRONG_FIX[name]
+    bugs = [b for b in FIX if b != failing]
+    main = _script(_edit(_fixed(*bugs), edit), name.replace(" ", "_").replace("'", ""))
+    for check_name, check in CHECKS.items():
+        if check_name == failing:
+            fails(check, main, *words)
+        else:
+            check(main)
+
+
+# --- the notebook ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    report = submissions.grade(submissions.source_path(A, NB))
+    assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    student = submissions.untouched_student_copy(A, tmp_path, NB)
+    report = submissions.grade(student)
+    assert report.score == 0 and report.max_score == sum(submissions.full_marks(A, NB).values())
+    for t in report.tests:
+        assert "is not written yet" in t.message, t
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_loaded_buggy_script_scores_zero_with_symptoms(tmp_path):
+    """What a student who ran `%load buggy_training.py` and changed nothing submits."""
+    nb = submissions.replace_answer(submissions.load(A, NB), "ex2d_script", "# %load buggy_training.py\n" + BUGGY)
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    assert report.score == 0, submissions.messages(report)
+    got = submissions.messages(report)
+    assert "the same samples in the same order" in got["ex2d_test_shuffle"]
+    assert "mean of the ranks' own accuracies" in got["ex2d_test_metric"]
+    assert "does not load into the model without DDP" in got["ex2d_test_checkpoint"]
+    assert "deadlocked" in got["ex2d_test_finishes"]
