@@ -31,13 +31,14 @@ from course.sandbox.linux import (
     make_undumpable,
     marked_processes,
     namespaces_available,
+    rootless_available,
     uid_processes,
 )
 
 __all__ = [
     "HOME_DIR", "KERNEL_DIR", "TOKEN_ENV", "UID_RANGE", "GiB", "Limits", "MiB", "Sandbox", "SandboxKernelManager",
     "course_paths", "default_hidden", "describe", "kill_tree", "kill_uid", "make_undumpable", "marked_processes",
-    "namespaces_available", "python_flags", "python_paths", "uid_processes",
+    "namespaces_available", "python_flags", "python_paths", "rootless_available", "uid_processes",
 ]
 
 

@@ -47,6 +47,7 @@ from course.sandbox.linux import (  # noqa: F401 - re-exported: the sandbox's pu
     make_undumpable,
     marked_processes,
     namespaces_available,
+    rootless_available,
     uid_processes,
 )
 
@@ -152,9 +153,15 @@ class Sandbox:
         forced = os.environ.get(_FORCE_PARTIAL_ENV) == "1"
         if isolate is None:
             isolate = not forced
-        ok, why = namespaces_available() if isolate else (False, f"{_FORCE_PARTIAL_ENV}=1" if forced else "asked to")
-        #: new network and mount namespaces (root, where the OS allows them)
+        root = os.geteuid() == 0
+        probe = namespaces_available if root else rootless_available
+        ok, why = probe() if isolate else (False, f"{_FORCE_PARTIAL_ENV}=1" if forced else "asked to")
+        #: new network and mount namespaces (root, where the OS allows them; without root, in a user namespace)
         self.isolated = ok
+        #: isolated without root: user, network, mount and pid namespaces, the submission as this user
+        self.rootless = ok and not root
+        if self.rootless:  # this user's own files (keys, tokens, other courses): the submission runs as this user
+            self.hide += [p for p in _homes() if p not in self.hide]
         #: a dedicated uid (root): with namespaces, or without them if Python is reachable by another user
         self.switch_uid = os.geteuid() == 0 and not forced and (ok or not any(map(blocking_ancestor, python_paths())))
         self.why_partial = why
@@ -197,6 +204,8 @@ class Sandbox:
         if self.uid is not None:
             kill_uid(self.uid, deadline=30)  # first: one kill(-1) as the uid stops even a fork bomb at once
             self.cgroups.kill()
+        if self.rootless:  # the supervisors' children are pid 1 of their namespaces: the kernel ends the rest
+            _kill_children(self.pids)
         for pid in self.pids:  # the supervisors (root when isolated) and anything they still hold
             kill_tree(pid)
         self.pids = []
@@ -236,6 +245,10 @@ class Sandbox:
     def _describe(self) -> str:
         memory = self.cgroups.memory or f"RLIMIT_AS {self.limits.address_space / GiB:g} GiB per process" + (
             ", so GPUs hidden" if os.path.exists("/dev/nvidiactl") else "")
+        if self.rootless:
+            return (f"sandbox: rootless (user namespace: runs as this user without capabilities, no network, "
+                    f"sources, course files and home folders hidden, private /tmp, its own processes only; {memory}, "
+                    f"at most {self.limits.nproc} more processes of this user)")
         if self.isolated:
             return (f"sandbox: full (uid {self.uid}, no network, sources and course files hidden, "
                     f"{memory}, at most {self.limits.nproc} processes)")
@@ -303,7 +316,7 @@ class Sandbox:
         if self.uid is not None:
             cmd += ["--uid", str(self.uid)]
         if self.isolated:
-            cmd += ["--isolate"]
+            cmd += ["--isolate", *(["--rootless"] if self.rootless else [])]
             for path in self.hide:
                 cmd += ["--hide", path]
             for path in [*python_paths(), self.runtime_dir]:
@@ -320,9 +333,33 @@ class Sandbox:
         return [*cmd, "--", *argv]
 
 
+def _kill_children(pids: list[int]) -> None:
+    """SIGKILL the direct children of ``pids`` (no walk of the whole tree: a fork bomb makes that take seconds)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            children = psutil.Process(pid).children()
+        except psutil.Error:
+            continue
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+
+
+def _homes() -> list[str]:
+    """The home folders a rootless sandbox covers: this user's, and /home (everyone's)."""
+    found = [os.path.realpath(os.path.expanduser("~")), "/home"]
+    return [p for p in dict.fromkeys(found) if p != "/" and os.path.isdir(p)]
+
+
 def describe() -> str:
     """What a sandbox gives on this machine, in one line, without starting one (for a run's header)."""
     box = Sandbox(tempfile.gettempdir())
+    if box.rootless:
+        return box._describe()
     if box.isolated:
         return "sandbox: full (a uid per submission, no network, sources and course files hidden, memory and process limits)"
     return box._describe().replace("uid None", "a uid of its own")

@@ -40,6 +40,8 @@ def _libc_handle():
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
@@ -116,6 +118,63 @@ def namespaces_available() -> tuple[bool, str]:
             ok = os.waitstatus_to_exitcode(status) == 0
             _namespace_probe = (ok, "" if ok else f"root, but namespaces are not allowed here ({message})")
     return _namespace_probe
+
+
+def enter_user_namespace(flags: int) -> None:
+    """``unshare(CLONE_NEWUSER | flags)`` without root: this user's uid and gid mapped to themselves.
+
+    The caller holds every capability inside the new user namespace (so it may mount, bring up
+    loopback in its own network namespace) until it execs a program, which then runs as this user
+    with no capabilities at all; outside, the kernel sees the same unprivileged uid as before."""
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWUSER | flags)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as fh:
+            fh.write(text)
+
+
+_rootless_probe: tuple[bool, str] | None = None
+
+
+def rootless_available() -> tuple[bool, str]:
+    """(whether this non-root process may isolate without root: new user, network, mount and pid namespaces
+    with loopback up and tmpfs mounts, why not). Probed once, in a child."""
+    global _rootless_probe
+    if _rootless_probe is None:
+        if os.geteuid() == 0:
+            _rootless_probe = (False, "root: the full sandbox applies")
+        else:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                os.close(r)
+                code = 0
+                try:
+                    enter_user_namespace(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
+                    mount(None, "/", None, MS_REC | MS_PRIVATE)
+                    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k")
+                    loopback_up()
+                    init = os.fork()  # pid 1 of the new pid namespace must be able to mount its own /proc
+                    if init == 0:
+                        try:
+                            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                            os._exit(0)
+                        except BaseException:  # noqa: BLE001
+                            os._exit(1)
+                    _, init_status = os.waitpid(init, 0)
+                    if os.waitstatus_to_exitcode(init_status) != 0:
+                        raise OSError("a new /proc cannot be mounted for the pid namespace")
+                except BaseException as exc:  # noqa: BLE001
+                    os.write(w, str(exc).encode()[:500])
+                    code = 1
+                os._exit(code)
+            os.close(w)
+            message = os.read(r, 1000).decode(errors="replace")
+            os.close(r)
+            _, status = os.waitpid(pid, 0)
+            ok = os.waitstatus_to_exitcode(status) == 0
+            _rootless_probe = (ok, "" if ok else f"not root, and user namespaces are not allowed here ({message})")
+    return _rootless_probe
 
 
 # --------------------------------------------------------------------------- cgroups

@@ -1,11 +1,14 @@
 """The sandbox wrapper: ``python -m course.sandbox run --workdir W [options] -- CMD ...``.
 
-Run by the grader (as root, for full isolation) in front of a submission's
-process: new network and mount namespaces (:func:`_isolate`), rlimits, the
-cgroup, then ``CMD`` as the sandbox uid with no new privileges. The wrapper
-stays as a supervisor: a child subreaper that reaps orphans, copies a capped
-amount of ``CMD``'s own output, and kills everything left when ``CMD`` ends or
-when the grader disappears.
+Run by the grader in front of a submission's process. As root (full isolation):
+new network and mount namespaces (:func:`_isolate`), rlimits, the cgroup, then
+``CMD`` as the sandbox uid with no new privileges. Without root (``--rootless``):
+new user, network, mount and pid namespaces instead (the same mounts; the
+submission runs as the grader's own user, with no capabilities, and sees and
+signals only its own processes; :func:`_namespace_init` is pid 1 there). The
+wrapper stays as a supervisor: a child subreaper that reaps orphans, copies a
+capped amount of ``CMD``'s own output, and kills everything left when ``CMD``
+ends or when the grader disappears.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from course.sandbox.limits import Limits
 from course.sandbox.linux import (
     CLONE_NEWNET,
     CLONE_NEWNS,
+    CLONE_NEWPID,
     MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
@@ -32,6 +36,7 @@ from course.sandbox.linux import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_NO_NEW_PRIVS,
     blocking_ancestor,
+    enter_user_namespace,
     is_under,
     kill_uid,
     loopback_up,
@@ -84,7 +89,10 @@ def _isolate(args) -> None:
     reachable: a folder above them that the sandbox uid could not enter (say a
     Python under /root) is replaced by an empty one holding only them.
     """
-    unshare(CLONE_NEWNET | CLONE_NEWNS)
+    if args.rootless:  # the pid namespace takes effect for the next fork: _namespace_init, its pid 1
+        enter_user_namespace(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
+    else:
+        unshare(CLONE_NEWNET | CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     loopback_up()
     workdir = os.path.realpath(args.workdir)
@@ -100,10 +108,49 @@ def _isolate(args) -> None:
     for fd in keep.values():
         os.close(fd)
     _loopback_names()
+    if args.rootless:
+        return  # /proc: a fresh one for the new pid namespace, mounted by its pid 1 (_namespace_init)
     try:  # other users' processes become invisible (best effort: needs a procfs we may mount)
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
         pass
+
+
+def _namespace_init(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the forked child, ends in _exit
+    """pid 1 of a rootless sandbox's pid namespace: mount its /proc, start ``CMD``, reap, pass SIGTERM on.
+
+    When it exits, the kernel kills every process left in the namespace: nothing the submission
+    started can outlive it, and nothing outside the namespace can be seen or signalled from inside."""
+    try:  # the outer /proc would list this user's other processes, their environment and files readable
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError as exc:
+        os.write(2, f"sandbox: cannot mount /proc for the pid namespace ({exc}); refusing to run it\n".encode())
+        os._exit(126)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupts reach CMD itself (its process group)
+    command = os.fork()
+    if command == 0:
+        _child(args, cmd)
+
+    def forward(signum, frame):
+        try:
+            os.kill(command, signum)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, forward)
+    code = 1
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if pid == command:
+            code = os.waitstatus_to_exitcode(status)
+            break
+    os._exit(code if code >= 0 else 128 - code)
 
 
 #: variables a sandboxed process keeps from the grader's environment (names, or prefixes ending in _);
@@ -133,7 +180,7 @@ def _limit(args) -> None:
 
     nproc = args.nproc
     if args.uid is None:  # RLIMIT_NPROC counts this user's processes everywhere: allow what already runs
-        nproc += len(uid_processes(os.getuid()))
+        nproc += args.own_processes
     setl(resource.RLIMIT_NPROC, nproc)
     resource.setrlimit(resource.RLIMIT_CPU, (args.cpu, args.cpu + 10))
     setl(resource.RLIMIT_FSIZE, args.fsize)
@@ -155,6 +202,8 @@ def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the fork
             key, _, value = item.partition("=")
             env[key] = value
         env["PWD"] = args.workdir
+        if args.rootless:  # ipykernel exits when its parent is not that pid: in here every pid is another one
+            env.pop("JPY_PARENT_PID", None)  # (the wrapper ends the namespace if the grader goes away)
         for key in ("HOME", "IPYTHONDIR", "MPLCONFIGDIR", "JUPYTER_RUNTIME_DIR"):
             if key in env:
                 os.makedirs(env[key], exist_ok=True)
@@ -174,7 +223,12 @@ def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the fork
 
 
 def _kill_rest(args, child: int) -> None:
-    if args.uid is not None:
+    if args.rootless:  # pid 1 of the namespace: the kernel kills everything in it with it
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    elif args.uid is not None:
         kill_uid(args.uid, deadline=5)
     else:
         import psutil
@@ -234,7 +288,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def run(args, cmd: list[str]) -> int:
-    """The wrapper: isolate (as root), fork the command as the sandbox uid, supervise it, clean up."""
+    """The wrapper: isolate, fork the command (as the sandbox uid when root), supervise it, clean up."""
+    # counted before isolating: a rootless sandbox's /proc shows only its own processes
+    args.own_processes = len(uid_processes(os.getuid())) if args.uid is None else 0
     if args.isolate:
         try:
             _isolate(args)
@@ -264,7 +320,7 @@ def run(args, cmd: list[str]) -> int:
             os.dup2(write_end, 1)
             os.dup2(write_end, 2)
             os.close(write_end)
-        _child(args, cmd)
+        _namespace_init(args, cmd) if args.rootless else _child(args, cmd)
     relay = None
     if write_end is not None:
         os.close(write_end)
@@ -308,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", required=True)
     p.add_argument("--token", default="")
     p.add_argument("--isolate", action="store_true")
+    p.add_argument("--rootless", action="store_true", help="with --isolate, without root: a user namespace")
     p.add_argument("--uid", type=int, default=None)
     p.add_argument("--hide", action="append", default=[])
     p.add_argument("--expose", action="append", default=[])
@@ -324,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv[split + 1:]
     if not cmd:
         parser.error("no command after --")
-    if args.isolate and os.geteuid() != 0:
-        parser.error("--isolate needs root")
+    if args.isolate and os.geteuid() != 0 and not args.rootless:
+        parser.error("--isolate needs root (or --rootless)")
+    if args.rootless and (os.geteuid() == 0 or not args.isolate or args.uid is not None):
+        parser.error("--rootless is --isolate for a non-root user, without --uid")
     return run(args, cmd)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ CHECK_TIMEOUT = 20  # one job of a check (DDP_COURSE_CHECK_TIMEOUT)
 TEST_TIMEOUT = 120  # a test cell
 CELL_TIMEOUT = 15  # any other cell
 GRACE = 10  # a timed-out cell's kernel is stopped this long after the interrupt
+ROOT = os.geteuid() == 0  # the full sandbox (a uid and cgroup per submission); else the rootless one
 STARTUP = 150  # kernel and verifier start, imports, cold forkservers, on a busy 2-core machine
 
 
@@ -415,8 +417,10 @@ ATTACKS = [
     Attack("fork_bomb", _fork_bomb, "RLIMIT_NPROC/pids cgroup, cell timeout, uid-wide kill", fatal=True,
            survivable=True, message=r"did not stop when\s+interrupted|kernel died|CellTimeoutError",
            extra=CELL_TIMEOUT + GRACE),
-    Attack("memory_hog", _memory_hog, "memory cgroup (or RLIMIT_AS): the kernel is killed", fatal=True,
-           message=r"kernel died|did not stop", extra=CELL_TIMEOUT + GRACE),
+    # without root there is no memory cgroup: RLIMIT_AS makes the allocation fail (MemoryError in the cell) and
+    # the rest runs; the grader is unharmed either way, and the score is the honest part
+    Attack("memory_hog", _memory_hog, "memory cgroup: the kernel is killed (without root: RLIMIT_AS, MemoryError)",
+           fatal=ROOT, message=r"kernel died|did not stop" if ROOT else "", extra=CELL_TIMEOUT + GRACE),
     Attack("output_flood", _output_flood, "output capped per cell, the rest dropped",
            message=r"printed more than \d+ MB", extra=60),
     Attack("read_sources", _read_sources, "mount namespace: sources and course folder covered by empty tmpfs",

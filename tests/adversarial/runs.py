@@ -180,6 +180,13 @@ def full_sandbox() -> bool:
     return namespaces_available()[0]
 
 
+def sandbox_kind() -> str:
+    """"full" (root: a uid, cgroup and namespaces per submission), "rootless" (a user namespace) or "partial"."""
+    from course.sandbox import rootless_available
+
+    return "full" if full_sandbox() else "rootless" if rootless_available()[0] else "partial"
+
+
 def sandbox_processes() -> list[int]:
     """Processes still running as a sandbox uid (root) or carrying a sandbox's marker (not root)."""
     from course.sandbox import TOKEN_ENV, UID_RANGE

@@ -12,7 +12,7 @@ import re
 
 import attacks
 import pytest
-from runs import full_sandbox
+from runs import sandbox_kind
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -81,12 +81,13 @@ def test_whole_run_bound(batch):
         assert run.extra["returncode"] == 0, run.extra["stdout"][-3000:] + run.extra["stderr"][-3000:]
 
 
-# --- what only a full sandbox (root) guarantees ----------------------------------------------------
+# --- what only an isolated sandbox guarantees (full as root, or rootless in a user namespace) -------
 
-needs_root = pytest.mark.skipif(not full_sandbox(), reason="isolation needs root and namespaces (partial sandbox here)")
+needs_isolation = pytest.mark.skipif(sandbox_kind() == "partial",
+                                reason="isolation needs root, or user namespaces without it (partial sandbox here)")
 
 
-@needs_root
+@needs_isolation
 def test_sources_and_course_files_are_invisible(batch):
     run, path = batch
     text = run.outcomes["read_sources"].outputs
@@ -95,7 +96,7 @@ def test_sources_and_course_files_are_invisible(batch):
         assert line not in text
 
 
-@needs_root
+@needs_isolation
 def test_nothing_written_outside_the_sandbox(batch):
     run, path = batch
     text = run.outcomes["write_gradebook"].outputs
@@ -103,7 +104,7 @@ def test_nothing_written_outside_the_sandbox(batch):
     assert run.victims_after == run.victims_before
 
 
-@needs_root
+@needs_isolation
 def test_no_network_beyond_the_sandbox_loopback(batch, request):
     """The namespace has no interface but its loopback and no route, and none of this host's own
     addresses (its loopback, outside the namespace; each address of its interfaces) is reached: a
@@ -152,5 +153,5 @@ def test_feedback_shows_no_hidden_tests(autograde_batch):
 
 
 def test_autograde_says_how_notebooks_are_isolated(autograde_batch):
-    first = "sandbox: full" if full_sandbox() else "sandbox: partial"
+    first = f"sandbox: {sandbox_kind()}"
     assert first in autograde_batch.extra["stdout"], autograde_batch.extra["stdout"][-3000:]

@@ -10,11 +10,15 @@ import time
 
 import pytest
 
-from course.sandbox import Sandbox, namespaces_available, uid_processes
+from course.sandbox import Sandbox, marked_processes, namespaces_available, rootless_available, uid_processes
 
 pytestmark = pytest.mark.timeout(120)
 FULL = namespaces_available()[0]
+ROOTLESS = rootless_available()[0]  # not root, user namespaces allowed (tests/test_rootless.py runs these so)
 needs_root = pytest.mark.skipif(not FULL, reason="isolation needs root and namespaces")
+needs_isolation = pytest.mark.skipif(not (FULL or ROOTLESS), reason="isolation needs root, or user namespaces")
+needs_rootless = pytest.mark.skipif(not ROOTLESS, reason="the rootless sandbox is for a non-root user with user "
+                                    "namespaces (tests/test_rootless.py runs this file as one)")
 
 
 def run_in(box: Sandbox, code: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -75,7 +79,7 @@ def test_isolation(tmp_path, secret):
     assert os.stat(work).st_uid == os.getuid()  # handed back
 
 
-@needs_root
+@needs_isolation
 def test_network_is_only_the_namespace_loopback(tmp_path, host_listener, request):
     """No interface but ``lo``, no route, and none of this host's own addresses answers: not its
     loopback (the namespace has its own) nor any address of its interfaces, where a listener this
@@ -112,7 +116,7 @@ def test_network_is_only_the_namespace_loopback(tmp_path, host_listener, request
     assert "loopback ok" in out, out  # its own loopback works: ranks rendezvous there
 
 
-@needs_root
+@needs_isolation
 def test_workdir_inside_a_hidden_folder_stays_visible(tmp_path):
     course = "/var/tmp/ddp-course-course-" + str(os.getpid())
     work = os.path.join(course, "autograded", "alice", "ex1")
@@ -179,8 +183,6 @@ def test_rlimits_and_leftovers_without_isolation(tmp_path):
         assert r.stdout.startswith("True"), r.stdout + r.stderr
         token = box.token
     time.sleep(0.5)
-    from course.sandbox import marked_processes
-
     assert marked_processes(token) == []
 
 
@@ -188,7 +190,7 @@ def test_namespace_probe_is_cached():
     assert namespaces_available() is namespaces_available()
 
 
-@needs_root
+@needs_isolation
 def test_pythonpath_under_tmp_reaches_the_sandbox_but_never_into_hidden_folders(tmp_path):
     """Packages on PYTHONPATH under /tmp stay importable behind the private /tmp (a GPU box's
     extra packages were there and every kernel died); a PYTHONPATH into a hidden folder is not exposed."""
@@ -240,3 +242,89 @@ def test_gpus_are_hidden_only_where_memory_is_an_address_space_limit(tmp_path, m
         if not box.cgroups.paths:
             pytest.skip("no cgroup on this machine")
         assert run_in(box, show).stdout.strip() == "'0'"
+
+
+# --- without root: the rootless sandbox (user, network, mount and pid namespaces) ------------------------
+
+
+@needs_rootless
+def test_rootless_isolation(tmp_path, secret):
+    """As a non-root user: the secret, this user's home and the real /tmp are covered; the environment is
+    scrubbed; no capability, no new privileges; another process of this same user is neither visible nor
+    signallable, and kill(-1) reaches the sandbox's own processes only."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("PRIVATE KEY")
+    outer_tmp = f"/tmp/ddp-course-outer-{os.getpid()}"
+    with open(outer_tmp, "w") as fh:
+        fh.write("outside")
+    bystander = subprocess.Popen(["sleep", "120"])  # this user's, outside the sandbox (another submission, say)
+    os.environ.update(INSTRUCTOR_API_TOKEN="hunter2", HOME=str(home))
+    try:
+        with Sandbox(tmp_path / "w", hide=[secret]) as box:
+            assert box.rootless and box.summary.startswith("sandbox: rootless"), box.summary
+            r = run_in(box, f"""
+                import os, signal
+                print("uid", os.getuid())
+                print("secret", os.listdir({secret!r}))
+                print("home", os.path.exists({str(home / ".ssh" / "id_ed25519")!r}))
+                print("outer tmp", os.path.exists({outer_tmp!r}))
+                print("token", os.environ.get("INSTRUCTOR_API_TOKEN"))
+                status = dict(l.split(":", 1) for l in open("/proc/self/status"))
+                print("caps", status["CapEff"].strip(), "nnp", status["NoNewPrivs"].strip())
+                try:
+                    os.kill({bystander.pid}, 0); print("BYSTANDER VISIBLE")
+                except ProcessLookupError:
+                    print("bystander unreachable")
+                print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit())[:3])
+                try:
+                    os.kill(-1, signal.SIGKILL)  # every process it may signal: its own namespace's
+                except ProcessLookupError:
+                    pass
+            """)
+    finally:
+        del os.environ["INSTRUCTOR_API_TOKEN"]
+        os.unlink(outer_tmp)
+    out = r.stdout
+    assert f"uid {os.getuid()}" in out, out + r.stderr
+    assert "secret []" in out and "home False" in out and "outer tmp False" in out, out
+    assert "token None" in out, out
+    assert "caps 0000000000000000 nnp 1" in out, out
+    assert "bystander unreachable" in out and "pids [1, 2" in out, out
+    assert bystander.poll() is None, "kill(-1) in the sandbox reached a process outside it"
+    bystander.kill()
+    bystander.wait()
+
+
+@needs_rootless
+def test_rootless_leftovers_die_with_the_sandbox(tmp_path):
+    """A daemon that left its session and its parent still dies with the sandbox (its pid namespace)."""
+    with Sandbox(tmp_path / "w") as box:
+        r = run_in(box, """
+            import subprocess, sys
+            subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"],
+                             start_new_session=True)
+            print("started")
+        """)
+        assert "started" in r.stdout, r.stdout + r.stderr
+        token = box.token
+    time.sleep(0.5)
+    assert marked_processes(token) == []
+
+
+@needs_rootless
+def test_rootless_fork_bomb_is_stopped_with_the_sandbox(tmp_path):
+    """RLIMIT_NPROC bounds a fork bomb (this user's processes, counted system-wide); closing the sandbox
+    ends all of it at once (pid 1 of its namespace is killed)."""
+    with Sandbox(tmp_path / "w") as box:
+        proc = subprocess.Popen(box.command([sys.executable, "-c",
+                                             "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"]),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        box.pids.append(proc.pid)
+        time.sleep(3)
+        assert len(uid_processes(os.getuid())) <= box.limits.nproc + 100
+        token, started = box.token, time.monotonic()
+    assert time.monotonic() - started < 15
+    proc.wait(timeout=10)
+    time.sleep(0.5)
+    assert marked_processes(token) == []

@@ -1,0 +1,67 @@
+"""The rootless sandbox, tested as what it is for: an instructor without root (a cluster's login or compute node).
+
+As root, this runs the adversarial suite (tests/adversarial: the sandbox's own tests and every attack on
+both grading paths) again as an unprivileged user (``nobody``, through ``setpriv``), where
+:class:`course.sandbox.Sandbox` isolates with a user namespace instead of a uid of its own. It skips
+where that user cannot run this Python (a Python under /root, mode 0700) or setpriv is missing, unless
+DDP_COURSE_REQUIRE_ROOTLESS=1 (CI, which makes this Python reachable), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import requirements_gate
+
+ROOT = Path(__file__).resolve().parents[1]
+USER = 65534  # nobody
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def _as_user(argv: list[str], env: dict, timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", "env", "-i",
+                           *(f"{k}={v}" for k, v in env.items()), *argv],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _gate(env: dict) -> None:
+    def unavailable(reason):
+        requirements_gate.unavailable(reason, "DDP_COURSE_REQUIRE_ROOTLESS")
+
+    if os.geteuid() != 0:
+        pytest.skip("not root: tests/adversarial runs rootless as it is")
+    if not shutil.which("setpriv"):
+        unavailable("setpriv (util-linux) is missing")
+    probe = _as_user([sys.executable, "-c", "from course.sandbox import rootless_available as r; "
+                                            "ok, why = r(); print(ok, why)"], env, 60, cwd=str(ROOT))
+    if probe.returncode != 0:
+        unavailable(f"an unprivileged user cannot run {sys.executable} here: {probe.stderr.strip()[-300:]}")
+    if not probe.stdout.startswith("True"):
+        unavailable(f"no rootless sandbox for an unprivileged user here: {probe.stdout.strip()}")
+
+
+def test_the_adversarial_suite_holds_without_root():
+    home = tempfile.mkdtemp(prefix="ddp-course-rootless-home-")
+    os.chmod(home, 0o777)  # noqa: S103 - the unprivileged user's home for this run (its caches), removed after
+    env = {"HOME": home, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
+           **{k: v for k, v in os.environ.items() if k.startswith("DDP_COURSE_") and k != "DDP_COURSE_REQUIRE_ROOTLESS"}}
+    try:
+        _gate(env)
+        run = _as_user([sys.executable, "-m", "pytest", "tests/adversarial", "-q", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", "-rs"], env, 1700, cwd=str(ROOT))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    tail = run.stdout[-6000:] + run.stderr[-3000:]
+    print(tail)
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and " failed" not in run.stdout, tail
+    # the rootless tests ran (they skip as root), and the isolation tests were not skipped for want of it
+    assert "needs root, or user namespaces" not in run.stdout, tail
+    assert "the rootless sandbox is for a non-root user" not in run.stdout, tail
