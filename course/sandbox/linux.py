@@ -34,7 +34,10 @@ _libc = None
 def _libc_handle():
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # glibc's name on every Linux we run on; find_library runs `ldconfig -p` (a process per sandbox)
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     return _libc
 
 
