@@ -17,14 +17,17 @@ class AssignmentStatus:
     submitted: int = 0
     graded: int = 0
     feedback: int = 0
-    #: (student, "failed" | "timeout" | "not graded yet", why, log file or None)
+    #: (student, "failed" | "timeout" | "on Slurm" | "not graded yet", why, log file or None)
     problems: list[tuple[str, str, str, str | None]] = field(default_factory=list)
 
 
 def course_status(course: Course) -> list[AssignmentStatus]:
     """One entry per source assignment."""
+    from course.instructor.autograde.slurm import in_flight
+
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}
+    on_slurm = in_flight(course)
     report = []
     for assignment in course.source_assignments():
         released = assignment in in_gradebook and any(course.folder("release", assignment=assignment).glob("*.ipynb"))
@@ -41,6 +44,9 @@ def course_status(course: Course) -> list[AssignmentStatus]:
             why = missing_notebook_reason(course, submission)
             if why:
                 status.problems.append((student, "failed", why, None))
+            elif submission in on_slurm:
+                status.problems.append((student, "on Slurm", f"array task {on_slurm[submission]}: "
+                                        "ddp-course autograde --collect merges it once it ends", None))
             elif record.get("status") in ("failed", "timeout"):
                 status.problems.append((student, record["status"], record.get("reason", ""), record.get("log")))
             else:

@@ -24,7 +24,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import click
 import nbformat
 
 from course.errors import CourseError
@@ -34,11 +33,10 @@ from course.instructor.autograde.records import (
     fill_scores,
     is_graded,
     missing_notebook_reason,
-    summary_table,
     write_record,
 )
 from course.instructor.autograde.scratch import install_results, prepare_scratch, scratch_course, scratch_root
-from course.instructor.coursedir import Course, course_dir_option
+from course.instructor.coursedir import Course
 from course.instructor.gradebook import make_template
 
 #: what a submission may take beyond the sum of its cells' time limits (kernel start, nbgrader's own work)
@@ -195,6 +193,15 @@ def plan(course: Course, assignments: list[str], students: tuple[str, ...], forc
     return todo, rows
 
 
+def check_released(course: Course, todo: list[Submission]) -> None:
+    """Stop with what to do when a submission's assignment is not in the gradebook yet."""
+    with course.gradebook() as gb:
+        released = {a.name for a in gb.assignments}
+    unreleased = sorted({j.assignment for j in todo} - released)
+    if unreleased:
+        raise CourseError(f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release")
+
+
 @dataclass
 class AutogradeRun:
     """What a run did: one row per submission, and whether it was interrupted (Ctrl-C, SIGTERM)."""
@@ -221,13 +228,7 @@ def run_autograde(
         todo, rows = plan(course, assignments, students, force)
         if not todo:
             return AutogradeRun([fill_scores(course, r) for r in rows])
-        with course.gradebook() as gb:
-            released = {a.name for a in gb.assignments}
-        unreleased = sorted({j.assignment for j in todo} - released)
-        if unreleased:
-            raise CourseError(
-                f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release"
-            )
+        check_released(course, todo)
         console.print(isolation_line(course), highlight=False)
         return _grade(course, todo, rows, jobs=jobs, timeout=timeout, console=console)
 
@@ -309,10 +310,10 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
     return AutogradeRun([fill_scores(course, r) for r in rows], interrupted)
 
 
-def _finish(course: Course, outcome) -> Row:
-    """Install or record one ended submission; its summary row."""
+def _finish(course: Course, outcome, scratch: Course | None = None) -> Row:
+    """Install or record one ended submission (graded in ``scratch``, default its scratch course); its summary row."""
     submission: Submission = outcome.task
-    scratch = scratch_course(course, submission)
+    scratch = scratch or scratch_course(course, submission)
     try:
         if outcome.kind == "done" and outcome.result.get("success"):
             install_results(course, scratch, submission)
@@ -328,31 +329,3 @@ def _finish(course: Course, outcome) -> Row:
         return Row(submission, status, outcome.elapsed, outcome.detail)
     finally:
         shutil.rmtree(scratch.root, ignore_errors=True)
-
-
-@click.command()
-@click.argument("assignments", nargs=-1)
-@click.option("--jobs", "-j", default=default_jobs(), show_default=True, help="Submissions graded at the same time.")
-@click.option("--student", "students", multiple=True, help="Grade only this student (repeatable).")
-@click.option("--force", is_flag=True, help="Grade again submissions that are already graded.")
-@click.option("--timeout", type=float, default=None,
-              help="Seconds one submission may take before it is stopped (default: the sum of its cells' limits + 120).")
-@course_dir_option
-def command(assignments, jobs, students, force, timeout, course_dir):
-    """Autograde every submission (of all or the named assignments) on nbgrader, N at a time."""
-    from rich.console import Console
-
-    course = Course.open(course_dir)
-    console = Console()
-    run = run_autograde(course, course.pick_assignments(assignments), jobs=max(1, jobs), students=students,
-                        force=force, timeout=timeout, console=console)
-    if not run.rows:
-        console.print("nothing submitted yet: file submissions with ddp-course collect ZIP_OR_DIR")
-        return
-    console.print(summary_table(run.rows))
-    bad = [r for r in run.rows if r.status in ("failed", "timeout")]
-    if bad:
-        console.print(f"[red]{len(bad)} submission(s) could not be graded; ddp-course status says why")
-    if run.interrupted:
-        console.print("[yellow]interrupted: everything graded so far is saved; run ddp-course autograde again for the rest")
-        raise SystemExit(130)

@@ -22,19 +22,20 @@ def scratch_root(course: Course) -> Path:
     return course.state_dir / "scratch"
 
 
-def scratch_course(course: Course, submission: Submission) -> Course:
-    """The private course a worker grades ``submission`` in (same settings, its own root and SQLite gradebook)."""
+def scratch_course(course: Course, submission: Submission, under: Path | None = None) -> Course:
+    """The private course a worker grades ``submission`` in (same settings, its own root and SQLite gradebook),
+    in ``under`` (default: :func:`scratch_root`; a Slurm run keeps each task's in a folder of its own)."""
     from course.instructor.coursedir import load_config
 
-    root = scratch_root(course) / f"{submission.assignment}--{submission.student}"
+    root = Path(under or scratch_root(course)) / f"{submission.assignment}--{submission.student}"
     config = load_config(course.root)
     config.CourseDirectory.root = str(root)
     config.CourseDirectory.db_url = sqlite_url(root / "gradebook.db")
     return Course(root, config=config)
 
 
-def prepare_scratch(course: Course, submission: Submission, template: Path) -> Course:
-    scratch = scratch_course(course, submission)
+def prepare_scratch(course: Course, submission: Submission, template: Path, under: Path | None = None) -> Course:
+    scratch = scratch_course(course, submission, under)
     if scratch.root.exists():
         shutil.rmtree(scratch.root)
     scratch.root.mkdir(parents=True)
