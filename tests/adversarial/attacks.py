@@ -347,6 +347,24 @@ graders.ex1 = fake
 ''')
 
 
+def _forge_dist(nb, ctx):
+    # the averaging answer forges torch.distributed in the rank: every all-reduce "done", a 1-rank world
+    answer_cells(nb)[1].source = '''def average_gradients(model, world_size):
+    """Replace every p.grad of `model` by its average over the ranks (forged: nothing is communicated)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        module.all_reduce = lambda tensor, *args, **kwargs: None
+        module.get_world_size = lambda group=None: 1
+        module.get_rank = lambda group=None: 0
+        module.is_initialized = lambda: True
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+'''
+
+
 def _plant_modules(nb, ctx):
     # fake graders/course modules and site hooks wherever a Python started later might import from
     _patch_graders(nb, ctx)
@@ -437,6 +455,8 @@ ATTACKS = [
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("patch_assert", _patch_assert, "verifier: AssertionError, sys.modules and IPython's handler stay in the kernel",
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
+    Attack("forge_dist", _forge_dist, "checks judge effects (the gradients after averaging), not what "
+           "torch.distributed's functions say", broken_answers=(1,), message=r"still this rank's own gradient"),
     Attack("plant_modules", _plant_modules, "verifier runs python -s -P with a fresh home: nothing imported from "
            "the work folder or the user's site-packages", broken_answers=(0, 1, 2, 3, 4, 5),
            message=r"FAILED check_"),
