@@ -354,6 +354,13 @@ def test_slurm_grades_a_class_exactly_as_local_jobs(tmp_path, slurm):
     fay = nbformat.read(on_slurm / "autograded" / "fay" / ASSIGNMENT / f"{NOTEBOOK}.ipynb", as_version=4)
     assert "hostile cell wrote 0 files" in nbformat.writes(fay)  # the sandbox hid the course from it on Slurm too
     assert b"pwned" not in (on_slurm / "gradebook.db").read_bytes()
+    from course.instructor.autograde.records import read_record
+    from course.instructor.coursedir import Course
+
+    for student in CLASS:  # each submission's record says how the machine that graded it isolated it
+        for folder in (local, on_slurm):
+            record = read_record(Course.open(folder), Submission(ASSIGNMENT, student))
+            assert (record.get("isolation") or "").startswith("sandbox: "), (folder, student, record)
 
     status = cli("status", cwd=on_slurm).stdout
     n = len(CLASS)

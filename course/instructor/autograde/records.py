@@ -95,7 +95,10 @@ def log_path(course: Course, submission: Submission) -> Path:
     return course.state_dir / "logs" / submission.assignment / f"{submission.student}.log"
 
 
-def write_record(course: Course, submission: Submission, status: Status, elapsed: float | None, reason: str = "", log: str = "") -> None:
+def write_record(course: Course, submission: Submission, status: Status, elapsed: float | None, reason: str = "",
+                 log: str = "", isolation: str = "") -> None:
+    """The submission's record: how its grading ended, why, its log; ``isolation``: the sandbox line of the
+    machine that graded it (a Slurm task's node may isolate otherwise than this one)."""
     path = record_path(course, submission)
     path.parent.mkdir(parents=True, exist_ok=True)
     logfile = log_path(course, submission)
@@ -108,6 +111,7 @@ def write_record(course: Course, submission: Submission, status: Status, elapsed
         "elapsed": round(elapsed, 1) if elapsed is not None else None,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "log": str(logfile.relative_to(course.root)) if log else None,
+        "isolation": isolation or None,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))

@@ -229,12 +229,13 @@ def run_autograde(
         if not todo:
             return AutogradeRun([fill_scores(course, r) for r in rows])
         check_released(course, todo)
-        console.print(isolation_line(course), highlight=False)
-        return _grade(course, todo, rows, jobs=jobs, timeout=timeout, console=console)
+        isolation = isolation_line(course)
+        console.print(isolation, highlight=False)
+        return _grade(course, todo, rows, jobs=jobs, timeout=timeout, console=console, isolation=isolation)
 
 
 def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int, timeout: float | None,
-           console) -> AutogradeRun:
+           console, isolation: str = "") -> AutogradeRun:
     """Grade ``todo`` on a worker pool with a progress display; ``rows`` (the work already done) grows."""
     from rich.progress import (
         BarColumn,
@@ -291,7 +292,7 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                         progress.update(slots[slot_of.pop(outcome.task)], visible=False)
                     refill()  # a freed worker starts its next submission while this one's results are merged
                     for outcome in ended:
-                        row = _finish(course, outcome)
+                        row = _finish(course, outcome, isolation=isolation)
                         rows.append(row)
                         progress.advance(overall)
                         score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
@@ -310,22 +311,24 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
     return AutogradeRun([fill_scores(course, r) for r in rows], interrupted)
 
 
-def _finish(course: Course, outcome, scratch: Course | None = None) -> Row:
-    """Install or record one ended submission (graded in ``scratch``, default its scratch course); its summary row."""
+def _finish(course: Course, outcome, scratch: Course | None = None, isolation: str = "") -> Row:
+    """Install or record one ended submission (graded in ``scratch``, default its scratch course, under the
+    sandbox ``isolation`` describes); its summary row."""
     submission: Submission = outcome.task
     scratch = scratch or scratch_course(course, submission)
     try:
         if outcome.kind == "done" and outcome.result.get("success"):
             install_results(course, scratch, submission)
-            write_record(course, submission, "graded", outcome.elapsed, log=outcome.result.get("log", ""))
+            write_record(course, submission, "graded", outcome.elapsed, log=outcome.result.get("log", ""),
+                         isolation=isolation)
             return fill_scores(course, Row(submission, "graded", outcome.elapsed))
         if outcome.kind == "done":
             reason = _short_reason(outcome.result)
             log = (outcome.result.get("log") or "") + "\n" + (outcome.result.get("error") or "")
-            write_record(course, submission, "failed", outcome.elapsed, reason, log)
+            write_record(course, submission, "failed", outcome.elapsed, reason, log, isolation=isolation)
             return Row(submission, "failed", outcome.elapsed, reason)
         status = "timeout" if outcome.kind == "timeout" else "failed"
-        write_record(course, submission, status, outcome.elapsed, outcome.detail)
+        write_record(course, submission, status, outcome.elapsed, outcome.detail, isolation=isolation)
         return Row(submission, status, outcome.elapsed, outcome.detail)
     finally:
         shutil.rmtree(scratch.root, ignore_errors=True)

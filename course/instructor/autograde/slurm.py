@@ -518,7 +518,7 @@ def collect_run(course: Course, manifest: Manifest, live: dict[int, TaskState] |
                 if outcome_file.is_file():
                     saved = json.loads(outcome_file.read_text())
                     outcome = Outcome(submission, saved["result"], saved["kind"], saved["elapsed"], saved["detail"])
-                    rows.append(_finish(course, outcome, scratch))
+                    rows.append(_finish(course, outcome, scratch, isolation=saved.get("isolation", "")))
                     outcome_file.unlink()
                 elif index in ended and scratch.root.exists():
                     state = states.get(index) or TaskState(index, "UNKNOWN", "sbatch never said it took the array")
@@ -645,10 +645,10 @@ def _not_yet(course: Course, only: list[Submission] | None = None) -> list[Row]:
 # -- one array task -----------------------------------------------------------------------------------------------
 
 
-def _write_outcome(path: Path, outcome: Outcome) -> None:
+def _write_outcome(path: Path, outcome: Outcome, isolation: str = "") -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"kind": outcome.kind, "result": outcome.result, "elapsed": outcome.elapsed,
-                               "detail": outcome.detail}, default=str))
+                               "detail": outcome.detail, "isolation": isolation}, default=str))
     os.replace(tmp, path)  # the parent merges only whole outcomes
 
 
@@ -668,8 +668,9 @@ def run_task(manifest_path: Path, index: int) -> int:
     except (KeyError, ValueError):
         pool.cpus = manifest.cpus_per_task
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    isolation = isolation_line(course)  # this node's: it may isolate otherwise than the machine that submitted
     print(f"ddp-course array task {index} of run {manifest.run}: {len(manifest.tasks[index])} submission(s), "
-          f"{pool.cpus} CPUs, started {started}", flush=True)
+          f"{pool.cpus} CPUs, started {started}\n{isolation}", flush=True)
     try:
         with _sigterm_as_interrupt():  # scancel and the time limit send SIGTERM: stop the worker's whole tree
             for submission, limit in manifest.share(index):
@@ -682,7 +683,7 @@ def run_task(manifest_path: Path, index: int) -> int:
                 ended: list[Outcome] = []
                 while not ended:
                     ended = pool.poll(wait=1.0)
-                _write_outcome(target, ended[0])
+                _write_outcome(target, ended[0], isolation)
                 print(f"{ended[0].kind}: {submission} ({ended[0].elapsed:.0f} s)", flush=True)
     except KeyboardInterrupt:
         print("stopped (SIGTERM): the submissions without an outcome stay ungraded", flush=True)
