@@ -54,7 +54,7 @@ OTHER_FIX = {
                  "    flag = torch.ones(1)\n    dist.all_reduce(flag)  # every rank waits for rank 0's save"),
 }
 
-# wrong fixes: (edits, the check that must fail, words in its message)
+# wrong fixes: (an edit or a tuple of edits, the check that must fail, words in its message)
 WRONG_FIX = {
     "set_epoch with a constant": (("        ddp_model.train()\n", "        sampler.set_epoch(7)\n        ddp_model.train()\n"),
                                   "shuffle", ["the same samples in the same order"]),
@@ -64,6 +64,11 @@ WRONG_FIX = {
                              ""), "finishes", ["returned from main before the checkpoint was complete"]),
     "rank 0's share only": (("    dist.all_reduce(accuracy)\n    return accuracy.item() / world_size",
                              "    return accuracy.item()"), "metric", ["logged an accuracy the model does not have"]),
+    "the initial weights saved": ((('"model": ddp_model.state_dict()}', '"model": initial}'),
+                                   ("    device = next(model.parameters()).device\n",
+                                    "    device = next(model.parameters()).device\n"
+                                    "    initial = {k: v.clone() for k, v in model.state_dict().items()}\n")),
+                                  "checkpoint", ["does not hold the trained weights"]),
 }
 
 
@@ -153,9 +158,10 @@ def test_other_right_fixes_pass():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(WRONG_FIX))
 def test_wrong_fixes_fail_their_check(name):
-    edit, failing, words = WRONG_FIX[name]
+    edits, failing, words = WRONG_FIX[name]
+    edits = edits if isinstance(edits[0], tuple) else (edits,)
     bugs = [b for b in FIX if b != failing]
-    main = _script(_edit(_fixed(*bugs), edit), name.replace(" ", "_").replace("'", ""))
+    main = _script(_edit(_fixed(*bugs), *edits), name.replace(" ", "_").replace("'", ""))
     for check_name, check in CHECKS.items():
         if check_name == failing:
             fails(check, main, *words)
