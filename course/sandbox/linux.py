@@ -91,6 +91,27 @@ def loopback_up() -> None:
         raise OSError("cannot bring the loopback interface up (no ioctl, no iproute2)")
 
 
+def _probe_in_child(steps) -> tuple[bool, str]:
+    """Run ``steps()`` in a forked child (namespaces entered there leave this process as it was):
+    (whether it succeeded, the error it raised)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(r)
+        code = 0
+        try:
+            steps()
+        except BaseException as exc:  # noqa: BLE001
+            os.write(w, str(exc).encode()[:500])
+            code = 1
+        os._exit(code)
+    os.close(w)
+    message = os.read(r, 1000).decode(errors="replace")
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0, message
+
+
 _namespace_probe: tuple[bool, str] | None = None
 
 
@@ -101,24 +122,12 @@ def namespaces_available() -> tuple[bool, str]:
         if os.geteuid() != 0:
             _namespace_probe = (False, "not root")
         else:
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                os.close(r)
-                code = 0
-                try:
-                    unshare(CLONE_NEWNET | CLONE_NEWNS)
-                    mount(None, "/", None, MS_REC | MS_PRIVATE)
-                    loopback_up()
-                except BaseException as exc:  # noqa: BLE001
-                    os.write(w, str(exc).encode()[:500])
-                    code = 1
-                os._exit(code)
-            os.close(w)
-            message = os.read(r, 1000).decode(errors="replace")
-            os.close(r)
-            _, status = os.waitpid(pid, 0)
-            ok = os.waitstatus_to_exitcode(status) == 0
+            def steps():
+                unshare(CLONE_NEWNET | CLONE_NEWNS)
+                mount(None, "/", None, MS_REC | MS_PRIVATE)
+                loopback_up()
+
+            ok, message = _probe_in_child(steps)
             _namespace_probe = (ok, "" if ok else f"root, but namespaces are not allowed here ({message})")
     return _namespace_probe
 
@@ -147,35 +156,17 @@ def rootless_available() -> tuple[bool, str]:
         if os.geteuid() == 0:
             _rootless_probe = (False, "root: the full sandbox applies")
         else:
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                os.close(r)
-                code = 0
-                try:
-                    enter_user_namespace(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
-                    mount(None, "/", None, MS_REC | MS_PRIVATE)
-                    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k")
-                    loopback_up()
-                    init = os.fork()  # pid 1 of the new pid namespace must be able to mount its own /proc
-                    if init == 0:
-                        try:
-                            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-                            os._exit(0)
-                        except BaseException:  # noqa: BLE001
-                            os._exit(1)
-                    _, init_status = os.waitpid(init, 0)
-                    if os.waitstatus_to_exitcode(init_status) != 0:
-                        raise OSError("a new /proc cannot be mounted for the pid namespace")
-                except BaseException as exc:  # noqa: BLE001
-                    os.write(w, str(exc).encode()[:500])
-                    code = 1
-                os._exit(code)
-            os.close(w)
-            message = os.read(r, 1000).decode(errors="replace")
-            os.close(r)
-            _, status = os.waitpid(pid, 0)
-            ok = os.waitstatus_to_exitcode(status) == 0
+            def steps():
+                enter_user_namespace(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
+                mount(None, "/", None, MS_REC | MS_PRIVATE)
+                mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k")
+                loopback_up()
+                # pid 1 of the new pid namespace (the next fork) must be able to mount its own /proc
+                ok, _ = _probe_in_child(lambda: mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC))
+                if not ok:
+                    raise OSError("a new /proc cannot be mounted for the pid namespace")
+
+            ok, message = _probe_in_child(steps)
             _rootless_probe = (ok, "" if ok else f"not root, and user namespaces are not allowed here ({message})")
     return _rootless_probe
 
