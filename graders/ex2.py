@@ -539,12 +539,12 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
         save_checkpoint(rank, ddp_model, ckpt_path)
     finally:
         torch.save = torch.serialization.save = real_save
-    seen = _digest(ckpt_path)  # the checkpoint as this rank finds it the moment save_checkpoint returned
+    seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment save_checkpoint returned
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
     return {"calls": calls, "files": files, "state": checks.to_cpu(model.state_dict()), "seen": seen}
 
 
-def _digest(path: str) -> str:
+def file_digest(path: str) -> str:
     """The file's sha256, or "missing"."""
     try:
         with open(path, "rb") as fh:
@@ -630,7 +630,7 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
         raise CheckFailed(check, f"{name} does not hold the model's current parameters ({where})", ranks=[0],
                           got=f"max difference {_diff(state, expected):.3g}",
                           hint="save the state_dict of the model you were given (ddp_model.module), as it is now")
-    final = _digest(ckpt_path)
+    final = file_digest(ckpt_path)
     early = [r for r, o in enumerate(obs) if r != 0 and o["seen"] != final]
     if early:
         found = "no file" if obs[early[0]]["seen"] == "missing" else "an incomplete file"

@@ -21,7 +21,6 @@ from being graded); a job that crashes fails every check with its traceback.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from torch.utils.data import Dataset
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders.ex2 import file_digest
 
 SLOW_SAVE = 1.0  # seconds rank 0's torch.save is slowed by: ranks that do not wait for it return first
 JOB_TIMEOUT = 40.0
@@ -110,14 +110,6 @@ class _Journal:
         os.write(self.fd, (json.dumps(entry) + "\n").encode())
 
 
-def _digest(path: str) -> str:
-    try:
-        with open(path, "rb") as fh:
-            return hashlib.sha256(fh.read()).hexdigest()
-    except OSError:
-        return "missing"
-
-
 def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed):
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
@@ -149,7 +141,7 @@ def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed):
         main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs)
     finally:
         torch.save, torch.serialization.save = _REAL.save, _REAL.serialization_save
-    journal.write({"returned": True, "seen": _digest(ckpt_path)}, state=model.state_dict())
+    journal.write({"returned": True, "seen": file_digest(ckpt_path)}, state=model.state_dict())
     return True
 
 
@@ -184,6 +176,18 @@ class _Run:
 
 
 def _run(check, main, *, world_size, n_train, n_val, epochs, seed, hints=()) -> _Run:
+    """Run the student's ``main`` for ``check``: not written yet, or a crash, fails it at once (the crash's
+    traceback is the message); a hang is kept in the run (:attr:`_Run.hung`) for the check to judge."""
+    checks.require_written(check, main=main)
+    run = _run_job(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed,
+                   hints=hints)
+    if run.failure is not None and not run.hung:
+        raise run.failure
+    return run
+
+
+def _run_job(check, main, *, world_size, n_train, n_val, epochs, seed, hints) -> _Run:
+    """The job itself, in a folder of its own: the ranks' journals, the checkpoint, how the job ended."""
     folder = tempfile.mkdtemp(prefix="ddp-course-debug-")
     try:
         ckpt_path = os.path.join(folder, "ckpt.pt")
@@ -199,15 +203,9 @@ def _run(check, main, *, world_size, n_train, n_val, epochs, seed, hints=()) -> 
                 ckpt = torch.load(ckpt_path, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - what a student's file holds is theirs
                 ckpt = exc
-        return _Run(_read(folder, world_size), ckpt, _digest(ckpt_path), failure, hung)
+        return _Run(_read(folder, world_size), ckpt, file_digest(ckpt_path), failure, hung)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _require_ran(check, run: _Run) -> None:
-    """A crash fails every check (its traceback is the message); a hang only the checks that need the end."""
-    if run.failure is not None and not run.hung:
-        raise run.failure
 
 
 def _after_hang(run: _Run) -> str:
@@ -221,9 +219,7 @@ def _after_hang(run: _Run) -> str:
 def check_shuffle(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
     """Each epoch is a new order (a reshuffle, the same on every rank), and gives every sample to some rank."""
     check = "check_shuffle"
-    checks.require_written(check, main=main)
     run = _run(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed)
-    _require_ran(check, run)
     per_rank = -(-n_train // world_size)  # DistributedSampler pads every rank's share to this
     orders = []
     for rank, journal in enumerate(run.journals):
@@ -259,9 +255,7 @@ def check_shuffle(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0)
 def check_metric(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
     """Every logged accuracy is the accuracy over the whole validation set of the weights the model held then."""
     check = "check_metric"
-    checks.require_written(check, main=main)
     run = _run(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed)
-    _require_ran(check, run)
     val_set = Samples(n_val, seed + 1)
     logs = [(rank, e) for rank, journal in enumerate(run.journals) for e in journal if "log" in e]
     if len(logs) < epochs:
@@ -296,9 +290,7 @@ def check_metric(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
 def check_checkpoint(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
     """The checkpoint at ckpt_path loads into the plain model (strict) and holds the trained weights."""
     check = "check_checkpoint"
-    checks.require_written(check, main=main)
     run = _run(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed)
-    _require_ran(check, run)
     ckpt = run.ckpt
     if ckpt is None:
         raise CheckFailed(check, "there is no checkpoint at ckpt_path" + _after_hang(run),
@@ -343,7 +335,6 @@ def _final_state(journal: list[dict]):
 def check_finishes(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
     """Every rank returns from main, and none before rank 0's checkpoint is complete."""
     check = "check_finishes"
-    checks.require_written(check, main=main)
     hint = ("a rank waits in a collective that the other ranks never call (they returned from main): a collective "
             "runs only when every rank calls it. Whatever only rank 0 does (saving, logging) may be inside "
             "`if rank == 0:`; what all ranks wait for must not be")

@@ -127,10 +127,6 @@ def loss_of(kind: str, output, target):
     return F.mse_loss(output, target)
 
 
-def names(model: nn.Module) -> list[str]:
-    return [n for n, _ in model.named_parameters()]  # each Parameter once: a tied weight by its first name
-
-
 def buckets_of(model: nn.Module, bucket_size_mb: float) -> list[list[str]]:
     """The buckets the notebook's rule gives: parameters in reverse order of ``model.parameters()``, a
     bucket takes the next one while its size stays within ``bucket_size_mb`` MiB; a parameter bigger
@@ -302,7 +298,7 @@ def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, k
                 raise CheckFailed(check, f"the gradients the optimizer used at step {step + 1} are not the ranks' average "
                                   f"({model}, {world_size} ranks)", ranks=[rank],
                                   expected="every gradient averaged over the ranks (what DDP gives) when optimizer.step() runs",
-                                  got=_what_grads(grads, want, wrong, rank, world_size),
+                                  got=_what_grads(want, wrong),
                                   hint=_grads_hint(grads, want, wrong, rank, world_size, kind, kwargs, width))
             if _max_diff(mine["state"], want["state"]) > ATOL:
                 raise CheckFailed(check, f"the weights after step {step + 1} differ from DDP's ({model})", ranks=[rank],
@@ -312,7 +308,7 @@ def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, k
                                   "the gradients, before optimizer.step()")
 
 
-def _what_grads(grads, want, wrong, rank, world_size) -> str:
+def _what_grads(want, wrong) -> str:
     shown = ", ".join(f"`{n}`" for n in wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "")
     return f"{len(wrong)} of {len(want['grads'])} parameters differ: {shown}"
 
