@@ -26,14 +26,13 @@ the Job was made with ``--allow-partial``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import secrets
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,7 +103,7 @@ def job_name(course_id: str, run: str) -> str:
 
 def pod_seconds(manifest: Manifest, slack: float) -> int:
     """One pod's deadline: the sum of its share's per-submission limits, the largest share, + ``slack``."""
-    return math.ceil(max(sum(float(e["timeout"]) for e in share) for share in manifest.tasks) + slack)
+    return math.ceil(manifest.longest_task() + slack)
 
 
 def job_documents(manifest: Manifest, options: JobOptions, *, memory: str, pod_deadline: int, uid: int, gid: int,
@@ -278,46 +277,28 @@ def _check(options: JobOptions, course: Course) -> None:
 def prepare(course: Course, todo: list[Submission], options: JobOptions, *,
             timeout: float | None) -> tuple[str, Manifest]:
     """Prepare ``todo``'s scratch courses and the manifest as ``autograde --slurm`` does; the YAML and the Manifest."""
-    from course.instructor.autograde.run import submission_timeout
-    from course.instructor.autograde.scratch import prepare_scratch
     from course.instructor.autograde.slurm import (
         DEFAULT_CPUS,
         MEMORY_MARGIN_MIB,
         TASK_MARGIN,
-        Manifest,
         largest_world_size,
         log_folder,
+        prepare_run,
         sandbox_memory_mib,
-        split,
-        task_folder,
     )
-    from course.instructor.gradebook import make_template
 
-    assignments = sorted({s.assignment for s in todo})
-    limits = {a: timeout or submission_timeout(course, a) for a in assignments}
     # one core per rank of the largest job a check starts (no node size to cap it with: the scheduler places it)
-    cpus = options.cpus or largest_world_size(course, assignments) or DEFAULT_CPUS
+    cpus = options.cpus or largest_world_size(course, sorted({s.assignment for s in todo})) or DEFAULT_CPUS
     run = datetime.now().strftime("k8s-%Y%m%d-%H%M%S-") + secrets.token_hex(3)  # unique: it names the pods' label
-    shares = split(todo, options.per_pod)
-    manifest = Manifest(str(course.root), run, [[{"assignment": s.assignment, "student": s.student,
-                                                  "timeout": limits[s.assignment]} for s in share]
-                                                for share in shares], max(1, cpus),
-                        job_id=job_name(course.course_id, run))
     uid, gid = _owner(course, options.uid, options.gid)
+    manifest = prepare_run(course, todo, run, per_task=options.per_pod, cpus=cpus, timeout=timeout,
+                           job_id=job_name(course.course_id, run))
+    shares = manifest.tasks
     path = manifest.folder / MANIFEST_NAME
     logs = log_folder(course, run)
-    manifest.folder.mkdir(parents=True)
     try:
-        template = manifest.folder / "template.db"
-        make_template(course.db_url, course.course_id, assignments, template,
-                      [(s.assignment, s.student) for s in todo])
-        for index, share in enumerate(shares):
-            for submission in share:
-                prepare_scratch(course, submission, template, under=task_folder(manifest, index))
         logs.mkdir(parents=True, exist_ok=True)  # each pod's worker log goes here (run_task)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(manifest), indent=1))
-        os.replace(tmp, path)
+        manifest.save(path)
         if os.geteuid() == 0:  # the pods write their outcomes and logs here as uid, not as root
             for folder in (manifest.folder, logs):
                 _chown_tree(folder, uid, gid)

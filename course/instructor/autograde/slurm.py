@@ -151,10 +151,16 @@ class Manifest:
     def done(self) -> bool:
         return len(set(self.collected)) == len(self.tasks)
 
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
+    def longest_task(self) -> float:
+        """Seconds the longest task may take: the sum of its submissions' time limits, the largest share."""
+        return max(sum(float(e["timeout"]) for e in share) for share in self.tasks)
+
+    def save(self, path: Path | None = None) -> None:
+        """Write the manifest (whole, or not at all) to ``path``, by default :attr:`path`."""
+        path = path or self.path
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -418,20 +424,18 @@ def _outcome_path(manifest: Manifest, index: int, submission: Submission) -> Pat
     return task_folder(manifest, index) / f"{submission.assignment}--{submission.student}.json"
 
 
-def submit(course: Course, todo: list[Submission], options: SlurmOptions, *, timeout: float | None,
-           console) -> Manifest:
-    """Prepare the scratch courses of ``todo``, write the manifest and the batch script, sbatch the array."""
+def prepare_run(course: Course, todo: list[Submission], run: str, *, per_task: int, cpus: int,
+                timeout: float | None, job_id: str | None = None) -> Manifest:
+    """A run's folder, ``.ddp-course/slurm/<run>/``, for ``todo`` in shares of ``per_task``: the template
+    gradebook and each submission's scratch course in its task's folder; the Manifest (not saved yet).
+    A Slurm run and a Kubernetes Job (:mod:`course.instructor.k8s`) both start here. Nothing is left
+    behind when it fails."""
     assignments = sorted({s.assignment for s in todo})
     limits = {a: timeout or submission_timeout(course, a) for a in assignments}
-    cpus = options.cpus_per_task
-    if cpus is None:  # one core per rank of the largest job a check starts, as far as one node has cores
-        cpus = largest_world_size(course, assignments) or DEFAULT_CPUS
-        cpus = min(cpus, node_cpus(options.partition) or cpus)
-    run = datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
-    tasks = split(todo, options.per_task)
+    tasks = split(todo, per_task)
     manifest = Manifest(str(course.root), run, [[{"assignment": s.assignment, "student": s.student,
                                                   "timeout": limits[s.assignment]} for s in share] for share in tasks],
-                        max(1, cpus))
+                        max(1, cpus), job_id=job_id)
     manifest.folder.mkdir(parents=True)
     try:
         template = manifest.folder / "template.db"
@@ -440,8 +444,24 @@ def submit(course: Course, todo: list[Submission], options: SlurmOptions, *, tim
         for index, share in enumerate(tasks):
             for submission in share:
                 prepare_scratch(course, submission, template, under=task_folder(manifest, index))
-        time_limit = options.time or slurm_time(max(sum(limits[s.assignment] for s in share) for share in tasks)
-                                                + TASK_MARGIN)
+    except BaseException:
+        shutil.rmtree(manifest.folder, ignore_errors=True)
+        raise
+    return manifest
+
+
+def submit(course: Course, todo: list[Submission], options: SlurmOptions, *, timeout: float | None,
+           console) -> Manifest:
+    """Prepare the scratch courses of ``todo``, write the manifest and the batch script, sbatch the array."""
+    cpus = options.cpus_per_task
+    if cpus is None:  # one core per rank of the largest job a check starts, as far as one node has cores
+        cpus = largest_world_size(course, sorted({s.assignment for s in todo})) or DEFAULT_CPUS
+        cpus = min(cpus, node_cpus(options.partition) or cpus)
+    run = datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
+    manifest = prepare_run(course, todo, run, per_task=options.per_task, cpus=cpus, timeout=timeout)
+    tasks = manifest.tasks
+    try:
+        time_limit = options.time or slurm_time(manifest.longest_task() + TASK_MARGIN)
         mem = options.mem or f"{sandbox_memory_mib(course) + MEMORY_MARGIN_MIB}M"
         logs = log_folder(course, run)
         logs.mkdir(parents=True, exist_ok=True)
