@@ -220,3 +220,22 @@ def untouched_student_copy(assignment: str, folder: str | Path, notebook: str | 
     student.parent.mkdir(parents=True)
     student.write_bytes(released.read_bytes())
     return student
+
+
+def assert_reference_full_marks(assignment: str, notebook: str | None = None):
+    """Grade the source notebook (the reference solution, hidden tests included): every test cell at full marks.
+    The report."""
+    report = grade(source_path(assignment, notebook))
+    assert scores(report) == full_marks(assignment, notebook), messages(report)
+    return report
+
+
+def assert_untouched_scores_zero(assignment: str, folder: str | Path, notebook: str | None = None):
+    """Grade the released copy handed in unanswered: 0 of the full points, every test cell saying "is not
+    written yet", with no traceback and no grader path. The report."""
+    report = grade(untouched_student_copy(assignment, folder, notebook))
+    assert report.score == 0 and report.max_score == sum(full_marks(assignment, notebook).values())
+    for t in report.tests:
+        assert "is not written yet" in t.message, t
+        assert "Traceback" not in t.message and "graders/" not in t.message, t
+    return report
