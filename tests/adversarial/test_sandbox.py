@@ -143,14 +143,20 @@ def test_workdir_inside_a_hidden_folder_stays_visible(tmp_path):
         shutil.rmtree(course, ignore_errors=True)
 
 
+def _fork_bomb(box: Sandbox) -> subprocess.Popen:
+    """A fork bomb started in ``box`` (its supervisor in ``box.pids``), left to spread for 3 s."""
+    proc = subprocess.Popen(box.command([sys.executable, "-c",
+                                         "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    box.pids.append(proc.pid)
+    time.sleep(3)
+    return proc
+
+
 @needs_root
 def test_fork_bomb_is_contained_and_killed(tmp_path):
     with Sandbox(tmp_path / "w") as box:
-        proc = subprocess.Popen(box.command([sys.executable, "-c",
-                                             "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"]),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        box.pids.append(proc.pid)
-        time.sleep(3)
+        proc = _fork_bomb(box)
         if box.cgroups.paths:  # a /proc scan would take seconds with hundreds of spinning processes
             assert 10 < len(box.cgroups.pids()) <= box.limits.nproc
         started = time.monotonic()
@@ -317,11 +323,7 @@ def test_rootless_fork_bomb_is_stopped_with_the_sandbox(tmp_path):
     """RLIMIT_NPROC bounds a fork bomb (this user's processes, counted system-wide); closing the sandbox
     ends all of it at once (pid 1 of its namespace is killed)."""
     with Sandbox(tmp_path / "w") as box:
-        proc = subprocess.Popen(box.command([sys.executable, "-c",
-                                             "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"]),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        box.pids.append(proc.pid)
-        time.sleep(3)
+        proc = _fork_bomb(box)
         assert len(uid_processes(os.getuid())) <= box.limits.nproc + 100
         token, started = box.token, time.monotonic()
     assert time.monotonic() - started < 15
