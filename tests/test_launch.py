@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import course
 from course.launcher.job import resolve_backend
+from course.paths import CHECKOUT
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -535,3 +536,73 @@ def test_known_misconfigurations_are_named_with_what_to_do(fn, words):
         course.run_ranks(fn, 2, echo=False, timeout=60)
     text = str(info.value)
     assert "hint: " in text and words in text, text
+
+
+# --- a forkserver forked, not started (the verifier's) ----------------------------
+
+_FORKED_FORKSERVER = textwrap.dedent('''
+    import importlib, json, os, sys, threading, time
+    from multiprocessing import forkserver
+    from course.launcher import job
+
+    def ranks_view(rank):
+        # what a rank can reach: its parent's descriptors, its stdin, a secret in its parent's memory
+        fds = sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                     if os.path.exists(f"/proc/self/fd/{fd}"))
+        import ctypes
+        return {"fds": fds, "stdin": os.readlink("/proc/self/fd/0"),
+                "secret": getattr(sys.modules["__main__"], "SECRET", None),
+                "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)}
+
+    job.FORK_FORKSERVER = True
+    mode = sys.argv[1]
+    if mode == "thread":  # another thread: must fall back to a freshly started forkserver
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    if mode != "missing":  # "missing": a preload module not imported yet: must fall back too
+        for name in job.PRELOAD:
+            importlib.import_module(name)
+    channel = os.dup(1)  # a private descriptor, as the verifier's verdict channel
+    if mode == "fork":
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # undumpable, as the verifier makes itself
+    job.warm_up()
+    SECRET = "read after the fork"
+    pid = forkserver._forkserver._forkserver_pid
+    server_cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    result = job.run_ranks(all_reduce_sum, 2, echo=False)  # the forkserver serves: it has closed what it closes
+    server_fds = sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    print(json.dumps({"forked": server_cmdline == open("/proc/self/cmdline", "rb").read(),
+                      "parent": open(f"/proc/{pid}/stat").read().split()[3] == str(os.getpid()),
+                      "server_fds": server_fds, "channel": os.readlink(f"/proc/self/fd/{channel}"), "sums": result,
+                      "view": job.run_ranks(ranks_view, 1, echo=False)[0]}))
+''')
+
+_FORKED_RANK_FN = textwrap.dedent('''
+    import torch, torch.distributed as dist
+    def all_reduce_sum(rank):
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return t.item()
+''')
+
+
+@pytest.mark.parametrize("mode", ["fork", "thread", "missing"])
+def test_the_verifier_forkserver_is_forked_only_when_safe_and_keeps_nothing_of_its_parent(mode, tmp_path):
+    import json
+
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED_RANK_FN + _FORKED_FORKSERVER)
+    proc = subprocess.run([sys.executable, "-s", "-P", str(script), mode], capture_output=True, text=True,
+                          timeout=150, stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(CHECKOUT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["sums"] == [3.0, 3.0]
+    assert seen["parent"] and seen["forked"] is (mode == "fork")  # else a fresh interpreter, as before
+    if mode == "fork":
+        assert seen["channel"] not in seen["server_fds"]
+        assert seen["view"]["stdin"] == "/dev/null"
+        assert seen["view"]["secret"] is None  # what the parent holds after the fork never reaches a rank
+        assert seen["view"]["dumpable"] == 1  # as a freshly started forkserver's ranks are
+        assert seen["channel"] not in seen["view"]["fds"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -329,13 +330,19 @@ def serve() -> int:
     make_undumpable()  # ranks run as our uid: they must not ptrace us or reach our fds
     out = os.fdopen(os.dup(1), "w")  # our private channel (not inherited by children)
     os.dup2(2, 1)  # anything else printed goes to the log
-    request = json.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
     from course.launcher import job as launcher
 
     launcher.ALWAYS_SAFE_RESULTS = True
-    launcher.warm_up()  # the forkserver imports torch while we import the graders
+    # The ranks' forkserver is forked from here, torch imported once for both. That happens before the
+    # request is read: the forkserver, and every rank, holds a copy of this process's memory, which must not
+    # hold the hidden tests or the nonce yet (and it keeps none of our descriptors, this channel included).
+    launcher.FORK_FORKSERVER = True
+    for name in launcher.PRELOAD:
+        importlib.import_module(name)
+    launcher.warm_up()
+    request = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
     nonce = request["nonce"]
     cell_timeout = float(request.get("cell_timeout", DEFAULT_CELL_TIMEOUT))
     for cell in request["cells"]:
