@@ -35,7 +35,12 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def role(cmd: str, parent_role: str | None) -> str:
-    """What a process is, from its command line."""
+    """What a process is, from its command line and, for a forked one, its name (``cmd [name]``)."""
+    named = {"[sandbox]": "sandbox wrapper", "[ipykernel_launc]": "kernel", "[verifier]": "verifier",
+             "[forkserver]": "forkserver", "[zygote]": "zygote"}
+    for name, what in named.items():
+        if cmd.endswith(name) and (what != "forkserver" or parent_role != "forkserver"):
+            return what
     if "course.sandbox" in cmd and " run " in cmd:
         return "sandbox wrapper"
     for needle, name in (("ipykernel_launcher", "kernel"), ("course.grading.verifier", "verifier"),
@@ -64,13 +69,15 @@ def sample(argv: list[str], cwd: Path) -> tuple[dict, float, float]:
                     stat = fh.read()
                 with open(f"/proc/{name}/cmdline", "rb") as fh:
                     cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                with open(f"/proc/{name}/comm") as fh:  # a forked process renames itself (the zygote's children)
+                    comm = fh.read().strip()
             except OSError:
                 continue
             fields = stat[stat.rfind(")") + 2:].split()
             key = (int(name), int(fields[19]))
             entry = seen.setdefault(key, [int(fields[1]), 0.0, cmd])
             entry[1] = (int(fields[11]) + int(fields[12])) / _TICK
-            entry[2] = cmd or entry[2]
+            entry[2] = f"{cmd} [{comm}]" if cmd else entry[2]
         time.sleep(0.02)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -186,8 +186,10 @@ def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
     cmd = box.command([sys.executable, *python_flags(), "-m", "course.grading.verifier"])
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=box.workdir, env=full_env, start_new_session=True)
+    from course.sandbox import zygote
+
+    proc = zygote.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        cwd=box.workdir, env=full_env)  # forked from the worker's zygote, if it has one
     box.pids.append(proc.pid)
     deadline = STARTUP + cell_timeout * len(requests) + 10
     try:

@@ -387,9 +387,10 @@ def _fork_forkserver(server) -> bool:
                 devnull = os.open(os.devnull, os.O_RDONLY)  # our stdin (the verifier's request) is not theirs
                 os.dup2(devnull, 0)
                 os.close(devnull)
-                from course.sandbox.linux import PR_SET_DUMPABLE, prctl
+                from course.sandbox.linux import PR_SET_DUMPABLE, prctl, set_process_name
 
                 prctl(PR_SET_DUMPABLE, 1)
+                set_process_name("forkserver")  # for ps (its command line is ours)
                 fs.main(listener.fileno(), alive_r, [])
                 code = 0
             except SystemExit:

@@ -448,10 +448,30 @@ def _kernel_manager_class():
             return box.command(cmd, relay_output=True), kw
 
         async def _async_launch_kernel(self, kernel_cmd, **kw):
-            await super()._async_launch_kernel(kernel_cmd, **kw)
+            if not self._launch_from_zygote(kernel_cmd, kw):
+                await super()._async_launch_kernel(kernel_cmd, **kw)
             pid = getattr(self.provisioner, "pid", None)
             if self.sandbox is not None and pid:
                 self.sandbox.pids.append(pid)
+
+        def _launch_from_zygote(self, kernel_cmd, kw) -> bool:
+            """Start the kernel from this process's zygote (:mod:`course.sandbox.zygote`), as the local
+            provisioner's ``launch_kernel`` would start it with Popen; False where there is no zygote."""
+            from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+            from course.sandbox import zygote as zygotes
+
+            zygote, prov = zygotes.current(), self.provisioner
+            if zygote is None or type(prov) is not LocalProvisioner or not hasattr(self, "_reconcile_connection_info"):
+                return False
+            kw = LocalProvisioner._scrub_kwargs(kw)
+            env = dict(kw.get("env") or os.environ)
+            env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launch_kernel sets it
+            prov.process = zygote.popen(kernel_cmd, env=env, cwd=kw.get("cwd"), stdin=kw.get("stdin"),
+                                        stdout=kw.get("stdout"), stderr=kw.get("stderr"))
+            prov.pid = prov.pgid = prov.process.pid  # a session of its own, as with start_new_session
+            self._reconcile_connection_info(prov.connection_info)
+            return True
 
         async def _async_cleanup_resources(self, restart: bool = False) -> None:
             try:

@@ -70,6 +70,11 @@ def prctl(option: int, value: int) -> None:
     _check(_libc_handle().prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
 
 
+def set_process_name(name: str) -> None:
+    """Name this process as ps, top and /proc/PID/comm show it (at most 15 bytes; its command line stays)."""
+    _libc_handle().prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+
+
 def make_undumpable() -> None:
     """No other process of this uid may ptrace this one or read its memory and fds (/proc/PID/mem, fd/)."""
     prctl(PR_SET_DUMPABLE, 0)

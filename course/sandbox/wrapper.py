@@ -190,6 +190,15 @@ def _limit(args) -> None:
         setl(resource.RLIMIT_AS, args.address_space)
 
 
+def _exec(cmd: list[str], env: dict) -> None:
+    os.execvpe(cmd[0], cmd, env)
+
+
+#: how the sandboxed command is started once everything is in place: exec'd; a zygote
+#: (:mod:`course.sandbox.zygote`) runs a module of its own Python in place instead
+EXEC = _exec
+
+
 def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the forked child, ends in exec
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -216,7 +225,7 @@ def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the fork
             os.setgid(args.uid)
             os.setuid(args.uid)
         prctl(PR_SET_NO_NEW_PRIVS, 1)
-        os.execvpe(cmd[0], cmd, env)
+        EXEC(cmd, env)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"sandbox: cannot start {cmd[0]}: {exc}\n".encode())
         os._exit(127)

@@ -75,6 +75,10 @@ def serve(conn, course_root: str, log_path: str, parent_pid: int, cpus: int | No
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    from course.sandbox import zygote
+
+    if zygote.enabled():  # imports torch, ipykernel and the graders while we get ready; every kernel and
+        zygote.use(zygote.Zygote())  # verifier of this worker is then forked from it (see course.sandbox.zygote)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import nbgrader.apps  # noqa: F401  (already there when forked from autograde; else paid before the first job)
 

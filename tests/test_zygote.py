@@ -1,0 +1,142 @@
+"""The zygote (course.sandbox.zygote): processes forked warm behave as the processes Popen would exec.
+
+What the autograde workers build on it (kernels and verifiers forked, sandboxed as before)
+is graded end to end by test_instructor.py and the adversarial suite's autograde path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from course.sandbox import zygote as zygotes
+
+pytestmark = pytest.mark.timeout(180)
+
+#: a module the zygote can run in place: what it sees of itself, as JSON on stdout
+_PROBE = textwrap.dedent('''
+    import json, multiprocessing, os, random, sys
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "env": os.environ.get("PROBE_VALUE"),
+        "torch_preloaded": "torch" in sys.modules, "name": __name__, "fds": fds,
+        "ppid": os.getppid(), "sid": os.getsid(0) == os.getpid(),
+        "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\\0")[:3],
+        "comm": open("/proc/self/comm").read().strip(),
+        "random": random.random(), "authkey": bytes(multiprocessing.current_process().authkey).hex(),
+    }))
+    sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+''')
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = zygotes.Zygote(preload=("torch", "course.sandbox.wrapper"))
+    yield z
+    z.close()
+
+
+@pytest.fixture
+def probe_dir(tmp_path):
+    (tmp_path / "zprobe.py").write_text(_PROBE)
+    return tmp_path
+
+
+def _run(zygote, argv, cwd, **env):
+    proc = zygote.popen(argv, env={**os.environ, **env}, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    return proc, out.decode(), err.decode()
+
+
+def test_a_module_of_this_python_is_forked_warm_and_sees_what_a_fresh_interpreter_would(zygote, probe_dir):
+    proc, out, err = _run(zygote, [sys.executable, "-m", "zprobe", "a", "b"], probe_dir, PROBE_VALUE="v", PROBE_EXIT="3")
+    assert proc.returncode == 3, err
+    seen = json.loads(out)
+    assert seen["name"] == "__main__" and seen["argv"][1:] == ["a", "b"] and seen["argv"][0].endswith("zprobe.py")
+    assert seen["cwd"] == str(probe_dir) and seen["path0"] == str(probe_dir)  # `python -m` puts the folder first
+    assert seen["env"] == "v"
+    assert seen["torch_preloaded"]  # forked from the zygote, not exec'd
+    assert seen["ppid"] == zygote.pid and seen["sid"]  # a session of its own, as start_new_session gives
+    assert seen["comm"] == "zprobe"
+    assert seen["fds"] == [0, 1, 2, 3]  # stdin, stdout, stderr (3: the listing's own): none of the zygote's
+
+
+def test_two_children_do_not_share_random_state_or_authkey(zygote, probe_dir):
+    seen = [json.loads(_run(zygote, [sys.executable, "-m", "zprobe"], probe_dir)[1]) for _ in range(2)]
+    assert seen[0]["random"] != seen[1]["random"]
+    assert seen[0]["authkey"] != seen[1]["authkey"]
+
+
+def test_safe_path_keeps_the_folder_off_sys_path(zygote, probe_dir):
+    proc, out, err = _run(zygote, [sys.executable, "-s", "-P", "-m", "zprobe"], probe_dir)
+    assert proc.returncode == 1 and "No module named zprobe" in err  # as `python -s -P -m zprobe` there says
+
+
+@pytest.mark.parametrize("why", ["other program", "python -c", "import-time environment differs"])
+def test_anything_else_is_really_exec_d(zygote, probe_dir, why):
+    if why == "other program":
+        proc, out, err = _run(zygote, ["/bin/sh", "-c", "cat /proc/$$/cmdline | tr '\\0' ' '"], probe_dir)
+        assert out.startswith("/bin/sh -c"), out
+        return
+    argv = ([sys.executable, "-c", "import sys; print('torch' in sys.modules)"] if why == "python -c" else
+            [sys.executable, "-m", "zprobe"])
+    extra = {"PYTHONWARNINGS": "error::RuntimeWarning"} if why != "python -c" else {}
+    proc, out, err = _run(zygote, argv, probe_dir, **extra)
+    assert proc.returncode == 0, err
+    if why == "python -c":
+        assert out.strip() == "False"
+    else:  # read when the preloaded modules were imported: a fresh interpreter must read it again
+        assert json.loads(out)["torch_preloaded"] is False
+
+
+def test_kill_poll_wait_and_a_dying_zygote(probe_dir):
+    z = zygotes.Zygote(preload=())
+    try:
+        proc = z.popen(["/bin/sleep", "60"])
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+        proc.kill()  # already gone: harmless
+        survivor = z.popen(["/bin/sleep", "60"])
+        os.kill(z.pid, signal.SIGKILL)
+        assert survivor.wait(10) == -signal.SIGKILL  # its zygote gone, nothing can say how it ended: counted killed
+        os.kill(survivor.pid, signal.SIGKILL)
+    finally:
+        z.close()
+
+
+def test_communicate_times_out_then_reads_the_rest(zygote, probe_dir):
+    proc = zygote.popen(["/bin/sh", "-c", "read x; echo got $x; sleep 1; echo late >&2"], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(b"hello\n", timeout=0.3)
+    out, err = proc.communicate()
+    assert (out, err, proc.returncode) == (b"got hello\n", b"late\n", 0)
+
+
+def test_current_restarts_a_dead_zygote_and_none_means_popen(monkeypatch):
+    monkeypatch.setattr(zygotes, "_current", None)
+    proc = zygotes.popen(["/bin/true"])
+    assert isinstance(proc, subprocess.Popen) and proc.wait(10) == 0
+    z = zygotes.Zygote(preload=())
+    try:
+        zygotes.use(z)
+        os.kill(z.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while z.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fresh = zygotes.current()
+        assert fresh is not z and fresh.alive()
+        assert zygotes.popen(["/bin/true"]).wait(10) == 0
+        fresh.close()
+    finally:
+        zygotes.use(None)
