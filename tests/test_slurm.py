@@ -236,13 +236,16 @@ print("hostile cell wrote", wrote, "files")
 
 
 def make_class(course_dir: Path, incoming: Path, kinds: dict[str, str]) -> None:
-    """Write one submission per student (``make_sample`` kinds, plus "hostile": the reference and HOSTILE)."""
+    """Write one submission per student (``make_sample`` kinds, plus "hostile": the reference and HOSTILE, and
+    "slow": the reference with a last cell that sleeps 15 s, so that its task is surely caught grading)."""
     source, release = (course_dir / kind / ASSIGNMENT / f"{NOTEBOOK}.ipynb" for kind in ("source", "release"))
     incoming.mkdir(parents=True, exist_ok=True)
     for student, kind in kinds.items():
-        nb, _ = make_sample("reference" if kind == "hostile" else kind, source, release)
+        nb, _ = make_sample("reference" if kind in ("hostile", "slow") else kind, source, release)
         if kind == "hostile":
             nb.cells.append(nbformat.v4.new_code_cell(HOSTILE))
+        if kind == "slow":
+            nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(15)"))
         nbformat.write(nb, incoming / f"{student}_{NOTEBOOK}.ipynb")
 
 
@@ -377,7 +380,7 @@ def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(t
     cli("init", str(template), cwd=tmp_path)
     cli("release", ASSIGNMENT, cwd=template)
     incoming = tmp_path / "incoming"
-    make_class(template, incoming, {"ada": "reference", "bob": "partial", "cy": "untouched"})
+    make_class(template, incoming, {"ada": "slow", "bob": "partial", "cy": "untouched"})
     course_dir = new_course(tmp_path / "course", incoming)
 
     submitted = cli("autograde", "--slurm", "--no-wait", "--cpus-per-task", "1", cwd=course_dir).stdout
