@@ -6,7 +6,9 @@ there with ``NbGraderAPI.autograde`` under the course's own nbgrader_config.py,
 and reports back. A worker is its own session (process group), writes all
 nbgrader and kernel output to a log file, and kills its whole process tree and
 exits if its parent dies, so no kernel or rank outlives an interrupted run.
-Keeping it alive between submissions pays nbgrader's ~5 s import once.
+Keeping it alive between submissions pays nbgrader's ~5 s import once, and its
+zygote (:mod:`course.sandbox.zygote`, a child of the worker, so inside the tree a
+timeout kills) pays torch's for every kernel and verifier it grades.
 """
 
 from __future__ import annotations
