@@ -183,14 +183,28 @@ def _eval_case(n: int, world_size: int, seed: int):
     return x, labels, correct
 
 
-def _evaluate_harness(rank, evaluate, n, batch_size, seed):
+def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
+    """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
+
+    ``shares`` (the second run): the samples each rank's model evaluated in the first run. This rank's
+    copy then has other labels for every sample outside its own share: a rank that counts only its
+    share and receives the others' counts returns the same accuracy; one that computes the others'
+    samples itself (around the recorded forward: ``model.linear``, the weights) does not."""
+    import random
+
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
     x, labels, _ = _eval_case(n, world_size, seed)
+    if shares is not None:
+        mine = set(shares[rank])
+        shift = torch.tensor([0 if i in mine else 1 + (i + rank) % (CLASSES - 1) for i in range(n)])
+        labels = (labels + shift) % CLASSES
     model = Classifier(seed).to(dev)
     dataset = TensorDataset(x, labels)
     rows = {x[i].numpy().tobytes(): i for i in range(n)}
     _SEEN.clear()
+    torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
+    random.seed(4242 + seed)
     returned = evaluate(model, dataset, rank, world_size, batch_size)
     seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
     return {"accuracy": _number(returned), "seen": seen}
@@ -244,7 +258,27 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
                           ranks=wrong, expected=f"{true:.6f} on every rank ({sum(correct)} of {n} right)",
                           got=f"{[round(v, 6) for v in values]}",
                           hint=_evaluate_hint(values, [o["seen"] for o in obs], correct, true))
+    # Right, from the shares recorded. Did each rank's result come from its own share and the others' counts?
+    shares = [sorted(set(o["seen"])) for o in obs]
+    again = _run(check, _evaluate_harness, world_size, (evaluate, n, batch_size, seed, shares),
+                 "evaluate() returns a float on every rank", hints=hints)
+    if [sorted(set(o["seen"])) for o in again] == shares:  # else the split changed between runs: not judged
+        moved = [r for r, o in enumerate(again) if isinstance(o["accuracy"], str) or abs(o["accuracy"] - true) > ATOL]
+        if moved:
+            whose = "its" if len(moved) == 1 else "their"
+            raise CheckFailed(check, f"{checks.rank_list(moved)} counted samples {whose} model did not evaluate "
+                              f"({where})",
+                              ranks=moved, expected=f"{true:.6f} on every rank, also when each rank's copy of the "
+                              "dataset has other labels for the samples outside its own share",
+                              got=f"{[_rounded(o['accuracy']) for o in again]} with those labels changed",
+                              hint="count right / evaluated over this rank's own share only, through model(x), and "
+                                   "combine the ranks' counts with dist.all_reduce (not by evaluating the other "
+                                   "ranks' samples on this one)")
     passed(check)
+
+
+def _rounded(value):
+    return round(value, 6) if isinstance(value, float) else value
 
 
 def _evaluate_hint(values, seen, correct, true):

@@ -155,10 +155,52 @@ def test_check_evaluate_names_each_mistake():
           "at most 4 samples per rank", "[10, 10, 10]", "every rank evaluated the whole dataset")
 
 
+def evaluate_around_the_model(model, dataset, rank, world_size, batch_size):
+    """Wrong, and hides it: its share goes through model(x), as the grader records; then it computes the
+    whole dataset's accuracy on every rank through the model's layer (no communication)."""
+    device = next(model.parameters()).device
+    _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    x, y = dataset.tensors
+    with torch.no_grad():
+        return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+
+
+def evaluate_with_the_weights(model, dataset, rank, world_size, batch_size):
+    """Wrong, and hides it otherwise: the whole dataset through the raw weights, plus a dummy all_reduce."""
+    device = next(model.parameters()).device
+    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    dist.all_reduce(counts)
+    w, b = (p.detach().cpu().numpy() for p in model.linear.parameters())
+    x, y = (t.numpy() for t in dataset.tensors)
+    return float(((x @ w.T + b).argmax(1) == y).mean())
+
+
+def evaluate_random_split(model, dataset, rank, world_size, batch_size):
+    """Right, another style: a random permutation (the same on every rank: same seed), cut into chunks."""
+    device = next(model.parameters()).device
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(17)).tolist()
+    counts = _count(model, dataset, order[rank::world_size], batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_evaluate_is_not_fooled_by_a_forged_world():
     fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than one rank's share", "[10, 10, 10]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_evaluate_catches_samples_evaluated_around_the_model():
+    """A rank that evaluates the other ranks' samples itself, where the grader's record of the model's
+    forward does not see it, gets a wrong accuracy once its copy's other labels change."""
+    for wrong in (evaluate_around_the_model, evaluate_with_the_weights):
+        fails(ex2p.check_evaluate, wrong, "ranks 0, 1, 2 counted samples their model did not evaluate",
+              "other labels for the samples outside its own share", "[0.3, 0.3, 0.6] with those labels changed",
+              "dist.all_reduce")
+    ex2p.check_evaluate(evaluate_random_split)
+    ex2p.check_evaluate(evaluate_random_split, world_size=4, n=14, batch_size=3, seed=1)
 
 
 # --- part 2: accumulate_step ---------------------------------------------------------------------
