@@ -237,15 +237,18 @@ print("hostile cell wrote", wrote, "files")
 
 def make_class(course_dir: Path, incoming: Path, kinds: dict[str, str]) -> None:
     """Write one submission per student (``make_sample`` kinds, plus "hostile": the reference and HOSTILE, and
-    "slow": the reference with a last cell that sleeps 15 s, so that its task is surely caught grading)."""
+    "slow": the reference with a last cell that sleeps 15 s, so that its task is surely caught grading;
+    "slower": three more cells of 50 s each)."""
     source, release = (course_dir / kind / ASSIGNMENT / f"{NOTEBOOK}.ipynb" for kind in ("source", "release"))
     incoming.mkdir(parents=True, exist_ok=True)
     for student, kind in kinds.items():
-        nb, _ = make_sample("reference" if kind in ("hostile", "slow") else kind, source, release)
+        nb, _ = make_sample("reference" if kind in ("hostile", "slow", "slower") else kind, source, release)
         if kind == "hostile":
             nb.cells.append(nbformat.v4.new_code_cell(HOSTILE))
         if kind == "slow":
             nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(15)"))
+        if kind == "slower":  # longer than any 1-minute task limit, each cell within its own time limit
+            nb.cells += [nbformat.v4.new_code_cell("import time\ntime.sleep(50)") for _ in range(3)]
         nbformat.write(nb, incoming / f"{student}_{NOTEBOOK}.ipynb")
 
 
@@ -303,11 +306,14 @@ def timed(*args: str, cwd: Path, timeout: float = 900) -> tuple[subprocess.Compl
 
 
 def task_processes(course_dir: Path) -> list[psutil.Process]:
-    """Live processes (not zombies) of any array task or its sandboxes in this course."""
+    """Live processes (not zombies) of any array task or its sandboxes in this course: named in their command
+    line, or working in it (a kernel or verifier forked from a zygote has the zygote's command line)."""
     found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in psutil.process_iter(["cmdline", "status", "cwd"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(course_dir) in " ".join(p.info["cmdline"] or []):
+            if p.info["status"] != psutil.STATUS_ZOMBIE and (
+                    str(course_dir) in " ".join(p.info["cmdline"] or [])
+                    or Path(p.info["cwd"] or "/").is_relative_to(course_dir)):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -435,3 +441,30 @@ def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(t
     after = {p.parent.parent.name: p.stat().st_mtime for p in (course_dir / "autograded").glob(f"*/{ASSIGNMENT}/*.ipynb")}
     assert {k: after[k] for k in before} == before and set(after) == {"ada", "bob", "cy"}
     assert is_graded(course, ada)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_task_past_its_time_limit_leaves_its_students_ungraded(tmp_path, slurm):
+    """Slurm ends a task at its --time: the student it held is reported TIMEOUT and stays ungraded."""
+    template = tmp_path / "template"
+    cli("init", str(template), cwd=tmp_path)
+    cli("release", ASSIGNMENT, cwd=template)
+    incoming = tmp_path / "incoming"
+    make_class(template, incoming, {"dee": "slower"})  # 150 s of sleeping cells
+    course_dir = new_course(tmp_path / "course", incoming)
+
+    ran, seconds = timed("autograde", "--slurm", "--time", "1", "--cpus-per-task", "1", cwd=course_dir)
+    print(f"\na 1-minute task limit ended the task after {seconds:.0f} s")
+    said = ran.stdout
+    assert re.search(r"dee\s.*failed.*Slurm task \d+_0 ended\s+TIMEOUT", said, flags=re.S), said
+    assert not task_processes(course_dir), "processes of the timed-out task outlived it"
+    from course.instructor.autograde.records import is_graded, read_record
+
+    course = Course.open(course_dir)
+    dee = Submission(ASSIGNMENT, "dee")
+    assert not is_graded(course, dee)
+    assert not (course_dir / "autograded" / "dee").exists()
+    assert not any(k[0] == "dee" for k in graded(course_dir))
+    assert "TIMEOUT" in read_record(course, dee)["reason"]
