@@ -442,6 +442,37 @@ def test_slurm_collect_never_sees_a_k8s_run(released, tmp_path):
     assert not manifest.path.exists()  # slurm.py's manifest.json
 
 
+def test_every_verb_leaves_a_k8s_runs_submissions_to_it(released, tmp_path):
+    """A local autograde, autograde --slurm (its collect step here: no Slurm needed) and status all see the
+    Job's submissions as on their way: none is graded twice, and each says where it is."""
+    import io
+
+    from rich.console import Console
+
+    from course.instructor.autograde.run import run_autograde
+    from course.instructor.autograde.slurm import SlurmOptions, elsewhere, run_slurm
+    from course.instructor.status import course_status
+
+    course = course_with(released, tmp_path, ["ada", "bob", "cy"])
+    mark_graded(course, "cy")
+    _, manifest, _ = generate(course, per_pod=1)
+    away = elsewhere(course)
+    assert {s.student for s in away} == {"ada", "bob"}
+    assert {why.split(":")[0] for why in away.values()} == {f"on Kubernetes (job {manifest.job_id}, pod {i})"
+                                                            for i in (0, 1)}
+    quiet = Console(file=io.StringIO())
+    local = run_autograde(course, [ASSIGNMENT], held_elsewhere=elsewhere, console=quiet)
+    assert {(r.submission.student, r.status) for r in local.rows} == {
+        ("ada", "not graded"), ("bob", "not graded"), ("cy", "already graded")}
+    assert all("k8s-job --collect" in r.reason for r in local.rows if r.status == "not graded")
+    assert not (course.root / "autograded" / "ada").exists()
+    collected = run_slurm(course, [ASSIGNMENT], options=SlurmOptions(), collect_only=True, console=quiet)
+    assert {(r.submission.student, r.reason.split(":")[0]) for r in collected.rows} == {
+        ("ada", f"on Kubernetes (job {manifest.job_id}, pod 0)"), ("bob", f"on Kubernetes (job {manifest.job_id}, pod 1)")}
+    problems = {p[0]: p[1:3] for s in course_status(course) for p in s.problems}
+    assert problems["ada"][0] == "on Kubernetes" and problems["ada"][1].startswith(f"job {manifest.job_id}, pod 0: ")
+
+
 def test_the_verb_writes_yaml_on_stdout_and_talks_on_stderr(released, tmp_path):
     course = course_with(released, tmp_path, ["ada", "bob"])
     runner = CliRunner()

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import click
 
 from course.errors import CourseError
+from course.instructor.autograde.slurm import K8S_MANIFEST as _K8S_MANIFEST
 from course.instructor.coursedir import Course, course_dir_option
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ DEFAULT_IMAGE = "ddp-course:grader"
 #: the image's own user (docker/Dockerfile: learner, uid 1000), for a course folder that root owns
 IMAGE_UID = 1000
 #: each run's manifest, beside the run's scratch courses
-MANIFEST_NAME = "k8s-job.json"
+MANIFEST_NAME = _K8S_MANIFEST
 #: the pod label the NetworkPolicy selects
 RUN_LABEL = "ddp-course/run"
 CONTAINER = "grader"
@@ -218,24 +219,16 @@ def render(documents: list[dict], header: str) -> str:
 
 def k8s_runs(course: Course) -> list[tuple[Path, Manifest]]:
     """(manifest path, Manifest) of every run whose submissions are not all merged or reported, oldest first."""
-    from course.instructor.autograde.slurm import Manifest, slurm_root
+    from course.instructor.autograde.slurm import manifests
 
-    found = []
-    for path in sorted(slurm_root(course).glob(f"*/{MANIFEST_NAME}")):
-        try:
-            found.append((path, Manifest.read(path)))
-        except (OSError, ValueError, TypeError):
-            continue
-    return found
+    return manifests(course, MANIFEST_NAME)
 
 
 def _waiting(course: Course, manifest: Manifest) -> list[tuple[int, Submission]]:
     """(pod index, submission) of the run's submissions neither merged nor reported yet."""
-    from course.instructor.autograde.scratch import scratch_course
-    from course.instructor.autograde.slurm import task_folder
+    from course.instructor.autograde.slurm import held
 
-    return [(index, submission) for index in range(len(manifest.tasks)) for submission, _ in manifest.share(index)
-            if scratch_course(course, submission, task_folder(manifest, index)).root.exists()]
+    return held(course, manifest)
 
 
 def in_flight(course: Course) -> dict[Submission, str]:
@@ -365,14 +358,13 @@ def make_job(course: Course, assignments: list[str], options: JobOptions, *, stu
     (its YAML, its Manifest, rows for the rest); (None, None, rows) when there is nothing to grade."""
     from course.instructor.autograde.records import Row
     from course.instructor.autograde.run import _course_lock, check_released, plan
-    from course.instructor.autograde.slurm import in_flight as on_slurm
+    from course.instructor.autograde.slurm import elsewhere
 
     _check(options, course)
     with _course_lock(course):
-        flying = {**{s: f"on Slurm (task {label})" for s, label in on_slurm(course).items()},
-                  **{s: f"on Kubernetes ({where})" for s, where in in_flight(course).items()}}
+        flying = elsewhere(course)
         todo, rows = plan(course, assignments, students, force)
-        rows += [Row(s, "not graded", reason=f"{flying[s]}: its run merges it") for s in todo if s in flying]
+        rows += [Row(s, "not graded", reason=flying[s]) for s in todo if s in flying]
         todo = [s for s in todo if s not in flying]
         if not todo:
             return None, None, rows

@@ -17,17 +17,17 @@ class AssignmentStatus:
     submitted: int = 0
     graded: int = 0
     feedback: int = 0
-    #: (student, "failed" | "timeout" | "on Slurm" | "not graded yet", why, log file or None)
+    #: (student, "failed" | "timeout" | "on Slurm" | "on Kubernetes" | "not graded yet", why, log file or None)
     problems: list[tuple[str, str, str, str | None]] = field(default_factory=list)
 
 
 def course_status(course: Course) -> list[AssignmentStatus]:
     """One entry per source assignment."""
-    from course.instructor.autograde.slurm import in_flight
+    from course.instructor.autograde.slurm import elsewhere
 
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}
-    on_slurm = in_flight(course)
+    away = elsewhere(course)
     report = []
     for assignment in course.source_assignments():
         released = assignment in in_gradebook and any(course.folder("release", assignment=assignment).glob("*.ipynb"))
@@ -44,9 +44,10 @@ def course_status(course: Course) -> list[AssignmentStatus]:
             why = missing_notebook_reason(course, submission)
             if why:
                 status.problems.append((student, "failed", why, None))
-            elif submission in on_slurm:
-                status.problems.append((student, "on Slurm", f"array task {on_slurm[submission]}: "
-                                        "ddp-course autograde --collect merges it once it ends", None))
+            elif submission in away:  # "on Slurm (task 12_3): what merges it" -> "on Slurm", "task 12_3: ..."
+                where, _, rest = away[submission].partition(" (")
+                place, _, how = rest.partition("): ")
+                status.problems.append((student, where, f"{place}: {how}", None))
             elif record.get("status") in ("failed", "timeout"):
                 status.problems.append((student, record["status"], record.get("reason", ""), record.get("log")))
             else:

@@ -61,8 +61,10 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
         run = run_slurm(course, picked, options=options, students=students, force=force, timeout=timeout,
                         wait=not no_wait, collect_only=collect, console=console)
     else:
+        from course.instructor.autograde.slurm import elsewhere
+
         run = run_autograde(course, picked, jobs=max(1, jobs), students=students, force=force, timeout=timeout,
-                            console=console)
+                            console=console, held_elsewhere=elsewhere)
     if not run.rows:
         console.print("no Slurm run to collect" if collect else
                       "nothing submitted yet: file submissions with ddp-course collect ZIP_OR_DIR")
@@ -74,6 +76,9 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
     queued = [r for r in run.rows if r.status == "not graded" and r.reason.startswith("on Slurm")]
     if queued and not run.interrupted:
         console.print(f"{len(queued)} submission(s) on Slurm: ddp-course autograde --collect merges what has finished")
+    pods = [r for r in run.rows if r.status == "not graded" and r.reason.startswith("on Kubernetes")]
+    if pods and not run.interrupted:
+        console.print(f"{len(pods)} submission(s) on Kubernetes: ddp-course k8s-job --collect merges what has finished")
     if run.interrupted:
         if slurm or collect:
             console.print("[yellow]stopped following: the array keeps running on Slurm; ddp-course autograde --collect "

@@ -219,13 +219,20 @@ def run_autograde(
     force: bool = False,
     timeout: float | None = None,
     console=None,
+    held_elsewhere=None,
 ) -> AutogradeRun:
-    """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time."""
+    """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time.
+
+    ``held_elsewhere(course)``: the submissions a scheduler's run holds, each with why it is not graded here
+    (``slurm.elsewhere``, which this module cannot import: slurm.py builds on it); those are left alone."""
     from rich.console import Console
 
     console = console or Console()
     with _course_lock(course):
         todo, rows = plan(course, assignments, students, force)
+        away = held_elsewhere(course) if held_elsewhere else {}
+        rows += [Row(s, "not graded", reason=away[s]) for s in todo if s in away]
+        todo = [s for s in todo if s not in away]
         if not todo:
             return AutogradeRun([fill_scores(course, r) for r in rows])
         check_released(course, todo)

@@ -489,27 +489,48 @@ def submit(course: Course, todo: list[Submission], options: SlurmOptions, *, tim
 # -- following and merging -------------------------------------------------------------------------------------
 
 
-def pending_runs(course: Course) -> list[Manifest]:
-    """Runs not fully collected yet, oldest first."""
+#: a Kubernetes run's manifest (course.instructor.k8s), in a run folder of its own beside Slurm's
+K8S_MANIFEST = "k8s-job.json"
+
+
+def manifests(course: Course, name: str = "manifest.json") -> list[tuple[Path, Manifest]]:
+    """(path, Manifest) of every run folder holding ``name`` (Slurm's runs; K8S_MANIFEST: Kubernetes'), oldest first."""
     found = []
-    for path in sorted(slurm_root(course).glob("*/manifest.json")):
+    for path in sorted(slurm_root(course).glob(f"*/{name}")):
         try:
-            found.append(Manifest.read(path))
+            found.append((path, Manifest.read(path)))
         except (OSError, ValueError, TypeError):
             continue
-    return [m for m in found if not m.done]
+    return found
+
+
+def pending_runs(course: Course) -> list[Manifest]:
+    """Slurm runs not fully collected yet, oldest first."""
+    return [m for _, m in manifests(course) if not m.done]
+
+
+def held(course: Course, manifest: Manifest) -> list[tuple[int, Submission]]:
+    """(task index, submission) of a run's submissions neither merged nor reported yet (their scratch course
+    is still there)."""
+    return [(index, submission) for index in range(len(manifest.tasks)) if index not in manifest.collected
+            for submission, _ in manifest.share(index)
+            if scratch_course(course, submission, task_folder(manifest, index)).root.exists()]
 
 
 def in_flight(course: Course) -> dict[Submission, str]:
-    """Each submission of an uncollected run that is not merged yet, and its array task (``123_4``)."""
-    found = {}
-    for manifest in pending_runs(course):
-        for index in range(len(manifest.tasks)):
-            if index in manifest.collected:
-                continue
-            for submission, _ in manifest.share(index):
-                if scratch_course(course, submission, task_folder(manifest, index)).root.exists():
-                    found[submission] = manifest.label(index)
+    """Each submission of an uncollected Slurm run that is not merged yet, and its array task (``123_4``)."""
+    return {submission: manifest.label(index) for manifest in pending_runs(course)
+            for index, submission in held(course, manifest)}
+
+
+def elsewhere(course: Course) -> dict[Submission, str]:
+    """Each submission a Slurm or Kubernetes run holds, and why it is not graded here: where it is and what
+    merges it. Every verb that plans grading leaves these alone (their run's result would replace its own)."""
+    found = {s: f"on Slurm (task {label}): ddp-course autograde --collect merges it"
+             for s, label in in_flight(course).items()}
+    for _, manifest in manifests(course, K8S_MANIFEST):
+        found.update({s: f"on Kubernetes (job {manifest.job_id}, pod {index}): ddp-course k8s-job --collect merges "
+                         "it once its pod has graded it" for index, s in held(course, manifest)})
     return found
 
 
@@ -630,7 +651,7 @@ def run_slurm(course: Course, assignments: list[str], *, options: SlurmOptions, 
             rows += _not_yet(course)
             return AutogradeRun([fill_scores(course, r) for r in rows])
         _require_tools()
-        flying = in_flight(course)
+        flying = elsewhere(course)
         todo, done = plan(course, assignments, students, force)
         rows += done
         rows += _not_yet(course, [s for s in todo if s in flying])
@@ -656,10 +677,9 @@ def run_slurm(course: Course, assignments: list[str], *, options: SlurmOptions, 
 
 
 def _not_yet(course: Course, only: list[Submission] | None = None) -> list[Row]:
-    """A row for each submission still on Slurm (of ``only``, when given)."""
-    flying = in_flight(course)
-    return [Row(s, "not graded", reason=f"on Slurm (task {label}): ddp-course autograde --collect merges it")
-            for s, label in sorted(flying.items()) if only is None or s in only]
+    """A row for each submission still on Slurm or Kubernetes (of ``only``, when given)."""
+    return [Row(s, "not graded", reason=why) for s, why in sorted(elsewhere(course).items())
+            if only is None or s in only]
 
 
 # -- one array task -----------------------------------------------------------------------------------------------
