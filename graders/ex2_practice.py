@@ -192,6 +192,8 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     samples itself (around the recorded forward: ``model.linear``, the weights) does not."""
     import random
 
+    import numpy
+
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
     x, labels, _ = _eval_case(n, world_size, seed)
@@ -205,6 +207,7 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     _SEEN.clear()
     torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
     random.seed(4242 + seed)
+    numpy.random.seed(4242 + seed)
     returned = evaluate(model, dataset, rank, world_size, batch_size)
     seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
     return {"accuracy": _number(returned), "seen": seen}

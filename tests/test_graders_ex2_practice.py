@@ -175,6 +175,17 @@ def evaluate_with_the_weights(model, dataset, rank, world_size, batch_size):
     return float(((x @ w.T + b).argmax(1) == y).mean())
 
 
+def evaluate_numpy_split(model, dataset, rank, world_size, batch_size):
+    """Right, another style: numpy's global generator, unseeded (the same on every rank of one job)."""
+    import numpy as np
+
+    device = next(model.parameters()).device
+    order = np.random.permutation(len(dataset)).tolist()
+    counts = _count(model, dataset, order[rank::world_size], batch_size, device)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
 def evaluate_random_split(model, dataset, rank, world_size, batch_size):
     """Right, another style: a random permutation (the same on every rank: same seed), cut into chunks."""
     device = next(model.parameters()).device
@@ -201,6 +212,7 @@ def test_check_evaluate_catches_samples_evaluated_around_the_model():
               "dist.all_reduce")
     ex2p.check_evaluate(evaluate_random_split)
     ex2p.check_evaluate(evaluate_random_split, world_size=4, n=14, batch_size=3, seed=1)
+    ex2p.check_evaluate(evaluate_numpy_split)
 
 
 # --- part 2: accumulate_step ---------------------------------------------------------------------
