@@ -5,11 +5,15 @@
   started in one);
 * :mod:`course.sandbox.wrapper`: ``python -m course.sandbox run ... -- CMD``, the
   process that isolates ``CMD`` (namespaces, mounts, rlimits, uid) and supervises it;
+* :mod:`course.sandbox.zygote`: an autograde worker's warm zygote, which forks the
+  kernels and verifiers (the wrapper's code runs in the fork, then the role) with
+  torch and the rest already imported;
 * :mod:`course.sandbox.linux`: the Linux pieces both use (namespaces, mounts,
   cgroups, killing process trees);
 * :mod:`course.sandbox.limits`: :class:`Limits`, what a sandbox may use.
 
-Dependencies run one way: box and wrapper use linux and limits, never each other.
+Dependencies run one way: box and wrapper use linux and limits, never each other;
+the zygote uses the wrapper (its exec hook) and box uses the zygote.
 """
 
 from course.sandbox.box import (
