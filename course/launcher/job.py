@@ -380,14 +380,12 @@ def _fork_forkserver(server) -> bool:
         if pid == 0:  # pragma: no cover - the forkserver; ends in os._exit
             code = 1
             try:
-                keep = sorted({0, 1, 2, listener.fileno(), alive_r})
-                for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
-                    if low + 1 < high:  # an empty range would close every descriptor (close_range(lo, lo - 1))
-                        os.closerange(low + 1, high)
+                from course.sandbox.linux import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_process_name
+
+                close_descriptors_except({0, 1, 2, listener.fileno(), alive_r})
                 devnull = os.open(os.devnull, os.O_RDONLY)  # our stdin (the verifier's request) is not theirs
                 os.dup2(devnull, 0)
                 os.close(devnull)
-                from course.sandbox.linux import PR_SET_DUMPABLE, prctl, set_process_name
 
                 prctl(PR_SET_DUMPABLE, 1)
                 set_process_name("forkserver")  # for ps (its command line is ours)

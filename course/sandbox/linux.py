@@ -47,7 +47,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
+PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 15, 36, 38
 
 
 def _check(result: int, what: str) -> None:
@@ -72,7 +72,18 @@ def prctl(option: int, value: int) -> None:
 
 def set_process_name(name: str) -> None:
     """Name this process as ps, top and /proc/PID/comm show it (at most 15 bytes; its command line stays)."""
-    _libc_handle().prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    _libc_handle().prctl(PR_SET_NAME, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)
+
+
+def close_descriptors_except(keep) -> None:
+    """Close every descriptor of this process but ``keep`` (a freshly forked child's cleanup).
+
+    Only non-empty ranges are passed on: ``os.closerange(lo, lo)`` becomes close_range(lo, lo - 1), which
+    closes every descriptor."""
+    keep = sorted(set(keep))
+    for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
+        if low + 1 < high:
+            os.closerange(low + 1, high)
 
 
 def make_undumpable() -> None:

@@ -43,10 +43,12 @@ import subprocess
 import sys
 import time
 
+from course.launcher import job as launcher
+
 #: what the zygote imports once, so that no kernel, verifier or forkserver imports it again
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course.launcher.rank",
-           "course.launcher.job", "course.checks", "course.grading.checkcalls", "course.grading.snapshot",
-           "course.grading.student", "course.sandbox.wrapper", "ipykernel.kernelapp", "ipykernel.ipkernel")
+PRELOAD = (*launcher.PRELOAD, "course.launcher.job", "course.checks", "course.grading.checkcalls",
+           "course.grading.snapshot", "course.grading.student", "course.sandbox.wrapper", "ipykernel.kernelapp",
+           "ipykernel.ipkernel")
 #: environment variables read while PRELOAD is imported: a process whose value differs is exec'd instead
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH_", "TORCHDYNAMO_")
 #: the zygote's own interpreter flags; a module run with a subset of them can be forked
@@ -157,7 +159,6 @@ class Zygote:
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=False)
         theirs.close()
         self._sock = ours
-        self._env = _import_time_env(os.environ)
         self.pid = self._proc.pid
 
     def alive(self) -> bool:
@@ -347,8 +348,9 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
         os.setsid()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
-        keep = 3
-        os.closerange(keep, os.sysconf("SC_OPEN_MAX"))
+        from course.sandbox.linux import close_descriptors_except
+
+        close_descriptors_except({0, 1, 2})
         os.chdir(request["cwd"])
         argv, env = request["argv"], request["env"]
         module = _runnable(argv, env)
