@@ -224,16 +224,11 @@ def k8s_runs(course: Course) -> list[tuple[Path, Manifest]]:
     return manifests(course, MANIFEST_NAME)
 
 
-def _waiting(course: Course, manifest: Manifest) -> list[tuple[int, Submission]]:
-    """(pod index, submission) of the run's submissions neither merged nor reported yet."""
-    from course.instructor.autograde.slurm import held
-
-    return held(course, manifest)
-
-
 def in_flight(course: Course) -> dict[Submission, str]:
     """Each submission a k8s run holds, and where: ``job NAME, pod I``."""
-    return {s: f"job {m.job_id}, pod {i}" for _, m in k8s_runs(course) for i, s in _waiting(course, m)}
+    from course.instructor.autograde.slurm import held
+
+    return {s: f"job {m.job_id}, pod {i}" for _, m in k8s_runs(course) for i, s in held(course, m)}
 
 
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
@@ -322,7 +317,7 @@ def collect_runs(course: Course, ended: tuple[str, ...] = ()) -> list[Row]:
 def _collect(course: Course, ended: tuple[str, ...]) -> list[Row]:
     from course.instructor.autograde.records import Row, write_record
     from course.instructor.autograde.scratch import scratch_course
-    from course.instructor.autograde.slurm import collect_run, log_folder, task_folder
+    from course.instructor.autograde.slurm import collect_run, held, log_folder, task_folder
 
     runs = k8s_runs(course)
     unknown = sorted(set(ended) - {m.job_id for _, m in runs})
@@ -332,7 +327,7 @@ def _collect(course: Course, ended: tuple[str, ...]) -> list[Row]:
     rows = []
     for _, manifest in runs:
         rows += collect_run(course, manifest, None)  # None: no task is taken as ended, nothing asks Slurm
-        for index, submission in _waiting(course, manifest):
+        for index, submission in held(course, manifest):
             if manifest.job_id not in ended:
                 rows.append(Row(submission, "not graded", reason=f"on Kubernetes (job {manifest.job_id}, pod {index}): "
                                 "ddp-course k8s-job --collect merges it once its pod has graded it"))
@@ -344,7 +339,7 @@ def _collect(course: Course, ended: tuple[str, ...]) -> list[Row]:
             write_record(course, submission, "failed", None, reason, tail)
             shutil.rmtree(scratch_course(course, submission, task_folder(manifest, index)).root, ignore_errors=True)
             rows.append(Row(submission, "failed", reason=reason))
-        if not _waiting(course, manifest):
+        if not held(course, manifest):
             shutil.rmtree(manifest.folder, ignore_errors=True)
     return rows
 
