@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requirements_gate
 
-from course.instructor.autograde.records import Submission
+from course.instructor.autograde.records import Submission, is_graded, read_record
 from course.instructor.autograde.slurm import (
     Manifest,
     SlurmOptions,
@@ -252,6 +252,26 @@ def make_class(course_dir: Path, incoming: Path, kinds: dict[str, str]) -> None:
         nbformat.write(nb, incoming / f"{student}_{NOTEBOOK}.ipynb")
 
 
+def class_of(tmp_path: Path, kinds: dict[str, str]) -> Path:
+    """A released template course under ``tmp_path`` and its submissions (``make_class``): their folder."""
+    template = tmp_path / "template"
+    cli("init", str(template), cwd=tmp_path)
+    cli("release", ASSIGNMENT, cwd=template)
+    incoming = tmp_path / "incoming"
+    make_class(template, incoming, kinds)
+    return incoming
+
+
+def assert_left_ungraded(course_dir: Path, student: str, state: str) -> None:
+    """``student``'s task ended in ``state``: no scores, no autograded notebook, the state in its record."""
+    course = Course.open(course_dir)
+    submission = Submission(ASSIGNMENT, student)
+    assert not is_graded(course, submission)
+    assert not (course_dir / "autograded" / student).exists()
+    assert not any(k[0] == student for k in graded(course_dir))
+    assert state in read_record(course, submission)["reason"]
+
+
 def new_course(path: Path, incoming: Path) -> Path:
     cli("init", str(path), cwd=path.parent)
     cli("release", ASSIGNMENT, cwd=path)
@@ -329,11 +349,7 @@ CLASS = {"ada": "reference", "bob": "partial", "cy": "untouched", "dee": "hang",
 def test_slurm_grades_a_class_exactly_as_local_jobs(tmp_path, slurm):
     """Six kinds of submission of exercise 1, graded by `autograde --jobs 2` and by `autograde --slurm`:
     the same grades, comments and messages."""
-    template = tmp_path / "template"
-    cli("init", str(template), cwd=tmp_path)
-    cli("release", ASSIGNMENT, cwd=template)
-    incoming = tmp_path / "incoming"
-    make_class(template, incoming, CLASS)
+    incoming = class_of(tmp_path, CLASS)
     local = new_course(tmp_path / "local", incoming)
     on_slurm = new_course(tmp_path / "slurm", incoming)
 
@@ -363,9 +379,6 @@ def test_slurm_grades_a_class_exactly_as_local_jobs(tmp_path, slurm):
     fay = nbformat.read(on_slurm / "autograded" / "fay" / ASSIGNMENT / f"{NOTEBOOK}.ipynb", as_version=4)
     assert "hostile cell wrote 0 files" in nbformat.writes(fay)  # the sandbox hid the course from it on Slurm too
     assert b"pwned" not in (on_slurm / "gradebook.db").read_bytes()
-    from course.instructor.autograde.records import read_record
-    from course.instructor.coursedir import Course
-
     for student in CLASS:  # each submission's record says how the machine that graded it isolated it
         for folder in (local, on_slurm):
             record = read_record(Course.open(folder), Submission(ASSIGNMENT, student))
@@ -382,12 +395,7 @@ def test_slurm_grades_a_class_exactly_as_local_jobs(tmp_path, slurm):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(tmp_path, slurm):
-    template = tmp_path / "template"
-    cli("init", str(template), cwd=tmp_path)
-    cli("release", ASSIGNMENT, cwd=template)
-    incoming = tmp_path / "incoming"
-    make_class(template, incoming, {"ada": "slow", "bob": "partial", "cy": "untouched"})
-    course_dir = new_course(tmp_path / "course", incoming)
+    course_dir = new_course(tmp_path / "course", class_of(tmp_path, {"ada": "slow", "bob": "partial", "cy": "untouched"}))
 
     submitted = cli("autograde", "--slurm", "--no-wait", "--cpus-per-task", "1", cwd=course_dir).stdout
     job = re.search(r"submitted Slurm job (\d+): 3 array tasks", submitted)
@@ -422,14 +430,7 @@ def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(t
     assert not task_processes(course_dir), "processes of the cancelled task outlived it"
 
     # ada stays ungraded: no scores, no autograded notebook, nothing half-written; status says why
-    course = Course.open(course_dir)
-    from course.instructor.autograde.records import is_graded, read_record
-
-    ada = Submission(ASSIGNMENT, "ada")
-    assert not is_graded(course, ada)
-    assert not (course_dir / "autograded" / "ada").exists()
-    assert not any(k[0] == "ada" for k in graded(course_dir))
-    assert "CANCELLED" in read_record(course, ada)["reason"]
+    assert_left_ungraded(course_dir, "ada", "CANCELLED")
     status = cli("status", cwd=course_dir).stdout
     assert re.search(r"ada\s*│\s*failed\s*│.*CANCELLED", status), status
     before = {p.parent.parent.name: p.stat().st_mtime for p in (course_dir / "autograded").glob(f"*/{ASSIGNMENT}/*.ipynb")}
@@ -440,7 +441,7 @@ def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(t
     assert re.search(r"ada\s.*9 / 9\s.*graded", rerun), rerun
     after = {p.parent.parent.name: p.stat().st_mtime for p in (course_dir / "autograded").glob(f"*/{ASSIGNMENT}/*.ipynb")}
     assert {k: after[k] for k in before} == before and set(after) == {"ada", "bob", "cy"}
-    assert is_graded(course, ada)
+    assert is_graded(Course.open(course_dir), Submission(ASSIGNMENT, "ada"))
 
 
 @pytest.mark.slurm
@@ -448,23 +449,11 @@ def test_a_cancelled_task_leaves_its_students_ungraded_and_a_rerun_grades_them(t
 @pytest.mark.timeout(900)
 def test_a_task_past_its_time_limit_leaves_its_students_ungraded(tmp_path, slurm):
     """Slurm ends a task at its --time: the student it held is reported TIMEOUT and stays ungraded."""
-    template = tmp_path / "template"
-    cli("init", str(template), cwd=tmp_path)
-    cli("release", ASSIGNMENT, cwd=template)
-    incoming = tmp_path / "incoming"
-    make_class(template, incoming, {"dee": "slower"})  # 150 s of sleeping cells
-    course_dir = new_course(tmp_path / "course", incoming)
+    course_dir = new_course(tmp_path / "course", class_of(tmp_path, {"dee": "slower"}))  # 150 s of sleeping cells
 
     ran, seconds = timed("autograde", "--slurm", "--time", "1", "--cpus-per-task", "1", cwd=course_dir)
     print(f"\na 1-minute task limit ended the task after {seconds:.0f} s")
     said = ran.stdout
     assert re.search(r"dee\s.*failed.*Slurm task \d+_0 ended\s+TIMEOUT", said, flags=re.S), said
     assert not task_processes(course_dir), "processes of the timed-out task outlived it"
-    from course.instructor.autograde.records import is_graded, read_record
-
-    course = Course.open(course_dir)
-    dee = Submission(ASSIGNMENT, "dee")
-    assert not is_graded(course, dee)
-    assert not (course_dir / "autograded" / "dee").exists()
-    assert not any(k[0] == "dee" for k in graded(course_dir))
-    assert "TIMEOUT" in read_record(course, dee)["reason"]
+    assert_left_ungraded(course_dir, "dee", "TIMEOUT")
