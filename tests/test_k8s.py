@@ -433,12 +433,11 @@ def test_a_rerun_includes_only_what_is_neither_graded_nor_on_its_way(released, t
 
 def test_slurm_collect_never_sees_a_k8s_run(released, tmp_path):
     """autograde --collect would take a run Slurm never heard of as ended: the k8s manifest is not its file."""
-    from course.instructor.autograde.slurm import in_flight as on_slurm
-    from course.instructor.autograde.slurm import pending_runs
+    from course.instructor.autograde.slurm import elsewhere, pending_runs
 
     course = course_with(released, tmp_path, ["ada"])
     _, manifest, _ = generate(course)
-    assert pending_runs(course) == [] and on_slurm(course) == {}
+    assert pending_runs(course) == [] and [h for h in elsewhere(course).values() if h.scheduler == "Slurm"] == []
     assert not manifest.path.exists()  # slurm.py's manifest.json
 
 
@@ -458,8 +457,8 @@ def test_every_verb_leaves_a_k8s_runs_submissions_to_it(released, tmp_path):
     _, manifest, _ = generate(course, per_pod=1)
     away = elsewhere(course)
     assert {s.student for s in away} == {"ada", "bob"}
-    assert {why.split(":")[0] for why in away.values()} == {f"on Kubernetes (job {manifest.job_id}, pod {i})"
-                                                            for i in (0, 1)}
+    assert {str(why).split(":")[0] for why in away.values()} == {f"on Kubernetes (job {manifest.job_id}, pod {i})"
+                                                                 for i in (0, 1)}
     quiet = Console(file=io.StringIO())
     local = run_autograde(course, [ASSIGNMENT], held_elsewhere=elsewhere, console=quiet)
     assert {(r.submission.student, r.status) for r in local.rows} == {

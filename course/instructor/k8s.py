@@ -317,7 +317,7 @@ def collect_runs(course: Course, ended: tuple[str, ...] = ()) -> list[Row]:
 def _collect(course: Course, ended: tuple[str, ...]) -> list[Row]:
     from course.instructor.autograde.records import Row, write_record
     from course.instructor.autograde.scratch import scratch_course
-    from course.instructor.autograde.slurm import collect_run, held, log_folder, task_folder
+    from course.instructor.autograde.slurm import collect_run, held, log_folder, on_kubernetes, task_folder
 
     runs = k8s_runs(course)
     unknown = sorted(set(ended) - {m.job_id for _, m in runs})
@@ -329,8 +329,7 @@ def _collect(course: Course, ended: tuple[str, ...]) -> list[Row]:
         rows += collect_run(course, manifest, None)  # None: no task is taken as ended, nothing asks Slurm
         for index, submission in held(course, manifest):
             if manifest.job_id not in ended:
-                rows.append(Row(submission, "not graded", reason=f"on Kubernetes (job {manifest.job_id}, pod {index}): "
-                                "ddp-course k8s-job --collect merges it once its pod has graded it"))
+                rows.append(Row(submission, "not graded", reason=str(on_kubernetes(manifest, index))))
                 continue
             reason = (f"pod {index} of Kubernetes job {manifest.job_id} ended before grading it (kubectl describe job "
                       f"{manifest.job_id} says why: deadline, retries, out of memory?); run ddp-course k8s-job again")
@@ -359,7 +358,7 @@ def make_job(course: Course, assignments: list[str], options: JobOptions, *, stu
     with _course_lock(course):
         flying = elsewhere(course)
         todo, rows = plan(course, assignments, students, force)
-        rows += [Row(s, "not graded", reason=flying[s]) for s in todo if s in flying]
+        rows += [Row(s, "not graded", reason=str(flying[s])) for s in todo if s in flying]
         todo = [s for s in todo if s not in flying]
         if not todo:
             return None, None, rows

@@ -44,10 +44,9 @@ def course_status(course: Course) -> list[AssignmentStatus]:
             why = missing_notebook_reason(course, submission)
             if why:
                 status.problems.append((student, "failed", why, None))
-            elif submission in away:  # "on Slurm (task 12_3): what merges it" -> "on Slurm", "task 12_3: ..."
-                where, _, rest = away[submission].partition(" (")
-                place, _, how = rest.partition("): ")
-                status.problems.append((student, where, f"{place}: {how}", None))
+            elif submission in away:
+                where = away[submission]
+                status.problems.append((student, f"on {where.scheduler}", f"{where.place}: {where.merge}", None))
             elif record.get("status") in ("failed", "timeout"):
                 status.problems.append((student, record["status"], record.get("reason", ""), record.get("log")))
             else:

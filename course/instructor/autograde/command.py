@@ -73,12 +73,10 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
     bad = [r for r in run.rows if r.status in ("failed", "timeout")]
     if bad:
         console.print(f"[red]{len(bad)} submission(s) could not be graded; ddp-course status says why")
-    queued = [r for r in run.rows if r.status == "not graded" and r.reason.startswith("on Slurm")]
-    if queued and not run.interrupted:
-        console.print(f"{len(queued)} submission(s) on Slurm: ddp-course autograde --collect merges what has finished")
-    pods = [r for r in run.rows if r.status == "not graded" and r.reason.startswith("on Kubernetes")]
-    if pods and not run.interrupted:
-        console.print(f"{len(pods)} submission(s) on Kubernetes: ddp-course k8s-job --collect merges what has finished")
+    for scheduler, merge in (("Slurm", "ddp-course autograde --collect"), ("Kubernetes", "ddp-course k8s-job --collect")):
+        queued = [r for r in run.rows if r.status == "not graded" and r.reason.startswith(f"on {scheduler}")]
+        if queued and not run.interrupted:
+            console.print(f"{len(queued)} submission(s) on {scheduler}: {merge} merges what has finished")
     if run.interrupted:
         if slurm or collect:
             console.print("[yellow]stopped following: the array keeps running on Slurm; ddp-course autograde --collect "

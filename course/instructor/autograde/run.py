@@ -231,7 +231,7 @@ def run_autograde(
     with _course_lock(course):
         todo, rows = plan(course, assignments, students, force)
         away = held_elsewhere(course) if held_elsewhere else {}
-        rows += [Row(s, "not graded", reason=away[s]) for s in todo if s in away]
+        rows += [Row(s, "not graded", reason=str(away[s])) for s in todo if s in away]
         todo = [s for s in todo if s not in away]
         if not todo:
             return AutogradeRun([fill_scores(course, r) for r in rows])

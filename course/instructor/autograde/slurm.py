@@ -517,20 +517,33 @@ def held(course: Course, manifest: Manifest) -> list[tuple[int, Submission]]:
             if scratch_course(course, submission, task_folder(manifest, index)).root.exists()]
 
 
-def in_flight(course: Course) -> dict[Submission, str]:
-    """Each submission of an uncollected Slurm run that is not merged yet, and its array task (``123_4``)."""
-    return {submission: manifest.label(index) for manifest in pending_runs(course)
-            for index, submission in held(course, manifest)}
+@dataclass(frozen=True)
+class Held:
+    """Where a scheduler's run holds a submission, and what merges it; ``str()``: the reason a row gives."""
+
+    scheduler: str  # "Slurm" | "Kubernetes"
+    place: str  # "task 123_4" | "job NAME, pod I"
+    merge: str
+
+    def __str__(self) -> str:
+        return f"on {self.scheduler} ({self.place}): {self.merge}"
 
 
-def elsewhere(course: Course) -> dict[Submission, str]:
-    """Each submission a Slurm or Kubernetes run holds, and why it is not graded here: where it is and what
-    merges it. Every verb that plans grading leaves these alone (their run's result would replace its own)."""
-    found = {s: f"on Slurm (task {label}): ddp-course autograde --collect merges it"
-             for s, label in in_flight(course).items()}
+def on_slurm(manifest: Manifest, index: int) -> Held:
+    return Held("Slurm", f"task {manifest.label(index)}", "ddp-course autograde --collect merges it")
+
+
+def on_kubernetes(manifest: Manifest, index: int) -> Held:
+    return Held("Kubernetes", f"job {manifest.job_id}, pod {index}",
+                "ddp-course k8s-job --collect merges it once its pod has graded it")
+
+
+def elsewhere(course: Course) -> dict[Submission, Held]:
+    """Each submission a Slurm or Kubernetes run holds, and where. Every verb that plans grading leaves
+    these alone (their run's result would replace its own)."""
+    found = {s: on_slurm(m, i) for m in pending_runs(course) for i, s in held(course, m)}
     for _, manifest in manifests(course, K8S_MANIFEST):
-        found.update({s: f"on Kubernetes (job {manifest.job_id}, pod {index}): ddp-course k8s-job --collect merges "
-                         "it once its pod has graded it" for index, s in held(course, manifest)})
+        found.update({s: on_kubernetes(manifest, i) for i, s in held(course, manifest)})
     return found
 
 
@@ -678,7 +691,7 @@ def run_slurm(course: Course, assignments: list[str], *, options: SlurmOptions, 
 
 def _not_yet(course: Course, only: list[Submission] | None = None) -> list[Row]:
     """A row for each submission still on Slurm or Kubernetes (of ``only``, when given)."""
-    return [Row(s, "not graded", reason=why) for s, why in sorted(elsewhere(course).items())
+    return [Row(s, "not graded", reason=str(where)) for s, where in sorted(elsewhere(course).items())
             if only is None or s in only]
 
 
