@@ -254,9 +254,13 @@ def test_backend_auto_is_gloo_without_enough_gpus():
 
 
 @pytest.mark.slow
-def test_fifty_jobs_in_a_row_leave_nothing_behind():
+def test_fifty_jobs_in_a_row_leave_nothing_behind(tmp_path, monkeypatch):
+    # the jobs' folders go to a temporary folder of this test's own: another test (another xdist worker) may be
+    # running jobs in the machine's /tmp meanwhile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = _descendants()
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "ddp-course-job-*")))
+    assert tempfile.gettempdir() == str(tmp_path)
     ports = set()
     for _ in range(50):
         job = course.launch(all_reduce_rank, 2, echo=False)

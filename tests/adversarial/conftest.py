@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import report_sections  # noqa: E402
 import runs  # noqa: E402
 
 _done: dict = {}
@@ -33,15 +34,15 @@ def host_listener():
     listener.close()
 
 
-def pytest_terminal_summary(terminalreporter):
+def _table() -> None:
     """Each attack's score and time on each path: the figures the suite's report quotes."""
     if not _done:
         return
     import attacks
 
-    terminalreporter.section("adversarial submissions (seconds; score / max)")
+    lines = []
     paths = sorted(_done)
-    terminalreporter.write_line(f"{'attack':18}" + "".join(f"{p:>24}" for p in paths) + "   bound")
+    lines.append(f"{'attack':18}" + "".join(f"{p:>24}" for p in paths) + "   bound")
     for attack in attacks.ATTACKS:
         cells = []
         for path in paths:
@@ -49,9 +50,13 @@ def pytest_terminal_summary(terminalreporter):
             outcome = batch.outcomes[attack.name]
             top = sum(float(c.metadata["nbgrader"].get("points", 0)) for c in attacks.test_cells(batch.source))
             cells.append(f"{outcome.elapsed:7.0f} s {sum(outcome.scores.values()):5g} / {top:g}")
-        terminalreporter.write_line(f"{attack.name:18}" + "".join(f"{c:>24}" for c in cells) + f"   {attack.bound():.0f}")
+        lines.append(f"{attack.name:18}" + "".join(f"{c:>24}" for c in cells) + f"   {attack.bound():.0f}")
     for path in paths:
-        terminalreporter.write_line(f"{path}: all {len(attacks.ATTACKS)} submissions in {_done[path].elapsed:.0f} s")
+        lines.append(f"{path}: all {len(attacks.ATTACKS)} submissions in {_done[path].elapsed:.0f} s")
     for path in paths:  # this host's own addresses only
         targets = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in _done[path].network_targets)
-        terminalreporter.write_line(f"{path}: the network attack aimed at {targets}")
+        lines.append(f"{path}: the network attack aimed at {targets}")
+    report_sections.add("adversarial submissions (seconds; score / max)", lines)
+
+
+report_sections.at_session_end(_table)
