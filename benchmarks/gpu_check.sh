@@ -43,7 +43,7 @@ part() {  # part NAME SECONDS pytest-args...
     shift 2
     [[ $parts == *" $name "* ]] || return 0
     stamp "start $name" >>"$out/summary.txt"
-    timeout -k 10 "$limit" python3 -m pytest -p no:cacheprovider -rA "$@" >"$out/$name.log" 2>&1
+    timeout -k 10 "$limit" python3 -m pytest -p no:cacheprovider -n 0 -rA "$@" >"$out/$name.log" 2>&1
     stamp "end $name: exit $?" >>"$out/summary.txt"
 }
 
