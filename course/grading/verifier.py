@@ -327,7 +327,7 @@ def _restore_file(path: str, data: str) -> None:
 
 def serve() -> int:
     """The verifier: read the request on stdin, print one JSON verdict per cell on the original stdout."""
-    from course.sandbox import make_undumpable
+    from course.proc import make_undumpable
 
     make_undumpable()  # ranks run as our uid: they must not ptrace us or reach our fds
     out = os.fdopen(os.dup(1), "w")  # our private channel (not inherited by children)

@@ -45,12 +45,11 @@ from typing import Any
 
 import cloudpickle
 
+from course.envnames import BACKEND_ENV, CHECK_PACKAGES_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
 from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, explain, rank_list, were
 from course.launcher.stall import StallWatch
+from course.proc import kill_group
 
-BACKEND_ENV = "DDP_COURSE_BACKEND"
-GRADING_ENV = "DDP_COURSE_GRADING"  # set in sandboxed grading processes (see warm_up())
-CPUS_ENV = "DDP_COURSE_CPUS"  # cores for this process's jobs (see cpus())
 DEFAULT_TIMEOUT = 120.0
 #: what the ranks' forkserver imports before it forks them
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course.launcher.rank"]
@@ -219,11 +218,11 @@ def launch(
             outcome = _wait(processes, tails, started + timeout, watch)
         finally:
             for process in processes:
-                _kill_rank(process.pid)
+                kill_group(process.pid)
             for process in processes:
                 process.join(timeout=5)
             for process in processes:
-                _kill_rank(process.pid)  # children that outlived their rank
+                kill_group(process.pid)  # children that outlived their rank
             for tail in tails:
                 tail.pump(final=True)
             for path in context.error_files:
@@ -380,7 +379,7 @@ def _fork_forkserver(server) -> bool:
         if pid == 0:  # pragma: no cover - the forkserver; ends in os._exit
             code = 1
             try:
-                from course.sandbox.linux import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_process_name
+                from course.proc import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_process_name
 
                 close_descriptors_except({0, 1, 2, listener.fileno(), alive_r})
                 devnull = os.open(os.devnull, os.O_RDONLY)  # our stdin (the verifier's request) is not theirs
@@ -437,10 +436,6 @@ _ORIGINAL_PREPARATION_DATA = None
 #: notebook cell file -> how IPython names it ("Cell In[7]"), for cells of a kernel other than this
 #: process's (the verifier fills it from the kernel's record); this process's own IPython is asked too
 CELL_NAMES: dict[str, str] = {}
-#: "0": no early deadlock detection (every hang waits for the job's deadline)
-STALLS_ENV = "DDP_COURSE_DETECT_STALLS"
-#: the packages whose frames are the grader's in a rank's traceback (besides the engine itself)
-CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
 
 
 def _cell_names() -> dict[str, str]:
@@ -583,19 +578,6 @@ class _Tail:
 
     def last(self, n: int = 20) -> list[str]:
         return list(self.lines)[-n:]
-
-
-def _kill_rank(pid: int | None) -> None:
-    """SIGKILL a rank's whole session (its own process group): the rank and its children."""
-    if not pid:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _load(path: str, safe: bool) -> dict | None:

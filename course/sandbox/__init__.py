@@ -16,6 +16,8 @@ Dependencies run one way: box and wrapper use linux and limits, never each other
 the zygote uses the wrapper (its exec hook) and box uses the zygote.
 """
 
+from course.envnames import TOKEN_ENV
+from course.proc import kill_tree, make_undumpable
 from course.sandbox.box import (
     HOME_DIR,
     KERNEL_DIR,
@@ -29,10 +31,7 @@ from course.sandbox.box import (
 )
 from course.sandbox.limits import GiB, Limits, MiB
 from course.sandbox.linux import (
-    TOKEN_ENV,
-    kill_tree,
     kill_uid,
-    make_undumpable,
     marked_processes,
     namespaces_available,
     rootless_available,

@@ -34,17 +34,15 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from course.launcher.job import GRADING_ENV
+from course.envnames import GRADING_ENV, TOKEN_ENV
 from course.paths import CHECKOUT
-from course.sandbox.limits import GiB, Limits, MiB  # noqa: F401 - re-exported
-from course.sandbox.linux import (  # noqa: F401 - re-exported: the sandbox's public names live here
-    TOKEN_ENV,
+from course.proc import kill_tree
+from course.sandbox.limits import GiB, Limits
+from course.sandbox.linux import (
     Cgroups,
     blocking_ancestor,
     is_under,
-    kill_tree,
     kill_uid,
-    make_undumpable,
     marked_processes,
     namespaces_available,
     rootless_available,

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from course.proc import PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, prctl
 from course.sandbox.limits import Limits
 from course.sandbox.linux import (
     CLONE_NEWNET,
@@ -33,15 +34,12 @@ from course.sandbox.linux import (
     MS_RDONLY,
     MS_REC,
     MS_REMOUNT,
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_NO_NEW_PRIVS,
     blocking_ancestor,
     enter_user_namespace,
     is_under,
     kill_uid,
     loopback_up,
     mount,
-    prctl,
     uid_processes,
     unshare,
 )

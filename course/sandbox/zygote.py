@@ -295,7 +295,7 @@ def _run_module(module: str, args: list[str], safe_path: bool, env: dict) -> Non
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     multiprocessing.current_process().authkey = os.urandom(32)
-    from course.sandbox.linux import PR_SET_DUMPABLE, prctl
+    from course.proc import PR_SET_DUMPABLE, prctl
 
     prctl(PR_SET_DUMPABLE, 1)  # as an exec leaves it (a uid change made it undumpable; the verifier undoes this)
     _name(module)
@@ -335,7 +335,7 @@ _ZYGOTE_ENV: dict[str, str] = {}
 def _name(module: str) -> None:
     """Name this process after the module it runs (ps, top and /proc/PID/comm show it; its command line
     stays the zygote's)."""
-    from course.sandbox.linux import set_process_name
+    from course.proc import set_process_name
 
     set_process_name(module.rsplit(".", 1)[-1] if module != "course.sandbox" else "sandbox")
 
@@ -348,7 +348,7 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
         os.setsid()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
-        from course.sandbox.linux import close_descriptors_except
+        from course.proc import close_descriptors_except
 
         close_descriptors_except({0, 1, 2})
         os.chdir(request["cwd"])

@@ -20,16 +20,16 @@ import time
 import traceback
 from pathlib import Path
 
+from course import proc
 from course.instructor.coursedir import load_config
 from course.instructor.gradebook import sqlite_url
 from course.launcher.job import CPUS_ENV
-from course.sandbox import linux as sandbox_os
 
 
 def kill_tree(pid: int, include_self: bool = True) -> None:
     """SIGKILL every descendant of ``pid`` (kernels and ranks run in sessions of their own, so its
     process group alone would miss them), then ``pid`` and what is left of its process group."""
-    sandbox_os.kill_tree(pid, include_self)  # collects the tree before killing: no orphan escapes
+    proc.kill_tree(pid, include_self)  # collects the tree before killing: no orphan escapes
     if include_self:
         try:
             os.killpg(pid, signal.SIGKILL)
