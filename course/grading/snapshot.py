@@ -1,6 +1,6 @@
 """Record, in the student's kernel, what each check call is given, for :mod:`course.grading.verifier` to re-run it.
 
-A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
+A sandboxed kernel (:class:`course.grading.kernel.SandboxKernelManager`) starts with
 an IPython startup file that calls :func:`install`. Where a test cell
 made of check calls runs (as :func:`course.grading.checkcalls.kernel_source` gives it:
 one comment naming what its checks use), the hook pickles (by value, cloudpickle) every

@@ -1,8 +1,7 @@
 """The sandbox: run a submission's code (its kernel, its ranks, the verifier's re-run of its checks) isolated.
 
 * :mod:`course.sandbox.box`: the grader's side, :class:`Sandbox` (a uid, a cgroup and
-  a work folder per submission) and :class:`SandboxKernelManager` (a Jupyter kernel
-  started in one);
+  a work folder per submission);
 * :mod:`course.sandbox.wrapper`: ``python -m course.sandbox run ... -- CMD``, the
   process that isolates ``CMD`` (namespaces, mounts, rlimits, uid) and supervises it;
 * :mod:`course.sandbox.zygote`: an autograde worker's warm zygote, which forks the
@@ -23,7 +22,6 @@ from course.sandbox.box import (
     KERNEL_DIR,
     UID_RANGE,
     Sandbox,
-    course_paths,
     default_hidden,
     describe,
     python_flags,
@@ -39,16 +37,8 @@ from course.sandbox.linux import (
 )
 
 __all__ = [
-    "HOME_DIR", "KERNEL_DIR", "TOKEN_ENV", "UID_RANGE", "GiB", "Limits", "MiB", "Sandbox", "SandboxKernelManager",
-    "course_paths", "default_hidden", "describe", "kill_tree", "kill_uid", "make_undumpable", "marked_processes",
+    "HOME_DIR", "KERNEL_DIR", "TOKEN_ENV", "UID_RANGE", "GiB", "Limits", "MiB", "Sandbox",
+    "default_hidden", "describe", "kill_tree", "kill_uid", "make_undumpable", "marked_processes",
     "namespaces_available", "python_flags", "python_paths", "rootless_available", "uid_processes",
 ]
 
-
-def __getattr__(name: str):
-    # Built on first use (jupyter_client costs ~0.8 s to import, which the wrapper must not pay).
-    if name == "SandboxKernelManager":
-        from course.sandbox import box
-
-        return box.SandboxKernelManager
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

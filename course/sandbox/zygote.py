@@ -5,7 +5,7 @@ imports torch (and the verifier torch._dynamo, for the ranks' forkserver): about
 5 of the 8.7 CPU seconds a graded ex1 submission cost. An autograde worker grades
 one submission after another, so it keeps one zygote (:class:`Zygote`): a Python
 started once per worker, as the worker's own user, that imports all of that once
-(:data:`PRELOAD`) and then only forks. Nothing of a submission ever runs in it.
+(the ``preload`` it is given) and then only forks. Nothing of a submission ever runs in it.
 
 ``zygote.popen(argv, env=..., cwd=...)`` is ``subprocess.Popen(argv, env=..., cwd=...,
 start_new_session=True)``, only faster: the zygote forks, the child takes the
@@ -43,12 +43,9 @@ import subprocess
 import sys
 import time
 
-from course.launcher import job as launcher
-
-#: what the zygote imports once, so that no kernel, verifier or forkserver imports it again
-PRELOAD = (*launcher.PRELOAD, "course.launcher.job", "course.checks", "course.grading.checkcalls",
-           "course.grading.snapshot", "course.grading.student", "course.sandbox.wrapper", "ipykernel.kernelapp",
-           "ipykernel.ipkernel")
+#: what every zygote imports once (each process it forks runs the wrapper first); its user adds what its
+#: processes import (grading: :data:`course.grading.kernel.ZYGOTE_PRELOAD`)
+PRELOAD = ("course.sandbox.wrapper",)
 #: environment variables read while PRELOAD is imported: a process whose value differs is exec'd instead
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH_", "TORCHDYNAMO_")
 #: the zygote's own interpreter flags; a module run with a subset of them can be forked
@@ -154,6 +151,7 @@ class Zygote:
 
     def __init__(self, preload=PRELOAD):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.preload = tuple(preload)
         self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
             [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload)],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=False)
@@ -224,7 +222,7 @@ def current() -> Zygote | None:
     """This process's zygote, restarted if it died; None where none is in use."""
     global _current
     if _current is not None and not _current.alive():
-        _current = Zygote()
+        _current = Zygote(_current.preload)
     return _current
 
 

@@ -80,7 +80,9 @@ def serve(conn, course_root: str, log_path: str, parent_pid: int, cpus: int | No
     from course.sandbox import zygote
 
     if zygote.enabled():  # imports torch, ipykernel and the graders while we get ready; every kernel and
-        zygote.use(zygote.Zygote())  # verifier of this worker is then forked from it (see course.sandbox.zygote)
+        from course.grading.kernel import ZYGOTE_PRELOAD  # verifier of this worker is then forked from it
+
+        zygote.use(zygote.Zygote(ZYGOTE_PRELOAD))  # (see course.sandbox.zygote)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import nbgrader.apps  # noqa: F401  (already there when forked from autograde; else paid before the first job)
 
