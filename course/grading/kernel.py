@@ -16,7 +16,7 @@ from jupyter_client.manager import AsyncKernelManager
 from traitlets import Bool, Integer, List, Unicode
 
 from course.grading import snapshot
-from course.launcher.job import PRELOAD as FORKSERVER_PRELOAD
+from course.launcher.forkserver import PRELOAD as FORKSERVER_PRELOAD
 from course.sandbox import Limits, Sandbox
 from course.sandbox import zygote as zygotes
 

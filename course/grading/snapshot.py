@@ -128,7 +128,7 @@ def install_cells(cells: dict[str, str]) -> None:
     """In the verifier: make the kernel's cells known to linecache and the launcher (for rank tracebacks)."""
     import linecache
 
-    from course.launcher import job
+    from course import launcher
 
     for name, data in cells.items():
         try:
@@ -140,7 +140,7 @@ def install_cells(cells: dict[str, str]) -> None:
             continue
         lines = text.splitlines(keepends=True)
         linecache.cache[name] = (len(text), None, lines, name)
-        job.CELL_NAMES[name] = label
+        launcher.configure(cell_names={name: label})
 
 
 def _describe(snap: Snapshot, name: str, obj) -> None:

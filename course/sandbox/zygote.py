@@ -271,7 +271,7 @@ def _runnable(argv: list[str], env: dict):
 def exec_or_run(argv: list[str], env: dict) -> None:
     """Become ``argv`` with ``env``: run it in place when it is a module this zygote can run, else exec it.
 
-    Never returns. The sandbox wrapper calls it (through ``wrapper.EXEC``) for the command it sandboxes."""
+    Never returns. The sandbox wrapper calls it (``wrapper.configure(exec_hook=...)``) for the command it sandboxes."""
     module = _runnable(argv, env)
     if module is None:
         os.execvpe(argv[0], argv, env)
@@ -358,7 +358,7 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
             os.execvpe(argv[0], argv, env)
         from course.sandbox import wrapper
 
-        wrapper.EXEC = exec_or_run  # the command the wrapper sandboxes is forked from here too
+        wrapper.configure(exec_hook=exec_or_run)  # the command the wrapper sandboxes is forked from here too
         _run_module(*module, env)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"zygote: cannot start {request.get('argv', ['?'])[0]}: {exc}\n".encode())
