@@ -543,7 +543,8 @@ def test_known_misconfigurations_are_named_with_what_to_do(fn, words):
 _FORKED_FORKSERVER = textwrap.dedent('''
     import importlib, json, os, sys, threading, time
     from multiprocessing import forkserver
-    from course.launcher import configure, forkserver, job
+    from course.launcher import configure, job
+    from course.launcher.forkserver import PRELOAD
 
     def ranks_view(rank):
         # what a rank can reach: its parent's descriptors, its stdin, a secret in its parent's memory
@@ -559,7 +560,7 @@ _FORKED_FORKSERVER = textwrap.dedent('''
     if mode == "thread":  # another thread: must fall back to a freshly started forkserver
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
     if mode != "missing":  # "missing": a preload module not imported yet: must fall back too
-        for name in forkserver.PRELOAD:
+        for name in PRELOAD:
             importlib.import_module(name)
     channel = os.dup(1)  # a private descriptor, as the verifier's verdict channel
     if mode == "fork":
