@@ -2,7 +2,11 @@
 
 * The engine never imports the exercises: nothing in ``course/`` imports ``graders``.
 * No import circles anywhere in ``course/`` and ``graders/``, counting every import,
-  also those inside functions (a lazy import still ties two modules together).
+  also those inside functions (a lazy import still ties two modules together);
+  none between packages either (``course.x.y`` counts as its package ``course.x``).
+* Layers one way, from the bottom: process primitives, environment names, errors and
+  paths; the sandbox; the launcher; grading; the instructor's verbs; the check API; the
+  exercises' checks. A layer imports only from its own and those below it.
 * The three subsystems and the verbs have rooms of their own, and the CLI's verbs
   point into them.
 """
@@ -64,6 +68,49 @@ def imports_of(name: str) -> set[str]:
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
+def package_of(name: str) -> str:
+    """The package a module belongs to: ``course.grading.cells`` -> ``course.grading``, ``graders.ex1`` ->
+    ``graders``; a top-level module of the engine (``course.errors``) is its own."""
+    parts = name.split(".")
+    if parts[0] != "course":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 and (ROOT / "course" / parts[1]).is_dir() else name
+
+
+def package_graph(graph: dict[str, set[str]], package_of=package_of) -> dict[str, set[str]]:
+    """``graph`` with every module collapsed into its package (imports inside a package dropped)."""
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        mine = package_of(name)
+        packages.setdefault(mine, set()).update(package_of(d) for d in deps)
+        packages[mine].discard(mine)
+    for deps in list(packages.values()):
+        for dep in deps:
+            packages.setdefault(dep, set())
+    return packages
+
+
+PACKAGE_GRAPH = package_graph(GRAPH)
+
+#: the engine's layers, bottom first: a package imports only from its own layer and those below
+LAYERS = [
+    {"course.proc", "course.envnames", "course.errors", "course.paths"},
+    {"course.sandbox"},
+    {"course.launcher"},
+    {"course.grading"},
+    {"course.instructor"},
+    {"course.checks"},
+    {"graders"},
+]
+
+
+def layer_violations(packages: dict[str, set[str]], layers: list[set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every package that imports one of a higher layer, or one in no layer."""
+    level = {name: i for i, layer in enumerate(layers) for name in layer}
+    return sorted((name, dep) for name, deps in packages.items() if name in level
+                  for dep in deps if level.get(dep, len(layers)) > level[name])
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -115,6 +162,54 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_no_import_circles_between_packages():
+    assert _cycles(PACKAGE_GRAPH) == []
+
+
+def test_the_package_rule_finds_a_circle_no_module_rule_sees():
+    # p.a -> q.b and q.c -> p.d: no circle between files, one between the packages p and q
+    modules = {"p.a": {"q.b"}, "p.d": set(), "q.b": set(), "q.c": {"p.d"}, "r": {"p.a"}}
+    packages = package_graph(modules, package_of=lambda name: name.split(".")[0])
+    assert _cycles(modules) == []
+    assert packages == {"p": {"q"}, "q": {"p"}, "r": {"p"}}
+    assert _cycles(packages) == [["p", "q"]]
+
+
+def test_the_package_of_a_module():
+    assert package_of("course.grading.cells") == "course.grading"
+    assert package_of("course.instructor.autograde.run") == "course.instructor"
+    assert package_of("course.sandbox") == "course.sandbox"
+    assert package_of("course.errors") == "course.errors"
+    assert package_of("course") == "course"
+    assert package_of("graders.ex1") == "graders"
+
+
+def test_layers_one_way():
+    assert layer_violations(PACKAGE_GRAPH, LAYERS) == []
+
+
+def test_the_layer_rule_can_fail():
+    layers = [{"bottom"}, {"low"}, {"high"}]
+    assert layer_violations({"bottom": set(), "low": {"bottom"}, "high": {"low", "bottom"}}, layers) == []
+    assert layer_violations({"bottom": {"low"}, "low": {"high", "elsewhere"}, "high": set()}, layers) == [
+        ("bottom", "low"), ("low", "elsewhere"), ("low", "high")]
+
+
+@pytest.mark.parametrize("package, never", [
+    ("course.sandbox", {"course.launcher", "course.grading", "course.instructor", "course.checks"}),
+    ("course.launcher", {"course.grading", "course.instructor", "course.checks"}),
+    ("course.grading", {"course.instructor", "course.checks"}),
+])
+def test_a_lower_package_never_imports_a_higher_one(package, never):
+    assert PACKAGE_GRAPH[package] & never == set()
+
+
+def test_the_bottom_layer_imports_nothing_above_it():
+    for name in LAYERS[0]:
+        assert PACKAGE_GRAPH[name] <= LAYERS[0], name
+    assert PACKAGE_GRAPH["course.errors"] == set()  # the one home for errors, importable from anywhere
+
+
 def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     assert "course.launcher.job" in GRAPH["course"]  # course/__init__ re-exports the launcher
     assert "course.grading.restore" in GRAPH["course.grading.grade"]
@@ -125,7 +220,9 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
 @pytest.mark.parametrize("room", [
     "course.launcher.job", "course.launcher.rank",
     "course.grading.pipeline", "course.grading.verifier", "course.grading.restore", "course.grading.scoring",
-    "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux",
+    "course.launcher.forkserver", "course.launcher.spec", "course.launcher.settings",
+    "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux", "course.grading.kernel",
+    "course.proc", "course.envnames",
     "course.instructor.autograde.run", "course.instructor.autograde.pool", "course.instructor.autograde.worker",
     "course.checks", "course.errors", "graders.ex2", "graders.torchrun",
 ])

@@ -289,11 +289,11 @@ def test_scoring_follows_nbgrader_rules_with_a_reason_for_every_lost_point():
 
 @pytest.mark.timeout(120)
 def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
-    from course.grading.inprocess import execute
+    from course.grading.inprocess import run_in_process
 
     nb = nbformat.v4.new_notebook(cells=[new_code_cell("while True:\n    pass"), new_code_cell("x = 41\nx + 1")])
     start = time.monotonic()
-    run = execute(nb, tmp_path, Timeouts(test=10, other=1))
+    run = run_in_process(nb, tmp_path, Timeouts(test=10, other=1))
     assert time.monotonic() - start < 10
     assert nb.cells[0].outputs[-1]["evalue"] == "cell timed out after 1 s"
     assert nb.cells[1].outputs[-1]["data"]["text/plain"] == "42"

@@ -547,7 +547,8 @@ def test_known_misconfigurations_are_named_with_what_to_do(fn, words):
 _FORKED_FORKSERVER = textwrap.dedent('''
     import importlib, json, os, sys, threading, time
     from multiprocessing import forkserver
-    from course.launcher import job
+    from course.launcher import configure, job
+    from course.launcher.forkserver import PRELOAD
 
     def ranks_view(rank):
         # what a rank can reach: its parent's descriptors, its stdin, a secret in its parent's memory
@@ -558,12 +559,12 @@ _FORKED_FORKSERVER = textwrap.dedent('''
                 "secret": getattr(sys.modules["__main__"], "SECRET", None),
                 "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)}
 
-    job.FORK_FORKSERVER = True
+    configure(fork_forkserver=True)
     mode = sys.argv[1]
     if mode == "thread":  # another thread: must fall back to a freshly started forkserver
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
     if mode != "missing":  # "missing": a preload module not imported yet: must fall back too
-        for name in job.PRELOAD:
+        for name in PRELOAD:
             importlib.import_module(name)
     channel = os.dup(1)  # a private descriptor, as the verifier's verdict channel
     if mode == "fork":

@@ -13,7 +13,16 @@ The steps, in order (:mod:`course.grading.pipeline` defines them once):
 4. **score** each test cell by nbgrader's rules (:mod:`~course.grading.scoring`;
    nbgrader's SaveAutoGrades applies the same rules into the gradebook).
 
+:mod:`~course.grading.kernel` is the Jupyter kernel manager of step 2 (the kernel in a
+sandbox, the recording hook installed, forked from a zygote when there is one);
 :mod:`~course.grading.cells` says which cell is which and how long each may run;
-:mod:`~course.grading.notebook` reads and plainly executes notebooks;
-:mod:`~course.grading.inprocess` executes trusted notebooks fast, in this process (tests).
+:mod:`~course.grading.notebook` reads notebooks and holds what an execution produced;
+:mod:`~course.grading.inprocess` runs trusted notebooks fast, in this process (tests).
+
+Owns: the grading of one notebook, from restore to score. May import: the bottom layer,
+the sandbox and the launcher; never the instructor's verbs or the check API (the verifier
+finds checks by name). Entry points: :func:`course.grading.grade.grade_notebook` (the
+``grade`` verb), :data:`course.grading.pipeline.GRADING_STEPS` and
+:func:`course.grading.pipeline.configure` (what nbgrader's autograde runs),
+:class:`course.grading.kernel.SandboxKernelManager`.
 """

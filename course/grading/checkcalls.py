@@ -20,19 +20,18 @@ import json
 import os
 from dataclasses import dataclass
 
+from course.envnames import CHECK_PACKAGES_ENV
 from course.grading.cells import HIDDEN_BEGIN, HIDDEN_END
 
 #: an argument: ("name", "make_loader") or ("value", 3)
 Arg = tuple[str, object]
 
 
-#: packages whose ``<package>.<module>.check_<name>(...)`` calls the grader runs as checks: the course's
-#: ``graders`` and those named (comma-separated) in this variable, e.g. an instructor's own exercises'
-CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
 
 
 def check_packages() -> tuple[str, ...]:
-    """The packages whose ``check_*`` functions test cells may call (see :data:`CHECK_PACKAGES_ENV`)."""
+    """The packages whose ``<package>.<module>.check_<name>(...)`` calls the grader runs as checks: the course's
+    ``graders`` and those named in ``DDP_COURSE_CHECK_PACKAGES`` (comma-separated), e.g. an instructor's own."""
     extra = [name.strip() for name in os.environ.get(CHECK_PACKAGES_ENV, "").split(",")]
     return ("graders", *[n for n in extra if n.isidentifier() and n != "graders"])
 

@@ -1,7 +1,7 @@
 """Step 2 of the grading pipeline: execute a submission in a sandboxed kernel, every cell bounded.
 
 :class:`SandboxedExecute` is nbgrader's Execute with the kernel in the sandbox
-(:class:`course.sandbox.SandboxKernelManager`) and :class:`GuardedExecution`'s
+(:class:`course.grading.kernel.SandboxKernelManager`) and :class:`GuardedExecution`'s
 bounds: a kernel that dies (``os._exit``, out of memory), a cell that ignores the
 interrupt after its time limit, or an output flood costs the submission the cells
 from there on, with a clear message in each, instead of aborting the whole
@@ -188,7 +188,7 @@ class SandboxedExecute(GuardedExecution, _execute_base()):
     """
 
     def __init__(self, *args, **kwargs):
-        from course.sandbox import SandboxKernelManager
+        from course.grading.kernel import SandboxKernelManager
 
         kwargs.setdefault("kernel_manager_class", SandboxKernelManager)
         kwargs.setdefault("error_on_timeout", {"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []})

@@ -45,9 +45,9 @@ def grade_notebook(
     nb = restore(student, source)
     clear_outputs(nb)
     if in_process:
-        from course.grading.inprocess import execute
+        from course.grading.inprocess import run_in_process
 
-        run = execute(nb, path.resolve().parent, timeouts)
+        run = run_in_process(nb, path.resolve().parent, timeouts)
     else:
         from traitlets.config import Config
 

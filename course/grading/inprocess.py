@@ -5,8 +5,9 @@ running the cells in an IPython shell inside the current process reuses both.
 It follows the kernel closely enough for grading (the same IPython machinery,
 magics included; stdout, stderr and warnings captured per cell; the last
 expression's value as ``execute_result``; a per-cell time limit), but the cells
-share this process with its caller: use it for trusted notebooks (tests), and
-:func:`course.grading.notebook.execute` for students' work.
+share this process with its caller: use it for trusted notebooks (tests), and the
+grading pipeline (:func:`course.grading.grade.grade_notebook`, whose execute step runs a
+sandboxed kernel: :mod:`course.grading.execute`) for students' work.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _run_cell(shell, cell: NotebookNode, seconds: float) -> None:
     cell.outputs = outputs
 
 
-def execute(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts()) -> Execution:
+def run_in_process(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts()) -> Execution:
     """Run the code cells of ``nb`` (in place) in this process's IPython shell, started fresh, in ``cwd``."""
     run = Execution(nb)
     saved_main = sys.modules.get("__main__")  # the shell installs its own namespace as __main__

@@ -1,15 +1,14 @@
-"""Read a notebook and execute it in a fresh kernel, with a time limit per cell.
+"""Notebooks as grading reads them, and what executing one produced.
 
-:func:`execute` runs every code cell in order, like nbgrader's autograde: a cell
-that fails or times out gets an error output and the next cell runs. The result,
-:class:`Execution`, says which cells ran, so a cell that never ran (the kernel
-died earlier) is never mistaken for a cell that passed. :mod:`course.grading.inprocess`
-offers the same interface without a kernel, for fast grading in tests.
+:func:`read` reads a notebook (or says why it cannot); :class:`Execution` is what an
+execution produced: which cells ran, so a cell that never ran (the kernel died earlier)
+is never mistaken for a cell that passed; :func:`timeout_output` is the error output of a
+cell stopped at its time limit. Executing is the pipeline's step (:mod:`course.grading.execute`,
+a sandboxed kernel) or, for trusted notebooks in tests, :func:`course.grading.inprocess.run_in_process`.
 """
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,51 +58,3 @@ def clear_outputs(nb: NotebookNode) -> None:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
-
-
-def execute(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeouts(), kernel_name: str = "python3") -> Execution:
-    """Run ``nb`` (in place) in a fresh ``kernel_name`` kernel started in ``cwd``."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import DeadKernelError
-
-    run = Execution(nb)
-    current = {"index": None}
-
-    def on_cell_execute(cell, cell_index, **_):
-        current["index"] = cell_index
-
-    def on_cell_executed(cell, cell_index, execute_reply, **_):
-        run.ran.add(cell_index)
-        content = (execute_reply or {}).get("content", {})
-        if content.get("status") == "error" and content.get("ename") == TIMEOUT_ENAME:
-            cell.outputs.append(timeout_output(timeouts.for_cell(cell)))
-
-    client = NotebookClient(
-        nb,
-        kernel_name=kernel_name,
-        timeout_func=timeouts.for_cell,
-        allow_errors=True,
-        interrupt_on_timeout=True,
-        error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "", "traceback": []},
-        record_timing=False,
-        # nbgrader's choice: no history database for a throwaway kernel
-        extra_arguments=["--HistoryManager.hist_file=:memory:"],
-        on_cell_execute=on_cell_execute,
-        on_cell_executed=on_cell_executed,
-    )
-    try:
-        # The kernel's own stdout/stderr (not the cells' output, which comes as
-        # messages) must not reach ours: `grade --json` prints only JSON there.
-        client.execute(cwd=str(cwd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except DeadKernelError:
-        index = current["index"]
-        run.aborted = "the kernel died"
-        if index is not None:
-            gid = nb.cells[index].get("metadata", {}).get("nbgrader", {}).get("grade_id")
-            run.aborted += f" while running cell {index}" + (f" ({gid})" if gid else "")
-        if index is not None:
-            cell = nb.cells[index]
-            cell.outputs.append(nbformat.v4.new_output(
-                "error", ename="DeadKernelError", evalue="the kernel died while running this cell", traceback=[]))
-            run.ran.add(index)
-    return run

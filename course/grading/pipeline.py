@@ -61,7 +61,7 @@ class VerifyTests(Preprocessor):
 
     def preprocess(self, nb, resources):
         from course.grading.execute import remove_machinery
-        from course.sandbox import course_paths
+        from course.grading.kernel import course_paths
 
         workdir = resources.get("metadata", {}).get("path") or os.getcwd()
         state = resources.setdefault("ddp_course", {})

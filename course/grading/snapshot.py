@@ -1,6 +1,6 @@
 """Record, in the student's kernel, what each check call is given, for :mod:`course.grading.verifier` to re-run it.
 
-A sandboxed kernel (:class:`course.sandbox.SandboxKernelManager`) starts with
+A sandboxed kernel (:class:`course.grading.kernel.SandboxKernelManager`) starts with
 an IPython startup file that calls :func:`install`. Where a test cell
 made of check calls runs (as :func:`course.grading.checkcalls.kernel_source` gives it:
 one comment naming what its checks use), the hook pickles (by value, cloudpickle) every
@@ -128,7 +128,7 @@ def install_cells(cells: dict[str, str]) -> None:
     """In the verifier: make the kernel's cells known to linecache and the launcher (for rank tracebacks)."""
     import linecache
 
-    from course.launcher import job
+    from course import launcher
 
     for name, data in cells.items():
         try:
@@ -140,7 +140,7 @@ def install_cells(cells: dict[str, str]) -> None:
             continue
         lines = text.splitlines(keepends=True)
         linecache.cache[name] = (len(text), None, lines, name)
-        job.CELL_NAMES[name] = label
+        launcher.configure(cell_names={name: label})
 
 
 def _describe(snap: Snapshot, name: str, obj) -> None:

@@ -16,7 +16,7 @@ checks run here, once:
    place of the student's objects. A proxy pickles as the student's own bytes,
    so a check can ship it to ranks (:func:`course.launch`), which unpickle and run it
    inside the sandbox; every rank result comes back weights-only decoded
-   (``ALWAYS_SAFE_RESULTS``), so nothing a student returns can run code in
+   (``launcher.configure(safe_results=True)``), so nothing a student returns can run code in
    the verifier. A check that calls a student function directly gets a
    1-rank sandboxed job; one that looks inside a student object fails loudly;
 4. :func:`apply_verdicts` rewrites each test cell's outputs to the trusted
@@ -327,19 +327,20 @@ def _restore_file(path: str, data: str) -> None:
 
 def serve() -> int:
     """The verifier: read the request on stdin, print one JSON verdict per cell on the original stdout."""
-    from course.sandbox import make_undumpable
+    from course.proc import make_undumpable
 
     make_undumpable()  # ranks run as our uid: they must not ptrace us or reach our fds
     out = os.fdopen(os.dup(1), "w")  # our private channel (not inherited by children)
     os.dup2(2, 1)  # anything else printed goes to the log
-    from course.launcher import job as launcher
+    from course import launcher
+    from course.launcher.forkserver import PRELOAD
 
-    launcher.ALWAYS_SAFE_RESULTS = True
-    # The ranks' forkserver is forked from here, torch imported once for both. That happens before the
-    # request is read: the forkserver, and every rank, holds a copy of this process's memory, which must not
-    # hold the hidden tests or the nonce yet (and it keeps none of our descriptors, this channel included).
-    launcher.FORK_FORKSERVER = True
-    for name in launcher.PRELOAD:
+    # Every job reads its ranks' results as data only. The ranks' forkserver is forked from here, torch
+    # imported once for both. That happens before the request is read: the forkserver, and every rank, holds a
+    # copy of this process's memory, which must not hold the hidden tests or the nonce yet (and it keeps none
+    # of our descriptors, this channel included).
+    launcher.configure(safe_results=True, fork_forkserver=True)
+    for name in PRELOAD:
         importlib.import_module(name)
     launcher.warm_up()
     request = json.loads(sys.stdin.buffer.read())

@@ -9,8 +9,8 @@ works with no other arguments. The backend chosen for the job is in the
 How (DESIGN.md has the measurements behind each choice):
 
 * ranks are forked from a multiprocessing *forkserver* with torch,
-  torch.distributed and torch._dynamo preloaded, through
-  ``torch.multiprocessing.start_processes``: fork speed after the first job,
+  torch.distributed and torch._dynamo preloaded (:mod:`course.launcher.forkserver`),
+  through ``torch.multiprocessing.start_processes``: fork speed after the first job,
   safe when the caller has initialised CUDA or runs threads (a Jupyter kernel);
 * the function and its arguments travel by value with cloudpickle, so
   functions, classes and globals defined in a notebook work;
@@ -27,42 +27,32 @@ from __future__ import annotations
 
 import functools
 import io
-import linecache
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
-import sys
 import tempfile
-import threading
 import time
 import types
-from collections import ChainMap, deque
+from collections import ChainMap
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 
+from course.envnames import BACKEND_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
 from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, explain, rank_list, were
+from course.launcher import forkserver
+from course.launcher.output import RankOutput
+from course.launcher.settings import SETTINGS
+from course.launcher.spec import job_specs
 from course.launcher.stall import StallWatch
+from course.proc import kill_group
 
-BACKEND_ENV = "DDP_COURSE_BACKEND"
-GRADING_ENV = "DDP_COURSE_GRADING"  # set in sandboxed grading processes (see warm_up())
-CPUS_ENV = "DDP_COURSE_CPUS"  # cores for this process's jobs (see cpus())
 DEFAULT_TIMEOUT = 120.0
-#: what the ranks' forkserver imports before it forks them
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course.launcher.rank"]
-_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initialising CUDA
-_KEEP_LINES = 200  # per rank, for error messages
-_ECHO_LIMIT = 2000  # lines per rank echoed to the caller before truncating
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
 _CONNECTION_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-#: Set by a process that runs checks on code it must not trust (course.grading.verifier): every job then
-#: reads its ranks' results as with ``safe_results=True``, whatever the caller asked.
-ALWAYS_SAFE_RESULTS = False
 
 
 def _code_reduce(code):
@@ -101,7 +91,6 @@ class JobResult:
     backend: str = "gloo"
     port: int = 0
     elapsed: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def run_ranks(
@@ -161,7 +150,7 @@ def launch(
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function to run on each rank, got {type(fn).__name__}")
     backend_name = resolve_backend(backend, world_size)
-    safe_results = safe_results or ALWAYS_SAFE_RESULTS
+    safe_results = safe_results or SETTINGS.safe_results
     try:
         payload = dumps((fn, tuple(args)))
     except Exception as exc:
@@ -172,58 +161,28 @@ def launch(
     if num_threads is None:
         num_threads = max(1, cpus() // world_size)
 
-    import torch.multiprocessing as tmp
-
-    _forkserver()
+    forkserver.ensure_running()
     port = _agent_store().port
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ddp-course-job-") as jobdir:
         os.chmod(jobdir, 0o700)
-        specs = []
-        sources, cell_names, grader_dirs = _notebook_sources(), _cell_names(), _grader_dirs()
-        for rank in range(world_size):
-            specs.append(
-                dict(
-                    payload=payload,
-                    env=_rank_env(rank, world_size, port, backend_name, env),
-                    cwd=os.getcwd(),
-                    parent_pid=os.getpid(),
-                    num_threads=num_threads,
-                    linecache=sources,
-                    cell_names=cell_names,
-                    grader_dirs=grader_dirs,
-                    log_path=os.path.join(jobdir, f"rank{rank}.log"),
-                    result_path=os.path.join(jobdir, f"rank{rank}.result"),
-                    error_path=os.path.join(jobdir, f"rank{rank}.error"),
-                    probe_path=os.path.join(jobdir, f"rank{rank}.probe"),
-                    safe=safe_results,
-                    timeout=timeout,
-                    store_path=os.path.join(jobdir, "store"),
-                )
-            )
-        tails = [_Tail(rank, spec["log_path"], echo) for rank, spec in enumerate(specs)]
-        _install_preparation_hook()
-        _NO_MAIN.active = True
-        try:
-            context = tmp.start_processes(
-                _rank_entry(), args=(specs,), nprocs=world_size, join=False, start_method="forkserver"
-            )
-        finally:
-            _NO_MAIN.active = False
+        specs = job_specs(payload, world_size, port, backend_name, env, jobdir, num_threads, safe_results, timeout)
+        tails = [RankOutput(rank, spec.log_path, echo) for rank, spec in enumerate(specs)]
+        context = forkserver.start(_rank_entry(), (specs,), world_size)
         processes = context.processes
         try:
             if detect_stalls is None:
                 detect_stalls = os.environ.get(STALLS_ENV, "1") != "0"
-            watch = StallWatch([p.pid for p in processes], [s["probe_path"] for s in specs],
-                               [s["result_path"] for s in specs]) if detect_stalls else None
+            watch = StallWatch([p.pid for p in processes], [s.probe_path for s in specs],
+                               [s.result_path for s in specs]) if detect_stalls else None
             outcome = _wait(processes, tails, started + timeout, watch)
         finally:
             for process in processes:
-                _kill_rank(process.pid)
+                kill_group(process.pid)
             for process in processes:
                 process.join(timeout=5)
             for process in processes:
-                _kill_rank(process.pid)  # children that outlived their rank
+                kill_group(process.pid)  # children that outlived their rank
             for tail in tails:
                 tail.pump(final=True)
             for path in context.error_files:
@@ -291,311 +250,7 @@ def warm_up() -> None:
     """
     if os.environ.get(GRADING_ENV) == "1":
         return
-    _forkserver()
-
-
-_FORKSERVER_LOG = os.path.join(tempfile.gettempdir(), f"ddp-course-forkserver-{os.getuid()}.log")
-_NO_MAIN = threading.local()
-
-
-def _forkserver():
-    """The forkserver context, started with torch preloaded and its output kept off the caller's.
-
-    The forkserver inherits the caller's stdout/stderr; in a Jupyter kernel those
-    are the cells' streams, and nbgrader zeroes a test cell with any stderr. So
-    it starts with both pointed at a log file (the ranks redirect their own output).
-    """
-    from multiprocessing import forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    # Only effective before the forkserver first starts; later calls are harmless.
-    ctx.set_forkserver_preload(PRELOAD)
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (AttributeError, ValueError, OSError):
-                pass
-        saved = [os.dup(1), os.dup(2)]
-        log = os.open(_FORKSERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        # The forkserver must not initialise CUDA (a rank forked after cuInit cannot use the GPU):
-        # if anything it preloads asks torch.cuda.is_available(), NVML answers instead of the driver.
-        nvml_before = os.environ.get(_NVML_CHECK)
-        os.environ[_NVML_CHECK] = "1"
-        try:
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            if not (FORK_FORKSERVER and _fork_forkserver(server)):
-                forkserver.ensure_running()
-        finally:
-            if nvml_before is None:
-                os.environ.pop(_NVML_CHECK, None)
-            else:
-                os.environ[_NVML_CHECK] = nvml_before
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (*saved, log):
-                os.close(fd)
-    return ctx
-
-
-#: Set by a process that has nothing to hide from its ranks yet and no thread of its own (the verifier, before
-#: it reads its request): the forkserver is then forked from it, torch already imported, instead of started as a
-#: fresh interpreter that imports torch again (about 2.5 CPU-s per graded submission). See _fork_forkserver.
-FORK_FORKSERVER = False
-
-
-def _fork_forkserver(server) -> bool:
-    """Start multiprocessing's forkserver by forking this process; False (nothing started) where that is unsafe.
-
-    What ``ForkServer.ensure_running`` does, with ``os.fork()`` in place of a new interpreter: the child keeps
-    only the listener, the "alive" pipe and stdin/stdout/stderr (every other descriptor of this process is
-    closed, its private channels included), is made dumpable again (as a freshly started forkserver is), and
-    serves with nothing left to preload. Unsafe, so refused: another Python thread in this process (a fork
-    copies locks it may hold), CUDA initialised (a rank forked after cuInit cannot use the GPU), a preload
-    module not imported yet, or a multiprocessing whose forkserver lacks the attributes used here.
-    """
-    from multiprocessing import connection, resource_tracker, util
-    from multiprocessing import forkserver as fs
-
-    if threading.active_count() != 1 or not all(name in sys.modules for name in PRELOAD):
-        return False
-    torch = sys.modules["torch"]
-    if torch.cuda.is_initialized() or not all(
-            hasattr(server, a) for a in ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")):
-        return False
-    with server._lock:
-        if server._forkserver_pid is not None:
-            return False  # one is there (ensure_running checks it is alive)
-        resource_tracker.ensure_running()
-        listener = socket.socket(socket.AF_UNIX)
-        address = connection.arbitrary_address("AF_UNIX")
-        listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):
-            os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the forkserver; ends in os._exit
-            code = 1
-            try:
-                from course.sandbox.linux import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_process_name
-
-                close_descriptors_except({0, 1, 2, listener.fileno(), alive_r})
-                devnull = os.open(os.devnull, os.O_RDONLY)  # our stdin (the verifier's request) is not theirs
-                os.dup2(devnull, 0)
-                os.close(devnull)
-
-                prctl(PR_SET_DUMPABLE, 1)
-                set_process_name("forkserver")  # for ps (its command line is ours)
-                fs.main(listener.fileno(), alive_r, [])
-                code = 0
-            except SystemExit:
-                code = 0
-            except BaseException:  # noqa: BLE001 - said in the forkserver's log (our stderr)
-                import traceback
-
-                traceback.print_exc()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        os.close(alive_r)
-        listener.close()
-        server._forkserver_address = address
-        server._forkserver_alive_fd = alive_w
-        server._forkserver_pid = pid
-    return True
-
-
-def _preparation_data(name):
-    """multiprocessing's preparation data, minus re-running the caller's ``__main__`` in ranks.
-
-    Functions travel by value, so ranks never need the caller's main module; not
-    importing it means a script without an ``if __name__ == "__main__":`` guard
-    works, and nothing at its top level runs again on every rank.
-    """
-    data = _ORIGINAL_PREPARATION_DATA(name)
-    if getattr(_NO_MAIN, "active", False):
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-    return data
-
-
-def _install_preparation_hook() -> None:
-    global _ORIGINAL_PREPARATION_DATA
-    from multiprocessing import spawn
-
-    if getattr(spawn.get_preparation_data, "__module__", "") != __name__:
-        _ORIGINAL_PREPARATION_DATA = spawn.get_preparation_data
-        spawn.get_preparation_data = _preparation_data
-
-
-_ORIGINAL_PREPARATION_DATA = None
-
-
-#: notebook cell file -> how IPython names it ("Cell In[7]"), for cells of a kernel other than this
-#: process's (the verifier fills it from the kernel's record); this process's own IPython is asked too
-CELL_NAMES: dict[str, str] = {}
-#: "0": no early deadlock detection (every hang waits for the job's deadline)
-STALLS_ENV = "DDP_COURSE_DETECT_STALLS"
-#: the packages whose frames are the grader's in a rank's traceback (besides the engine itself)
-CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
-
-
-def _cell_names() -> dict[str, str]:
-    names = dict(CELL_NAMES)
-    shell = None
-    if "IPython" in sys.modules:
-        try:
-            shell = sys.modules["IPython"].get_ipython()
-        except Exception:  # noqa: BLE001 - no IPython, or a broken one: plain file names then
-            shell = None
-    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", None)
-    if isinstance(filename_map, dict):
-        names.update({str(name): f"Cell In[{number}]" for name, number in filename_map.items()})
-    return names
-
-
-def _grader_dirs() -> list[str]:
-    """The engine's folder and those of the check packages this process imported (``graders``, ...)."""
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    extra = [n.strip() for n in os.environ.get(CHECK_PACKAGES_ENV, "").split(",")]
-    for name in ["graders", *[n for n in extra if n.isidentifier()]]:
-        module = sys.modules.get(name)
-        dirs += [os.path.abspath(p) for p in getattr(module, "__path__", None) or []]
-    return dirs
-
-
-def _notebook_sources() -> dict:
-    """Source lines of notebook cells, so rank tracebacks can show the student's code."""
-    return {
-        name: entry
-        for name, entry in list(linecache.cache.items())
-        if isinstance(entry, tuple)
-        and len(entry) == 4
-        and (name.startswith("<") or "ipykernel_" in name)
-    }
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
-
-
-def _rank_env(rank: int, world_size: int, port: int, backend_name: str, extra: dict | None) -> dict:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store, like torchrun's agent
-        PYTHONUNBUFFERED="1",
-    )
-    env[BACKEND_ENV] = backend_name
-    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the flight recorder: each rank's collectives (stall probe)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if backend_name == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
-        # gloo picks an interface from the hostname, which is flaky on CI
-        # machines and containers; all ranks are on this host, so use loopback.
-        lo = _loopback_interface()
-        if lo:
-            env["GLOO_SOCKET_IFNAME"] = lo
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    if extra:
-        env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-class _Tail:
-    """Reads a rank's log file as it grows; echoes complete lines with a rank prefix."""
-
-    def __init__(self, rank: int, path: str, echo: bool):
-        self.rank, self.path, self.echo = rank, path, echo
-        self.offset = 0
-        self.partial = b""
-        self.lines: deque[str] = deque(maxlen=_KEEP_LINES)
-        self.head: list[str] = []
-        self.count = 0
-
-    def pump(self, final: bool = False) -> None:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(4 << 20)
-                self.offset = fh.tell()
-        except FileNotFoundError:
-            data = b""
-        if not data and not (final and self.partial):
-            return
-        data = self.partial + data
-        *complete, self.partial = data.split(b"\n")
-        if final and self.partial:
-            complete.append(self.partial)
-            self.partial = b""
-        for raw in complete:
-            self._line(raw.decode("utf-8", "backslashreplace").rstrip("\r"))
-        if final:
-            # drain anything left past the 4 MiB read
-            while self._more():
-                pass
-
-    def _more(self) -> bool:
-        try:
-            size = os.path.getsize(self.path)
-        except OSError:
-            return False
-        if size <= self.offset:
-            return False
-        self.pump(final=True)
-        return True
-
-    def _line(self, line: str) -> None:
-        self.count += 1
-        self.lines.append(line)
-        if len(self.head) < _KEEP_LINES:
-            self.head.append(line)
-        if self.echo:
-            if self.count <= _ECHO_LIMIT:
-                sys.stdout.write(f"[rank {self.rank}] {line}\n")
-            elif self.count == _ECHO_LIMIT + 1:
-                sys.stdout.write(f"[rank {self.rank}] ... (more output hidden; ddp-course shows {_ECHO_LIMIT} lines per rank)\n")
-
-    def text(self) -> str:
-        """The output: the first and last lines kept, with a marker for any gap."""
-        if self.count <= _KEEP_LINES:
-            return "\n".join(self.head)
-        rest = self.count - _KEEP_LINES
-        tail = list(self.lines)[-min(rest, _KEEP_LINES):]
-        skipped = rest - len(tail)
-        gap = [f"... ({skipped} lines not kept) ..."] if skipped else []
-        return "\n".join(self.head + gap + tail)
-
-    def last(self, n: int = 20) -> list[str]:
-        return list(self.lines)[-n:]
-
-
-def _kill_rank(pid: int | None) -> None:
-    """SIGKILL a rank's whole session (its own process group): the rank and its children."""
-    if not pid:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    forkserver.ensure_running()
 
 
 def _load(path: str, safe: bool) -> dict | None:
@@ -688,8 +343,8 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
     returned: list[int] = []
     failures: dict[int, RankFailure] = {}
     for rank, spec in enumerate(specs):
-        result = _load(spec["result_path"], safe)
-        error = _load(spec["error_path"], safe)
+        result = _load(spec.result_path, safe)
+        error = _load(spec.error_path, safe)
         last = tails[rank].last()
         # A rank that returned may still have been killed while it waited for its peers.
         if result is not None and "value" in result:
@@ -770,7 +425,7 @@ def _failure_key(rank, failures, specs, outcome):
     failure = failures.get(rank)
     secondary = failure is not None and any(h in failure.message for h in _CONNECTION_HINTS)
     try:
-        written = os.stat(specs[rank]["error_path"]).st_mtime_ns
+        written = os.stat(specs[rank].error_path).st_mtime_ns
     except OSError:
         written = float("inf")
     return (secondary, written, outcome["failed_at"][rank])

@@ -25,6 +25,8 @@ import traceback
 
 import cloudpickle
 
+from course.launcher.spec import RankSpec
+
 # Keeps process groups alive after the student's destroy_process_group():
 # freeing a DDP model after its process group is gone deadlocks inside
 # ~ProcessGroupGloo in forked children (DESIGN.md). Holding a reference here
@@ -137,7 +139,10 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
 
 
 def _start_stall_probe(spec: dict):
-    """Start the probe thread; returns the function that answers (a worker may call it as it exits)."""
+    """Start the probe thread; returns the function that answers (a worker may call it as it exits).
+
+    ``spec``: where to answer (``probe_path``) and how to name frames (``grader_dirs``, ``cell_names``), from a
+    rank's :class:`~course.launcher.spec.RankSpec` or a torchrun worker's probe."""
     path = spec.get("probe_path")
     if not path:
         return None
@@ -223,7 +228,7 @@ def _write(path: str, obj: dict, safe: bool) -> None:
     os.replace(tmp, path)
 
 
-def _rendezvous_through_file(spec: dict) -> None:
+def _rendezvous_through_file(spec: RankSpec) -> None:
     """Rendezvous at the launcher's MASTER_ADDR:MASTER_PORT goes through a FileStore in the job folder.
 
     Every TCPStore connection makes c10d format both ends' addresses with a
@@ -234,7 +239,7 @@ def _rendezvous_through_file(spec: dict) -> None:
     """
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
     real = rendezvous._create_c10d_store
-    env = spec["env"]
+    env = spec.env
 
     def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
         if hostname == env["MASTER_ADDR"] and int(port) == int(env["MASTER_PORT"]):
@@ -254,15 +259,15 @@ def _rendezvous_through_file(spec: dict) -> None:
     rendezvous._create_c10d_store = create_store
 
 
-def _file_store(spec: dict, timeout):
+def _file_store(spec: RankSpec, timeout):
     from torch.distributed import FileStore
 
-    store = FileStore(spec["store_path"], -1)  # -1: never deletes the file; the job folder goes at the end
+    store = FileStore(spec.store_path, -1)  # -1: never deletes the file; the job folder goes at the end
     store.set_timeout(timeout)
     return store
 
 
-def _finish_barrier(spec: dict) -> None:
+def _finish_barrier(spec: RankSpec) -> None:
     """Leave only once every rank has returned from ``fn``.
 
     A rank that exits while its peers are still connecting (init_process_group
@@ -272,9 +277,9 @@ def _finish_barrier(spec: dict) -> None:
     """
     from datetime import timedelta
 
-    env = spec["env"]
+    env = spec.env
     try:
-        store = _file_store(spec, timedelta(seconds=spec["timeout"]))
+        store = _file_store(spec, timedelta(seconds=spec.timeout))
         if store.add("ddp_course/finished", 1) >= int(env["WORLD_SIZE"]):
             store.set("ddp_course/all_finished", "1")
         store.wait(["ddp_course/all_finished"])
@@ -291,7 +296,7 @@ def _pg_initialized() -> bool:
         return False
 
 
-def rank_main(rank: int, specs: list[dict]) -> None:
+def rank_main(rank: int, specs: list[RankSpec]) -> None:
     """Entry point, called by torch.multiprocessing as ``rank_main(rank, specs)`` (one spec per rank)."""
     spec = specs[rank]
     # Everything preloaded by the forkserver (torch and friends) is long-lived:
@@ -301,34 +306,34 @@ def rank_main(rank: int, specs: list[dict]) -> None:
         os.setsid()  # own process group: the launcher kills rank + children at once
     except OSError:
         pass
-    _redirect_output(spec["log_path"])
-    _watch_parent(spec["parent_pid"])
+    _redirect_output(spec.log_path)
+    _watch_parent(spec.parent_pid)
     os.environ.clear()
-    os.environ.update(spec["env"])
-    os.chdir(spec["cwd"])
-    for name, entry in spec["linecache"].items():
+    os.environ.update(spec.env)
+    os.chdir(spec.cwd)
+    for name, entry in spec.linecache.items():
         linecache.cache.setdefault(name, entry)
 
     import torch
 
-    torch.set_num_threads(spec["num_threads"])
+    torch.set_num_threads(spec.num_threads)
     _patch_destroy()
-    _start_stall_probe(spec)
+    _start_stall_probe({"probe_path": spec.probe_path, "grader_dirs": spec.grader_dirs, "cell_names": spec.cell_names})
     _rendezvous_through_file(spec)
 
     code = 0
     try:
-        fn, args = cloudpickle.loads(spec["payload"])
+        fn, args = cloudpickle.loads(spec.payload)
         value = fn(rank, *args)
         try:
             _write(
-                spec["result_path"],
+                spec.result_path,
                 {
                     "value": value,
                     "pg_initialized": _pg_initialized(),
                     "destroy_called": _STATE["destroy_called"],
                 },
-                spec["safe"],
+                spec.safe,
             )
         except Exception as exc:  # the value could not be pickled
             raise TypeError(
@@ -340,17 +345,17 @@ def rank_main(rank: int, specs: list[dict]) -> None:
         code = 1
         report = {"traceback": "", "type": "", "message": "", "exception": None}
         try:  # str() of a hostile exception can raise too
-            report.update(traceback=_student_traceback(exc, spec.get("grader_dirs", ()), spec.get("cell_names")),
+            report.update(traceback=_student_traceback(exc, spec.grader_dirs, spec.cell_names),
                           type=type(exc).__name__, message=str(exc))
         except BaseException:  # noqa: BLE001
             report.update(type=type(exc).__name__, message="(the exception could not be printed)")
-        if not spec["safe"]:
+        if not spec.safe:
             try:
                 report["exception"] = cloudpickle.dumps(exc)
             except Exception:
                 pass
         try:
-            _write(spec["error_path"], report, spec["safe"])
+            _write(spec.error_path, report, spec.safe)
         except Exception:
             sys.stderr.write(report["traceback"])
     finally:

@@ -17,10 +17,10 @@ switches uid; not root (an instructor's laptop) it can only apply rlimits and
 the work folder. :attr:`Sandbox.summary` says which ("sandbox: full" or
 "sandbox: partial, <why>: ..."), for grading to report once.
 
-:class:`SandboxKernelManager` is a jupyter_client kernel manager that starts
-its kernel this way (usable as nbclient's and nbgrader's ``kernel_manager_class``);
-the kernel talks to the client over unix sockets (ZMQ ``ipc``), which cross the
-network namespace, in a short per-sandbox folder (:attr:`Sandbox.runtime_dir`).
+The Jupyter kernel manager that starts a kernel in a Sandbox is grading's
+(:mod:`course.grading.kernel`); a kernel talks to its client over unix sockets
+(ZMQ ``ipc``), which cross the network namespace, in a short per-sandbox folder
+(:attr:`Sandbox.runtime_dir`).
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from course.launcher.job import GRADING_ENV
+from course.envnames import GRADING_ENV, TOKEN_ENV
 from course.paths import CHECKOUT
-from course.sandbox.limits import GiB, Limits, MiB  # noqa: F401 - re-exported
-from course.sandbox.linux import (  # noqa: F401 - re-exported: the sandbox's public names live here
-    TOKEN_ENV,
+from course.proc import kill_tree
+from course.sandbox.limits import GiB, Limits
+from course.sandbox.linux import (
     Cgroups,
     blocking_ancestor,
     is_under,
-    kill_tree,
     kill_uid,
-    make_undumpable,
     marked_processes,
     namespaces_available,
     rootless_available,
@@ -378,127 +376,3 @@ def _chown_tree(path: str, uid: int, gid: int, only_from: int | None) -> None:
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
             one(os.path.join(root, name))
-
-
-# --------------------------------------------------------------------------- the kernel manager
-
-
-def __getattr__(name: str):
-    # The kernel manager class is built on first use: importing jupyter_client costs ~0.8 s,
-    # which the wrapper (this module run as a script) must not pay at every kernel start.
-    if name == "SandboxKernelManager":
-        cls = _kernel_manager_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _kernel_manager_class():
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import Bool, Integer, List, Unicode
-
-    class SandboxKernelManager(AsyncKernelManager):
-        """A kernel manager whose kernel runs in a :class:`Sandbox` of its own work folder.
-
-        Use as ``NotebookClient(kernel_manager_class=SandboxKernelManager)`` or in an
-        nbgrader config ``c.Execute.kernel_manager_class = "course.sandbox.SandboxKernelManager"``.
-        The work folder is the ``cwd`` the client starts the kernel in (nbclient and
-        nbgrader pass the notebook's folder). ``hide`` adds paths to cover; with an
-        nbgrader config, the course folder (and the one its source/ links to) is
-        hidden too. Every process of the kernel is killed when the kernel shuts down.
-        """
-
-        hide = List(Unicode(), help="Paths the submission must not see (besides exercises/ and .git).").tag(config=True)
-        memory_limit = Integer(Limits.memory, help="Bytes of memory for the whole sandbox.").tag(config=True)
-        nproc_limit = Integer(Limits.nproc, help="Processes and threads of the sandbox.").tag(config=True)
-        cpu_limit = Integer(Limits.cpu_seconds, help="CPU seconds per process.").tag(config=True)
-        file_size_limit = Integer(Limits.file_size, help="Largest file a sandboxed process may write.").tag(config=True)
-        snapshot_checks = Bool(True, help="Record what each check call receives, for course.grading.verifier.").tag(config=True)
-
-        sandbox: Sandbox | None = None
-
-        def limits(self) -> Limits:
-            return Limits(memory=self.memory_limit, nproc=self.nproc_limit, cpu_seconds=self.cpu_limit,
-                          file_size=self.file_size_limit)
-
-        def hidden_paths(self) -> list[str]:
-            return [*self.hide, *course_paths(self.config)]
-
-        async def _async_pre_start_kernel(self, **kw):
-            workdir = os.path.realpath(kw.get("cwd") or os.getcwd())
-            if self.sandbox is None or self.sandbox.workdir != workdir:
-                if self.sandbox is not None:
-                    self.sandbox.close()
-                self.sandbox = Sandbox(workdir, hide=self.hidden_paths(), limits=self.limits()).open()
-            box = self.sandbox
-            box.kill()  # a restart: nothing of the previous kernel survives
-            kernel_dir = box.runtime_dir
-            self.transport = "ipc"  # unix sockets cross the network namespace; TCP would not
-            self.connection_file = os.path.join(kernel_dir, "kernel.json")
-            self.ip = os.path.join(kernel_dir, "ipc")
-            if self.snapshot_checks:
-                from course.grading import snapshot
-
-                snapshot.prepare(box)
-            kw["cwd"] = workdir
-            cmd, kw = await super()._async_pre_start_kernel(**kw)
-            if box.uid is not None:
-                os.chown(self.connection_file, box.uid, box.uid, follow_symlinks=False)
-            self.log.info(box.summary)
-            return box.command(cmd, relay_output=True), kw
-
-        async def _async_launch_kernel(self, kernel_cmd, **kw):
-            if not self._launch_from_zygote(kernel_cmd, kw):
-                await super()._async_launch_kernel(kernel_cmd, **kw)
-            pid = getattr(self.provisioner, "pid", None)
-            if self.sandbox is not None and pid:
-                self.sandbox.pids.append(pid)
-
-        def _launch_from_zygote(self, kernel_cmd, kw) -> bool:
-            """Start the kernel from this process's zygote (:mod:`course.sandbox.zygote`), as the local
-            provisioner's ``launch_kernel`` would start it with Popen; False where there is no zygote."""
-            from jupyter_client.provisioning.local_provisioner import LocalProvisioner
-
-            from course.sandbox import zygote as zygotes
-
-            zygote, prov = zygotes.current(), self.provisioner
-            if zygote is None or type(prov) is not LocalProvisioner or not hasattr(self, "_reconcile_connection_info"):
-                return False
-            kw = LocalProvisioner._scrub_kwargs(kw)
-            env = dict(kw.get("env") or os.environ)
-            env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launch_kernel sets it
-            prov.process = zygote.popen(kernel_cmd, env=env, cwd=kw.get("cwd"), stdin=kw.get("stdin"),
-                                        stdout=kw.get("stdout"), stderr=kw.get("stderr"))
-            prov.pid = prov.pgid = prov.process.pid  # a session of its own, as with start_new_session
-            self._reconcile_connection_info(prov.connection_info)
-            return True
-
-        async def _async_cleanup_resources(self, restart: bool = False) -> None:
-            try:
-                await super()._async_cleanup_resources(restart=restart)
-            finally:
-                if self.sandbox is not None:
-                    self.sandbox.kill() if restart else self.sandbox.close()
-
-        def close_sandbox(self) -> None:
-            """Kill everything left and give the work folder back (also when the kernel was never shut down)."""
-            if self.sandbox is not None:
-                self.sandbox.close()
-
-    SandboxKernelManager.__qualname__ = "SandboxKernelManager"
-    return SandboxKernelManager
-
-
-def course_paths(config) -> list[str]:
-    """The nbgrader course folder of a traitlets config, and the real course its source/ links to, if any."""
-    try:
-        root = config.CourseDirectory.root
-    except AttributeError:
-        return []
-    if not isinstance(root, str) or not root:
-        return []
-    paths = [root]
-    source = os.path.join(root, "source")
-    if os.path.islink(source) or os.path.isdir(source):
-        paths.append(os.path.dirname(os.path.realpath(source)))
-    return paths

@@ -1,5 +1,7 @@
 """The Linux pieces of the sandbox: namespaces and mounts (libc through ctypes), cgroups, killing by uid.
 
+prctl, process names, descriptors and killing a process tree are :mod:`course.proc`'s (below every package).
+
 Used by :mod:`course.sandbox` (the grader side) and :mod:`course.sandbox.wrapper`
 (the wrapper that starts a submission's process). Python 3.11 has no
 ``os.unshare``, hence ctypes.
@@ -8,7 +10,6 @@ Used by :mod:`course.sandbox` (the grader side) and :mod:`course.sandbox.wrapper
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import os
 import shutil
@@ -20,26 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from course.envnames import TOKEN_ENV
+from course.proc import check_errno, libc
 from course.sandbox.limits import GiB
 
 if TYPE_CHECKING:
     from course.sandbox.limits import Limits
-
-#: environment marker of every sandboxed process (used to find strays when not root)
-TOKEN_ENV = "DDP_COURSE_SANDBOX"
-
-_libc = None
-
-
-def _libc_handle():
-    global _libc
-    if _libc is None:
-        try:  # glibc's name on every Linux we run on; find_library runs `ldconfig -p` (a process per sandbox)
-            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        except OSError:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    return _libc
-
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -47,48 +34,16 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 15, 36, 38
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def unshare(flags: int) -> None:
-    _check(_libc_handle().unshare(ctypes.c_int(flags)), "unshare")
+    check_errno(libc().unshare(ctypes.c_int(flags)), "unshare")
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
-    _check(_libc_handle().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {target}")
-
-
-def prctl(option: int, value: int) -> None:
-    _check(_libc_handle().prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
-
-
-def set_process_name(name: str) -> None:
-    """Name this process as ps, top and /proc/PID/comm show it (at most 15 bytes; its command line stays)."""
-    _libc_handle().prctl(PR_SET_NAME, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)
-
-
-def close_descriptors_except(keep) -> None:
-    """Close every descriptor of this process but ``keep`` (a freshly forked child's cleanup).
-
-    Only non-empty ranges are passed on: ``os.closerange(lo, lo)`` becomes close_range(lo, lo - 1), which
-    closes every descriptor."""
-    keep = sorted(set(keep))
-    for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
-        if low + 1 < high:
-            os.closerange(low + 1, high)
-
-
-def make_undumpable() -> None:
-    """No other process of this uid may ptrace this one or read its memory and fds (/proc/PID/mem, fd/)."""
-    prctl(PR_SET_DUMPABLE, 0)
+    check_errno(libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+                f"mount {target}")
 
 
 def loopback_up() -> None:
@@ -402,24 +357,6 @@ def marked_processes(token: str) -> list[int]:
             pass
     del psutil
     return found
-
-
-def kill_tree(pid: int, include_self: bool = True) -> None:
-    """SIGKILL ``pid``'s descendants, and ``pid`` too unless ``include_self`` is False
-    (all collected first, so orphans found now die too)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + ([root] if include_self else [])
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
 
 
 def is_under(path: str, folder: str) -> bool:

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from course.proc import PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, prctl
 from course.sandbox.limits import Limits
 from course.sandbox.linux import (
     CLONE_NEWNET,
@@ -33,15 +34,12 @@ from course.sandbox.linux import (
     MS_RDONLY,
     MS_REC,
     MS_REMOUNT,
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_NO_NEW_PRIVS,
     blocking_ancestor,
     enter_user_namespace,
     is_under,
     kill_uid,
     loopback_up,
     mount,
-    prctl,
     uid_processes,
     unshare,
 )
@@ -194,9 +192,16 @@ def _exec(cmd: list[str], env: dict) -> None:
     os.execvpe(cmd[0], cmd, env)
 
 
-#: how the sandboxed command is started once everything is in place: exec'd; a zygote
-#: (:mod:`course.sandbox.zygote`) runs a module of its own Python in place instead
-EXEC = _exec
+#: how the sandboxed command is started once everything is in place (see :func:`configure`)
+_exec_hook = _exec
+
+
+def configure(*, exec_hook=None) -> None:
+    """How this process starts the command it sandboxes, once everything is in place: ``exec_hook(cmd, env)``,
+    which never returns (default: exec it; a zygote, :mod:`course.sandbox.zygote`, runs a module of its own
+    Python in place instead)."""
+    global _exec_hook
+    _exec_hook = exec_hook or _exec
 
 
 def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the forked child, ends in exec
@@ -225,7 +230,7 @@ def _child(args, cmd: list[str]) -> None:  # pragma: no cover - runs in the fork
             os.setgid(args.uid)
             os.setuid(args.uid)
         prctl(PR_SET_NO_NEW_PRIVS, 1)
-        EXEC(cmd, env)
+        _exec_hook(cmd, env)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"sandbox: cannot start {cmd[0]}: {exc}\n".encode())
         os._exit(127)

@@ -5,7 +5,7 @@ imports torch (and the verifier torch._dynamo, for the ranks' forkserver): about
 5 of the 8.7 CPU seconds a graded ex1 submission cost. An autograde worker grades
 one submission after another, so it keeps one zygote (:class:`Zygote`): a Python
 started once per worker, as the worker's own user, that imports all of that once
-(:data:`PRELOAD`) and then only forks. Nothing of a submission ever runs in it.
+(the ``preload`` it is given) and then only forks. Nothing of a submission ever runs in it.
 
 ``zygote.popen(argv, env=..., cwd=...)`` is ``subprocess.Popen(argv, env=..., cwd=...,
 start_new_session=True)``, only faster: the zygote forks, the child takes the
@@ -43,12 +43,9 @@ import subprocess
 import sys
 import time
 
-from course.launcher import job as launcher
-
-#: what the zygote imports once, so that no kernel, verifier or forkserver imports it again
-PRELOAD = (*launcher.PRELOAD, "course.launcher.job", "course.checks", "course.grading.checkcalls",
-           "course.grading.snapshot", "course.grading.student", "course.sandbox.wrapper", "ipykernel.kernelapp",
-           "ipykernel.ipkernel")
+#: what every zygote imports once (each process it forks runs the wrapper first); its user adds what its
+#: processes import (grading: :data:`course.grading.kernel.ZYGOTE_PRELOAD`)
+PRELOAD = ("course.sandbox.wrapper",)
 #: environment variables read while PRELOAD is imported: a process whose value differs is exec'd instead
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH_", "TORCHDYNAMO_")
 #: the zygote's own interpreter flags; a module run with a subset of them can be forked
@@ -154,6 +151,7 @@ class Zygote:
 
     def __init__(self, preload=PRELOAD):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.preload = tuple(preload)
         self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
             [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload)],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=False)
@@ -224,7 +222,7 @@ def current() -> Zygote | None:
     """This process's zygote, restarted if it died; None where none is in use."""
     global _current
     if _current is not None and not _current.alive():
-        _current = Zygote()
+        _current = Zygote(_current.preload)
     return _current
 
 
@@ -273,7 +271,7 @@ def _runnable(argv: list[str], env: dict):
 def exec_or_run(argv: list[str], env: dict) -> None:
     """Become ``argv`` with ``env``: run it in place when it is a module this zygote can run, else exec it.
 
-    Never returns. The sandbox wrapper calls it (through ``wrapper.EXEC``) for the command it sandboxes."""
+    Never returns. The sandbox wrapper calls it (``wrapper.configure(exec_hook=...)``) for the command it sandboxes."""
     module = _runnable(argv, env)
     if module is None:
         os.execvpe(argv[0], argv, env)
@@ -295,7 +293,7 @@ def _run_module(module: str, args: list[str], safe_path: bool, env: dict) -> Non
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     multiprocessing.current_process().authkey = os.urandom(32)
-    from course.sandbox.linux import PR_SET_DUMPABLE, prctl
+    from course.proc import PR_SET_DUMPABLE, prctl
 
     prctl(PR_SET_DUMPABLE, 1)  # as an exec leaves it (a uid change made it undumpable; the verifier undoes this)
     _name(module)
@@ -335,7 +333,7 @@ _ZYGOTE_ENV: dict[str, str] = {}
 def _name(module: str) -> None:
     """Name this process after the module it runs (ps, top and /proc/PID/comm show it; its command line
     stays the zygote's)."""
-    from course.sandbox.linux import set_process_name
+    from course.proc import set_process_name
 
     set_process_name(module.rsplit(".", 1)[-1] if module != "course.sandbox" else "sandbox")
 
@@ -348,7 +346,7 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
         os.setsid()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
-        from course.sandbox.linux import close_descriptors_except
+        from course.proc import close_descriptors_except
 
         close_descriptors_except({0, 1, 2})
         os.chdir(request["cwd"])
@@ -360,7 +358,7 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
             os.execvpe(argv[0], argv, env)
         from course.sandbox import wrapper
 
-        wrapper.EXEC = exec_or_run  # the command the wrapper sandboxes is forked from here too
+        wrapper.configure(exec_hook=exec_or_run)  # the command the wrapper sandboxes is forked from here too
         _run_module(*module, env)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"zygote: cannot start {request.get('argv', ['?'])[0]}: {exc}\n".encode())

@@ -3,7 +3,7 @@
 Not a test (figures, no asserts): ``python tests/adversarial/bench_cost.py [ASSIGNMENT ...] [--repeat N]``.
 For each source notebook it grades, one at a time:
 
-* ``plain``: a fresh kernel, no sandbox, no verifier (:func:`course.grading.notebook.execute`, what
+* ``plain``: a fresh kernel, no sandbox, no verifier (nbclient as it comes, what
   ``ddp-course grade`` did before issue 7);
 * ``verified``: :func:`course.grading.grade.grade_notebook`, the sandboxed kernel (visible tests
   only) then the trusted verifier (all tests), and the verifier's share of it;
@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def plain(path: Path) -> float:
-    from course.grading.notebook import clear_outputs, execute, read
+    from nbclient import NotebookClient
+
+    from course.grading.cells import Timeouts
+    from course.grading.notebook import Execution, clear_outputs, read
     from course.grading.restore import find_source, graded_cells, restore
     from course.grading.scoring import score_notebook
 
@@ -30,7 +33,10 @@ def plain(path: Path) -> float:
     source = read(find_source(path))
     nb = restore(read(path), source)
     clear_outputs(nb)
-    report = score_notebook(execute(nb, path.parent), graded_cells(source), str(path))
+    NotebookClient(nb, kernel_name="python3", timeout_func=Timeouts().for_cell, allow_errors=True).execute(
+        cwd=str(path.parent))
+    ran = {index for index, cell in enumerate(nb.cells) if cell.cell_type == "code"}
+    report = score_notebook(Execution(nb, ran), graded_cells(source), str(path))
     assert report.score == report.max_score, report
     return time.monotonic() - started
 

@@ -20,16 +20,16 @@ import time
 import traceback
 from pathlib import Path
 
+from course import proc
 from course.instructor.coursedir import load_config
 from course.instructor.gradebook import sqlite_url
 from course.launcher.job import CPUS_ENV
-from course.sandbox import linux as sandbox_os
 
 
 def kill_tree(pid: int, include_self: bool = True) -> None:
     """SIGKILL every descendant of ``pid`` (kernels and ranks run in sessions of their own, so its
     process group alone would miss them), then ``pid`` and what is left of its process group."""
-    sandbox_os.kill_tree(pid, include_self)  # collects the tree before killing: no orphan escapes
+    proc.kill_tree(pid, include_self)  # collects the tree before killing: no orphan escapes
     if include_self:
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -80,7 +80,9 @@ def serve(conn, course_root: str, log_path: str, parent_pid: int, cpus: int | No
     from course.sandbox import zygote
 
     if zygote.enabled():  # imports torch, ipykernel and the graders while we get ready; every kernel and
-        zygote.use(zygote.Zygote())  # verifier of this worker is then forked from it (see course.sandbox.zygote)
+        from course.grading.kernel import ZYGOTE_PRELOAD  # verifier of this worker is then forked from it
+
+        zygote.use(zygote.Zygote(ZYGOTE_PRELOAD))  # (see course.sandbox.zygote)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import nbgrader.apps  # noqa: F401  (already there when forked from autograde; else paid before the first job)
 
