@@ -45,6 +45,8 @@ TASK_MARGIN = 60.0 + READY_TIMEOUT
 DEFAULT_CPUS = 2
 #: memory per task beyond the sandbox's: nbgrader, the worker and the verifier's parent process
 MEMORY_MARGIN_MIB = 1024
+#: the folder under .ddp-course/ that holds every run's folder (named before Kubernetes runs lived there too)
+RUNS_DIR = "slurm"
 #: a Slurm run's manifest; a Kubernetes run's (:mod:`~course.instructor.autograde.k8s`) is K8S_MANIFEST
 SLURM_MANIFEST = "manifest.json"
 K8S_MANIFEST = "k8s-job.json"
@@ -69,7 +71,7 @@ class Manifest:
 
     @property
     def folder(self) -> Path:
-        return Path(self.course) / STATE_DIR / "slurm" / self.run
+        return Path(self.course) / STATE_DIR / RUNS_DIR / self.run
 
     @property
     def path(self) -> Path:
@@ -149,7 +151,7 @@ def sandbox_memory_mib(course: Course) -> int:
 def runs_root(course: Course) -> Path:
     """Where each run keeps its manifest, template gradebook and the tasks' scratch courses
     (see :attr:`Manifest.folder`)."""
-    return course.state_dir / "slurm"
+    return course.state_dir / RUNS_DIR
 
 
 def task_folder(manifest: Manifest, index: int) -> Path:
