@@ -20,7 +20,7 @@ COMMANDS = {
     "release": "course.instructor.release:command",
     "collect": "course.instructor.collect:command",
     "autograde": "course.instructor.autograde:command",
-    "k8s-job": "course.instructor.k8s:command",
+    "k8s-job": "course.instructor.autograde.k8s:command",
     "feedback": "course.instructor.feedback:command",
     "export": "course.instructor.export:command",
     "status": "course.instructor.status:command",

@@ -26,20 +26,19 @@ import yaml
 from click.testing import CliRunner
 
 from course.errors import CourseError
-from course.instructor.autograde.records import Submission, read_record
-from course.instructor.autograde.slurm import MEMORY_MARGIN_MIB, Manifest, sandbox_memory_mib, task_folder
-from course.instructor.coursedir import Course
-from course.instructor.k8s import (
+from course.instructor.autograde.batch import MEMORY_MARGIN_MIB, Manifest, elsewhere, sandbox_memory_mib, task_folder
+from course.instructor.autograde.k8s import (
     MANIFEST_NAME,
     NO_SANDBOX_EXIT,
     RUN_LABEL,
     JobOptions,
     collect_runs,
     command,
-    in_flight,
     make_job,
     preflight,
 )
+from course.instructor.autograde.records import Submission, read_record
+from course.instructor.coursedir import Course
 
 # nbgrader's own gradebook code trips SQLAlchemy autoflush warnings (harmless, not ours)
 pytestmark = [pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning"), pytest.mark.timeout(120)]
@@ -244,8 +243,8 @@ def test_each_pod_runs_the_slurm_task_with_its_completion_index(released, tmp_pa
     env_vars = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "JOB_COMPLETION_INDEX": "1"}
     subprocess.run(["/bin/sh", "-c", script, *argv], env=env_vars, check=True, timeout=30)
     assert calls.read_text().splitlines() == [
-        "python -m course.instructor.k8s preflight",
-        f"python -m course.instructor.autograde.slurm task {manifest.folder / MANIFEST_NAME} 1",
+        "python -m course.instructor.autograde.k8s preflight",
+        f"python -m course.instructor.autograde.batch task {manifest.folder / MANIFEST_NAME} 1",
     ]
 
 
@@ -299,7 +298,7 @@ def test_parallelism_and_deadlines(released, tmp_path):
     docs, manifest, _ = generate(course, per_pod=2, parallelism=2, retries=2, timeout=100)
     job, pod = job_of(docs)["spec"], pod_of(docs)
     assert (job["completions"], job["parallelism"], job["backoffLimitPerIndex"]) == (3, 2, 2)
-    from course.instructor.autograde.slurm import TASK_MARGIN
+    from course.instructor.autograde.batch import TASK_MARGIN
 
     assert pod["activeDeadlineSeconds"] == math.ceil(2 * 100 + TASK_MARGIN)  # a pod of 2: their limits + margin
     waves = 2  # 3 pods, 2 at a time
@@ -311,7 +310,7 @@ def test_parallelism_and_deadlines(released, tmp_path):
 def test_resources_come_from_the_world_sizes_and_the_sandbox_memory(released, tmp_path):
     course = course_with(released, tmp_path, ["ada"])
     resources = pod_of(generate(course)[0])["containers"][0]["resources"]
-    # tiny's checks name no world size (run_ranks(..., 2)): slurm.py's default of 2 CPUs
+    # tiny's checks name no world size (run_ranks(..., 2)): batch.py's default of 2 CPUs
     default_memory = f"{sandbox_memory_mib(course) + MEMORY_MARGIN_MIB}Mi"
     assert resources == {"requests": {"cpu": "2", "memory": default_memory},
                          "limits": {"cpu": "2", "memory": default_memory}}
@@ -393,7 +392,7 @@ def test_the_network_policy_takes_egress_from_this_jobs_pods_only(released, tmp_
 
 
 def _outcome(manifest: Manifest, index: int, student: str, kind: str = "timeout") -> None:
-    """What a pod writes when a submission is done (slurm.py's run_task): here one that timed out."""
+    """What a pod writes when a submission is done (batch.py's run_task): here one that timed out."""
     path = task_folder(manifest, index) / f"{ASSIGNMENT}--{student}.json"
     path.write_text(json.dumps({"kind": kind, "result": {}, "elapsed": 7.0, "detail": "stopped after 7 s"}))
 
@@ -405,7 +404,7 @@ def test_a_rerun_includes_only_what_is_neither_graded_nor_on_its_way(released, t
     assert [s.student for i in range(len(first.tasks)) for s, _ in first.share(i)] == ["bob", "cy", "dee"]
     assert [(r.submission.student, r.status) for r in rows] == [("ada", "already graded")]
     assert job_of(docs)["spec"]["completions"] == 2
-    assert set(in_flight(course)) == {Submission(ASSIGNMENT, s) for s in ("bob", "cy", "dee")}
+    assert set(elsewhere(course)) == {Submission(ASSIGNMENT, s) for s in ("bob", "cy", "dee")}
 
     docs, again, rows = generate(course)  # all on their way: no second Job
     assert docs == [] and again is None
@@ -423,7 +422,7 @@ def test_a_rerun_includes_only_what_is_neither_graded_nor_on_its_way(released, t
     ended = {r.submission.student: r for r in collect_runs(course, ended=(first.job_id,))}
     assert set(ended) == {"cy", "dee"} and {r.status for r in ended.values()} == {"failed"}
     assert "ended before grading it" in read_record(course, Submission(ASSIGNMENT, "dee"))["reason"]
-    assert not first.folder.exists() and in_flight(course) == {}
+    assert not first.folder.exists() and elsewhere(course) == {}
 
     _, third, _ = generate(course)  # the timed-out and the failed ones go again; ada stays graded
     assert [s.student for i in range(len(third.tasks)) for s, _ in third.share(i)] == ["bob", "cy", "dee"]
@@ -433,12 +432,12 @@ def test_a_rerun_includes_only_what_is_neither_graded_nor_on_its_way(released, t
 
 def test_slurm_collect_never_sees_a_k8s_run(released, tmp_path):
     """autograde --collect would take a run Slurm never heard of as ended: the k8s manifest is not its file."""
-    from course.instructor.autograde.slurm import elsewhere, pending_runs
+    from course.instructor.autograde.batch import pending_runs
 
     course = course_with(released, tmp_path, ["ada"])
     _, manifest, _ = generate(course)
     assert pending_runs(course) == [] and [h for h in elsewhere(course).values() if h.scheduler == "Slurm"] == []
-    assert not manifest.path.exists()  # slurm.py's manifest.json
+    assert not manifest.path.exists()  # Slurm's manifest.json
 
 
 def test_every_verb_leaves_a_k8s_runs_submissions_to_it(released, tmp_path):
@@ -449,7 +448,7 @@ def test_every_verb_leaves_a_k8s_runs_submissions_to_it(released, tmp_path):
     from rich.console import Console
 
     from course.instructor.autograde.run import run_autograde
-    from course.instructor.autograde.slurm import SlurmOptions, elsewhere, run_slurm
+    from course.instructor.autograde.slurm import SlurmOptions, run_slurm
     from course.instructor.status import course_status
 
     course = course_with(released, tmp_path, ["ada", "bob", "cy"])
@@ -460,7 +459,7 @@ def test_every_verb_leaves_a_k8s_runs_submissions_to_it(released, tmp_path):
     assert {str(why).split(":")[0] for why in away.values()} == {f"on Kubernetes (job {manifest.job_id}, pod {i})"
                                                                  for i in (0, 1)}
     quiet = Console(file=io.StringIO())
-    local = run_autograde(course, [ASSIGNMENT], held_elsewhere=elsewhere, console=quiet)
+    local = run_autograde(course, [ASSIGNMENT], console=quiet)
     assert {(r.submission.student, r.status) for r in local.rows} == {
         ("ada", "not graded"), ("bob", "not graded"), ("cy", "already graded")}
     assert all("k8s-job --collect" in r.reason for r in local.rows if r.status == "not graded")
@@ -490,5 +489,5 @@ def test_the_verb_writes_yaml_on_stdout_and_talks_on_stderr(released, tmp_path):
 
 
 def test_the_pod_entry_point_is_a_module_with_a_usage_line():
-    proc = subprocess.run([sys.executable, "-m", "course.instructor.k8s"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "course.instructor.autograde.k8s"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "preflight" in proc.stderr

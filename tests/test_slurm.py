@@ -23,18 +23,16 @@ import pytest
 import requirements_gate
 import submissions
 
+from course.instructor.autograde.batch import Manifest, largest_world_size, split
 from course.instructor.autograde.records import Submission, is_graded, read_record
 from course.instructor.autograde.slurm import (
-    Manifest,
     SlurmOptions,
     TaskState,
     batch_script,
-    largest_world_size,
     parse_records,
     parse_sacct,
     parse_squeue,
     slurm_time,
-    split,
 )
 from course.instructor.coursedir import Course
 from course.instructor.samples import make_sample
@@ -68,7 +66,7 @@ def test_batch_script_asks_for_one_array(tmp_path):
         "--partition=gpu", "--account=cs101", "--gres=gpu:1",
     ]
     last = script.splitlines()[-1]
-    assert last == (f"exec /opt/venv/bin/python -m course.instructor.autograde.slurm task "
+    assert last == (f"exec /opt/venv/bin/python -m course.instructor.autograde.batch task "
                     f"'{tmp_path}/my course/.ddp-course/slurm/20260101-120000-1/manifest.json' \"$SLURM_ARRAY_TASK_ID\"")
     plain = batch_script(manifest, time_limit="5", mem="1G", options=SlurmOptions(), log_dir=tmp_path,
                          python="python3", job_name="x")

@@ -23,7 +23,7 @@ class AssignmentStatus:
 
 def course_status(course: Course) -> list[AssignmentStatus]:
     """One entry per source assignment."""
-    from course.instructor.autograde.slurm import elsewhere
+    from course.instructor.autograde.batch import elsewhere
 
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}

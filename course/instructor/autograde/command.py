@@ -61,10 +61,8 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
         run = run_slurm(course, picked, options=options, students=students, force=force, timeout=timeout,
                         wait=not no_wait, collect_only=collect, console=console)
     else:
-        from course.instructor.autograde.slurm import elsewhere
-
         run = run_autograde(course, picked, jobs=max(1, jobs), students=students, force=force, timeout=timeout,
-                            console=console, held_elsewhere=elsewhere)
+                            console=console)
     if not run.rows:
         console.print("no Slurm run to collect" if collect else
                       "nothing submitted yet: file submissions with ddp-course collect ZIP_OR_DIR")

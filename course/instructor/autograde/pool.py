@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from course.instructor.autograde import worker as worker_module
 
-_READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
+READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
 
 
 #: how a task ended: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
@@ -107,7 +107,7 @@ class WorkerPool:
             self._start(slot)
         slot.task, slot.payload, slot.timeout = task, payload, timeout
         slot.started = time.monotonic()
-        slot.deadline = slot.started + timeout + (0 if slot.ready else _READY_TIMEOUT)
+        slot.deadline = slot.started + timeout + (0 if slot.ready else READY_TIMEOUT)
         if slot.ready:
             slot.conn.send(payload)
 

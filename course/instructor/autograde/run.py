@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import nbformat
-
 from course.errors import CourseError
+from course.instructor.autograde.config import isolation_line, submission_timeout
+from course.instructor.autograde.guards import course_lock, deferred_interrupts, sigterm_as_interrupt
+from course.instructor.autograde.merge import finish
 from course.instructor.autograde.records import (
     Row,
     Submission,
@@ -35,12 +34,9 @@ from course.instructor.autograde.records import (
     missing_notebook_reason,
     write_record,
 )
-from course.instructor.autograde.scratch import install_results, prepare_scratch, scratch_course, scratch_root
+from course.instructor.autograde.scratch import prepare_scratch, scratch_root
 from course.instructor.coursedir import Course
 from course.instructor.gradebook import make_template
-
-#: what a submission may take beyond the sum of its cells' time limits (kernel start, nbgrader's own work)
-STARTUP_MARGIN = 120.0
 
 
 def default_jobs() -> int:
@@ -49,130 +45,7 @@ def default_jobs() -> int:
     return max(1, min(8, (os.cpu_count() or 1) + 1))
 
 
-def submission_timeout(course: Course, assignment: str) -> float:
-    """The most one submission may take: the sum of its cells' limits (Execute.timeout_func), each test
-    cell once more for the verifier's re-run when the course verifies (VerifyTests), plus margins."""
-    from course.grading.pipeline import VerifyTests
-    from course.grading.verifier import STARTUP as VERIFIER_STARTUP
-
-    execute = course.config.Execute
-    timeout_func = execute.get("timeout_func")
-    default = execute.get("timeout", 30) or 30
-    verified = VerifyTests in _autograde_steps(course)
-    verify_limit = course.config.VerifyTests.get("cell_timeout", VerifyTests.cell_timeout.default_value)
-    total = STARTUP_MARGIN + (VERIFIER_STARTUP if verified else 0.0)
-    for path in course.folder("source", assignment=assignment).glob("*.ipynb"):
-        for cell in nbformat.read(str(path), as_version=4).cells:
-            if cell.cell_type == "code":
-                limit = timeout_func(cell) if timeout_func else default
-                total += limit if limit and limit > 0 else default
-                meta = cell.metadata.get("nbgrader", {})
-                if verified and meta.get("grade") and not meta.get("solution"):
-                    total += verify_limit
-    return total
-
-
-def _autograde_steps(course: Course) -> list:
-    from nbgrader.converters import Autograde
-
-    return list(course.config.Autograde.get("autograde_preprocessors",
-                                            Autograde.autograde_preprocessors.default_value))
-
-
-def isolation_line(course: Course) -> str:
-    """One line for the start of a run: how each notebook is isolated (course.sandbox), or that it is not."""
-    from course.grading.execute import SandboxedExecute
-    from course.sandbox import describe
-
-    if SandboxedExecute in _autograde_steps(course):
-        return describe()
-    return ("sandbox: none: this course's nbgrader_config.py runs notebooks unsandboxed and unverified "
-            "(it predates ddp-course's sandbox; `ddp-course init --force` rewrites it)")
-
-
-#: failures nbgrader reports with a misleading or cryptic line, and what they mean
-_KNOWN_FAILURES = (
-    ("Timeout waiting for IOPub output", "a cell ran past its time limit and ignored the interrupt, "
-     "so nbgrader gave up on the notebook (see the log for the cell)"),
-    ("UnresponsiveKernelError", "the kernel stopped answering (an endless loop that ignores interrupts?)"),
-    ("DeadKernelError", "the kernel died (out of memory, or the student's code exited the process)"),
-)
-
-
-def _short_reason(result: dict) -> str:
-    """The most telling line of a failed nbgrader run (its last exception line)."""
-    text = "\n".join(filter(None, [result.get("log", ""), result.get("error", "")]))
-    for marker, meaning in _KNOWN_FAILURES:
-        if marker in text:
-            return meaning
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if ("Error" in line or "Exception" in line) and "NbGraderException" not in line and not line.startswith("File "):
-            return line[:300]
-    return lines[-1][:300] if lines else "nbgrader failed without a message"
-
-
 # -- the run ---------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM behaves like Ctrl-C, so a killed run cleans up its workers the same way."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def _course_lock(course: Course):
-    """One autograde at a time per course (they share the scratch space); released even on SIGKILL."""
-    import fcntl
-
-    course.state_dir.mkdir(parents=True, exist_ok=True)
-    with open(course.state_dir / "autograde.lock", "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            raise CourseError(
-                f"another ddp-course autograde is running in {course.root} (pid {fh.read().strip() or '?'})"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        yield
-
-
-@contextmanager
-def _deferred_interrupts():
-    """Hold Ctrl-C/SIGTERM until the block ends, so a result is never half installed."""
-    caught = []
-
-    def hold(signum, frame):
-        caught.append(signum)
-
-    try:
-        previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            raise KeyboardInterrupt
 
 
 def plan(course: Course, assignments: list[str], students: tuple[str, ...], force: bool):
@@ -219,20 +92,18 @@ def run_autograde(
     force: bool = False,
     timeout: float | None = None,
     console=None,
-    held_elsewhere=None,
 ) -> AutogradeRun:
-    """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time.
-
-    ``held_elsewhere(course)``: the submissions a scheduler's run holds, each with why it is not graded here
-    (``slurm.elsewhere``, which this module cannot import: slurm.py builds on it); those are left alone."""
+    """Grade every submission of ``assignments`` not graded yet, ``jobs`` at a time; those a Slurm or
+    Kubernetes run holds are left to it."""
     from rich.console import Console
 
+    # imported here: `python -m course.instructor.autograde.batch` must find batch not imported yet
+    from course.instructor.autograde.batch import set_aside
+
     console = console or Console()
-    with _course_lock(course):
+    with course_lock(course):
         todo, rows = plan(course, assignments, students, force)
-        away = held_elsewhere(course) if held_elsewhere else {}
-        rows += [Row(s, "not graded", reason=str(away[s])) for s in todo if s in away]
-        todo = [s for s in todo if s not in away]
+        todo = set_aside(course, todo, rows)
         if not todo:
             return AutogradeRun([fill_scores(course, r) for r in rows])
         check_released(course, todo)
@@ -273,7 +144,7 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
     interrupted = False
     try:
         # refreshed from the loop below, not by a thread: the pool forks its workers from this process
-        with _sigterm_as_interrupt(), Progress(*columns, console=console, auto_refresh=False) as progress:
+        with sigterm_as_interrupt(), Progress(*columns, console=console, auto_refresh=False) as progress:
             overall = progress.add_task(f"autograde, {pool.size} at a time", total=len(todo))
             slots = [progress.add_task("", total=None, visible=False) for _ in range(pool.size)]
 
@@ -294,12 +165,12 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                 progress.refresh()
                 if not ended:
                     continue
-                with _deferred_interrupts():  # a Ctrl-C now waits until the ended jobs are recorded
+                with deferred_interrupts():  # a Ctrl-C now waits until the ended jobs are recorded
                     for outcome in ended:
                         progress.update(slots[slot_of.pop(outcome.task)], visible=False)
                     refill()  # a freed worker starts its next submission while this one's results are merged
                     for outcome in ended:
-                        row = _finish(course, outcome, isolation=isolation)
+                        row = finish(course, outcome, isolation=isolation)
                         rows.append(row)
                         progress.advance(overall)
                         score = f" {row.score:g}/{row.max_score:g}" if row.score is not None else ""
@@ -316,26 +187,3 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
         pool.close()
         shutil.rmtree(scratch_dir, ignore_errors=True)
     return AutogradeRun([fill_scores(course, r) for r in rows], interrupted)
-
-
-def _finish(course: Course, outcome, scratch: Course | None = None, isolation: str = "") -> Row:
-    """Install or record one ended submission (graded in ``scratch``, default its scratch course, under the
-    sandbox ``isolation`` describes); its summary row."""
-    submission: Submission = outcome.task
-    scratch = scratch or scratch_course(course, submission)
-    try:
-        if outcome.kind == "done" and outcome.result.get("success"):
-            install_results(course, scratch, submission)
-            write_record(course, submission, "graded", outcome.elapsed, log=outcome.result.get("log", ""),
-                         isolation=isolation)
-            return fill_scores(course, Row(submission, "graded", outcome.elapsed))
-        if outcome.kind == "done":
-            reason = _short_reason(outcome.result)
-            log = (outcome.result.get("log") or "") + "\n" + (outcome.result.get("error") or "")
-            write_record(course, submission, "failed", outcome.elapsed, reason, log, isolation=isolation)
-            return Row(submission, "failed", outcome.elapsed, reason)
-        status = "timeout" if outcome.kind == "timeout" else "failed"
-        write_record(course, submission, status, outcome.elapsed, outcome.detail, isolation=isolation)
-        return Row(submission, status, outcome.elapsed, outcome.detail)
-    finally:
-        shutil.rmtree(scratch.root, ignore_errors=True)
