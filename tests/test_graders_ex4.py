@@ -17,7 +17,7 @@ import submissions
 import torch
 
 import graders.ex4 as ex4
-import graders.torchrun as torchrun
+from course.launcher import torchrun
 
 A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
@@ -115,7 +115,7 @@ def test_student_traceback_drops_torch_prefixes_and_the_graders_frames():
         "[rank1]:     local_rank = args.local_rank\n"
         "[rank1]: AttributeError: 'Namespace' object has no attribute 'local_rank'\n"
     )
-    tb = torchrun._student_traceback(output)
+    tb = torchrun.student_traceback(output)
     assert "torchrun_probe" not in tb and "runpy" not in tb and "[rank1]" not in tb
     assert '  File "/tmp/train.py", line 12, in main' in tb
     assert tb.splitlines()[-1] == "AttributeError: 'Namespace' object has no attribute 'local_rank'"

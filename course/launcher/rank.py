@@ -136,7 +136,7 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
 # to lose the early diagnosis: the job's deadline still holds.
 
 
-def _start_stall_probe(spec: dict):
+def start_stall_probe(spec: dict):
     """Start the probe thread; returns the function that answers (a worker may call it as it exits)."""
     path = spec.get("probe_path")
     if not path:
@@ -313,7 +313,7 @@ def rank_main(rank: int, specs: list[dict]) -> None:
 
     torch.set_num_threads(spec["num_threads"])
     _patch_destroy()
-    _start_stall_probe(spec)
+    start_stall_probe(spec)
     _rendezvous_through_file(spec)
 
     code = 0
