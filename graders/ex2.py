@@ -94,27 +94,10 @@ class RegressionDataset(Dataset):
 REJOIN_TIMEOUT = 5  # seconds a rank waits for the others in the re-initialisation after cleanup()
 
 
-class _Torch:
-    """torch.distributed's own functions and the CUDA device query, taken before student code runs.
-
-    One instance, :data:`_REAL`, is made when this module is imported: in a rank that is while the
-    job's payload is unpickled, the harness (this module) before the student's objects, so even
-    code that runs as the student's objects are unpickled cannot swap what it holds."""
-
-    def __init__(self):
-        from torch.distributed import distributed_c10d as c10d
-
-        self.init = c10d.init_process_group
-        self.all_gather = c10d.all_gather
-        self.get_backend = c10d.get_backend
-        self.destroy = c10d.destroy_process_group
-        self.cuda_device = torch.cuda.current_device
+_REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
 
 
-_REAL = _Torch()
-
-
-def _membership(real: _Torch, rank: int, world_size: int, dev) -> dict:
+def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict:
     """Prove, with a collective, that this process is rank ``rank`` of one group of ``world_size``.
 
     Each rank draws a random token and all-gathers it through the real default group: only a real

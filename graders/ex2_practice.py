@@ -49,33 +49,7 @@ UNEVEN_TIMEOUT = 15.0  # seconds: a rank that waits for a partner that ran out o
 SAVED_FROM = "cuda:0"  # where the checkpoint's tensors say they were saved (rank 0's GPU)
 
 
-class _Torch:
-    """torch.distributed's own functions, taken before the student's code runs.
-
-    One instance, :data:`_REAL`, is made when this module is imported: in a rank that is while the
-    job's payload is unpickled, the harness (this module) before the student's objects, so even code
-    that runs as the student's objects are unpickled cannot swap what it holds."""
-
-    def __init__(self):
-        from torch.distributed import distributed_c10d as c10d
-
-        self.all_reduce = c10d.all_reduce
-        self.get_world_size = c10d.get_world_size
-        self.collectives = checks.collectives
-
-
-_REAL = _Torch()
-
-
-def _run(check: str, harness, world_size: int, args: tuple, expected: str, **kwargs):
-    """checks.run; a failed job's message also says what the check expected of the student's function."""
-    try:
-        return checks.run(check, harness, world_size, args=args, **kwargs).values
-    except CheckFailed as err:
-        if err.expected is not None:
-            raise
-        raise CheckFailed(check, err.problem, ranks=err.ranks, expected=expected, got=err.got, hint=err.hint,
-                          detail=err.detail) from None
+_REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
 
 
 def _wrap(model: nn.Module, dev: torch.device) -> DDP:
@@ -221,8 +195,8 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     where = f"{n} samples on {world_size} ranks"
     hints = [("Tensors must be CUDA and dense", "under nccl all_reduce only GPU tensors: create the counts on the "
                                                 "model's device, torch.tensor(..., device=device)")]
-    obs = _run(check, _evaluate_harness, world_size, (evaluate, n, batch_size, seed),
-               "evaluate() returns a float on every rank", hints=hints)
+    obs = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed),
+                     expected="evaluate() returns a float on every rank", hints=hints).values
     _, _, correct = _eval_case(n, world_size, seed)
     true = sum(correct) / n
     share = math.ceil(n / world_size)
@@ -263,8 +237,8 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
                           hint=_evaluate_hint(values, [o["seen"] for o in obs], correct, true))
     # Right, from the shares recorded. Did each rank's result come from its own share and the others' counts?
     shares = [sorted(set(o["seen"])) for o in obs]
-    again = _run(check, _evaluate_harness, world_size, (evaluate, n, batch_size, seed, shares),
-                 "evaluate() returns a float on every rank", hints=hints)
+    again = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed, shares),
+                       expected="evaluate() returns a float on every rank", hints=hints).values
     if [sorted(set(o["seen"])) for o in again] == shares:  # else the split changed between runs: not judged
         moved = [r for r, o in enumerate(again) if isinstance(o["accuracy"], str) or abs(o["accuracy"] - true) > ATOL]
         if moved:
@@ -388,8 +362,8 @@ def _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed
                                          "register one yourself"),
              ("timeout", "every rank must run the same backward passes with the same no_sync() pattern: a rank "
                          "that syncs when the others do not waits for them forever")]
-    return _run(check, _accumulate_harness, world_size, (accumulate_step, k, size, steps, lr, seed),
-                "accumulate_step returns on every rank, after one optimizer step", hints=hints)
+    return checks.run(check, _accumulate_harness, world_size, args=(accumulate_step, k, size, steps, lr, seed),
+                      expected="accumulate_step returns on every rank, after one optimizer step", hints=hints).values
 
 
 def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
@@ -666,8 +640,9 @@ def check_load_checkpoint(load_checkpoint, *, world_size=2, seed=0):
     try:
         ckpt_path = os.path.join(workdir, "ckpt.pt")
         save_from_gpu({"epoch": epoch, "model": saved}, ckpt_path)
-        obs = _run(check, _load_harness, world_size, (load_checkpoint, ckpt_path, seed),
-                   "load_checkpoint loads checkpoint['model'] into ddp_model.module and returns the epoch", hints=hints)
+        obs = checks.run(check, _load_harness, world_size, args=(load_checkpoint, ckpt_path, seed),
+                         expected="load_checkpoint loads checkpoint['model'] into ddp_model.module and returns the epoch",
+                         hints=hints).values
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     misplaced = [r for r, o in enumerate(obs) if o["error"] or not all(_restored_right(x, o["device"])

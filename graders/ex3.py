@@ -9,20 +9,17 @@ size, so a missing all_reduce or a local count cannot pass by accident.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from datetime import timedelta
 
-import cloudpickle
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from course import checks
-from course.checks import CheckFailed, expect, passed
+from course.checks import CheckFailed, Mistake, expect, passed, stranded
 
 PG_TIMEOUT = timedelta(seconds=15)  # a skipped collective fails in 15 s, not 30 min
 
@@ -47,50 +44,6 @@ def _init_pg() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
-
-
-def _run(check: str, fn, world_size: int, args: tuple, *, mistakes=()):
-    """checks.run, with known mistakes recognised by their traces.
-
-    ``mistakes``: (predicate(rank, text) -> bool, problem, hint) tried in order on the first failed rank.
-    """
-    try:
-        return checks.run(check, fn, world_size, args=args)
-    except CheckFailed as err:
-        text = f"{err.problem}\n{err.detail or ''}"
-        rank = err.ranks[0] if err.ranks else None
-        for predicate, problem, hint in mistakes:
-            if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=err.ranks,
-                                  hint=hint, detail=err.detail) from None
-        raise
-
-
-_LOST_PEER = ("Connection", "Timed out", "timed out", "did not finish within", "deadlocked")
-
-
-_MEMO: dict[str, tuple[str, object]] = {}
-
-
-def _memo(check: str, key: tuple, job: Callable[[], object]):
-    """``job()``, run once per key: checks that read the same observations share one job.
-
-    The key holds the student's code (pickled by value), so editing and re-running a cell starts a
-    new job; a failure is remembered too and re-raised under the asking check's name.
-    """
-    digest = hashlib.sha256(cloudpickle.dumps(key)).hexdigest()
-    if digest not in _MEMO:
-        if len(_MEMO) > 64:
-            _MEMO.clear()
-        try:
-            _MEMO[digest] = ("ok", job())
-        except CheckFailed as err:
-            _MEMO[digest] = ("failed", err)
-    kind, value = _MEMO[digest]
-    if kind == "failed":
-        raise CheckFailed(check, value.problem, ranks=value.ranks, expected=value.expected, got=value.got,
-                          hint=value.hint, detail=value.detail) from None
-    return value
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -224,7 +177,7 @@ def _convert_verdict(check: str, obs: dict, case: str, rank: int) -> None:
 
 def _check_convert(check: str, convert_model, cases: tuple[str, ...]) -> None:
     checks.require_written(check, convert_model=convert_model)
-    job = _run(check, _convert_harness, 2, (convert_model, cases))
+    job = checks.run(check, _convert_harness, 2, args=(convert_model, cases))
     for rank, per_case in enumerate(job.values):
         for case, obs in zip(cases, per_case):
             _convert_verdict(check, obs, case, rank)
@@ -373,16 +326,16 @@ def _run_bn(check: str, bn_cls):
     """(sizes, tail, observations per rank, reference) for every case, world sizes 2 and 3."""
     checks.require_written(check, CPUSyncBatchNorm=bn_cls)
     mistakes = [
-        (lambda rank, text: "in-place operation" in text,
-         "forward changed a tensor in place that autograd tracks, such as its input x (rank {rank})",
-         "compute new tensors (y = (x - mean) / ...) instead of changing x or saved tensors in place"),
-        (lambda rank, text: any(w in text for w in _LOST_PEER),
-         "rank {rank} lost its peers inside a collective ({ws}-rank job)",
-         "every rank must call the same all_reduce(s), in the same order and with the same tensor sizes"),
+        Mistake(lambda rank, text: "in-place operation" in text,
+                "forward changed a tensor in place that autograd tracks, such as its input x (rank {rank})",
+                "compute new tensors (y = (x - mean) / ...) instead of changing x or saved tensors in place"),
+        Mistake(lambda rank, text: stranded(text),
+                "rank {rank} lost its peers inside a collective ({ws}-rank job)",
+                "every rank must call the same all_reduce(s), in the same order and with the same tensor sizes"),
     ]
     for ws, cases in _BN_CASES.items():
-        job = _memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: _run(
-            check, _bn_harness, ws, (bn_cls, cases), mistakes=mistakes))
+        job = checks.memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: checks.run(
+            check, _bn_harness, ws, args=(bn_cls, cases), mistakes=mistakes))
         for index, (sizes, tail) in enumerate(cases):
             values = [per_case[index] for per_case in job.values]
             for rank, obs in enumerate(values):
@@ -538,6 +491,7 @@ def _zero_train(ddp_model, optimizer, rank: int) -> None:
         optimizer.step()
 
 
+@checks.reference
 @torch.no_grad()
 def _zero_reference(world_size: int):
     """Single-process Adam on the global batch: (its state_dict, final parameters)."""
@@ -628,8 +582,8 @@ def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
 
 
 def _zero_optimizer_job(check: str, make_zero_optimizer, world_size: int):
-    return _memo(check, ("zero", make_zero_optimizer, world_size), lambda: _run(
-        check, _zero_optimizer_harness, world_size, (make_zero_optimizer,)))
+    return checks.memo(check, ("zero", make_zero_optimizer, world_size), lambda: checks.run(
+        check, _zero_optimizer_harness, world_size, args=(make_zero_optimizer,)))
 
 
 def check_zero_sharded(make_zero_optimizer) -> None:
@@ -672,17 +626,17 @@ def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> None:
 
 
 _SAVE_MISTAKES = [
-    (lambda rank, text: rank == 0 and "not been consolidated" in text,
-     "rank 0 asked for optimizer.state_dict() before the state was consolidated: each rank holds only its shard",
-     "call optimizer.consolidate_state_dict(to=0) on EVERY rank first, then save optimizer.state_dict() on rank 0"),
-    (lambda rank, text: rank not in (0, None) and "not been consolidated" in text,
-     "rank {rank} called optimizer.state_dict(): after consolidate_state_dict(to=0) only rank 0 holds the "
-     "full state (saving on every rank)",
-     "save only on rank 0: `if rank == 0: torch.save(optimizer.state_dict(), ckpt_path)`"),
-    (lambda rank, text: "consolidate_state_dict" in text and any(w in text for w in _LOST_PEER),
-     "rank {rank} waited in consolidate_state_dict for ranks that never joined it ({ws}-rank job): "
-     "it is a collective, every rank must call it (consolidating only on rank 0 hangs)",
-     "call optimizer.consolidate_state_dict(to=0) on every rank, outside `if rank == 0:`; then save on rank 0"),
+    Mistake(lambda rank, text: rank == 0 and "not been consolidated" in text,
+            "rank 0 asked for optimizer.state_dict() before the state was consolidated: each rank holds only its shard",
+            "call optimizer.consolidate_state_dict(to=0) on EVERY rank first, then save optimizer.state_dict() on rank 0"),
+    Mistake(lambda rank, text: rank not in (0, None) and "not been consolidated" in text,
+            "rank {rank} called optimizer.state_dict(): after consolidate_state_dict(to=0) only rank 0 holds the "
+            "full state (saving on every rank)",
+            "save only on rank 0: `if rank == 0: torch.save(optimizer.state_dict(), ckpt_path)`"),
+    Mistake(lambda rank, text: "consolidate_state_dict" in text and stranded(text),
+            "rank {rank} waited in consolidate_state_dict for ranks that never joined it ({ws}-rank job): "
+            "it is a collective, every rank must call it (consolidating only on rank 0 hangs)",
+            "call optimizer.consolidate_state_dict(to=0) on every rank, outside `if rank == 0:`; then save on rank 0"),
 ]
 
 
@@ -695,8 +649,7 @@ def check_zero_save(save_optimizer, world_size: int = 2) -> None:
         dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
         for d in dirs:
             os.makedirs(d)
-        _run(check, _zero_save_harness, world_size, (save_optimizer, dirs),
-             mistakes=_SAVE_MISTAKES)
+        checks.run(check, _zero_save_harness, world_size, args=(save_optimizer, dirs), mistakes=_SAVE_MISTAKES)
         paths = [os.path.join(d, "optimizer.pt") for d in dirs]
         others = [r for r in range(1, world_size) if os.listdir(dirs[r])]
         expect(not others, check, f"{checks.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,

@@ -35,7 +35,6 @@ import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -45,7 +44,7 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor, Shard
 
 from course import checks
-from course.checks import CheckFailed, expect, passed, rank_list
+from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
 
 PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000"}  # torch's flight recorder: the collectives each rank ran
@@ -225,45 +224,8 @@ def _max_diff(a: dict, b: dict) -> float:
 # --------------------------------------------------------------------------- running jobs
 
 
-def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=None):
-    """checks.run, with known mistakes recognised by their traces.
-
-    ``mistakes``: (predicate(rank, text) -> bool, problem, expected, hint) tried in order on the first failed rank.
-    """
-    try:
-        return checks.run(check, harness, world_size, args=args, env=_job_env(world_size, env))
-    except CheckFailed as err:
-        text = f"{err.problem}\n{err.detail or ''}"
-        waiting = sorted({int(r) for r in re.findall(r"rank (\d+) waits in", err.problem)})
-        ranks = waiting or err.ranks  # a deadlock: the ranks left waiting, not those that returned
-        rank = ranks[0] if ranks else None
-        first = err.problem.splitlines()[0]
-        missing = re.search(r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+", text)  # DCP's own words, the key it lacks
-        got = missing.group(0).rstrip(".") if missing else first[:300] + (" ..." if len(first) > 300 else "")
-        for predicate, problem, expected, hint in mistakes:
-            if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=ranks, expected=expected,
-                                  got=got, hint=hint, detail=err.detail) from None
-        raise
-
-
 def _where(world_size: int) -> str:
     return f"{world_size}-rank job"
-
-
-def _every_rank(values: list, verdict: Callable[[int, object], None]) -> None:
-    """``verdict(rank, obs)`` on every rank; the first failure is raised, naming every rank that failed the same way."""
-    failures = []
-    for rank, obs in enumerate(values):
-        try:
-            verdict(rank, obs)
-        except CheckFailed as err:
-            failures.append((rank, err))
-    if failures:
-        first = failures[0][1]
-        ranks = [rank for rank, err in failures if err.problem == first.problem]
-        raise CheckFailed(first.check, first.problem, ranks=ranks, expected=first.expected, got=first.got,
-                          hint=first.hint, detail=first.detail)
 
 
 # =========================================================================== part 1: shard_model
@@ -374,7 +336,7 @@ def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None
                     hint="call fully_shard(module) with its defaults (or a 1-D mesh of all ranks: "
                     "init_device_mesh('cpu', (world_size,))): " + SHARD_HINT)
 
-    _every_rank(values, sharded_by_rows)
+    checks.on_every_rank(values, sharded_by_rows)
     _units_verdict(check, values, spec, ws, names, shapes, root_own)
 
 
@@ -435,14 +397,15 @@ def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
                 hint="call fully_shard(block) on EACH block before fully_shard(model); the root alone makes one unit "
                 "that gathers everything at once. " + SHARD_HINT)
 
-    _every_rank(values, units)
+    checks.on_every_rank(values, units)
 
 
 _SHARD_MISTAKES = [
-    (lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
-     "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard already "
-     "took every parameter, the blocks' too", "fully_shard on each block, then on the model",
-     "shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
+    Mistake(lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
+            "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard "
+            "already took every parameter, the blocks' too",
+            expected="fully_shard on each block, then on the model",
+            hint="shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
 ]
 
 
@@ -452,7 +415,8 @@ def check_shard(shard_model, world_size: int = 2, width: int = 8, depth: int = 3
     check = "check_shard"
     checks.require_written(check, shard_model=shard_model)
     spec = (width, depth, seed)
-    job = _run(check, _shard_harness, world_size, (shard_model, spec), mistakes=_SHARD_MISTAKES, env=FR_ENV)
+    job = checks.run(check, _shard_harness, world_size, args=(shard_model, spec), mistakes=_SHARD_MISTAKES,
+                     env=_job_env(world_size, FR_ENV))
     _shard_verdict(check, job.values, spec, world_size)
     passed(check)
 
@@ -492,6 +456,7 @@ def _training_harness(rank: int, make_optimizer, train_step, spec: tuple, steps:
     return obs
 
 
+@checks.reference
 @torch.no_grad()
 def _training_reference(spec: tuple, ws: int, steps: int, variant: str = "right") -> dict[str, torch.Tensor]:
     """Single-process SGD on the global batch; ``variant`` is a known mistake: summed (the loss summed, not
@@ -541,7 +506,7 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                 got=f"{obs['type']} ({shown})",
                 hint=f"return torch.optim.SGD(model.parameters(), lr=lr, momentum={MOMENTUM})")
 
-    _every_rank(values, settings)
+    checks.on_every_rank(values, settings)
     want = _training_reference(spec, ws, steps)
     got = _full([obs["final"] for obs in values])
     diff = _max_diff(got, want)
@@ -578,7 +543,8 @@ def check_training(make_optimizer, train_step, world_size: int = 2, steps: int =
     check = "check_training"
     checks.require_written(check, make_optimizer=make_optimizer, train_step=train_step)
     spec = (width, depth, seed)
-    job = _run(check, _training_harness, world_size, (make_optimizer, train_step, spec, steps))
+    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, train_step, spec, steps),
+                     env=_job_env(world_size))
     _training_verdict(check, job.values, spec, world_size, steps)
     passed(check)
 
@@ -627,15 +593,13 @@ def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int
     return obs
 
 
-def _collective_on_some(what: str, name: str, fix: str):
+def _collective_on_some(what: str, name: str, fix: str) -> Mistake:
     """A known mistake: a collective that only some ranks called (seen as a deadlock, or as the process group's
     timeout in a traceback through ``name``)."""
-    return (lambda rank, text: "deadlocked" in text or (name in text and any(w in text for w in _LOST_PEER)),
-            f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a collective, "
-            "every rank must call it", f"every rank calls {what}, with the same arguments", fix)
+    return Mistake(lambda rank, text: "deadlocked" in text or (name in text and stranded(text)),
+                   f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a "
+                   "collective, every rank must call it", fix, expected=f"every rank calls {what}, with the same arguments")
 
-
-_LOST_PEER = ("Timed out", "timed out", "did not finish within", "Connection closed", "Connection reset")
 
 _SAVE_MISTAKES = [
     _collective_on_some("dcp.save", "checkpoint", "call dcp.save(...) on EVERY rank (outside `if rank == 0:`): each "
@@ -645,16 +609,17 @@ _SAVE_MISTAKES = [
 _LOAD_MISTAKES = [
     _collective_on_some("dcp.load", "checkpoint", "call dcp.load(...) and set_state_dict(...) on EVERY rank: each "
                         "rank reads its own shard"),
-    (lambda rank, text: "Missing key in checkpoint" in text,
-     "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
-     "a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
-     "save the model's AND the optimizer's state dicts, under the same keys the load uses: "
-     "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
-     "model_sd, optim_sd = get_state_dict(model, optimizer)"),
-    (lambda rank, text: "Unsupported global" in text or "weights_only" in text,
-     "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a plain "
-     "state dict", "a DCP checkpoint folder, read with dcp.load on every rank",
-     "save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
+    Mistake(lambda rank, text: "Missing key in checkpoint" in text,
+            "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
+            expected="a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
+            hint="save the model's AND the optimizer's state dicts, under the same keys the load uses: "
+            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
+            "model_sd, optim_sd = get_state_dict(model, optimizer)",
+            got=r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+"),  # DCP's own words, the key it lacks
+    Mistake(lambda rank, text: "Unsupported global" in text or "weights_only" in text,
+            "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a "
+            "plain state dict", expected="a DCP checkpoint folder, read with dcp.load on every rank",
+            hint="save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
 ]
 
 
@@ -731,7 +696,7 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
                               expected=f"lr={LR}, momentum={MOMENTUM}", got=f"(lr, momentum) per group {groups}",
                               hint="load the saved optimizer state dict as it is: " + set_hint)
 
-    _every_rank(loaded, restored)
+    checks.on_every_rank(loaded, restored)
     want = _training_reference(spec, ws, steps + 1)
     bad = [r for r, obs in enumerate(loaded)
            if not all(torch.allclose(obs["next"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
@@ -751,11 +716,11 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
     root = tempfile.mkdtemp(prefix="ddp-course-ex3-fsdp-")
     try:
         path = os.path.join(root, "checkpoint")
-        saved = _run(check, _save_harness, world_size, (save_checkpoint, path, spec, steps),
-                     mistakes=_SAVE_MISTAKES).values
+        saved = checks.run(check, _save_harness, world_size, args=(save_checkpoint, path, spec, steps),
+                           mistakes=_SAVE_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_files(check, path, world_size)
-        loaded = _run(check, _load_harness, world_size, (load_checkpoint, path, spec, steps),
-                      mistakes=_LOAD_MISTAKES).values
+        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, path, spec, steps),
+                            mistakes=_LOAD_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -773,14 +738,14 @@ def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, st
 
 
 _EXPORT_MISTAKES = [
-    (lambda rank, text: ("deadlocked" in text and "all_gather" in text) or (
-        any(w in text for w in _LOST_PEER)
-        and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
-     "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
-     "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when only "
-     "rank 0 calls it", "every rank calls the gather; rank 0 alone saves",
-     "call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on EVERY "
-     "rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an empty dict)"),
+    Mistake(lambda rank, text: ("deadlocked" in text and "all_gather" in text) or (
+        stranded(text) and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
+            "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
+            "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when "
+            "only rank 0 calls it", expected="every rank calls the gather; rank 0 alone saves",
+            hint="call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+            "on EVERY rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an "
+            "empty dict)"),
 ]
 
 
@@ -860,8 +825,8 @@ def check_export(export_weights, world_size: int = 2, seed: int = 0, width: int 
         for d in dirs:
             os.makedirs(d)
         paths = [os.path.join(d, "weights.pt") for d in dirs]
-        values = _run(check, _export_harness, world_size, (export_weights, paths, spec, steps),
-                      mistakes=_EXPORT_MISTAKES).values
+        values = checks.run(check, _export_harness, world_size, args=(export_weights, paths, spec, steps),
+                            mistakes=_EXPORT_MISTAKES, env=_job_env(world_size)).values
         _export_verdict(check, values, paths, spec, world_size)
     finally:
         shutil.rmtree(root, ignore_errors=True)
