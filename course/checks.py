@@ -13,6 +13,18 @@ student's objects, e.g. ``graders.ex2.check_sampler(make_loader)``. It
    :class:`CheckFailed`, whose text names the check, the ranks, what was expected,
    what happened and what to try.
 
+What every exercise needs is here, so an exercise module holds only its checks and their data:
+
+* known mistakes: :func:`run` takes ``hints`` (text -> advice) and :class:`Mistake` s (a failure
+  recognised by its text becomes that mistake's own message); :func:`stranded` tells a rank left alone
+  in a collective (the one lost-peer list is :data:`course.errors.LOST_PEER`, the advice texts
+  every check shares are in :mod:`course.errors`);
+* :func:`on_every_rank` judges each rank's observation and names every rank that failed the same way;
+* :func:`memo` runs one job for the checks that read the same observations; :func:`reference`
+  computes a single-process reference once per arguments;
+* :data:`REAL`, the captured-torch guard: torch's functions taken before any student code runs, for
+  harnesses that must act or observe with torch's own.
+
 The same check runs in the student's notebook (a visible self-check) and in the
 trusted verifier (:mod:`course.grading.verifier`) that produces the score. There
 the student's objects are stand-ins that can be shipped to ranks and called, but

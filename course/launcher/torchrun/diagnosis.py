@@ -97,16 +97,7 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
     dead = [w for w in last if _died(w, run)]
     stuck = [w for w in last if run.timed_out and not w.exited and w not in dead]
     if causes:
-        first = causes[0]
-        tb = student_traceback(first.output)
-        message = tb.splitlines()[-1] if tb else "an error"
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
-            ranks=_first_then_affected(first, last),
-            hint=_hint_for(message) or "read the traceback below (it starts in your script)",
-            detail=tb,
-        )
+        return _raised_failure(check, f"{context}{what}", causes[0], last, run, _first_then_affected(causes[0], last))
     if dead:
         # torchrun stops the other workers with SIGTERM once one failed: those are consequences
         primary = ([w for w in dead if not _raised(w) and "SIGTERM" not in _exit_reason(w, run)]
@@ -146,16 +137,7 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
             detail=student_traceback(raised[0].output),
         )
     if raised:
-        first = raised[0]
-        tb = student_traceback(first.output)
-        message = tb.splitlines()[-1] if tb else "an error"
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
-            ranks=sorted({w.rank for w in raised}),
-            hint=_hint_for(message) or "read the traceback below (it starts in your script)",
-            detail=tb,
-        )
+        return _raised_failure(check, f"{context}{what}", raised[0], last, run, sorted({w.rank for w in raised}))
     if run.timed_out:  # the workers ended, the agents did not
         return CheckFailed(
             check,
@@ -174,6 +156,20 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         hint=_hint_for(detail) or "read each rank's last output below; run the script with torchrun in a terminal "
         "to see all of it",
         detail=detail or _tail(run.log, 20),
+    )
+
+
+def _raised_failure(check: str, run_name: str, first: Worker, last: list[Worker], run: Run,
+                    ranks: list[int]) -> CheckFailed:
+    """``first``'s own exception leads: its message, its traceback, and what the others did after it."""
+    tb = student_traceback(first.output)
+    message = tb.splitlines()[-1] if tb else "an error"
+    return CheckFailed(
+        check,
+        f"{run_name} failed: {first.name} raised {message}" + _consequences(first, last, run),
+        ranks=ranks,
+        hint=_hint_for(message) or "read the traceback below (it starts in your script)",
+        detail=tb,
     )
 
 
