@@ -13,6 +13,18 @@ student's objects, e.g. ``graders.ex2.check_sampler(make_loader)``. It
    :class:`CheckFailed`, whose text names the check, the ranks, what was expected,
    what happened and what to try.
 
+What every exercise needs is here, so an exercise module holds only its checks and their data:
+
+* known mistakes: :func:`run` takes ``hints`` (text -> advice) and :class:`Mistake` s (a failure
+  recognised by its text becomes that mistake's own message); :func:`stranded` tells a rank left alone
+  in a collective (the one lost-peer list is :data:`course.errors.LOST_PEER`, the advice texts
+  every check shares are in :mod:`course.errors`);
+* :func:`on_every_rank` judges each rank's observation and names every rank that failed the same way;
+* :func:`memo` runs one job for the checks that read the same observations; :func:`reference`
+  computes a single-process reference once per arguments;
+* :data:`REAL`, the captured-torch guard: torch's functions taken before any student code runs, for
+  harnesses that must act or observe with torch's own.
+
 The same check runs in the student's notebook (a visible self-check) and in the
 trusted verifier (:mod:`course.grading.verifier`) that produces the score. There
 the student's objects are stand-ins that can be shipped to ranks and called, but
@@ -42,13 +54,30 @@ exercise around one)::
 from __future__ import annotations
 
 import ast
+import copy
+import functools
+import hashlib
 import os
 import re
 import textwrap
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from course.errors import CheckFailed, LaunchError, RankStallError, RankTimeoutError, explain, rank_list
+import cloudpickle
+
+from course.errors import (
+    MISMATCH_ADVICE,
+    SAME_COLLECTIVES,
+    WAITS_FOREVER,
+    CheckFailed,
+    LaunchError,
+    RankStallError,
+    RankTimeoutError,
+    explain,
+    lost_peer,
+    rank_list,
+)
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
 from course.launcher.job import JobResult, launch
@@ -57,6 +86,8 @@ __all__ = [
     "CHECK_TIMEOUT",
     "TIMEOUT_ENV",
     "CheckFailed",
+    "Mistake",
+    "REAL",
     "answer_source",
     "collectives",
     "describe",
@@ -64,11 +95,15 @@ __all__ = [
     "device",
     "expect",
     "join_job",
+    "memo",
+    "on_every_rank",
     "passed",
+    "reference",
     "rank_list",
     "require_written",
     "require_written_source",
     "run",
+    "stranded",
     "to_cpu",
     "unwritten",
 ]
@@ -88,6 +123,27 @@ def expect(condition: bool, check: str, problem: str, **kwargs) -> None:
         raise CheckFailed(check, problem, **kwargs)
 
 
+class Mistake(NamedTuple):
+    """A mistake students make, recognised in a failed job: :func:`run` then reports it in these words.
+
+    ``seen(rank, text)``: whether the failure is this mistake (``rank``: the first rank that failed,
+    or the first left waiting in a deadlock; ``text``: the failure's problem and detail);
+    ``problem`` may name ``{rank}`` and ``{ws}`` (the world size). With ``expected``, the message
+    also shows it, and as "got" the failure's first line (or what ``got`` finds in its text)."""
+
+    seen: Callable[[int | None, str], bool]
+    problem: str
+    hint: str
+    expected: str | None = None
+    got: str | None = None  # a regular expression
+
+
+def stranded(text: str) -> bool:
+    """Whether a failure's text is that of a rank left alone in a collective: it lost its peers, the job
+    did not finish in time, or it deadlocked (:func:`course.errors.lost_peer`, and :func:`run`'s words)."""
+    return lost_peer(text) or "did not finish within" in text or "deadlocked" in text
+
+
 def run(
     check: str,
     harness: Callable[..., Any],
@@ -95,6 +151,8 @@ def run(
     *,
     args: tuple = (),
     hints: Iterable[tuple[str, str]] = (),
+    mistakes: Iterable[Mistake] = (),
+    expected: str | None = None,
     timeout: float | None = None,
     env: dict | None = None,
 ) -> JobResult:
@@ -107,6 +165,8 @@ def run(
     it is certain, with each rank's collective and source line (:mod:`course.launcher.stall`).
     ``hints``: (text, advice) pairs; when the failure's report contains ``text`` (or,
     for ``"timeout"``, when the job hung or deadlocked), ``advice`` replaces the generic hint.
+    ``mistakes``: known :class:`Mistake` s, tried in order; the first seen is the failure's message.
+    ``expected``: what the check expected of the student's function, shown with any failure of the job.
     """
     try:
         return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env)
@@ -121,9 +181,82 @@ def run(
                 detail = f"{detail}\nwhy: {found}"
             hint = advice
             break
-    failure = CheckFailed(check, problem, ranks=ranks, hint=hint, detail=detail)
+    _raise_known(check, world_size, problem, ranks, detail, mistakes)
+    failure = CheckFailed(check, problem, ranks=ranks, hint=hint, detail=detail, expected=expected)
     failure.hung = hung  # a check that judges what happened before the end can still do so
     raise failure
+
+
+def _raise_known(check: str, world_size: int, problem: str, ranks: list[int], detail: str | None,
+                 mistakes: Iterable[Mistake]) -> None:
+    """Raise the first of ``mistakes`` the failure shows, in its own words."""
+    text = f"{problem}\n{detail or ''}"
+    waiting = sorted({int(r) for r in re.findall(r"rank (\d+) waits in", problem)})
+    ranks = waiting or ranks  # a deadlock: the ranks left waiting, not those that returned
+    rank = ranks[0] if ranks else None
+    for mistake in mistakes:
+        if not mistake.seen(rank, text):
+            continue
+        got = None
+        if mistake.expected is not None:
+            first = problem.splitlines()[0]
+            found = re.search(mistake.got, text) if mistake.got else None
+            got = found.group(0).rstrip(".") if found else first[:300] + (" ..." if len(first) > 300 else "")
+        raise CheckFailed(check, mistake.problem.format(rank=rank, ws=world_size), ranks=ranks,
+                          expected=mistake.expected, got=got, hint=mistake.hint, detail=detail)
+
+
+def on_every_rank(values: list, verdict: Callable[[int, Any], None]) -> None:
+    """``verdict(rank, obs)`` on every rank's observation; the first failure is raised, naming every rank
+    that failed the same way."""
+    failures = []
+    for rank, obs in enumerate(values):
+        try:
+            verdict(rank, obs)
+        except CheckFailed as err:
+            failures.append((rank, err))
+    if failures:
+        first = failures[0][1]
+        ranks = [rank for rank, err in failures if err.problem == first.problem]
+        raise CheckFailed(first.check, first.problem, ranks=ranks, expected=first.expected, got=first.got,
+                          hint=first.hint, detail=first.detail)
+
+
+_MEMO: dict[str, tuple[str, Any]] = {}
+
+
+def memo(check: str, key: tuple, job: Callable[[], Any]) -> Any:
+    """``job()``, run once per key: checks that read the same observations share one job.
+
+    The key holds the student's code (pickled by value), so editing and re-running a cell starts a
+    new job; a failure is remembered too and re-raised under the asking check's name.
+    """
+    digest = hashlib.sha256(cloudpickle.dumps(key)).hexdigest()
+    if digest not in _MEMO:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        try:
+            _MEMO[digest] = ("ok", job())
+        except CheckFailed as err:
+            _MEMO[digest] = ("failed", err)
+    kind, value = _MEMO[digest]
+    if kind == "failed":
+        raise CheckFailed(check, value.problem, ranks=value.ranks, expected=value.expected, got=value.got,
+                          hint=value.hint, detail=value.detail) from None
+    return value
+
+
+def reference(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: a reference result (what a right answer computes, in one process) is computed once per
+    arguments; each call gets its own copy, so a check may change what it is given."""
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return copy.deepcopy(cached(*args, **kwargs))
+
+    wrapper.cache_clear = cached.cache_clear
+    return wrapper
 
 
 def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int], str, str]:
@@ -137,9 +270,8 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
         return (f"the {world_size}-rank job did not finish within {err.timeout:g} s "
                 f"({rank_list(err.running)} still running, {rank_list(err.returned)} returned)",
                 err.running,
-                "a rank that waits forever is usually in a collective (all_reduce, barrier, DDP backward) "
-                "that another rank never reached, e.g. a collective inside `if rank == 0:`, or a loop that "
-                "never ends; every rank must call the same collectives in the same order",
+                f"{WAITS_FOREVER} that another rank never reached, e.g. a collective inside `if rank == 0:`, "
+                f"or a loop that never ends; {SAME_COLLECTIVES}",
                 _last_output(err))
     first = err.ranks[0] if err.ranks else None
     failure = err.failures.get(first) if first is not None else None
@@ -160,8 +292,7 @@ def _describe_failure(world_size: int, err: LaunchError) -> tuple[str, list[int]
         problem = (f"rank {first} was killed by gloo ({failure.message}): the data it received did not match the "
                    "collective it was in, i.e. the ranks called different collectives, or the same one with "
                    "tensors of different sizes")
-        hint = ("every rank must call the same collectives in the same order, with tensors of the same shape and "
-                "dtype: look for a collective inside `if rank == ...:` or tensors whose size depends on the rank")
+        hint = MISMATCH_ADVICE
         detail = "\n".join(failure.last_output)
     elif failure is not None:
         problem = f"a rank died: {failure.message}"
@@ -354,6 +485,42 @@ def _flight_recorder() -> Callable[[], list[dict]]:
 
 
 collectives = _flight_recorder()
+
+
+@dataclass(frozen=True)
+class RealTorch:
+    """torch's own functions a harness observes and acts with, taken before any student code runs.
+
+    :data:`REAL` is made when this module is imported: in a rank that is as the job's payload is
+    unpickled, the harness's module (which imports this one) before the student's objects, so even
+    code that runs as the student's objects are unpickled cannot swap what it holds (patching
+    ``torch.distributed.all_reduce`` then fools the student's own code only)."""
+
+    init: Callable
+    all_gather: Callable
+    all_reduce: Callable
+    get_backend: Callable
+    get_world_size: Callable
+    destroy: Callable
+    save: Callable
+    serialization_save: Callable
+    cuda_device: Callable
+    collectives: Callable[[], list[dict]]
+
+
+def _real_torch() -> RealTorch:
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    return RealTorch(init=c10d.init_process_group, all_gather=c10d.all_gather, all_reduce=c10d.all_reduce,
+                     get_backend=c10d.get_backend, get_world_size=c10d.get_world_size,
+                     destroy=c10d.destroy_process_group, save=torch.save,
+                     serialization_save=torch.serialization.save, cuda_device=torch.cuda.current_device,
+                     collectives=collectives)
+
+
+#: the captured-torch guard: see :class:`RealTorch`
+REAL = _real_torch()
 
 
 def to_cpu(obj: Any) -> Any:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,6 +59,48 @@ def explain(message: str) -> str | None:
         if text in message:
             return advice
     return None
+
+
+#: what a rank's error says when a PEER is gone (it closed the connection, or never answered within the
+#: process group's timeout): the rank failed because of another one
+LOST_PEER = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out", "connectFullMesh")
+
+
+def lost_peer(text: str) -> bool:
+    """Whether ``text`` (an error, a traceback) is what a rank says when it lost a peer (:data:`LOST_PEER`)."""
+    return any(words in text for words in LOST_PEER)
+
+
+# --------------------------------------------------------------------------- advice, written once
+
+#: the rule most distributed mistakes break, as every hint words it
+SAME_COLLECTIVES = "every rank must call the same collectives in the same order"
+#: where a rank that never returns usually waits (how a hung job's hint begins)
+WAITS_FOREVER = "a rank that waits forever is usually in a collective (all_reduce, barrier, DDP backward)"
+#: a rank that failed because its peer had gone
+LOST_PEER_ADVICE = ("this rank lost its connection to a peer, which usually means another rank had already returned "
+                    f"or died while this one waited in a collective: {SAME_COLLECTIVES}")
+#: the ranks called different collectives, or one with tensors of different sizes
+MISMATCH_ADVICE = (f"{SAME_COLLECTIVES}, with tensors of the same shape and dtype: look for a collective inside "
+                   "`if rank == ...:` or tensors whose size depends on the rank")
+
+
+def signal_of(code: int) -> str:
+    """The signal that ended a process with exit status ``code`` < 0: 'SIGKILL', or 'signal 42' unnamed."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process that left no Python traceback ended, from its exit status."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        name = signal_of(code)
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"exited with code {code} without a Python traceback (os._exit, a crash in C code, or a killed process)"
 
 
 class CourseError(Exception):

@@ -9,88 +9,35 @@ size, so a missing all_reduce or a local count cannot pass by accident.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
-from datetime import timedelta
 
-import cloudpickle
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from course import checks
-from course.checks import CheckFailed, expect, passed
+from course.checks import CheckFailed, Mistake, expect, passed, stranded
+from graders.ex3_model import (
+    BN_STEPS,
+    MOMENTUM,
+    RUNNING_MEAN,
+    RUNNING_VAR,
+    ZERO_LR,
+    ZERO_STEPS,
+    C,
+    _bn_harness,
+    _bn_reference,
+    _bn_variant,
+    _convert_harness,
+    _zero_model,
+    _zero_optimizer_harness,
+    _zero_reference,
+    _zero_save_harness,
+)
 
-PG_TIMEOUT = timedelta(seconds=15)  # a skipped collective fails in 15 s, not 30 min
-
-# BatchNorm: initial state the harness gives every layer (same on all ranks)
-C = 3
-EPS = 1e-5
-MOMENTUM = 0.3
-WEIGHT = [1.5, 0.5, 2.0]
-BIAS = [0.1, -0.2, 0.3]
-RUNNING_MEAN = [0.5, -1.0, 2.0]
-RUNNING_VAR = [2.0, 0.5, 1.5]
 BN_RTOL, BN_ATOL = 1e-4, 1e-5  # float32, variance from sums of squares
-BN_STEPS = 2  # training forwards per case: the second shows how running statistics accumulate
 
-# ZeRO
-ZERO_LR = 0.01
-ZERO_STEPS = 3
 ZERO_ATOL = 1e-6
-
-
-def _init_pg() -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
-
-
-def _run(check: str, fn, world_size: int, args: tuple, *, mistakes=()):
-    """checks.run, with known mistakes recognised by their traces.
-
-    ``mistakes``: (predicate(rank, text) -> bool, problem, hint) tried in order on the first failed rank.
-    """
-    try:
-        return checks.run(check, fn, world_size, args=args)
-    except CheckFailed as err:
-        text = f"{err.problem}\n{err.detail or ''}"
-        rank = err.ranks[0] if err.ranks else None
-        for predicate, problem, hint in mistakes:
-            if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=err.ranks,
-                                  hint=hint, detail=err.detail) from None
-        raise
-
-
-_LOST_PEER = ("Connection", "Timed out", "timed out", "did not finish within", "deadlocked")
-
-
-_MEMO: dict[str, tuple[str, object]] = {}
-
-
-def _memo(check: str, key: tuple, job: Callable[[], object]):
-    """``job()``, run once per key: checks that read the same observations share one job.
-
-    The key holds the student's code (pickled by value), so editing and re-running a cell starts a
-    new job; a failure is remembered too and re-raised under the asking check's name.
-    """
-    digest = hashlib.sha256(cloudpickle.dumps(key)).hexdigest()
-    if digest not in _MEMO:
-        if len(_MEMO) > 64:
-            _MEMO.clear()
-        try:
-            _MEMO[digest] = ("ok", job())
-        except CheckFailed as err:
-            _MEMO[digest] = ("failed", err)
-    kind, value = _MEMO[digest]
-    if kind == "failed":
-        raise CheckFailed(check, value.problem, ranks=value.ranks, expected=value.expected, got=value.got,
-                          hint=value.hint, detail=value.detail) from None
-    return value
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -98,85 +45,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # =========================================================================== converting BatchNorms
-
-
-class _Block(nn.Module):
-    """A residual-style block: BatchNorms nested one level down."""
-
-    def __init__(self, bn: nn.Module):
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 1)
-        self.norm = bn
-        self.branch = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=0.05))
-
-    def forward(self, x):
-        return self.norm(self.conv(x)) + self.branch(x)
-
-
-def _convert_model(case: str) -> nn.Module:
-    """The models a conversion is tried on, with non-default weights and running statistics."""
-    torch.manual_seed(1)
-    if case == "nested":
-        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), _Block(nn.BatchNorm2d(4, eps=1e-3)))
-    elif case == "top-level":
-        model = nn.BatchNorm1d(5, momentum=0.2)
-    elif case == "mixed":
-        model = nn.ModuleDict({
-            "stem": nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, affine=False)),
-            "blocks": nn.ModuleList([
-                nn.Sequential(nn.Conv3d(2, 2, 1), nn.BatchNorm3d(2, eps=1e-4)),
-                nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None))),
-            ]),
-        })
-    else:
-        raise ValueError(case)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                n = module.num_features
-                module.running_mean.copy_(torch.linspace(-1, 1, n))
-                module.running_var.copy_(torch.linspace(0.5, 2, n))
-                module.num_batches_tracked.fill_(7)
-                if module.affine:
-                    module.weight.copy_(torch.linspace(0.5, 1.5, n))
-                    module.bias.copy_(torch.linspace(-0.3, 0.3, n))
-    return model
-
-
-# torch's own classes, taken when the grader is imported (before any student code runs in a rank): a
-# student's convert_model that assigns `nn.SyncBatchNorm = nn.BatchNorm2d` must not make BatchNorms look converted
-_SYNC_BATCHNORM = nn.SyncBatchNorm
-_BATCHNORM = nn.modules.batchnorm._BatchNorm
-_IS_INSTANCE = isinstance
-
-
-def _describe_modules(model: nn.Module) -> dict:
-    return {
-        name: {
-            "cls": type(m).__name__,
-            "sync": _IS_INSTANCE(m, _SYNC_BATCHNORM),
-            "bn": _IS_INSTANCE(m, _BATCHNORM),
-            "config": (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats)
-            if _IS_INSTANCE(m, _BATCHNORM) else None,
-        }
-        for name, m in model.named_modules()
-    }
-
-
-def _convert_harness(rank: int, convert_model, cases: tuple[str, ...]) -> list[dict]:
-    _init_pg()
-    return [_convert_case(convert_model, case) for case in cases]
-
-
-def _convert_case(convert_model, case: str) -> dict:
-    model = _convert_model(case)
-    before = {"modules": _describe_modules(model),
-              "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    converted = convert_model(model)
-    if not isinstance(converted, nn.Module):
-        return {"before": before, "returned": type(converted).__name__}
-    return {"before": before, "returned": None, "modules": _describe_modules(converted),
-            "state": {k: v.detach().clone() for k, v in converted.state_dict().items()}}
 
 
 def _convert_verdict(check: str, obs: dict, case: str, rank: int) -> None:
@@ -224,7 +92,7 @@ def _convert_verdict(check: str, obs: dict, case: str, rank: int) -> None:
 
 def _check_convert(check: str, convert_model, cases: tuple[str, ...]) -> None:
     checks.require_written(check, convert_model=convert_model)
-    job = _run(check, _convert_harness, 2, (convert_model, cases))
+    job = checks.run(check, _convert_harness, 2, args=(convert_model, cases))
     for rank, per_case in enumerate(job.values):
         for case, obs in zip(cases, per_case):
             _convert_verdict(check, obs, case, rank)
@@ -248,105 +116,6 @@ _BN_CASES = {
     2: [((1, 4), (2,)), ((2, 5), ())],
     3: [((2, 5, 3), ()), ((3, 1, 2), (2, 2))],
 }
-
-
-def _bn_input(rank: int, sizes, tail, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + rank + 7)
-    x = torch.randn((sizes[rank], C, *tail), generator=g)
-    return x * (1.0 + rank) + 2.0 * rank - step  # each rank's data has its own mean and spread
-
-
-def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + rank + 1000)
-    return torch.randn((sizes[rank], C, *tail), generator=g)
-
-
-def _bn_harness(rank: int, bn_cls, cases) -> list[dict]:
-    """Every case in one job (a job costs more than a case): a fresh layer per case."""
-    _init_pg()
-    return [_bn_case(rank, bn_cls, sizes, tail) for sizes, tail in cases]
-
-
-def _bn_case(rank: int, bn_cls, sizes, tail) -> dict:
-    """BN_STEPS training forwards, each followed by a backward (whose error, if any, is recorded, not raised:
-    the forward's observations still serve the output and running-statistics checks)."""
-    bn = bn_cls(C, eps=EPS, momentum=MOMENTUM)
-    with torch.no_grad():
-        bn.weight.copy_(torch.tensor(WEIGHT))
-        bn.bias.copy_(torch.tensor(BIAS))
-        bn.running_mean.copy_(torch.tensor(RUNNING_MEAN))
-        bn.running_var.copy_(torch.tensor(RUNNING_VAR))
-    bn.train()
-    record = []
-    for step in range(BN_STEPS):
-        x = _bn_input(rank, sizes, tail, step).requires_grad_()
-        y = bn(x)
-        if not isinstance(y, torch.Tensor):
-            return {"error": f"forward returned {type(y).__name__}, not a tensor"}
-        obs = {"y": y.detach().clone(), "running_mean": bn.running_mean.detach().clone(),
-               "running_var": bn.running_var.detach().clone()}
-        if y.shape == x.shape and y.requires_grad:
-            bn.zero_grad()
-            try:
-                (y * _bn_coef(rank, sizes, tail, step)).sum().backward()
-            except RuntimeError as exc:
-                obs["backward_error"] = f"{type(exc).__name__}: {exc}"
-            else:
-                obs.update(x_grad=x.grad, weight_grad=_clone(bn.weight.grad), bias_grad=_clone(bn.bias.grad))
-        record.append(obs)
-    return {"steps": record}
-
-
-def _clone(t):
-    return None if t is None else t.detach().clone()
-
-
-def _bn_reference(sizes, tail, steps: int) -> list[dict]:
-    """nn.BatchNorm's own functional form on the global batch (all ranks' inputs concatenated)."""
-    ws = len(sizes)
-    running_mean, running_var = torch.tensor(RUNNING_MEAN), torch.tensor(RUNNING_VAR)
-    weight = torch.tensor(WEIGHT, requires_grad=True)
-    bias = torch.tensor(BIAS, requires_grad=True)
-    out = []
-    for step in range(steps):
-        xs = [_bn_input(r, sizes, tail, step) for r in range(ws)]
-        x = torch.cat(xs).requires_grad_()
-        y = F.batch_norm(x, running_mean, running_var, weight, bias, True, MOMENTUM, EPS)
-        ys = list(y.split(sizes))
-        losses = [(ys[r] * _bn_coef(r, sizes, tail, step)).sum() for r in range(ws)]
-        x_grad = torch.autograd.grad(sum(losses), x, retain_graph=True)[0]
-        per_rank = [torch.autograd.grad(loss, (weight, bias), retain_graph=True) for loss in losses]
-        out.append({"xs": xs, "y": [t.detach() for t in ys], "x_grad": list(x_grad.split(sizes)),
-                    "weight_grad": [g[0] for g in per_rank], "bias_grad": [g[1] for g in per_rank],
-                    "running_mean": running_mean.clone(), "running_var": running_var.clone()})
-    return out
-
-
-def _bn_variant(xs: list[torch.Tensor], rank: int, running: tuple, variant: str):
-    """What rank ``rank`` computes with a given (right or wrong) recipe: (output, running_mean, running_var).
-
-    variants: global (right), local (no all_reduce), local_count (global sums / local count),
-    biased (biased variance in running_var), unbiased_norm (unbiased variance to normalise),
-    swapped (momentum weighing the old running value instead of the new batch value).
-    """
-    x = xs[rank]
-    dims = [0] + list(range(2, x.dim()))
-    parts = [xs[rank]] if variant == "local" else xs
-    total = sum(p.sum(dims) for p in parts)
-    squares = sum((p * p).sum(dims) for p in parts)
-    n = x.numel() / x.shape[1] if variant in ("local", "local_count") else sum(p.numel() / p.shape[1] for p in parts)
-    mean = total / n
-    var = squares / n - mean * mean
-    unbiased = var * n / max(n - 1, 1)
-    shape = [1, C] + [1] * (x.dim() - 2)
-    norm_var = unbiased if variant == "unbiased_norm" else var
-    y = (x - mean.view(shape)) / torch.sqrt(norm_var.view(shape) + EPS) * torch.tensor(WEIGHT).view(shape) \
-        + torch.tensor(BIAS).view(shape)
-    running_mean, running_var = running
-    keep = MOMENTUM if variant == "swapped" else 1 - MOMENTUM
-    new_mean = keep * running_mean + (1 - keep) * mean
-    new_var = keep * running_var + (1 - keep) * (var if variant == "biased" else unbiased)
-    return y, new_mean, new_var
 
 
 _BN_MISTAKES = {
@@ -373,16 +142,16 @@ def _run_bn(check: str, bn_cls):
     """(sizes, tail, observations per rank, reference) for every case, world sizes 2 and 3."""
     checks.require_written(check, CPUSyncBatchNorm=bn_cls)
     mistakes = [
-        (lambda rank, text: "in-place operation" in text,
-         "forward changed a tensor in place that autograd tracks, such as its input x (rank {rank})",
-         "compute new tensors (y = (x - mean) / ...) instead of changing x or saved tensors in place"),
-        (lambda rank, text: any(w in text for w in _LOST_PEER),
-         "rank {rank} lost its peers inside a collective ({ws}-rank job)",
-         "every rank must call the same all_reduce(s), in the same order and with the same tensor sizes"),
+        Mistake(lambda rank, text: "in-place operation" in text,
+                "forward changed a tensor in place that autograd tracks, such as its input x (rank {rank})",
+                "compute new tensors (y = (x - mean) / ...) instead of changing x or saved tensors in place"),
+        Mistake(lambda rank, text: stranded(text),
+                "rank {rank} lost its peers inside a collective ({ws}-rank job)",
+                "every rank must call the same all_reduce(s), in the same order and with the same tensor sizes"),
     ]
     for ws, cases in _BN_CASES.items():
-        job = _memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: _run(
-            check, _bn_harness, ws, (bn_cls, cases), mistakes=mistakes))
+        job = checks.memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: checks.run(
+            check, _bn_harness, ws, args=(bn_cls, cases), mistakes=mistakes))
         for index, (sizes, tail) in enumerate(cases):
             values = [per_case[index] for per_case in job.values]
             for rank, obs in enumerate(values):
@@ -518,66 +287,6 @@ def check_syncbn_backward(bn_cls) -> None:
 # =========================================================================== ZeRO: sharded optimizer state
 
 
-def _zero_model() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 1))
-
-
-def _zero_batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(50 * step + rank)
-    x = torch.randn(5, 4, generator=g) + rank
-    return x, torch.cos(x.sum(dim=1, keepdim=True)) * (1 + rank)
-
-
-def _zero_train(ddp_model, optimizer, rank: int) -> None:
-    for step in range(ZERO_STEPS):
-        x, y = _zero_batch(rank, step)
-        loss = F.mse_loss(ddp_model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
-@torch.no_grad()
-def _zero_reference(world_size: int):
-    """Single-process Adam on the global batch: (its state_dict, final parameters)."""
-    model = _zero_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=ZERO_LR)
-    for step in range(ZERO_STEPS):
-        batches = [_zero_batch(rank, step) for rank in range(world_size)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        with torch.enable_grad():
-            loss = F.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-        optimizer.step()
-    return optimizer.state_dict(), [p.detach().clone() for p in model.parameters()]
-
-
-def _zero_optimizer_harness(rank: int, make_zero_optimizer) -> dict:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    _init_pg()
-    model = _zero_model()
-    ddp_model = DDP(model)
-    optimizer = make_zero_optimizer(ddp_model.parameters(), ZERO_LR)
-    obs = {"type": type(optimizer).__name__, "zero": isinstance(optimizer, ZeroRedundancyOptimizer)}
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return obs
-    _zero_train(ddp_model, optimizer, rank)
-    local = optimizer.optim if obs["zero"] else optimizer
-    obs["local_type"] = type(local).__name__
-    obs["local"] = [i for i, p in enumerate(model.parameters()) if local.state.get(p)]
-    obs["params"] = [p.detach().clone() for p in model.parameters()]
-    if obs["zero"]:
-        optimizer.consolidate_state_dict(to=0)
-        obs["state_dict"] = optimizer.state_dict() if rank == 0 else None
-    else:
-        obs["state_dict"] = optimizer.state_dict()
-    return obs
-
-
 def _sharding_verdict(check: str, values: list[dict], ws: int) -> None:
     hint = ("return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=lr): each rank then "
             "keeps Adam's state only for its own shard of the parameters")
@@ -628,8 +337,8 @@ def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
 
 
 def _zero_optimizer_job(check: str, make_zero_optimizer, world_size: int):
-    return _memo(check, ("zero", make_zero_optimizer, world_size), lambda: _run(
-        check, _zero_optimizer_harness, world_size, (make_zero_optimizer,)))
+    return checks.memo(check, ("zero", make_zero_optimizer, world_size), lambda: checks.run(
+        check, _zero_optimizer_harness, world_size, args=(make_zero_optimizer,)))
 
 
 def check_zero_sharded(make_zero_optimizer) -> None:
@@ -659,30 +368,18 @@ def check_zero_matches_adam(make_zero_optimizer) -> None:
     passed(check)
 
 
-def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    _init_pg()
-    model = _zero_model()
-    ddp_model = DDP(model)
-    optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.Adam, lr=ZERO_LR)
-    _zero_train(ddp_model, optimizer, rank)
-    save_optimizer(optimizer, rank, os.path.join(dirs[rank], "optimizer.pt"))
-
-
 _SAVE_MISTAKES = [
-    (lambda rank, text: rank == 0 and "not been consolidated" in text,
-     "rank 0 asked for optimizer.state_dict() before the state was consolidated: each rank holds only its shard",
-     "call optimizer.consolidate_state_dict(to=0) on EVERY rank first, then save optimizer.state_dict() on rank 0"),
-    (lambda rank, text: rank not in (0, None) and "not been consolidated" in text,
-     "rank {rank} called optimizer.state_dict(): after consolidate_state_dict(to=0) only rank 0 holds the "
-     "full state (saving on every rank)",
-     "save only on rank 0: `if rank == 0: torch.save(optimizer.state_dict(), ckpt_path)`"),
-    (lambda rank, text: "consolidate_state_dict" in text and any(w in text for w in _LOST_PEER),
-     "rank {rank} waited in consolidate_state_dict for ranks that never joined it ({ws}-rank job): "
-     "it is a collective, every rank must call it (consolidating only on rank 0 hangs)",
-     "call optimizer.consolidate_state_dict(to=0) on every rank, outside `if rank == 0:`; then save on rank 0"),
+    Mistake(lambda rank, text: rank == 0 and "not been consolidated" in text,
+            "rank 0 asked for optimizer.state_dict() before the state was consolidated: each rank holds only its shard",
+            "call optimizer.consolidate_state_dict(to=0) on EVERY rank first, then save optimizer.state_dict() on rank 0"),
+    Mistake(lambda rank, text: rank not in (0, None) and "not been consolidated" in text,
+            "rank {rank} called optimizer.state_dict(): after consolidate_state_dict(to=0) only rank 0 holds the "
+            "full state (saving on every rank)",
+            "save only on rank 0: `if rank == 0: torch.save(optimizer.state_dict(), ckpt_path)`"),
+    Mistake(lambda rank, text: "consolidate_state_dict" in text and stranded(text),
+            "rank {rank} waited in consolidate_state_dict for ranks that never joined it ({ws}-rank job): "
+            "it is a collective, every rank must call it (consolidating only on rank 0 hangs)",
+            "call optimizer.consolidate_state_dict(to=0) on every rank, outside `if rank == 0:`; then save on rank 0"),
 ]
 
 
@@ -695,8 +392,7 @@ def check_zero_save(save_optimizer, world_size: int = 2) -> None:
         dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
         for d in dirs:
             os.makedirs(d)
-        _run(check, _zero_save_harness, world_size, (save_optimizer, dirs),
-             mistakes=_SAVE_MISTAKES)
+        checks.run(check, _zero_save_harness, world_size, args=(save_optimizer, dirs), mistakes=_SAVE_MISTAKES)
         paths = [os.path.join(d, "optimizer.pt") for d in dirs]
         others = [r for r in range(1, world_size) if os.listdir(dirs[r])]
         expect(not others, check, f"{checks.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,

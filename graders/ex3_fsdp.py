@@ -22,128 +22,52 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   holds the trained weights; no other rank wrote; a gather on rank 0 only is named as such, within
   the process-group timeout).
 
-The harnesses take torch's classes and functions (DTensor, its ``to_local``, the flight recorder's
-dump, module hooks) when this module is imported, which in a rank is before the student's objects
-are unpickled: reassigning torch attributes cannot fake an observation.
+The model, the ranks' data, the single-process reference and the harnesses (which take torch's
+functions before the student's objects are unpickled) are in :mod:`graders.ex3_fsdp_model`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
-from datetime import timedelta
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed import distributed_c10d as _c10d
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from course import checks
-from course.checks import CheckFailed, expect, passed, rank_list
+from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
+from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
+    BATCH,
+    LR,
+    MOMENTUM,
+    OUTPUTS,
+    Net,  # noqa: F401
+    _chunk_rows,
+    _export_harness,
+    _full,
+    _load_harness,
+    _max_diff,
+    _padded,
+    _save_harness,
+    _shard_harness,
+    _shard_of,
+    _training_harness,
+    _training_reference,
+    make_net,
+)
 
-PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000"}  # torch's flight recorder: the collectives each rank ran
 
-INPUTS, OUTPUTS = 6, 2
-BATCH = 4  # samples per rank and step
-LR = 0.05
-MOMENTUM = 0.9
 STEPS = 3
 ATOL = 1e-5
 
 SHARD_HINT = ("for block in model.blocks: fully_shard(block); then fully_shard(model): each block becomes a unit "
               "that is all-gathered just before it runs, and the root unit holds what is left (embed, head)")
 
-# --------------------------------------------------------------------------- the model
-
-
-class Block(nn.Module):
-    """A residual MLP block: the unit ``fully_shard`` is applied to."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """``embed`` -> ``blocks`` (an ``nn.ModuleList`` of :class:`Block`) -> ``head``."""
-
-    def __init__(self, width: int = 8, depth: int = 3):
-        super().__init__()
-        self.embed = nn.Linear(INPUTS, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, OUTPUTS)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def make_net(spec: tuple) -> Net:
-    """The model of ``spec`` = (width, depth, seed), with weights from ``seed``."""
-    width, depth, seed = spec
-    torch.manual_seed(seed)
-    return Net(width, depth)
-
-
-def batch(rank: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch at ``step``: every rank's data has its own mean and scale."""
-    g = torch.Generator().manual_seed(1000 * seed + 50 * step + rank)
-    x = torch.randn(BATCH, INPUTS, generator=g) * (1 + 0.5 * rank) + rank
-    y = torch.stack([torch.sin(x.sum(1)), torch.cos(x[:, 0] - x[:, 1])], dim=1)
-    return x, y
-
-
-def _global_batch(world_size: int, step: int, seed: int):
-    parts = [batch(r, step, seed) for r in range(world_size)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-# --------------------------------------------------------------------------- torch, taken at import
-
-# In a rank this module is imported while the job's payload is unpickled, before the student's objects: what
-# is taken here is torch's own, whatever the student's code later assigns to torch's attributes.
-_DTENSOR = DTensor
-_SHARD = Shard
-_TO_LOCAL = DTensor.to_local
-_PLACEMENTS = DTensor.placements.fget
-_MESH = DTensor.device_mesh.fget
-_IS_INSTANCE = isinstance
-_NAMED_PARAMETERS = nn.Module.named_parameters
-_PRE_HOOK = nn.Module.register_forward_pre_hook
-_CLONE = torch.Tensor.clone
-_DETACH = torch.Tensor.detach
-_CPU = torch.Tensor.cpu
-_SGD = torch.optim.SGD
-_OPTIMIZER = torch.optim.Optimizer
-_DUMP_FR = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-_LOADS = pickle.loads
-_INIT_PG = _c10d.init_process_group
-
-
-def _join() -> torch.device:
-    """Join the job as the grader: gloo on the CPU, or the job's backend with this rank's GPU (selected first)."""
-    from course.launcher.job import backend
-
-    dev = checks.device()
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        _INIT_PG(backend(), device_id=dev, timeout=PG_TIMEOUT)
-    else:
-        _INIT_PG("gloo", timeout=PG_TIMEOUT)
-    return dev
+# --------------------------------------------------------------------------- running jobs
 
 
 def _job_env(world_size: int, extra: dict | None = None) -> dict:
@@ -157,174 +81,11 @@ def _job_env(world_size: int, extra: dict | None = None) -> dict:
     return env
 
 
-def _data(rank: int, step: int, seed: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batch(rank, step, seed)
-    return x.to(dev), y.to(dev)
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return _CLONE(_CPU(_DETACH(t)))
-
-
-def _local(p) -> torch.Tensor:
-    """This rank's part of a parameter (all of it when it is a plain tensor)."""
-    return _copy(_TO_LOCAL(p)) if _IS_INSTANCE(p, _DTENSOR) else _copy(p)
-
-
-def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _local(p) for name, p in _NAMED_PARAMETERS(model)}
-
-
-def _gathers_so_far() -> list[int] | None:
-    """The per-rank sizes of every all-gather this rank ran so far (the flight recorder); None without one."""
-    if _DUMP_FR is None:
-        return None
-    entries = _LOADS(_DUMP_FR()).get("entries", [])
-    out = []
-    for e in entries:
-        name = str(e.get("profiling_name", "")).lower()
-        if "all_gather" in name or "allgather" in name:
-            sizes = e.get("input_sizes") or [[0]]
-            n = 1
-            for d in sizes[0]:
-                n *= int(d)
-            out.append(n)
-    return out
-
-
-def _chunk_rows(rows: int, world_size: int, rank: int) -> int:
-    """How many rows rank ``rank`` holds of a tensor of ``rows`` rows sharded on dim 0 (torch.chunk's split)."""
-    chunks = torch.arange(rows).chunk(world_size)
-    return len(chunks[rank]) if rank < len(chunks) else 0
-
-
-def _padded(shape: tuple, world_size: int) -> int:
-    """Values per rank FSDP2 all-gathers for one parameter: its rows padded to a multiple of the world size."""
-    rows = -(-shape[0] // world_size)
-    n = rows
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def _shard_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of ``t`` sharded on dim 0 (possibly none)."""
-    chunks = t.chunk(world_size)
-    return chunks[rank] if rank < len(chunks) else t[:0]
-
-
-def _full(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's dim-0 shards (rank order)."""
-    return {name: torch.cat([obs[name] for obs in per_rank]) for name in per_rank[0]}
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in b)
-
-
-# --------------------------------------------------------------------------- running jobs
-
-
-def _run(check: str, harness, world_size: int, args: tuple, *, mistakes=(), env=None):
-    """checks.run, with known mistakes recognised by their traces.
-
-    ``mistakes``: (predicate(rank, text) -> bool, problem, expected, hint) tried in order on the first failed rank.
-    """
-    try:
-        return checks.run(check, harness, world_size, args=args, env=_job_env(world_size, env))
-    except CheckFailed as err:
-        text = f"{err.problem}\n{err.detail or ''}"
-        waiting = sorted({int(r) for r in re.findall(r"rank (\d+) waits in", err.problem)})
-        ranks = waiting or err.ranks  # a deadlock: the ranks left waiting, not those that returned
-        rank = ranks[0] if ranks else None
-        first = err.problem.splitlines()[0]
-        missing = re.search(r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+", text)  # DCP's own words, the key it lacks
-        got = missing.group(0).rstrip(".") if missing else first[:300] + (" ..." if len(first) > 300 else "")
-        for predicate, problem, expected, hint in mistakes:
-            if predicate(rank, text):
-                raise CheckFailed(check, problem.format(rank=rank, ws=world_size), ranks=ranks, expected=expected,
-                                  got=got, hint=hint, detail=err.detail) from None
-        raise
-
-
 def _where(world_size: int) -> str:
     return f"{world_size}-rank job"
 
 
-def _every_rank(values: list, verdict: Callable[[int, object], None]) -> None:
-    """``verdict(rank, obs)`` on every rank; the first failure is raised, naming every rank that failed the same way."""
-    failures = []
-    for rank, obs in enumerate(values):
-        try:
-            verdict(rank, obs)
-        except CheckFailed as err:
-            failures.append((rank, err))
-    if failures:
-        first = failures[0][1]
-        ranks = [rank for rank, err in failures if err.problem == first.problem]
-        raise CheckFailed(first.check, first.problem, ranks=ranks, expected=first.expected, got=first.got,
-                          hint=first.hint, detail=first.detail)
-
-
 # =========================================================================== part 1: shard_model
-
-
-def reference_shard(model: nn.Module) -> nn.Module:
-    """The right answer of part 1, which the other parts' checks use: blocks, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _shard_harness(rank: int, shard_model, spec: tuple) -> dict:
-    dev = _join()
-    model = make_net(spec).to(dev)
-    returned = shard_model(model)
-    obs: dict = {"returned": None}
-    if returned is not None and not _IS_INSTANCE(returned, nn.Module):
-        obs["returned"] = type(returned).__name__
-        return obs
-    if returned is not None:
-        model = returned
-    params = {}
-    for name, p in _NAMED_PARAMETERS(model):
-        if _IS_INSTANCE(p, _DTENSOR):
-            placements = _PLACEMENTS(p)
-            params[name] = {"dtensor": True, "placements": [repr(pl) for pl in placements],
-                            "rows": all(_IS_INSTANCE(pl, _SHARD) and pl.dim == 0 for pl in placements),
-                            "mesh": int(_MESH(p).size()), "local": list(_TO_LOCAL(p).shape)}
-        else:
-            params[name] = {"dtensor": False, "local": list(p.shape)}
-    obs["params"] = params
-    blocks = getattr(model, "blocks", None)
-    if not _IS_INSTANCE(blocks, nn.ModuleList):
-        obs["blocks"] = None
-        return obs
-    marks: list[dict] = []
-
-    def pre_hook(index):
-        def hook(module, args):
-            gathered = _gathers_so_far()
-            whole = all(not _IS_INSTANCE(p, _DTENSOR) and list(p.shape) == full
-                        for (_, p), full in zip(_NAMED_PARAMETERS(module), shapes[index]))
-            marks.append({"block": index, "gathers": None if gathered is None else len(gathered), "whole": whole})
-        return hook
-
-    shapes = [[list(t.shape) for _, t in _NAMED_PARAMETERS(Block(spec[0]))] for _ in blocks]
-    for index, block in enumerate(blocks):
-        _PRE_HOOK(block, pre_hook(index))
-    before = _gathers_so_far()
-    with torch.no_grad():
-        model(_data(rank, 0, spec[2], dev)[0])
-    after = _gathers_so_far()
-    obs["blocks"] = len(blocks)
-    obs["marks"] = marks
-    obs["gathers"] = None if after is None else after[len(before):]
-    obs["start"] = None if before is None else len(before)
-    return obs
 
 
 def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None:
@@ -374,7 +135,7 @@ def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None
                     hint="call fully_shard(module) with its defaults (or a 1-D mesh of all ranks: "
                     "init_device_mesh('cpu', (world_size,))): " + SHARD_HINT)
 
-    _every_rank(values, sharded_by_rows)
+    checks.on_every_rank(values, sharded_by_rows)
     _units_verdict(check, values, spec, ws, names, shapes, root_own)
 
 
@@ -435,14 +196,15 @@ def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
                 hint="call fully_shard(block) on EACH block before fully_shard(model); the root alone makes one unit "
                 "that gathers everything at once. " + SHARD_HINT)
 
-    _every_rank(values, units)
+    checks.on_every_rank(values, units)
 
 
 _SHARD_MISTAKES = [
-    (lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
-     "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard already "
-     "took every parameter, the blocks' too", "fully_shard on each block, then on the model",
-     "shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
+    Mistake(lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
+            "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard "
+            "already took every parameter, the blocks' too",
+            expected="fully_shard on each block, then on the model",
+            hint="shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
 ]
 
 
@@ -452,63 +214,13 @@ def check_shard(shard_model, world_size: int = 2, width: int = 8, depth: int = 3
     check = "check_shard"
     checks.require_written(check, shard_model=shard_model)
     spec = (width, depth, seed)
-    job = _run(check, _shard_harness, world_size, (shard_model, spec), mistakes=_SHARD_MISTAKES, env=FR_ENV)
+    job = checks.run(check, _shard_harness, world_size, args=(shard_model, spec), mistakes=_SHARD_MISTAKES,
+                     env=_job_env(world_size, FR_ENV))
     _shard_verdict(check, job.values, spec, world_size)
     passed(check)
 
 
 # =========================================================================== part 2: training
-
-
-def reference_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
-
-
-def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.mse_loss(model(x), y)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
-def _training_harness(rank: int, make_optimizer, train_step, spec: tuple, steps: int) -> dict:
-    dev = _join()
-    model = make_net(spec).to(dev)
-    optimizer = make_optimizer(model, LR, reference_shard)
-    if not _IS_INSTANCE(optimizer, _OPTIMIZER):
-        return {"optimizer": type(optimizer).__name__}
-    init = _locals(model)
-    own = {id(p) for _, p in _NAMED_PARAMETERS(model)}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    obs = {"optimizer": None, "sgd": type(optimizer) is _SGD, "type": type(optimizer).__name__,
-           "groups": [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups],
-           "foreign": sum(id(p) not in own for p in held), "held": len(held),
-           "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
-           "init": init}
-    for step in range(steps):
-        train_step(model, optimizer, *_data(rank, step, spec[2], dev))
-    obs["final"] = _locals(model)
-    return obs
-
-
-@torch.no_grad()
-def _training_reference(spec: tuple, ws: int, steps: int, variant: str = "right") -> dict[str, torch.Tensor]:
-    """Single-process SGD on the global batch; ``variant`` is a known mistake: summed (the loss summed, not
-    averaged), accumulated (no zero_grad: gradients pile up)."""
-    model = make_net(spec)
-    optimizer = reference_optimizer(model)
-    for step in range(steps):
-        x, y = _global_batch(ws, step, spec[2])
-        with torch.enable_grad():
-            loss = F.mse_loss(model(x), y)
-            if variant == "summed":
-                loss = loss * BATCH * OUTPUTS  # each rank's sum over its batch; FSDP averages over the ranks
-            if variant != "accumulated":
-                optimizer.zero_grad()
-            loss.backward()
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, steps: int) -> None:
@@ -541,7 +253,7 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                 got=f"{obs['type']} ({shown})",
                 hint=f"return torch.optim.SGD(model.parameters(), lr=lr, momentum={MOMENTUM})")
 
-    _every_rank(values, settings)
+    checks.on_every_rank(values, settings)
     want = _training_reference(spec, ws, steps)
     got = _full([obs["final"] for obs in values])
     diff = _max_diff(got, want)
@@ -578,7 +290,8 @@ def check_training(make_optimizer, train_step, world_size: int = 2, steps: int =
     check = "check_training"
     checks.require_written(check, make_optimizer=make_optimizer, train_step=train_step)
     spec = (width, depth, seed)
-    job = _run(check, _training_harness, world_size, (make_optimizer, train_step, spec, steps))
+    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, train_step, spec, steps),
+                     env=_job_env(world_size))
     _training_verdict(check, job.values, spec, world_size, steps)
     passed(check)
 
@@ -586,56 +299,13 @@ def check_training(make_optimizer, train_step, world_size: int = 2, steps: int =
 # =========================================================================== part 3: a DCP round trip
 
 
-def _trained(rank: int, spec: tuple, steps: int, dev):
-    """The grader's own sharded model and optimizer after ``steps`` steps on this rank's batches."""
-    model = reference_shard(make_net(spec).to(dev))
-    optimizer = reference_optimizer(model)
-    for step in range(steps):
-        reference_step(model, optimizer, *_data(rank, step, spec[2], dev))
-    return model, optimizer
-
-
-def _momenta(model: nn.Module, optimizer) -> dict[str, torch.Tensor | None]:
-    """This rank's part of SGD's momentum buffer of every parameter (None: the optimizer holds no state for it)."""
-    state = optimizer.state
-    out = {}
-    for name, p in _NAMED_PARAMETERS(model):
-        buf = state[p].get("momentum_buffer") if p in state else None
-        out[name] = None if buf is None else _local(buf)
-    return out
-
-
-def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int) -> dict:
-    model, optimizer = _trained(rank, spec, steps, _join())
-    obs = {"params": _locals(model), "momentum": _momenta(model, optimizer)}
-    save_checkpoint(model, optimizer, path)
-    return obs  # no collective of the grader's after the student's: a save on some ranks only hangs in DCP's own
-
-
-def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int) -> dict:
-    dev = _join()
-    width, depth, seed = spec
-    model = reference_shard(make_net((width, depth, seed + 100)).to(dev))  # fresh: other weights, no optimizer state yet
-    optimizer = reference_optimizer(model)
-    obs = {"fresh": _locals(model)}
-    load_checkpoint(model, optimizer, path)
-    obs["params"] = _locals(model)
-    obs["momentum"] = _momenta(model, optimizer)
-    obs["groups"] = [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups]
-    reference_step(model, optimizer, *_data(rank, steps, seed, dev))
-    obs["next"] = _locals(model)  # one more step: as the uninterrupted run's (single-process SGD, steps + 1)
-    return obs
-
-
-def _collective_on_some(what: str, name: str, fix: str):
+def _collective_on_some(what: str, name: str, fix: str) -> Mistake:
     """A known mistake: a collective that only some ranks called (seen as a deadlock, or as the process group's
     timeout in a traceback through ``name``)."""
-    return (lambda rank, text: "deadlocked" in text or (name in text and any(w in text for w in _LOST_PEER)),
-            f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a collective, "
-            "every rank must call it", f"every rank calls {what}, with the same arguments", fix)
+    return Mistake(lambda rank, text: "deadlocked" in text or (name in text and stranded(text)),
+                   f"rank {{rank}} waited in {what} for ranks that never joined it ({{ws}}-rank job): it is a "
+                   "collective, every rank must call it", fix, expected=f"every rank calls {what}, with the same arguments")
 
-
-_LOST_PEER = ("Timed out", "timed out", "did not finish within", "Connection closed", "Connection reset")
 
 _SAVE_MISTAKES = [
     _collective_on_some("dcp.save", "checkpoint", "call dcp.save(...) on EVERY rank (outside `if rank == 0:`): each "
@@ -645,16 +315,17 @@ _SAVE_MISTAKES = [
 _LOAD_MISTAKES = [
     _collective_on_some("dcp.load", "checkpoint", "call dcp.load(...) and set_state_dict(...) on EVERY rank: each "
                         "rank reads its own shard"),
-    (lambda rank, text: "Missing key in checkpoint" in text,
-     "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
-     "a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
-     "save the model's AND the optimizer's state dicts, under the same keys the load uses: "
-     "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
-     "model_sd, optim_sd = get_state_dict(model, optimizer)"),
-    (lambda rank, text: "Unsupported global" in text or "weights_only" in text,
-     "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a plain "
-     "state dict", "a DCP checkpoint folder, read with dcp.load on every rank",
-     "save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
+    Mistake(lambda rank, text: "Missing key in checkpoint" in text,
+            "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
+            expected="a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
+            hint="save the model's AND the optimizer's state dicts, under the same keys the load uses: "
+            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
+            "model_sd, optim_sd = get_state_dict(model, optimizer)",
+            got=r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+"),  # DCP's own words, the key it lacks
+    Mistake(lambda rank, text: "Unsupported global" in text or "weights_only" in text,
+            "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a "
+            "plain state dict", expected="a DCP checkpoint folder, read with dcp.load on every rank",
+            hint="save with dcp.save on every rank and load with dcp.load: a DTensor shard belongs to one rank"),
 ]
 
 
@@ -731,7 +402,7 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
                               expected=f"lr={LR}, momentum={MOMENTUM}", got=f"(lr, momentum) per group {groups}",
                               hint="load the saved optimizer state dict as it is: " + set_hint)
 
-    _every_rank(loaded, restored)
+    checks.on_every_rank(loaded, restored)
     want = _training_reference(spec, ws, steps + 1)
     bad = [r for r, obs in enumerate(loaded)
            if not all(torch.allclose(obs["next"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
@@ -751,11 +422,11 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
     root = tempfile.mkdtemp(prefix="ddp-course-ex3-fsdp-")
     try:
         path = os.path.join(root, "checkpoint")
-        saved = _run(check, _save_harness, world_size, (save_checkpoint, path, spec, steps),
-                     mistakes=_SAVE_MISTAKES).values
+        saved = checks.run(check, _save_harness, world_size, args=(save_checkpoint, path, spec, steps),
+                           mistakes=_SAVE_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_files(check, path, world_size)
-        loaded = _run(check, _load_harness, world_size, (load_checkpoint, path, spec, steps),
-                      mistakes=_LOAD_MISTAKES).values
+        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, path, spec, steps),
+                            mistakes=_LOAD_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -765,22 +436,15 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
 # =========================================================================== part 4: a full state dict for export
 
 
-def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:
-    model, _ = _trained(rank, spec, steps, _join())
-    params = _locals(model)
-    export_weights(model, paths[rank])
-    return {"params": params}
-
-
 _EXPORT_MISTAKES = [
-    (lambda rank, text: ("deadlocked" in text and "all_gather" in text) or (
-        any(w in text for w in _LOST_PEER)
-        and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
-     "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
-     "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when only "
-     "rank 0 calls it", "every rank calls the gather; rank 0 alone saves",
-     "call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on EVERY "
-     "rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an empty dict)"),
+    Mistake(lambda rank, text: ("deadlocked" in text and "all_gather" in text) or (
+        stranded(text) and any(w in text for w in ("get_model_state_dict", "full_tensor", "get_state_dict", "_state_dict"))),
+            "rank {rank} waited in the full-state gather for ranks that never joined it ({ws}-rank job): "
+            "get_model_state_dict(full_state_dict=True) all-gathers every parameter, a collective, so it hangs when "
+            "only rank 0 calls it", expected="every rank calls the gather; rank 0 alone saves",
+            hint="call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+            "on EVERY rank, outside `if rank == 0:`; then save on rank 0 only (with cpu_offload=True the others get an "
+            "empty dict)"),
 ]
 
 
@@ -860,8 +524,8 @@ def check_export(export_weights, world_size: int = 2, seed: int = 0, width: int 
         for d in dirs:
             os.makedirs(d)
         paths = [os.path.join(d, "weights.pt") for d in dirs]
-        values = _run(check, _export_harness, world_size, (export_weights, paths, spec, steps),
-                      mistakes=_EXPORT_MISTAKES).values
+        values = checks.run(check, _export_harness, world_size, args=(export_weights, paths, spec, steps),
+                            mistakes=_EXPORT_MISTAKES, env=_job_env(world_size)).values
         _export_verdict(check, values, paths, spec, world_size)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Checks for exercise 4: a training script launched with torchrun.
 
 Every check launches the student's script with real torchrun (``python -m
-torch.distributed.run``) through :mod:`graders.torchrun_probe`, which records
+torch.distributed.run``) through :mod:`course.launcher.torchrun`, whose probe records
 what each worker really did (its environment, checkpoint writes and renames,
 optimizer steps, ``destroy_process_group``). A launch costs several seconds, so
 a script is launched at most twice and every check reads those two runs
@@ -27,9 +27,10 @@ import os
 import torch
 import torch.nn as nn
 
+from course import checks
 from course.checks import CheckFailed, expect, passed
 from course.errors import rank_list
-from graders import torchrun
+from course.launcher import torchrun
 
 # The script's given parts (the notebook's train.py): tests keep the two in step.
 EPOCHS = 4
@@ -80,6 +81,14 @@ def expected_weights(world_size: int, ranks: tuple[int, ...] | None = None) -> d
 
 
 # --------------------------------------------------------------------------- the checks
+
+
+def _run_script(script: str, scenario: torchrun.Scenario, check: str, **kwargs) -> torchrun.Run:
+    """:func:`torchrun.run_script`, once train.py is written (its ``main`` no longer nbgrader's stub)."""
+    def vet(source: str) -> None:
+        checks.require_written_source(check, source, "train.py", names=("main",))
+
+    return torchrun.run_script(script, scenario, check, vet=vet, **kwargs)
 
 
 def _check_reports(check: str, run: torchrun.Run, world_size: int) -> None:
@@ -144,14 +153,14 @@ def _report_hint(key: str, got, w: torchrun.Worker) -> str | None:
 def check_standalone_ranks(script: str = "train.py") -> None:
     """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size."""
     check = "check_standalone_ranks"
-    _check_reports(check, torchrun.run_script(script, "restart", check), world_size=2)
+    _check_reports(check, _run_script(script, "restart", check), world_size=2)
     passed(check)
 
 
 def check_multinode_ranks(script: str = "train.py") -> None:
     """Two torchrun agents (2 "nodes", world size 3): LOCAL_RANK and RANK differ on the second node."""
     check = "check_multinode_ranks"
-    run = torchrun.run_script(script, "nodes", check)
+    run = _run_script(script, "nodes", check)
     _check_reports(check, run, world_size=sum(torchrun.NODES_WORKERS))
     passed(check)
 
@@ -182,7 +191,7 @@ def _commits(w: torchrun.Worker, run: torchrun.Run) -> list[dict]:
 def check_checkpoint_rank0(script: str = "train.py") -> None:
     """Only rank 0 writes the checkpoint (after every epoch) and the final weights."""
     check = "check_checkpoint_rank0"
-    run = torchrun.run_script(script, "nodes", check)
+    run = _run_script(script, "nodes", check)
     others = {w.rank: _writes(w, run) for w in run.workers if w.rank != 0}
     others = {r: found for r, found in others.items() if found}
     if others:
@@ -215,7 +224,7 @@ def check_checkpoint_rank0(script: str = "train.py") -> None:
 def check_atomic_checkpoint(script: str = "train.py") -> None:
     """The checkpoint is written to a temporary file in the same folder and moved into place with os.replace."""
     check = "check_atomic_checkpoint"
-    run = torchrun.run_script(script, "nodes", check)
+    run = _run_script(script, "nodes", check)
     name = os.path.basename(run.ckpt_path)
     hint = ("write to a temporary file next to it, then move it into place in one step: "
             "tmp = ckpt_path + '.tmp'; torch.save(state, tmp); os.replace(tmp, ckpt_path)")
@@ -300,7 +309,7 @@ def _require_all_reduced(check: str, run: torchrun.Run) -> None:
 def check_ddp_training(script: str = "train.py") -> None:
     """The final weights of the uninterrupted 3-rank run equal one process training on all ranks' batches."""
     check = "check_ddp_training"
-    run = torchrun.run_script(script, "nodes", check)
+    run = _run_script(script, "nodes", check)
     torchrun.require_ok(check, run)
     final = _final_weights(check, run)
     world_size = sum(torchrun.NODES_WORKERS)
@@ -369,7 +378,7 @@ def try_restart(script: str = "train.py", crash_rank: int = torchrun.CRASH_RANK,
     The same launch :func:`check_restart_resume` grades (torchrun --standalone --nproc_per_node=2
     --max-restarts=1; the worker of ``crash_rank`` is killed once after optimizer step ``crash_step``)."""
     crash = _valid_crash(crash_rank, crash_step)
-    run = torchrun.run_script(script, "restart", "try_restart", crash=crash)
+    run = _run_script(script, "restart", "try_restart", crash=crash)
     print(f"{run.command}: {_crash_context(crash).rstrip('; ')}; "
           f"{'finished' if run.ok else 'FAILED'} in {run.elapsed:.1f} s")
     print(_restart_table(run))
@@ -383,7 +392,7 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = torchrun
     """A rank dies once mid-training; with --max-restarts=1 the job resumes from the checkpoint and ends right."""
     check = "check_restart_resume"
     crash = _valid_crash(crash_rank, crash_step)
-    run = torchrun.run_script(script, "restart", check, crash=crash)
+    run = _run_script(script, "restart", check, crash=crash)
     context = _crash_context(crash)
     table = _restart_table(run)
     crashed = any(w.of("crash") for w in run.workers)
@@ -466,7 +475,7 @@ def check_destroy(script: str = "train.py") -> None:
     Judged by the effect, seen with torch's own functions taken before the script ran: after the call
     returned, the worker no longer held a default process group (and still did not at exit)."""
     check = "check_destroy"
-    run = torchrun.run_script(script, "nodes", check)
+    run = _run_script(script, "nodes", check)
     torchrun.require_ok(check, run)
     missing = [w.rank for w in run.workers if not _left_the_group(w)]
     called = [w.rank for w in run.workers if w.of("destroy")]

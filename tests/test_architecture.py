@@ -224,7 +224,7 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux", "course.grading.kernel",
     "course.proc", "course.envnames",
     "course.instructor.autograde.run", "course.instructor.autograde.pool", "course.instructor.autograde.worker",
-    "course.checks", "course.errors", "graders.ex2", "graders.torchrun",
+    "course.checks", "course.errors", "graders.ex2", "course.launcher.torchrun",
 ])
 def test_each_subsystem_has_its_room(room):
     assert room in MODULES

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import graders.ex3_fsdp as fsdp
+import graders.ex3_fsdp_model as fsdp_model
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -50,10 +51,10 @@ fails = submissions.fails
 def test_the_training_data_tells_the_mistakes_apart():
     """Summing the loss, skipping zero_grad and not training at all all end far from the right weights."""
     for spec, ws, steps in (((8, 3, 0), 2, 3), ((8, 3, 1), 3, 4), ((10, 3, 1), 3, 3)):
-        right = fsdp._training_reference(spec, ws, steps)
-        others = [fsdp._training_reference(spec, ws, steps, variant) for variant in ("summed", "accumulated")]
-        others.append({n: p.detach() for n, p in fsdp.make_net(spec).named_parameters()})
-        assert all(fsdp._max_diff(right, other) > 100 * fsdp.ATOL for other in others)
+        right = fsdp_model._training_reference(spec, ws, steps)
+        others = [fsdp_model._training_reference(spec, ws, steps, variant) for variant in ("summed", "accumulated")]
+        others.append({n: p.detach() for n, p in fsdp_model.make_net(spec).named_parameters()})
+        assert all(fsdp_model._max_diff(right, other) > 100 * fsdp.ATOL for other in others)
 
 
 def test_a_gloo_job_hides_the_gpus(monkeypatch):
@@ -416,7 +417,7 @@ def test_check_checkpoint_names_a_save_on_rank_0_only():
     start = time.monotonic()
     fails(fsdp.check_checkpoint, save_dcp_rank0, "[rank 0]", "waited in dcp.save", "EVERY rank",
           load_checkpoint=load_checkpoint)
-    assert time.monotonic() - start < fsdp.PG_TIMEOUT.total_seconds() + 30
+    assert time.monotonic() - start < fsdp_model.PG_TIMEOUT.total_seconds() + 30
 
 
 # --- part 4: export ----------------------------------------------------------------------------------
@@ -498,7 +499,7 @@ def test_check_export_names_each_mistake():
 def test_check_export_names_a_gather_on_rank_0_only():
     start = time.monotonic()
     fails(fsdp.check_export, export_gather_on_rank0, "[rank 0]", "waited in the full-state gather", "EVERY rank")
-    assert time.monotonic() - start < fsdp.PG_TIMEOUT.total_seconds() + 30
+    assert time.monotonic() - start < fsdp_model.PG_TIMEOUT.total_seconds() + 30
 
 
 # --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
@@ -589,4 +590,4 @@ def test_a_gather_on_rank_0_only_is_graded_within_the_timeout(tmp_path):
     assert submissions.scores(report) == submissions.losing(A, "ex3f_test_export", notebook=NB)
     message = submissions.messages(report)["ex3f_test_export"]
     assert "[rank 0]" in message and "waited in the full-state gather" in message, message
-    assert seconds < 2 * (fsdp.PG_TIMEOUT.total_seconds() + 30), f"grading took {seconds:.0f} s"
+    assert seconds < 2 * (fsdp_model.PG_TIMEOUT.total_seconds() + 30), f"grading took {seconds:.0f} s"

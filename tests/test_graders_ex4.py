@@ -17,7 +17,7 @@ import submissions
 import torch
 
 import graders.ex4 as ex4
-import graders.torchrun as torchrun
+from course.launcher import torchrun
 
 A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
@@ -115,7 +115,7 @@ def test_student_traceback_drops_torch_prefixes_and_the_graders_frames():
         "[rank1]:     local_rank = args.local_rank\n"
         "[rank1]: AttributeError: 'Namespace' object has no attribute 'local_rank'\n"
     )
-    tb = torchrun._student_traceback(output)
+    tb = torchrun.student_traceback(output)
     assert "torchrun_probe" not in tb and "runpy" not in tb and "[rank1]" not in tb
     assert '  File "/tmp/train.py", line 12, in main' in tb
     assert tb.splitlines()[-1] == "AttributeError: 'Namespace' object has no attribute 'local_rank'"
@@ -214,7 +214,7 @@ def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, monkeypatch):
     """Ranks 1 and 2 wait for a file nobody writes (world size 3 only): the 2-node run hangs."""
-    monkeypatch.setattr(torchrun, "NODES_TIMEOUT", HANG_TIMEOUT)
+    monkeypatch.setattr(torchrun.runner, "NODES_TIMEOUT", HANG_TIMEOUT)  # the runner reads it
     script = write_script(tmp_path, ("    dist.destroy_process_group()\n",
                                      "    while rank != 0 and world_size == 3:\n"
                                      "        time.sleep(0.1)  # waits for a file nobody writes\n"

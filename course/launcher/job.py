@@ -42,7 +42,18 @@ from typing import Any
 import cloudpickle
 
 from course.envnames import BACKEND_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
-from course.errors import RankFailedError, RankFailure, RankStallError, RankTimeoutError, explain, rank_list, were
+from course.errors import (
+    LOST_PEER,
+    LOST_PEER_ADVICE,
+    RankFailedError,
+    RankFailure,
+    RankStallError,
+    RankTimeoutError,
+    describe_exit,
+    explain,
+    rank_list,
+    were,
+)
 from course.launcher import forkserver
 from course.launcher.output import RankOutput
 from course.launcher.settings import SETTINGS
@@ -52,7 +63,7 @@ from course.proc import kill_group
 
 DEFAULT_TIMEOUT = 120.0
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
-_CONNECTION_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_CONNECTION_HINTS = LOST_PEER
 
 
 def _code_reduce(code):
@@ -375,7 +386,7 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
         elif rank in outcome["failed_at"]:
             code = processes[rank].exitcode
             failures[rank] = RankFailure(rank, "exited", exitcode=code, last_output=last,
-                                         message=_describe_exit(code))
+                                         message=describe_exit(code))
         else:
             failures[rank] = RankFailure(rank, "stopped", exitcode=processes[rank].exitcode, last_output=last)
 
@@ -431,18 +442,6 @@ def _failure_key(rank, failures, specs, outcome):
     return (secondary, written, outcome["failed_at"][rank])
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-    return f"exited with code {code} without a Python traceback (os._exit, a crash in C code, or a killed process)"
-
-
 def _failure_summary(first, failures, returned, order, world_size) -> str:
     f = failures[first]
     if f.kind == "raised":
@@ -462,9 +461,5 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
     if known:
         lines.append(f"hint: {known}")
     elif f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
-        lines.append(
-            "hint: this rank lost its connection to a peer, which usually means another rank "
-            "had already returned or died while this one waited in a collective: every rank must "
-            "call the same collectives in the same order"
-        )
+        lines.append(f"hint: {LOST_PEER_ADVICE}")
     return "\n".join(lines)

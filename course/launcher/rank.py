@@ -138,7 +138,7 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
 # to lose the early diagnosis: the job's deadline still holds.
 
 
-def _start_stall_probe(spec: dict):
+def start_stall_probe(spec: dict):
     """Start the probe thread; returns the function that answers (a worker may call it as it exits).
 
     ``spec``: where to answer (``probe_path``) and how to name frames (``grader_dirs``, ``cell_names``), from a
@@ -318,7 +318,7 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
 
     torch.set_num_threads(spec.num_threads)
     _patch_destroy()
-    _start_stall_probe({"probe_path": spec.probe_path, "grader_dirs": spec.grader_dirs, "cell_names": spec.cell_names})
+    start_stall_probe({"probe_path": spec.probe_path, "grader_dirs": spec.grader_dirs, "cell_names": spec.cell_names})
     _rendezvous_through_file(spec)
 
     code = 0

@@ -2,7 +2,7 @@
 
 While a job runs, :class:`StallWatch` samples the CPU time of its ranks. When every rank
 still running has been idle for :data:`IDLE_WINDOW` seconds, it asks each one where it is
-(the rank's probe thread, :func:`course.launcher.rank._start_stall_probe`, answers with its
+(the rank's probe thread, :func:`course.launcher.rank.start_stall_probe`, answers with its
 last collectives from torch's flight recorder and its main thread's stack) and compares:
 
 * every rank waits in a collective, and they are not the same one (another op, other

@@ -1,6 +1,6 @@
 """Run a student's training script as a torchrun worker, with the grader's probes installed.
 
-The ex4 grader starts ``torchrun ... graders/torchrun_probe.py train.py ARGS``:
+:func:`course.launcher.torchrun.run_script` starts ``torchrun ... torchrun_probe.py train.py ARGS``:
 every worker runs this file, which records what the worker really did into a
 JSON-lines file per process (its torchrun environment, checkpoint writes and
 renames, optimizer steps, ``destroy_process_group`` and whether it really
@@ -26,6 +26,8 @@ import runpy
 import signal
 import sys
 import time
+
+from course.launcher.rank import start_stall_probe
 
 PROBE_DIR = "DDP_COURSE_PROBE_DIR"
 CRASH_RANK = "DDP_COURSE_PROBE_CRASH_RANK"
@@ -196,12 +198,8 @@ def install(probe_dir: str, watched: list[str]) -> None:
 def _start_stall_probe(probe_dir: str, pid: int) -> None:
     """The launcher's deadlock probe (course.launcher.stall): the grader asks every worker where it is when
     all are idle; a worker that exits answers once more, so its last collectives are known too."""
-    try:
-        from course.launcher.rank import _start_stall_probe as start
-    except ImportError:
-        return
-    answer = start({"probe_path": os.path.join(probe_dir, f"stall-{pid}.json"),
-                    "grader_dirs": [os.path.dirname(os.path.abspath(__file__))], "cell_names": {}})
+    answer = start_stall_probe({"probe_path": os.path.join(probe_dir, f"stall-{pid}.json"),
+                                "grader_dirs": [os.path.dirname(os.path.abspath(__file__))], "cell_names": {}})
     if answer is not None:
         atexit.register(answer)
 

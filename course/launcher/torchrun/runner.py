@@ -1,7 +1,7 @@
-"""Running a student's training script under real torchrun, and saying why a run failed (exercise 4's checks).
+"""Running a script under real torchrun and observing what each worker did.
 
 :func:`run_script` launches ``python -m torch.distributed.run`` on the script through
-:mod:`graders.torchrun_probe`, which records what each worker really did (its
+:mod:`course.launcher.torchrun.torchrun_probe`, which records what each worker really did (its
 environment, checkpoint writes and renames, optimizer steps, ``destroy_process_group``),
 and returns a :class:`Run`: each :class:`Worker` as the probe saw it, the reports and
 files the script wrote. Two scenarios:
@@ -15,8 +15,7 @@ files the script wrote. Two scenarios:
   ends right only if the script resumes from its last checkpoint.
 
 A launch costs several seconds, so runs are cached by the script's content (and the crash).
-:func:`failure` turns a run that did not finish into a CheckFailed that names who
-crashed or hung, with their own output.
+Why a run failed is :mod:`course.launcher.torchrun.diagnosis`'s part.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -34,14 +32,13 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from course import checks
-from course.checks import CheckFailed
-from course.errors import explain, rank_list, were
+from course.errors import CheckFailed
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
 
 CRASH_RANK = 1
@@ -51,7 +48,6 @@ NODES_TIMEOUT = 180.0
 RESTART_TIMEOUT = 240.0
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
-_STUDENT_FRAME_SKIP = ("torchrun_probe.py", "<frozen runpy>")
 #: the two launches every check reads (see the module doc)
 Scenario = Literal["nodes", "restart"]
 
@@ -126,7 +122,7 @@ class Run:
 _CACHE: dict[tuple, Run] = {}
 
 
-def _script(check: str, script: str) -> tuple[str, str]:
+def _script(check: str, script: str, vet: Callable[[str], None] | None) -> tuple[str, str]:
     path = os.path.abspath(script)
     if not os.path.isfile(path):
         raise CheckFailed(
@@ -136,16 +132,19 @@ def _script(check: str, script: str) -> tuple[str, str]:
         )
     with open(path, "rb") as fh:
         content = fh.read()
-    checks.require_written_source(check, content.decode("utf-8", "replace"), "train.py", names=("main",))
+    if vet is not None:
+        vet(content.decode("utf-8", "replace"))
     return path, hashlib.sha256(content).hexdigest()
 
 
 def run_script(script: str, scenario: Scenario, check: str = "torchrun",
-               crash: tuple[int, int] = (CRASH_RANK, CRASH_STEP)) -> Run:
+               crash: tuple[int, int] = (CRASH_RANK, CRASH_STEP), *, vet: Callable[[str], None] | None = None) -> Run:
     """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content.
 
-    ``crash``: in the restart run, the (rank, optimizer step) after which the grader kills that worker once."""
-    path, digest = _script(check, script)
+    ``crash``: in the restart run, the (rank, optimizer step) after which the grader kills that worker once.
+    ``vet``: called with the script's text before anything runs (a check's "is it written?"); a missing
+    script fails ``check`` at once."""
+    path, digest = _script(check, script, vet)
     crash = (int(crash[0]), int(crash[1])) if scenario == "restart" else None
     key = (path, digest, scenario, crash)
     if key not in _CACHE:
@@ -409,247 +408,3 @@ def _observe(run: Run, probe_dir: str) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the student
             run.final = f"{type(exc).__name__}: {exc}"
     run.ckpt_exists = os.path.exists(run.ckpt_path)
-
-
-# --------------------------------------------------------------------------- explaining a failed run
-
-
-def _student_traceback(text: str) -> str:
-    """The last traceback in ``text`` without the probe's and runpy's frames."""
-    text = _unprefix(text)  # torch prefixes its workers' stderr lines
-    start = text.rfind("Traceback (most recent call last):")
-    if start < 0:
-        return ""
-    lines, kept, skipping = text[start:].splitlines(), [], False
-    for line in lines[:80]:
-        if line.startswith('  File "'):
-            skipping = any(s in line for s in _STUDENT_FRAME_SKIP)
-        elif not line.startswith(" "):
-            skipping = False
-        if not skipping:
-            kept.append(line)
-        if kept and not line.startswith(" ") and line != lines[0] and not line.startswith("Traceback"):
-            break
-    return "\n".join(kept)
-
-
-def _unprefix(text: str) -> str:
-    """Drop the "[rank0]: " torch puts in front of its workers' stderr lines."""
-    return re.sub(r"(?m)^\[(?:default)?rank\d+\]: ?", "", text)
-
-
-def _tail(text: str, n: int = 12) -> str:
-    lines = [line for line in text.rstrip().splitlines() if line.strip()]
-    return "\n".join(lines[-n:])
-
-
-_LOST_PEER = re.compile(r"Connection (closed|reset)|[Tt]imed out|Broken pipe|peer|connectFullMesh")
-
-
-def _raised(w: Worker) -> bool:
-    return "Traceback (most recent call last)" in w.output and not w.of("crash")
-
-
-def _lost_peer(w: Worker) -> bool:
-    """Whether the worker's error is the kind a rank gets when ANOTHER rank failed (a consequence)."""
-    tb = _student_traceback(w.output)
-    return bool(_LOST_PEER.search(tb.splitlines()[-1] if tb else ""))
-
-
-def _ended_at(w: Worker) -> float:
-    return w.events[-1]["t"] if w.events else float("inf")
-
-
-def _root_cause_pid(run: Run) -> int | None:
-    """The pid torchrun's error report names as the first observed failure."""
-    found = re.search(r"Root Cause \(first observed failure\):.*?\(pid: (\d+)\)", _unprefix(run.log), re.S)
-    return int(found.group(1)) if found else None
-
-
-def failure(check: str, run: Run, context: str = "") -> CheckFailed:
-    """A CheckFailed that says why ``run`` did not finish, the root cause first.
-
-    In order: a worker whose own code raised (not a lost-peer error); a worker that died (a signal,
-    os._exit: its exit reason and its own last output); workers stuck at the deadline; workers that
-    only lost a peer; then whatever the workers printed. The others are named as consequences."""
-    what = run.command
-    if not run.workers:
-        return CheckFailed(
-            check, f"{context}{what} started no worker", hint="run the same command in a terminal to see why",
-            detail=_tail(run.log, 20),
-        )
-    if run.stall is not None:
-        v = run.stall
-        return CheckFailed(
-            check, f"{context}{what} deadlocked: {v.summary}", ranks=sorted(v.lines), hint=v.hint,
-            detail=f"where each worker was when the grader stopped the run (after {run.elapsed:.1f} s):\n{v.lined_up}",
-        )
-    last = run.attempt(run.attempts - 1)  # the last attempt: in the restart run, attempt 0 fails by design
-    raised = sorted((w for w in last if _raised(w)), key=_ended_at)
-    causes = [w for w in raised if not _lost_peer(w)]
-    dead = [w for w in last if _died(w, run)]
-    stuck = [w for w in last if run.timed_out and not w.exited and w not in dead]
-    if causes:
-        first = causes[0]
-        tb = _student_traceback(first.output)
-        message = tb.splitlines()[-1] if tb else "an error"
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
-            ranks=_first_then_affected(first, last),
-            hint=_hint_for(message) or "read the traceback below (it starts in your script)",
-            detail=tb,
-        )
-    if dead:
-        # torchrun stops the other workers with SIGTERM once one failed: those are consequences
-        primary = ([w for w in dead if not _raised(w) and "SIGTERM" not in _exit_reason(w, run)]
-                   or [w for w in dead if not _raised(w)] or dead)
-        root = _root_cause_pid(run)
-        first = next((w for w in primary if w.pid == root), None) or min(primary, key=_ended_at)
-        tb = _student_traceback(first.output)
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {first.name} died ({_exit_reason(first, run)})" + _consequences(first, last, run),
-            ranks=_first_then_affected(first, last),
-            hint=("a worker killed by a signal usually crashed inside torch (SIGABRT, SIGSEGV) or was killed for "
-                  "memory (SIGKILL); its own last output is below: run the same torchrun command in a terminal "
-                  "to see all of it"),
-            detail=f"{first.name}'s last output:\n{tb or _tail(_unprefix(first.output), 12) or '(nothing)'}",
-        )
-    if stuck:
-        detail = "\n".join(f"{w.name} was at:\n{_student_stack(w.stack) or _tail(w.output, 8)}" for w in stuck)
-        return CheckFailed(
-            check,
-            f"{context}{what} did not finish within {run.timeout:g} s; "
-            f"{were([w.rank for w in stuck])} still running (stuck)",
-            ranks=[w.rank for w in stuck],
-            hint="a rank that waits forever is usually in a collective (all_reduce, barrier, DDP backward) "
-            "another rank never reached, e.g. a collective inside `if rank == 0:`, or an init_process_group "
-            "given a wrong rank or world_size; let init_process_group read them from the environment",
-            detail=detail or _tail(run.log, 20),
-        )
-    left = [w for w in last if _finished(w)]
-    if raised and left:  # the others only lost their peer: the root cause is a worker that left too early
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {_names(left)} finished while {rank_list([w.rank for w in raised])} still "
-            "waited in a collective (then they lost their peer)",
-            ranks=sorted({w.rank for w in left + raised}),
-            hint=("every rank must run the same steps and call the same collectives: a rank that runs fewer steps "
-                  "(uneven data, a loop that ends early) or skips a collective leaves its peers waiting"),
-            detail=_student_traceback(raised[0].output),
-        )
-    if raised:
-        first = raised[0]
-        tb = _student_traceback(first.output)
-        message = tb.splitlines()[-1] if tb else "an error"
-        return CheckFailed(
-            check,
-            f"{context}{what} failed: {first.name} raised {message}" + _consequences(first, last, run),
-            ranks=sorted({w.rank for w in raised}),
-            hint=_hint_for(message) or "read the traceback below (it starts in your script)",
-            detail=tb,
-        )
-    if run.timed_out:  # the workers ended, the agents did not
-        return CheckFailed(
-            check,
-            f"{context}{what} did not finish within {run.timeout:g} s: every worker had ended, "
-            "but torchrun did not (see torchrun's report below)",
-            hint="run the same command in a terminal; if a worker was killed by a signal (SIGABRT, SIGKILL), "
-            "look for an error it printed just before, or for a machine out of memory",
-            detail=_tail(run.log, 20),
-        )
-    talked = [w for w in last if _unprefix(w.output).strip()]
-    detail = "\n".join(f"{w.name} printed:\n{_tail(_unprefix(w.output), 8)}" for w in talked[:2])
-    return CheckFailed(
-        check,
-        f"{context}{what} failed (exit codes {run.returncodes}) without a Python traceback",
-        ranks=[w.rank for w in talked],
-        hint=_hint_for(detail) or "read each rank's last output below; run the script with torchrun in a terminal "
-        "to see all of it",
-        detail=detail or _tail(run.log, 20),
-    )
-
-
-def _first_then_affected(first: Worker, last: list[Worker]) -> list[int]:
-    """The failing worker's rank, then those of the attempt's workers that did not finish because of it."""
-    return [first.rank] + sorted({w.rank for w in last if w is not first and not _finished(w)} - {first.rank})
-
-
-def _names(workers: list[Worker]) -> str:
-    return ", ".join(w.name for w in workers)
-
-
-def _finished(w: Worker) -> bool:
-    return w.exited and not _raised(w)
-
-
-def _consequences(first: Worker, last: list[Worker], run: Run) -> str:
-    """What the other workers of the attempt did after ``first`` failed: the consequences, named."""
-    parts = []
-    lost = sorted(w.rank for w in last if w is not first and _raised(w))
-    waiting = sorted(w.rank for w in last if w is not first and not w.exited and not _raised(w))
-    if lost:
-        parts.append(f"{rank_list(lost)} failed after it (lost {'its' if len(lost) == 1 else 'their'} peer)")
-    if waiting:
-        parts.append(f"{were(waiting)} {'left waiting' if run.timed_out else 'stopped by torchrun'}")
-    return f"; then {' and '.join(parts)}" if parts else ""
-
-
-def _died(w: Worker, run: Run) -> bool:
-    """Whether a worker ended without finishing Python (no exit record), other than by the grader's own crash."""
-    if w.exited:
-        return False
-    if run.timed_out:
-        return bool(run.alive_at_deadline) and w.pid not in run.alive_at_deadline
-    # a job that ended: a worker of the last attempt without an exit record was killed
-    return w.attempt == run.attempts - 1 and not run.ok
-
-
-def _exit_reason(w: Worker, run: Run) -> str:
-    """What torchrun said about the worker's end: the signal or the exit code, from its failure report."""
-    log = _unprefix(run.log)
-    found = re.search(rf"Signal (\d+) \((\w+)\) received by PID {w.pid}\b", log)
-    if found:
-        return f"killed by signal {found.group(2)}"
-    found = re.search(rf"exitcode\s*:\s*(-?\d+) \(pid: {w.pid}\)", log)
-    if found:
-        code = int(found.group(1))
-        if code < 0:
-            try:
-                return f"killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
-    if "terminate called" in w.output:
-        return "aborted in C++ (terminate called)"
-    return "no exit record: killed, or it called os._exit"
-
-
-def _hint_for(message: str) -> str | None:
-    known = explain(message)
-    if known:
-        return known
-    if "NotImplementedError" in message:
-        return "write train.py first: the answer parts of the %%writefile cell still raise NotImplementedError"
-    if re.search(r"--local[-_]rank", message):
-        return "torchrun passes no --local_rank argument: read int(os.environ['LOCAL_RANK']) instead"
-    if "unrecognized arguments" in message or "arguments are required" in message:
-        return "the grader runs `train.py --out OUT --ckpt CKPT`: keep the given argument parser as it is"
-    if re.search(r"KeyError: '(RANK|LOCAL_RANK|WORLD_SIZE)'", message):
-        return "torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: read them with os.environ"
-    if "Connection" in message or "Timed out" in message:
-        return ("this rank lost a peer while in a collective: another rank crashed or skipped the collective "
-                "(every rank must call the same collectives in the same order)")
-    return None
-
-
-def _student_stack(stack: str) -> str:
-    lines = [line for line in stack.splitlines() if not any(s in line for s in _STUDENT_FRAME_SKIP)]
-    return "\n".join(lines[:12])
-
-
-def require_ok(check: str, run: Run, context: str = "") -> None:
-    """Fail ``check`` with :func:`failure` unless ``run`` finished cleanly."""
-    if not run.ok:
-        raise failure(check, run, context)

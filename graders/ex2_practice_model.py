@@ -1,0 +1,317 @@
+"""What the checks of exercise 2's practice notebook run and compare with, apart from their verdicts
+(:mod:`graders.ex2_practice`): the models and data, the harnesses that run on the ranks, the
+single-process references, and the serialization package that tags and watches checkpoint tensors.
+
+The harnesses act with torch's own functions (:data:`course.checks.REAL`, taken before the student's
+code runs) and build the student's objects (spies) themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from course import checks
+from graders.ex2_model import make_net
+
+CLASSES = 3
+SAVED_FROM = "cuda:0"  # where the checkpoint's tensors say they were saved (rank 0's GPU)
+_REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
+
+
+def _wrap(model: nn.Module, dev: torch.device) -> DDP:
+    return DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
+
+
+def _number(value):
+    """A returned accuracy or epoch as a float, or a description of what it was instead."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu().reshape(()).item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return f"<{type(value).__name__}>"
+
+
+_SEEN: list[torch.Tensor] = []  # the inputs of every forward of a Classifier in this process
+
+
+class Classifier(nn.Module):
+    """The model check_evaluate gives the student: 4 inputs, 3 class scores.
+
+    Its forward records its input (in this process's list, whatever wraps or copies the model),
+    so the harness knows which samples each rank's model really evaluated."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(1000 + seed)
+        self.linear = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        _SEEN.append(x.detach().to("cpu", torch.float32).reshape(-1, 4).clone())
+        return self.linear(x)
+
+
+def _shards(n: int, world_size: int) -> dict[str, list[list[int]]]:
+    """How students split n samples over the ranks: each rank's sample indices."""
+    padded = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
+              for r in range(world_size)]
+    shuffled = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=True))
+                for r in range(world_size)]
+    chunked = [c.tolist() for c in torch.tensor_split(torch.arange(n), world_size)]
+    return {"strided": [list(range(r, n, world_size)) for r in range(world_size)], "chunked": chunked,
+            "padded": padded, "padded, shuffled": shuffled}
+
+
+def _accuracies(correct: list[int], shards: list[list[int]]) -> dict:
+    """What a correct answer and the known mistakes return, for one split of the samples."""
+    per_rank = [sum(correct[i] for i in s) / len(s) if s else float("nan") for s in shards]
+    counted = [i for s in shards for i in s]
+    return {"local": per_rank, "mean of ranks": sum(per_rank) / len(per_rank),
+            "pooled": sum(correct[i] for i in counted) / max(1, len(counted))}
+
+
+def _eval_case(n: int, world_size: int, seed: int):
+    """(inputs, labels, correct[i]) for check_evaluate: the grader's model gets sample i right iff correct[i].
+
+    Inputs with a clear winning class (so a GPU's rounding cannot change the prediction); labels
+    chosen so that, for every usual split, each rank's own accuracy, the mean of the ranks'
+    accuracies and an accuracy that counts the sampler's padding all differ from the true one."""
+    gen = torch.Generator().manual_seed(700 + seed)
+    model = Classifier(seed)
+    with torch.no_grad():
+        x = torch.randn(8 * n, 4, generator=gen)
+        top = model.linear(x).topk(2, dim=1)
+    x = x[(top.values[:, 0] - top.values[:, 1]) > 0.05][:n]
+    pred = model.linear(x).argmax(1)
+    shards = _shards(n, world_size)
+    for _ in range(2000):
+        correct = (torch.rand(n, generator=gen) < 0.6).long().tolist()
+        true = sum(correct) / n
+        ok = 0 < sum(correct) < n
+        for name, split in shards.items():
+            acc = _accuracies(correct, split)
+            ok = ok and all(abs(a - true) > 0.01 for a in acc["local"])
+            if len({len(s) for s in split}) > 1:
+                ok = ok and abs(acc["mean of ranks"] - true) > 0.01
+            if name.startswith("padded") and n % world_size:
+                ok = ok and abs(acc["pooled"] - true) > 0.01
+        if ok:
+            break
+    else:  # pragma: no cover - the sizes the checks use all find a pattern
+        raise ValueError(f"no evaluation data for n={n}, world_size={world_size}")
+    labels = torch.where(torch.tensor(correct, dtype=torch.bool), pred, (pred + 1) % CLASSES)
+    return x, labels, correct
+
+
+def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
+    """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
+
+    ``shares`` (the second run): the samples each rank's model evaluated in the first run. This rank's
+    copy then has other labels for every sample outside its own share: a rank that counts only its
+    share and receives the others' counts returns the same accuracy; one that computes the others'
+    samples itself (around the recorded forward: ``model.linear``, the weights) does not."""
+    import random
+
+    import numpy
+
+    dev = checks.join_job()
+    world_size = _REAL.get_world_size()
+    x, labels, _ = _eval_case(n, world_size, seed)
+    if shares is not None:
+        mine = set(shares[rank])
+        shift = torch.tensor([0 if i in mine else 1 + (i + rank) % (CLASSES - 1) for i in range(n)])
+        labels = (labels + shift) % CLASSES
+    model = Classifier(seed).to(dev)
+    dataset = TensorDataset(x, labels)
+    rows = {x[i].numpy().tobytes(): i for i in range(n)}
+    _SEEN.clear()
+    torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
+    random.seed(4242 + seed)
+    numpy.random.seed(4242 + seed)
+    returned = evaluate(model, dataset, rank, world_size, batch_size)
+    seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
+    return {"accuracy": _number(returned), "seen": seen}
+
+
+def _micro_batches(seed: int, rank: int, step: int, k: int, size: int):
+    gen = torch.Generator().manual_seed(10_000 * seed + 100 * rank + step)
+    return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(k)]
+
+
+def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
+    """Run ``steps`` calls of accumulate_step; record, per call, the optimizer steps and when DDP synced.
+
+    The grader registers the DDP model's communication hook (DDP allows one): it does what DDP does
+    by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
+    student's code runs) and notes, for each synchronised backward, how many forwards the call had
+    run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
+    bucket the call really issued, whatever the student's code does to the hook. A forward pre-hook
+    counts forwards; the optimizer's step hook counts steps."""
+    real = _REAL
+    dev = checks.join_job()
+    world_size = real.get_world_size()
+    model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
+    ddp_model = _wrap(model, dev)
+    forwards, optimizer_steps, synced = [0], [0], []
+
+    def on_forward(module, args):
+        forwards[0] += 1
+
+    def average(state, bucket):
+        if bucket.index() == 0:  # one backward's all-reduce, whatever the number of buckets
+            synced.append(forwards[0])
+        grads = bucket.buffer().div_(world_size)
+        return real.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    model.register_forward_pre_hook(on_forward)
+    ddp_model.register_comm_hook(None, average)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
+    numel = sum(p.numel() for p in model.parameters())  # a tiny model: one bucket holds every gradient
+
+    def issued():
+        """The collectives this rank has issued so far (None: this torch has no flight recorder)."""
+        try:
+            return real.collectives()
+        except RuntimeError:
+            return None
+
+    calls = []
+    for step in range(steps):
+        batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
+        forwards[0], optimizer_steps[0] = 0, 0
+        synced.clear()
+        before = issued()
+        accumulate_step(ddp_model, optimizer, batches)
+        after = issued()
+        reduced = None
+        if before is not None and after is not None:
+            last = max([e["seq"] or 0 for e in before], default=0)
+            reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
+                          and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
+        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
+                      "all_reduces": reduced})
+    return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
+
+
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, scale=1.0, zero_grad=True):
+    """One process: ``steps`` SGD steps, each on the mean loss over every rank's k micro-batches."""
+    model = make_net(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        if zero_grad:
+            optimizer.zero_grad()
+        batches = [b for rank in range(world_size) for b in _micro_batches(seed, rank, step, k, size)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        (scale * F.mse_loss(model(x), y)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _uneven_batches(seed: int, rank: int, count: int, size: int):
+    gen = torch.Generator().manual_seed(20_000 + 1000 * seed + rank)
+    return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(count)]
+
+
+def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
+    dev = checks.join_job()
+    model = make_net(seed + 17 * rank).to(dev)
+    ddp_model = _wrap(model, dev)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    steps = [0]
+    optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, counts[rank], size)]
+    train_uneven(ddp_model, optimizer, batches)
+    return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0]}
+
+
+def _uneven_reference(counts, size, lr, seed, mode):
+    """One process's weights after the ranks' training, for each way of handling uneven inputs right.
+
+    ``join``: DDP's Join (divide_by_initial_world_size=True): in step i the ranks that still have a
+    batch contribute its gradient, the others zeros, averaged over all ranks. ``join-active``: Join with
+    divide_by_initial_world_size=False (averaged over the ranks still training). ``fewest``: every rank
+    trains on its first min(counts) batches (the loop equalised to the fewest). ``recycled``: a mistake,
+    ranks that run out start over from their first batch."""
+    world_size = len(counts)
+    data = [_uneven_batches(seed, r, n, size) for r, n in enumerate(counts)]
+    model = make_net(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = min(counts) if mode == "fewest" else max(counts)
+    for i in range(steps):
+        if mode == "recycled":
+            batches = [d[i % len(d)] for d in data]
+        else:
+            batches = [d[i] for d in data if i < len(d)]
+        optimizer.zero_grad()
+        loss = sum(F.mse_loss(model(x), y) for x, y in batches)
+        (loss / (len(batches) if mode == "join-active" else world_size)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+_TAG = threading.local()  # while _TAG.device is set, torch.save tags tensors as saved from that device
+_RESTORED: list[str] = []  # while _WATCH is set: each location torch's restore step was asked to put a tensor
+_WATCH = threading.Event()
+_PRIORITY = -271  # before torch's own packages (cpu is 10, cuda 20)
+
+
+def _tag(storage):
+    return getattr(_TAG, "device", None)  # None: torch's own taggers say where the tensor is
+
+
+def _spy(storage, location):
+    if _WATCH.is_set():
+        _RESTORED.append(str(location))
+    return None  # torch's own deserializers then restore it
+
+
+# One package in torch.serialization's registry, consulted before torch's own: on save it tags
+# tensors only while save_from_gpu asks it to; on load it only watches, and only while a harness
+# asks it to. Registered at import (in a rank, before the student's objects are unpickled), once
+# per process: two packages of one priority would make the registry's sort compare functions.
+if not any(entry[0] == _PRIORITY for entry in torch.serialization._package_registry):
+    torch.serialization.register_package(_PRIORITY, _tag, _spy)
+
+
+def save_from_gpu(obj, path, device: str = SAVED_FROM) -> None:
+    """torch.save(obj, path) with every tensor tagged as saved from ``device`` (as rank 0's GPU save would be).
+
+    The tag goes through torch.serialization's own package registry (a tagger consulted before torch's),
+    for this thread only: the file is exactly what torch.save writes on that device."""
+    _TAG.device = device
+    try:
+        torch.save(obj, path)
+    finally:
+        _TAG.device = None
+
+
+def _checkpoint_case(seed: int):
+    """The saved weights and epoch of check_load_checkpoint."""
+    return checks.to_cpu(make_net(seed + 500).state_dict()), 3 + 4 * seed + 2
+
+
+def _load_harness(rank, load_checkpoint, ckpt_path, seed):
+    dev = checks.join_job()
+    model = make_net(seed + 17 * rank).to(dev)
+    ddp_model = _wrap(model, dev)
+    _RESTORED.clear()
+    _WATCH.set()
+    error = None
+    try:
+        returned = load_checkpoint(ckpt_path, ddp_model, dev)
+    except RuntimeError as exc:  # torch.load put a tensor on a GPU this rank does not have
+        if "Attempting to deserialize object on" not in str(exc):
+            raise
+        error, returned = str(exc).splitlines()[0][:300], None
+    finally:
+        _WATCH.clear()
+    on = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
+    return {"restored": sorted(set(_RESTORED)), "error": error, "epoch": _number(returned), "device": str(dev),
+            "on": on, "state": checks.to_cpu(model.state_dict()) if on == [str(dev)] else None}
