@@ -61,9 +61,11 @@ def explain(message: str) -> str | None:
     return None
 
 
+#: what a rank's error says when a peer closed the connection under it (the peer returned or died)
+CONNECTION_LOST = ("Connection closed", "Connection reset", "Broken pipe")
 #: what a rank's error says when a PEER is gone (it closed the connection, or never answered within the
 #: process group's timeout): the rank failed because of another one
-LOST_PEER = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out", "connectFullMesh")
+LOST_PEER = (*CONNECTION_LOST, "Timed out", "timed out", "connectFullMesh")
 
 
 def lost_peer(text: str) -> bool:

@@ -43,7 +43,7 @@ import cloudpickle
 
 from course.envnames import BACKEND_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
 from course.errors import (
-    LOST_PEER,
+    CONNECTION_LOST,
     LOST_PEER_ADVICE,
     RankFailedError,
     RankFailure,
@@ -63,7 +63,8 @@ from course.proc import kill_group
 
 DEFAULT_TIMEOUT = 120.0
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
-_CONNECTION_HINTS = LOST_PEER
+# a timed-out rank may have waited for a peer that is alive elsewhere: only a closed connection is a consequence
+_CONNECTION_HINTS = CONNECTION_LOST
 
 
 def _code_reduce(code):
