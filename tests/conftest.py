@@ -4,17 +4,17 @@
 kernel python3, in a temporary folder) the first time any test asks for it, and
 returns the executed notebook; later calls get the same object.
 
-The suite runs on pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): most
-of its time is spent waiting (deadlines, timeouts, torchrun agents, Slurm), so two workers on
-two cores finish in about 60% of the time. Each test file is one unit of work, so a file's
-session fixtures (an executed lesson, the adversarial batches) are built once; files that share
-a machine-wide resource (the Slurm cluster, the Docker engine, the sandbox's fork bombs) share a
-group and never run at the same time; the longest files start first. ``-n 0`` runs everything
-in this process (longest files first, each file in its own order).
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in pyproject.toml): much
+of its time is spent waiting (deadlines, timeouts, torchrun agents, Slurm), so two workers on two
+cores finish sooner than one. Each test file is one unit of work, so a file's session fixtures
+(an executed lesson, the adversarial batches) are built once; the longest files start first.
+Tests that look for leftovers look for their own (their temporary folder, their sandbox uids),
+never for every process or folder on the machine. ``-n 0`` runs everything in this process.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -73,12 +73,10 @@ def executed_lesson():
     return get
 
 
-#: files that use one machine-wide resource run in one group (one after another, on one worker)
-SHARED = {
-    "docker": ("test_docker.py", "test_docker_ci.py"),
-    # the sandbox's limits per uid (fork bombs, memory hogs): as root and as nobody, one at a time
-    "sandbox-attacks": ("adversarial/", "test_rootless.py"),
-}
+# Sandboxes graded by the suite take uids from the lower part of the sandbox's range; the adversarial
+# attacks take the upper part (tests/adversarial/runs.py), so their "no process left behind" checks see
+# their own sandboxes only, whatever the other worker is grading meanwhile.
+os.environ.setdefault("DDP_COURSE_SANDBOX_UIDS", "61000-61399")
 #: the longest files (seconds on this 2-core machine, measured with --durations) start first
 LONGEST_FIRST = ("test_graders_ex4.py", "test_instructor.py", "adversarial/", "test_rootless.py", "test_slurm.py",
                  "test_graders_ex2_debug.py", "test_graders_ex2.py", "test_launch.py", "test_graders_ex3_fsdp.py",
@@ -89,25 +87,14 @@ def _file_of(item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent).as_posix()
 
 
-def _group(path: str) -> str:
-    for group, prefixes in SHARED.items():
-        if any(path.startswith(prefix) for prefix in prefixes):
-            return group
-    return path
-
-
 def _rank(path: str) -> int:
     return next((i for i, prefix in enumerate(LONGEST_FIRST) if path.startswith(prefix)), len(LONGEST_FIRST))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
-    """One xdist group per test file (or per shared resource); the longest files first, each file's order kept."""
+    """The longest files first, each file's own order kept."""
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (_rank(_file_of(item)), order[id(item)]))
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_group(_file_of(item))))
 
 
 def pytest_configure(config):

@@ -32,11 +32,13 @@ from course.sandbox.box import (
     HOME_DIR,
     KERNEL_DIR,
     UID_RANGE,
+    UIDS_ENV,
     Sandbox,
     default_hidden,
     describe,
     python_flags,
     python_paths,
+    uid_range,
 )
 from course.sandbox.limits import GiB, Limits, MiB
 from course.sandbox.linux import (
@@ -48,8 +50,8 @@ from course.sandbox.linux import (
 )
 
 __all__ = [
-    "HOME_DIR", "KERNEL_DIR", "TOKEN_ENV", "UID_RANGE", "GiB", "Limits", "MiB", "Sandbox",
+    "HOME_DIR", "KERNEL_DIR", "TOKEN_ENV", "UID_RANGE", "UIDS_ENV", "GiB", "Limits", "MiB", "Sandbox",
     "default_hidden", "describe", "kill_tree", "kill_uid", "make_undumpable", "marked_processes",
-    "namespaces_available", "python_flags", "python_paths", "rootless_available", "uid_processes",
+    "namespaces_available", "python_flags", "python_paths", "rootless_available", "uid_processes", "uid_range",
 ]
 

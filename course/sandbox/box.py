@@ -51,6 +51,9 @@ from course.sandbox.linux import (
 
 #: uids handed to sandboxes (no passwd entry); one per concurrently graded submission
 UID_RANGE = range(61000, 61512)
+#: "FIRST-LAST", a part of UID_RANGE for this grader's sandboxes (two graders on one machine that must tell
+#: their sandboxes' processes apart, as the test suite's workers do); unset: all of UID_RANGE
+UIDS_ENV = "DDP_COURSE_SANDBOX_UIDS"
 #: folders inside the work folder that the sandbox machinery owns
 KERNEL_DIR = ".kernel"
 HOME_DIR = ".home"
@@ -76,10 +79,26 @@ def _lock_dir() -> Path:
     raise OSError("no folder for the sandbox uid locks")
 
 
+def uid_range() -> range:
+    """The uids this grader's sandboxes take: UID_RANGE, or the part of it that UIDS_ENV names."""
+    spec = os.environ.get(UIDS_ENV, "").strip()
+    if not spec:
+        return UID_RANGE
+    first, _, last = spec.partition("-")
+    try:
+        uids = range(int(first), int(last) + 1)
+    except ValueError:
+        uids = range(0)
+    if not uids or uids.start < UID_RANGE.start or uids.stop > UID_RANGE.stop:
+        raise ValueError(f"{UIDS_ENV}={spec!r}: give FIRST-LAST within {UID_RANGE.start}-{UID_RANGE.stop - 1}")
+    return uids
+
+
 def _free_uid() -> tuple[int, int]:
-    """(uid, fd of its lock): a uid of UID_RANGE with no passwd entry that no other sandbox holds."""
+    """(uid, fd of its lock): a uid of :func:`uid_range` with no passwd entry that no other sandbox holds."""
     folder = _lock_dir()
-    for uid in UID_RANGE:
+    uids = uid_range()
+    for uid in uids:
         try:
             pwd.getpwuid(uid)
             continue  # a real account: never use it
@@ -98,7 +117,7 @@ def _free_uid() -> tuple[int, int]:
             os.close(fd)
             continue
         return uid, fd
-    raise RuntimeError(f"all {len(UID_RANGE)} sandbox uids are in use")
+    raise RuntimeError(f"all {len(uids)} sandbox uids ({uids.start}-{uids.stop - 1}) are in use")
 
 
 def default_hidden() -> list[str]:

@@ -36,7 +36,12 @@ BASES = {
     "ex1": ROOT / "exercises" / "ex1-parallelism" / "parallelism.ipynb",
     "tiny": ROOT / "tests" / "files" / "verify" / "ex0-verify" / "parallelism.ipynb",
 }
-ENV = {"DDP_COURSE_CHECK_TIMEOUT": str(attacks.CHECK_TIMEOUT)}
+#: the sandbox uids the attacks' graders take (root): a part of the sandbox's range no other test uses
+#: (tests/conftest.py gives the rest the lower part), so the leftovers found there are the attacks' own even
+#: while another xdist worker grades
+ATTACK_UIDS = range(61400, 61512)
+ENV = {"DDP_COURSE_CHECK_TIMEOUT": str(attacks.CHECK_TIMEOUT),
+       "DDP_COURSE_SANDBOX_UIDS": f"{ATTACK_UIDS.start}-{ATTACK_UIDS.stop - 1}"}
 #: students whose feedback pages the autograde path generates and checks for hidden tests
 FEEDBACK_STUDENTS = ("honest", "leak_history", "patch_graders")
 PARALLEL = 3
@@ -188,11 +193,12 @@ def sandbox_kind() -> str:
 
 
 def sandbox_processes() -> list[int]:
-    """Processes still running as a sandbox uid (root) or carrying a sandbox's marker (not root)."""
-    from course.sandbox import TOKEN_ENV, UID_RANGE
+    """Processes still running as one of the attacks' sandbox uids (root) or carrying a sandbox's marker (not
+    root: only this user's own processes can be read)."""
+    from course.sandbox import TOKEN_ENV
 
     if os.geteuid() == 0:
-        return _scan_uids(set(UID_RANGE))
+        return _scan_uids(set(ATTACK_UIDS))
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

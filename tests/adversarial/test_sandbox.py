@@ -330,3 +330,16 @@ def test_rootless_fork_bomb_is_stopped_with_the_sandbox(tmp_path):
     proc.wait(timeout=10)
     time.sleep(0.5)
     assert marked_processes(token) == []
+
+
+def test_a_grader_can_keep_its_sandboxes_to_a_part_of_the_uid_range(monkeypatch):
+    from course.sandbox import UID_RANGE, UIDS_ENV, uid_range
+
+    monkeypatch.delenv(UIDS_ENV, raising=False)
+    assert uid_range() == UID_RANGE
+    monkeypatch.setenv(UIDS_ENV, "61400-61511")
+    assert uid_range() == range(61400, 61512)
+    for wrong in ("0-100", "61000", "61500-61400", "61000-70000"):  # never a uid outside the sandbox's own range
+        monkeypatch.setenv(UIDS_ENV, wrong)
+        with pytest.raises(ValueError, match=UIDS_ENV):
+            uid_range()
