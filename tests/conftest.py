@@ -102,8 +102,30 @@ def pytest_configure(config):
         config.pluginmanager.register(_Controller(), "ddp-course-xdist-controller")
 
 
+#: test files that share session fixtures (an executed lesson, the attacks' batches) or one machine-wide resource
+#: (the Docker engine): each set is one unit of work, on one worker, so nothing is built twice
+UNITS = {"lessons": ("tests/test_lesson",), "adversarial": ("tests/adversarial/",), "docker": ("tests/test_docker",)}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the set of files (UNITS) its file is in."""
+    path = nodeid.split("::", 1)[0]
+    return next((unit for unit, prefixes in UNITS.items() if path.startswith(prefixes)), path)
+
+
 class _Controller:
-    """The controller's side of report_sections (a plugin of its own: the hook exists only with xdist)."""
+    """The controller's side: xdist's scheduler with our units of work, and report_sections (a plugin of its
+    own: these hooks exist only with xdist)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadFileScheduling
+
+        class Units(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return unit_of(nodeid)
+
+        return Units(config, log)
 
     @staticmethod
     def pytest_testnodedown(node, error):
