@@ -45,6 +45,7 @@ from course.envnames import BACKEND_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
 from course.errors import (
     CONNECTION_LOST,
     LOST_PEER_ADVICE,
+    SAME_COLLECTIVES,
     RankFailedError,
     RankFailure,
     RankStallError,
@@ -413,8 +414,8 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
             f"{were(running)} still running and killed"
             + (f"; {rank_list(returned)} had returned" if returned else "; no rank had returned")
             + ". A rank stuck here usually waits in a collective (all_reduce, barrier, a DDP "
-            "backward) that another rank never called, or loops forever: every rank must call the "
-            "same collectives in the same order. The last output of each stuck rank shows where it was."
+            f"backward) that another rank never called, or loops forever: {SAME_COLLECTIVES}. "
+            "The last output of each stuck rank shows where it was."
         )
         raise RankTimeoutError(summary, failures, returned, world_size, timeout)
     order = sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, specs, outcome))

@@ -22,6 +22,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from course.errors import SAME_COLLECTIVES
+
 #: seconds every running rank must stay idle before they are asked where they are
 IDLE_WINDOW = 1.0
 #: CPU seconds a rank may use within the window and still count as idle (its threads included)
@@ -229,8 +231,8 @@ def analyse(answers: dict[int, dict], returned: list[int],
                         "whose part was done returned, the others wait for data that never comes; every rank must pass "
                         "a tensor of the same shape and dtype (pad, or all_gather the sizes first)")
             else:
-                hint = ("the ranks called different collectives at the same point: every rank must call the same "
-                        "collectives in the same order (look for a collective inside `if rank == ...:`)")
+                hint = (f"the ranks called different collectives at the same point: {SAME_COLLECTIVES} "
+                        "(look for a collective inside `if rank == ...:`)")
             return StallVerdict(kind, lines, waiting, sorted(returned), hint,
                                 (kind, tuple(waiting), tuple(sorted(returned))))
         lines.update({r: "had returned from the function" for r in returned})
@@ -240,8 +242,7 @@ def analyse(answers: dict[int, dict], returned: list[int],
             "returned", lines, waiting, sorted(returned),
             f"{_ranks(returned)} returned without calling the collective {_ranks(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in: a collective inside `if rank == ...:`, or a loop "
-            "that runs a different number of times on different ranks (uneven data); every rank must call the same "
-            "collectives in the same order",
+            f"that runs a different number of times on different ranks (uneven data); {SAME_COLLECTIVES}",
             key)
     keys = {r: (e.get("group"), e.get("seq"), e.get("op"), json.dumps(e.get("sizes")), tuple(e.get("dtypes") or ()))
             if e else None for r, e in last.items()}
@@ -259,8 +260,8 @@ def analyse(answers: dict[int, dict], returned: list[int],
     elif len(ops) > 1:
         kind = "mismatch"
         hint = ("the ranks called different collectives at the same point ("
-                + " vs ".join(sorted(str(o) for o in ops)) + "): every rank must call the same collectives in the "
-                "same order (look for a collective inside `if rank == ...:`)")
+                + " vs ".join(sorted(str(o) for o in ops)) + f"): {SAME_COLLECTIVES} "
+                "(look for a collective inside `if rank == ...:`)")
     else:
         kind = "shapes"
         hint = ("the ranks called the same collective with tensors of different shapes or dtypes: every rank must "
