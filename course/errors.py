@@ -73,6 +73,12 @@ def lost_peer(text: str) -> bool:
     return any(words in text for words in LOST_PEER)
 
 
+def connection_lost(text: str) -> bool:
+    """Whether ``text`` says a peer closed the connection under this rank (:data:`CONNECTION_LOST`): the
+    launcher's test for a failure that is a consequence of another rank's."""
+    return any(words in text for words in CONNECTION_LOST)
+
+
 # --------------------------------------------------------------------------- advice, written once
 
 #: the rule most distributed mistakes break, as every hint words it

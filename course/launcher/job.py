@@ -43,13 +43,13 @@ import cloudpickle
 
 from course.envnames import BACKEND_ENV, CPUS_ENV, GRADING_ENV, STALLS_ENV
 from course.errors import (
-    CONNECTION_LOST,
     LOST_PEER_ADVICE,
     SAME_COLLECTIVES,
     RankFailedError,
     RankFailure,
     RankStallError,
     RankTimeoutError,
+    connection_lost,
     describe_exit,
     explain,
     rank_list,
@@ -64,8 +64,6 @@ from course.proc import kill_group
 
 DEFAULT_TIMEOUT = 120.0
 _GRACE = 1.0  # seconds other ranks get to report their own error after the first failure
-# a timed-out rank may have waited for a peer that is alive elsewhere: only a closed connection is a consequence
-_CONNECTION_HINTS = CONNECTION_LOST
 
 
 def _code_reduce(code):
@@ -436,7 +434,8 @@ def _failure_key(rank, failures, specs, outcome):
     """Root causes first: a rank that lost a peer's connection failed *because* of another rank;
     then by when the rank wrote its report (more exact than when the launcher noticed)."""
     failure = failures.get(rank)
-    secondary = failure is not None and any(h in failure.message for h in _CONNECTION_HINTS)
+    # a timed-out rank may have waited for a peer alive elsewhere: only a closed connection is a consequence
+    secondary = failure is not None and connection_lost(failure.message)
     try:
         written = os.stat(specs[rank].error_path).st_mtime_ns
     except OSError:
@@ -462,6 +461,6 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
     known = explain(f"{f.message}\n{f.traceback}") if f.kind == "raised" else None
     if known:
         lines.append(f"hint: {known}")
-    elif f.kind == "raised" and any(h in f.message for h in _CONNECTION_HINTS):
+    elif f.kind == "raised" and connection_lost(f.message):
         lines.append(f"hint: {LOST_PEER_ADVICE}")
     return "\n".join(lines)
