@@ -29,6 +29,12 @@ CELL_TIMEOUT = 300  # seconds per cell; the whole notebook is bounded by each te
 
 _timings: dict[str, float] = {}
 
+# Sandboxes graded by the suite take uids from the lower part of the sandbox's range; the adversarial
+# attacks take the upper part (tests/adversarial/runs.py), so their "no process left behind" checks see
+# their own sandboxes only, whatever the other worker is grading meanwhile.
+os.environ.setdefault("DDP_COURSE_SANDBOX_UIDS", "61000-61399")
+
+
 def lesson_path(key: str) -> Path:
     """The one lesson notebook whose name starts with ``key`` ("01" or "01-data-vs-model-parallelism")."""
     matches = sorted(LESSONS.glob(f"{key}*.ipynb"))
@@ -73,10 +79,6 @@ def executed_lesson():
     return get
 
 
-# Sandboxes graded by the suite take uids from the lower part of the sandbox's range; the adversarial
-# attacks take the upper part (tests/adversarial/runs.py), so their "no process left behind" checks see
-# their own sandboxes only, whatever the other worker is grading meanwhile.
-os.environ.setdefault("DDP_COURSE_SANDBOX_UIDS", "61000-61399")
 #: the longest files (seconds on this 2-core machine, measured with --durations) start first
 LONGEST_FIRST = ("test_graders_ex4.py", "test_instructor.py", "adversarial/", "test_rootless.py", "test_slurm.py",
                  "test_graders_ex2_debug.py", "test_graders_ex2.py", "test_launch.py", "test_graders_ex3_fsdp.py",
