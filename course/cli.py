@@ -32,16 +32,30 @@ class LazyGroup(click.Group):
     """A click group whose subcommands are imported on first use.
 
     The library raises the project's own errors (:class:`course.errors.CourseError`); this is
-    the one place they become click errors: one line on stderr, exit status 1, no traceback.
+    the one place they become click errors: one line on stderr, no traceback. Exit status (every verb):
+    0 all done; 1 nothing done, a usage or input error; 2 done in part, what was not done is listed
+    (:class:`course.errors.PartlyDone`).
     """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            err.exit_code = 1  # course.errors.EXIT_ERROR: 2 means "done in part" here
+            raise
 
     def invoke(self, ctx):
         from course.errors import CourseError
 
         try:
             return super().invoke(ctx)
+        except click.UsageError as err:
+            err.exit_code = 1
+            raise
         except CourseError as err:
-            raise click.ClickException(str(err)) from None
+            error = click.ClickException(str(err))
+            error.exit_code = err.exit_code
+            raise error from None
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)
@@ -71,6 +85,9 @@ def main() -> None:
 
     Lessons and exercises run real multi-process jobs (gloo on a CPU, nccl on GPUs);
     exercises are autograded on nbgrader.
+
+    Exit status of every verb: 0 all done; 1 nothing done (a usage or input error, said in one line);
+    2 done in part (what was not done is listed: files not filed, submissions not graded).
     """
 
 

@@ -111,8 +111,33 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code} without a Python traceback (os._exit, a crash in C code, or a killed process)"
 
 
+#: exit status of every ``ddp-course`` verb: all done; nothing done (a usage or input error, one line on stderr);
+#: done in part (some submissions could not be filed, graded or written: the verb lists which and why)
+EXIT_OK, EXIT_ERROR, EXIT_PARTLY = 0, 1, 2
+
+
 class CourseError(Exception):
     """An error the engine raises on purpose; ``str()`` says what happened and what to do."""
+
+    exit_code = EXIT_ERROR
+
+
+class PartlyDone(CourseError):
+    """A verb did what it could and has already listed what it could not do; exit status :data:`EXIT_PARTLY`."""
+
+    exit_code = EXIT_PARTLY
+
+
+def unknown_names(kind: str, unknown: Iterable[str], known: Iterable[str]) -> str:
+    """"unknown student(s): bob (did you mean bobby?); known: alice, bobby" for an input error."""
+    import difflib
+
+    known = sorted(set(known))
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return f"unknown {kind}(s): {', '.join(parts)}; known: {', '.join(known) or 'none yet'}"
 
 
 @dataclass

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
@@ -362,15 +363,128 @@ def test_collect_files_a_zip_and_reports_the_rest(tmp_path):
     assert filed == {("alice", "ex0-tiny"): ("alice_111_333_tiny-1.ipynb", "new"),
                      ("bob", "ex0-tiny"): ("bob/tiny.ipynb", "new")}
     problems = dict(report.problems)
-    assert "older duplicate" in problems["alice_111_222_tiny.ipynb"]
+    assert "older copy" in problems["alice_111_222_tiny.ipynb"] and "alice_111_333_tiny-1.ipynb" in problems[
+        "alice_111_222_tiny.ipynb"]
     assert "no notebook name" in problems["carol_essay.ipynb"]
     assert "not a readable notebook" in problems["dan_tiny.ipynb"]
-    assert not any("evil" in p or "MACOSX" in p for p in problems)
+    assert "unsafe path" in problems["../evil_tiny.ipynb"]
+    assert not (tmp_path / "evil_tiny.ipynb").exists() and not list(tmp_path.rglob("evil*"))
+    assert "system file" in dict(report.skipped)["__MACOSX/._alice_tiny.ipynb"]
     assert (tmp_path / "course/submitted/alice/ex0-tiny/tiny.ipynb").read_bytes() == nb + b" "
+    # the submission's time is the newest filed copy's (the zip's date, local time), in nbgrader's own file
+    stamp = course.coursedir.get_existing_timestamp(str(tmp_path / "course/submitted/alice/ex0-tiny"))
+    assert stamp.replace(tzinfo=timezone.utc).astimezone().replace(tzinfo=None) == datetime(2024, 1, 2, 10, 0, 0)
     with course.gradebook() as gb:
         assert sorted(s.id for s in gb.students) == ["alice", "bob"]
     again = collect(course, archive)
     assert {status for _, _, status in again.filed} == {"unchanged"}
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name")  # the zip holds one name twice on purpose
+def test_collect_lists_every_entry_it_does_not_file_and_guesses_no_tie(tmp_path):
+    from click.testing import CliRunner
+
+    from course.cli import main
+
+    init_course(tmp_path / "course", exercises=TINY)
+    course = Course(tmp_path / "course")
+    nb = nbformat.v4.new_notebook()
+    one, other = nbformat.writes(nb).encode(), nbformat.writes(nb).encode() + b"\n"
+    noon = (2024, 3, 1, 12, 0, 0)
+    archive = tmp_path / "lms.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr(zipfile.ZipInfo("../../mallory_tiny.ipynb", noon), one)
+        zf.writestr(zipfile.ZipInfo("/abs/oscar_tiny.ipynb", noon), one)
+        zf.writestr(zipfile.ZipInfo("henry_tiny.ipynb", noon), one)
+        zf.writestr(zipfile.ZipInfo("henry_tiny.ipynb", noon), other)  # the same name twice: the later entry wins
+        zf.writestr(zipfile.ZipInfo("ivy/tiny.ipynb", noon), one)
+        zf.writestr(zipfile.ZipInfo("ivy_tiny.ipynb", noon), other)  # a folder and a flat copy, same time, different
+        zf.writestr(zipfile.ZipInfo("judy/tiny.ipynb", noon), one)
+        zf.writestr(zipfile.ZipInfo("judy_tiny.ipynb", noon), one)  # the same bytes twice: one copy
+    runner = CliRunner()
+    result = runner.invoke(main, ["collect", str(archive), "-C", str(course.root)])
+    assert result.exit_code == 2, result.output  # done in part
+    out = " ".join(result.output.split())
+    assert "5 file(s) not filed" in out and "filed 2 notebook(s)" in out
+    report_again = collect_report(course, archive)
+    filed = {p.student: rel for rel, p, _ in report_again.filed}
+    assert filed == {"henry": "henry_tiny.ipynb", "judy": "judy_tiny.ipynb"}  # of two identical copies, the later
+    assert (course.root / "submitted/henry/ex0-tiny/tiny.ipynb").read_bytes() == other
+    problems = {}
+    for rel, why in report_again.problems:
+        problems.setdefault(rel, []).append(why)
+    assert "unsafe path" in problems["../../mallory_tiny.ipynb"][0] and "unsafe path" in problems["/abs/oscar_tiny.ipynb"][0]
+    assert any("older copy" in why for why in problems["henry_tiny.ipynb"])  # the earlier entry, named
+    assert "same time: not filed" in problems["ivy/tiny.ipynb"][0] and "same time" in problems["ivy_tiny.ipynb"][0]
+    assert not (course.root / "submitted/ivy").exists()
+    assert any("identical copy" in why for _, why in report_again.skipped)
+
+    # a damaged zip: one line, exit 1, nothing in the course changed
+    before = _snapshot(course.root)
+    broken = tmp_path / "broken.zip"
+    data = archive.read_bytes()
+    broken.write_bytes(data[: len(data) // 2] + b"\0" * 64 + data[len(data) // 2 + 64:])
+    result = runner.invoke(main, ["collect", str(broken), "-C", str(course.root)])
+    assert result.exit_code == 1 and "damaged" in result.output and "nothing was filed" in result.output, result.output
+    assert "Traceback" not in result.output
+    assert _snapshot(course.root) == before
+
+
+def collect_report(course, given):
+    from course.instructor.collect import collect
+
+    return collect(course, given)
+
+
+def test_unknown_names_and_bad_jobs_are_input_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from course.cli import main
+
+    init_course(tmp_path / "course", exercises=TINY)
+    course = Course(tmp_path / "course")
+    incoming = tmp_path / "in"
+    incoming.mkdir()
+    for student in ("alice", "bobby"):
+        nbformat.write(nbformat.v4.new_notebook(), incoming / f"{student}_tiny.ipynb")
+    runner = CliRunner()
+    assert runner.invoke(main, ["collect", str(incoming), "-C", str(course.root)]).exit_code == 0
+    before = _snapshot(course.root)
+    for verb in ("autograde", "feedback"):
+        result = runner.invoke(main, [verb, "--student", "bob", "-C", str(course.root)])
+        assert result.exit_code == 1, result.output
+        assert "unknown student(s): bob (did you mean bobby?); known: alice, bobby" in result.output
+    result = runner.invoke(main, ["autograde", "ex0-tinny", "-C", str(course.root)])
+    assert result.exit_code == 1 and "did you mean ex0-tiny?" in result.output, result.output
+    for jobs in ("0", "-1", "two"):
+        result = runner.invoke(main, ["autograde", "--jobs", jobs, "-C", str(course.root)])
+        assert result.exit_code == 1 and "--jobs" in result.output, result.output
+    assert runner.invoke(main, ["no-such-verb"]).exit_code == 1
+    assert _snapshot(course.root) == before
+
+
+def test_export_says_in_one_line_why_it_cannot_write(tmp_path):
+    from click.testing import CliRunner
+
+    from course.cli import main
+
+    init_course(tmp_path / "course", exercises=TINY)
+    runner = CliRunner()
+    for out, why in ((tmp_path / "nowhere" / "dir" / "grades.csv", "does not exist"),
+                     (Path("/proc/grades.csv"), "cannot write /proc/grades.csv")):
+        result = runner.invoke(main, ["export", "--out", str(out), "-C", str(tmp_path / "course")])
+        assert result.exit_code == 1 and why in result.output, result.output
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "nowhere").exists()
+    folder = runner.invoke(main, ["export", "--out", str(tmp_path), "-C", str(tmp_path / "course")])
+    assert folder.exit_code == 1 and "is a directory" in folder.output  # click's own check, a usage error
+    result = runner.invoke(main, ["export", "--out", str(tmp_path / "g.csv"), "-C", str(tmp_path / "course")])
+    assert result.exit_code == 0, result.output
+    assert next(csv.reader(open(tmp_path / "g.csv")))[-1] == "status"
 
 
 @pytest.mark.slow
@@ -467,8 +581,9 @@ def test_tiny_course_end_to_end(tmp_path):
            "import signal, time\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(10000)")
     cli("collect", str(hang), cwd=course_dir)
     started = time.monotonic()
-    stuck = cli("autograde", "--timeout", "40", cwd=course_dir)
+    stuck = cli("autograde", "--timeout", "40", cwd=course_dir, check=False)
     assert time.monotonic() - started < 150
+    assert stuck.returncode == 2 and "1 of 5 submission(s) could not be graded" in stuck.stderr, stuck  # done in part
     assert re.search(r"henry.*timeout", stuck.stdout), stuck.stdout
     leftovers = [p for p in psutil.process_iter(["cwd"]) if str(course_dir) in (p.info["cwd"] or "")]
     assert_all_gone(leftovers, within=10)
@@ -601,6 +716,8 @@ def test_course_exercises_end_to_end(tmp_path):
     assert score[("dee", "ex1-parallelism")] < top["ex1-parallelism"]
     for assignment in ("ex2-ddp-basics", "ex3-syncbn-sharding", "ex4-torchrun"):
         assert grades[("dee", assignment)]["timestamp"] == "" and score[("dee", assignment)] == 0
+        assert grades[("dee", assignment)]["status"] == "not submitted"
+    assert {grades[("cy", a)]["status"] for a in CLASS["cy"]} == {"graded"}  # a graded 0 is not "not submitted"
     # the gradebook holds what the autograded notebooks show
     assert autograded_scores(course_dir) == {k: float(grades[k]["raw_score"]) for k in autograded_scores(course_dir)}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from course.errors import CourseError
+from course.errors import CourseError, unknown_names
 
 CONFIG_FILE = "nbgrader_config.py"
 #: our own records (autograde outcomes, logs, scratch space); nbgrader never looks inside
@@ -133,10 +133,27 @@ class Course:
             return known
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise CourseError(
-                f"unknown assignment(s): {', '.join(unknown)}; source/ has: {', '.join(known) or 'nothing'}"
-            )
+            raise CourseError(unknown_names("assignment", unknown, known) + " (the folders of source/)")
         return list(names)
+
+    def students(self) -> list[str]:
+        """Every student with a folder in submitted/ or autograded/, sorted."""
+        found = set()
+        for kind in ("submitted", "autograded"):
+            folder = self.folder(kind)
+            if folder.is_dir():
+                found.update(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(found)
+
+    def pick_students(self, names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        """The named students, with a clear error (and the closest known name) for unknown ones."""
+        if not names:
+            return ()
+        known = self.students()
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise CourseError(unknown_names("student", unknown, known) + " (students with a submission)")
+        return tuple(names)
 
 
 course_dir_option = click.option(

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from course.instructor.autograde import run_autograde, summary_table
+from course.instructor.autograde.run import default_jobs
 from course.instructor.collect import collect
 from course.instructor.coursedir import Course
 from course.instructor.export import export_grades, grade_table
@@ -72,7 +73,8 @@ def run_demo(root: Path, *, students: int = 2, jobs: int = 2, exercises: Path | 
 @click.command()
 @click.argument("root", metavar="[DIR]", required=False, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--students", default=2, show_default=True, help="Sample students (reference solution, typical mistakes, ...).")
-@click.option("--jobs", "-j", default=2, show_default=True, help="Submissions graded at the same time.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=default_jobs(), show_default=True,
+              help="Submissions graded at the same time (a positive integer; autograde's default).")
 @click.option("--assignment", "assignments", multiple=True, help="Only this assignment (repeatable; default: all).")
 @click.option("--exercises", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Folder of exercises to use (default: the course's).")

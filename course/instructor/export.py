@@ -1,17 +1,20 @@
 """``ddp-course export``: the grades CSV, from nbgrader's own CsvExportPlugin.
 
 One row per student and assignment, students without a submission included
-(score 0, empty timestamp), exactly as ``nbgrader export`` writes it; then a
-student-by-assignment table on the terminal.
+(score 0, empty timestamp), as ``nbgrader export`` writes it, plus a ``status``
+column (``graded`` or ``not submitted``: both can score 0); then a
+student-by-assignment table on the terminal (``-`` for not submitted).
 """
 
 from __future__ import annotations
 
 import csv
+import tempfile
 from pathlib import Path
 
 import click
 
+from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
 
 
@@ -19,15 +22,30 @@ def export_grades(course: Course, out: Path, assignments: list[str] | tuple[str,
     """Write the grades CSV to ``out`` with nbgrader's CsvExportPlugin; returns its rows."""
     from nbgrader.plugins import CsvExportPlugin
 
-    out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(out).absolute()
+    if not out.parent.is_dir():
+        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
+    if out.is_dir():
+        raise CourseError(f"cannot write {out}: it is a folder (nothing written)")
     plugin = CsvExportPlugin(config=course.config)
-    plugin.to = str(out)
     plugin.assignment = list(assignments)
-    with course.gradebook() as gb:
-        plugin.export(gb)
-    with open(out, newline="") as fh:
-        return list(csv.DictReader(fh))
+    with tempfile.TemporaryDirectory(prefix="ddp-export-") as tmp:
+        plugin.to = str(Path(tmp) / "grades.csv")
+        with course.gradebook() as gb:
+            plugin.export(gb)
+            with open(plugin.to, newline="") as fh:
+                rows = list(csv.DictReader(fh))
+            graded = {(s.student.id, s.assignment.name) for a in gb.assignments for s in a.submissions}
+    for row in rows:  # nbgrader writes 0 for "graded 0" and for "never submitted" alike: say which
+        row["status"] = "graded" if (row["student_id"], row["assignment"]) in graded else "not submitted"
+    try:
+        with open(out, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=[*(rows[0] if rows else {"status": ""})])
+            writer.writeheader()
+            writer.writerows(rows)
+    except OSError as err:
+        raise CourseError(f"cannot write {out}: {err.strerror or err} (nothing written)") from None
+    return rows
 
 
 def grade_table(rows: list[dict]):
@@ -47,7 +65,8 @@ def grade_table(rows: list[dict]):
                 continue
             score, max_score = float(row["score"]), float(row["max_score"] or 0)
             total, total_max = total + score, total_max + max_score
-            cells.append(f"{score:g}/{max_score:g}" if row["timestamp"] or score else f"[dim]-/{max_score:g}")
+            graded = row.get("status", "graded" if row["timestamp"] or score else "") == "graded"
+            cells.append(f"{score:g}/{max_score:g}" if graded else f"[dim]-/{max_score:g}")
         table.add_row(student, *cells, f"{total:g}/{total_max:g}")
     return table
 

@@ -101,7 +101,7 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
 def command(assignments, students, course_dir):
     """Write HTML feedback (score per check, failure messages, no hidden tests) for every graded submission."""
     course = Course.open(course_dir)
-    pages = generate_feedback(course, course.pick_assignments(assignments), students)
+    pages = generate_feedback(course, course.pick_assignments(assignments), course.pick_students(students))
     for page in pages:
         click.echo(f"wrote {page.relative_to(course.root)}")
     click.echo(f"{len(pages)} feedback page(s); none shows hidden tests")

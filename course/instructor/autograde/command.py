@@ -7,6 +7,7 @@ import click
 
 from course.instructor.autograde.records import summary_table
 from course.instructor.autograde.run import default_jobs, run_autograde
+from course.errors import PartlyDone
 from course.instructor.coursedir import Course, course_dir_option
 
 #: options that only mean something with --slurm or --collect
@@ -15,7 +16,8 @@ _SLURM_ONLY = ("partition", "account", "time_limit", "cpus_per_task", "mem", "gp
 
 @click.command()
 @click.argument("assignments", nargs=-1)
-@click.option("--jobs", "-j", default=default_jobs(), show_default=True, help="Submissions graded at the same time.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=default_jobs(), show_default=True,
+              help="Submissions graded at the same time (a positive integer).")
 @click.option("--student", "students", multiple=True, help="Grade only this student (repeatable).")
 @click.option("--force", is_flag=True, help="Grade again submissions that are already graded.")
 @click.option("--timeout", type=float, default=None,
@@ -40,7 +42,11 @@ _SLURM_ONLY = ("partition", "account", "time_limit", "cpus_per_task", "mem", "gp
 @course_dir_option
 def command(assignments, jobs, students, force, timeout, slurm, partition, account, time_limit, cpus_per_task, mem,
             gpus_per_task, per_task, no_wait, collect, course_dir):
-    """Autograde every submission (of all or the named assignments) on nbgrader, N at a time, or on Slurm."""
+    """Autograde every submission (of all or the named assignments) on nbgrader, N at a time, or on Slurm.
+
+    Exit status: 0 every submission graded (or queued on Slurm), 1 a usage or input error (nothing graded),
+    2 some submissions could not be graded (listed; ddp-course status says why).
+    """
     from rich.console import Console
 
     given = {"partition": partition, "account": account, "time_limit": time_limit, "cpus_per_task": cpus_per_task,
@@ -53,6 +59,7 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
     course = Course.open(course_dir)
     console = Console()
     picked = course.pick_assignments(assignments)
+    students = course.pick_students(students)
     if slurm or collect:
         from course.instructor.autograde.slurm import SlurmOptions, run_slurm
 
@@ -61,7 +68,7 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
         run = run_slurm(course, picked, options=options, students=students, force=force, timeout=timeout,
                         wait=not no_wait, collect_only=collect, console=console)
     else:
-        run = run_autograde(course, picked, jobs=max(1, jobs), students=students, force=force, timeout=timeout,
+        run = run_autograde(course, picked, jobs=jobs, students=students, force=force, timeout=timeout,
                             console=console)
     if not run.rows:
         console.print("no Slurm run to collect" if collect else
@@ -83,3 +90,5 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
             console.print("[yellow]interrupted: everything graded so far is saved; run ddp-course autograde again "
                           "for the rest")
         raise SystemExit(130)
+    if bad:
+        raise PartlyDone(f"{len(bad)} of {len(run.rows)} submission(s) could not be graded (listed above)")
