@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import click
 
+from course.errors import PartlyDone
 from course.instructor.autograde.records import summary_table
 from course.instructor.autograde.run import default_jobs, run_autograde
-from course.errors import PartlyDone
 from course.instructor.coursedir import Course, course_dir_option
 
 #: options that only mean something with --slurm or --collect
