@@ -147,6 +147,32 @@ def test_collect_reports_what_it_cannot_place(path, why):
         names.place(path, NOTEBOOKS)
 
 
+def test_sample_mistakes_do_what_their_names_say():
+    from course.instructor.samples import _answers, apply_mistakes
+
+    def applied(assignment, notebook):
+        answers = _answers(nbformat.read(EXERCISES / assignment / f"{notebook}.ipynb", as_version=4))
+        return {name for text in answers.values() for name in apply_mistakes(text)[1]}
+
+    # ex1 saves nothing: turning its other `if rank == 0:` guards into `if True:` is not "saves on every rank"
+    assert "saves on every rank" not in applied("ex1-parallelism", "parallelism")
+    assert "saves on every rank" in applied("ex2-ddp-basics", "ddp_basics")
+    edited, names = apply_mistakes("if rank == 0:\n    print('loss', loss)\nif rank == 0:\n    torch.save(sd, p)\n")
+    assert names == ["saves on every rank"] and edited.startswith("if rank == 0:\n    print")
+
+
+def test_every_test_cell_is_described_by_what_it_checks_without_its_hidden_part():
+    from course.instructor.checknames import describe_notebook
+
+    for path in sorted(EXERCISES.glob("*/*.ipynb")):
+        described = describe_notebook(path)
+        hidden = hidden_lines(path)
+        assert described, path
+        for grade_id, about in described.items():
+            assert len(about) > 20 and about != grade_id and "graders." not in about, (path.name, grade_id, about)
+            assert not [line for line in hidden if line in about], (path.name, grade_id)
+
+
 # -- fast: init --------------------------------------------------------------------------------------------
 
 
@@ -736,6 +762,8 @@ def test_course_exercises_end_to_end(tmp_path):
     assert redacted >= len(pages) // 2, (redacted, len(pages))  # most pages had hidden tests to take out
     bob = plain_text((course_dir / "feedback/bob/ex1-parallelism/parallelism.html").read_text())
     assert "FAILED" in bob or "Error" in bob  # the failing check says why
+    assert "Test cell" not in bob and "ex1_test_shards: Every row of the global batch is on exactly one rank" in bob
+    assert "ddp-course-wrap" in (course_dir / "feedback/bob/ex1-parallelism/parallelism.html").read_text()
 
     status = cli("status", cwd=course_dir).stdout
     assert "not graded" in status and not re.search(r"│\s*(failed|timeout)\s*│", status), status

@@ -6,16 +6,21 @@ went wrong and what to try). :class:`~course.instructor.redact.RedactHiddenTests
 takes the hidden tests out first (nbgrader #917); then every page is read back
 and one that still shows a hidden test line is deleted and reported, and each
 page gets a style that wraps long output lines (a check's message, a traceback)
-instead of cutting them off at the page's right edge.
+instead of cutting them off at the page's right edge and draws the instructions'
+tables; its contents name each test cell by what its check checks
+(:mod:`course.instructor.checknames`).
 """
 
 from __future__ import annotations
 
+import html
+import re
 from pathlib import Path
 
 import click
 
 from course.errors import CourseError
+from course.instructor.checknames import describe_notebook
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secrets_of
 
@@ -24,11 +29,18 @@ class FeedbackLeak(CourseError):
     """A feedback page still shows hidden test source."""
 
 
-#: long lines of outputs (messages, tracebacks) wrap in the page instead of running off its right edge
+#: long lines of outputs (messages, tracebacks) wrap in the page instead of running off its right edge; the
+#: instructions' markdown tables get borders and padding (the page's reset style sets cells' padding to 0, so a
+#: header "part | you write" read as "partyou write")
 WRAP_STYLE = ('<style id="ddp-course-wrap">'
               ".output_area pre, .output_subarea pre, .jp-OutputArea-output pre, div.output_text pre "
               "{white-space: pre-wrap; overflow-wrap: anywhere;}"
+              ".rendered_html table {border-collapse: collapse; margin: 0.5em 0;}"
+              ".rendered_html th, .rendered_html td {border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left;"
+              " vertical-align: top;}"
               "</style>")
+#: nbgrader's table of contents: ``<a href="#GRADE_ID">Test cell</a>``, the same words for every check
+_TOC_LINK = re.compile(r'<a href="#([^"]+)">Test cell</a>')
 
 
 def wrap_long_lines(page: Path) -> None:
@@ -39,6 +51,19 @@ def wrap_long_lines(page: Path) -> None:
     at = text.find("</head>")
     text = text[:at] + WRAP_STYLE + text[at:] if at >= 0 else WRAP_STYLE + text
     page.write_text(text)
+
+
+def name_test_links(page: Path, descriptions: dict[str, str]) -> None:
+    """Each "Test cell" link of the page's contents says what its check checks (and its id)."""
+    text = page.read_text(errors="replace")
+
+    def named(match: re.Match) -> str:
+        grade_id = html.unescape(match.group(1))
+        about = descriptions.get(grade_id)
+        label = f"{grade_id}: {about}" if about else grade_id
+        return f'<a href="#{match.group(1)}">{html.escape(label)}</a>'
+
+    page.write_text(_TOC_LINK.sub(named, text))
 
 
 def ensure_redaction(config) -> None:
@@ -88,6 +113,8 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
                     leaks.append(f"{page.relative_to(course.root)}: {', '.join(repr(s) for s in found)}")
                 else:
                     wrap_long_lines(page)
+                    source = course.folder("source", assignment=assignment) / f"{page.stem}.ipynb"
+                    name_test_links(page, describe_notebook(source) if source.is_file() else {})
                     pages.append(page)
     if leaks:
         raise FeedbackLeak("feedback pages showing hidden tests were deleted:\n  " + "\n  ".join(leaks))

@@ -40,17 +40,36 @@ _STALL = (
 
 @dataclass(frozen=True)
 class Mistake:
-    """A typical mistake as a line edit: lines matching ``pattern`` become ``replacement``."""
+    """A typical mistake as a line edit: lines matching ``pattern`` become ``replacement``; with ``block``, only a
+    line whose indented block (the lines under it) matches ``block``, so the sample does what its name says."""
 
     name: str
     pattern: str
     replacement: str
+    block: str | None = None
+
+    def apply(self, text: str) -> str:
+        if self.block is None:
+            return re.sub(self.pattern, self.replacement, text, flags=re.MULTILINE)
+        lines = text.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if not re.match(self.pattern, line.rstrip("\n")):
+                continue
+            indent = len(line) - len(line.lstrip())
+            body = []
+            for below in lines[i + 1:]:
+                if below.strip() and len(below) - len(below.lstrip()) <= indent:
+                    break
+                body.append(below)
+            if re.search(self.block, "".join(body)):
+                lines[i] = re.sub(self.pattern, self.replacement, line.rstrip("\n")) + line[len(line.rstrip("\n")):]
+        return "".join(lines)
 
 
 MISTAKES = (
     Mistake("forgets sampler.set_epoch(epoch)", r"^(\s*)\S.*\.set_epoch\(.*$", r"\1pass  # (forgot set_epoch)"),
     Mistake("saves on every rank", r"^(\s*)if (?:rank|dist\.get_rank\(\)) == 0:[ \t]*(?:#.*)?$",
-            r"\1if True:  # (every rank)"),
+            r"\1if True:  # (every rank)", block=r"\bsave\w*\(|\.write|open\("),
     Mistake("saves the DDP wrapper's state dict", r"\.module\.state_dict\(\)", ".state_dict()"),
     Mistake("sums gradients without averaging", r"\s*/\s*(?:world_size|dist\.get_world_size\(\))\b", ""),
     Mistake("skips the barrier", r"^(\s*)dist\.barrier\(\)\s*$", r"\1pass  # (no barrier)"),
@@ -88,7 +107,7 @@ def apply_mistakes(text: str) -> tuple[str, list[str]]:
     """``text`` with every applicable mistake typed in; also the names of those applied."""
     applied = []
     for mistake in MISTAKES:
-        new = re.sub(mistake.pattern, mistake.replacement, text, flags=re.MULTILINE)
+        new = mistake.apply(text)
         if new != text:
             applied.append(mistake.name)
             text = new
