@@ -9,6 +9,10 @@ from course.launcher.job import JobResult, backend, launch, run_ranks, warm_up
 
 __version__ = "0.1.0"
 
+from course.launcher import display as _display  # noqa: E402 - after the public names it shows
+
+_display.install()  # in a notebook: a failed job or check shows the student's frames and the message, once
+
 __all__ = [
     "JobResult",
     "LaunchError",

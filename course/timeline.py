@@ -47,6 +47,7 @@ class Recorder:
 
     def watch_ddp(self, ddp_model) -> None:
         """Record each layer's backward and each gradient bucket's all-reduce (launch to completion)."""
+        import torch
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         recorder = self
@@ -69,15 +70,28 @@ class Recorder:
             if next(module.children(), None) is not None or not any(True for _ in module.parameters(recurse=False)):
                 continue  # leaf layers with parameters only
 
-            def pre(module, grad_output, name=name):
-                module._ddp_course_backward_start = time.time()
+            # a layer's backward: from the gradient of its output (a hook on the output tensor) to the last of its
+            # parameters' gradients (post-accumulate hooks). Not module backward hooks: on a first layer, whose
+            # input needs no gradient, those make torch warn "Full backward hook is firing ..." at every step.
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            state = {"start": None, "pending": 0}
 
-            def post(module, grad_input, grad_output, name=name):
-                recorder.add("backward", f"backward {name}", getattr(module, "_ddp_course_backward_start", time.time()),
-                             time.time())
+            def started(grad, state=state, count=len(params)):
+                state["start"], state["pending"] = time.time(), count
 
-            module.register_full_backward_pre_hook(pre)
-            module.register_full_backward_hook(post)
+            def output_hook(module, args, output, started=started):
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(started)
+
+            def accumulated(param, name=name, state=state):
+                state["pending"] -= 1
+                if state["pending"] == 0 and state["start"] is not None:
+                    recorder.add("backward", f"backward {name}", state["start"], time.time())
+                    state["start"] = None
+
+            module.register_forward_hook(output_hook)
+            for param in params:
+                param.register_post_accumulate_grad_hook(accumulated)
 
 
 @contextlib.contextmanager

@@ -611,3 +611,19 @@ def test_the_verifier_forkserver_is_forked_only_when_safe_and_keeps_nothing_of_i
         assert seen["view"]["secret"] is None  # what the parent holds after the fork never reaches a rank
         assert seen["view"]["dumpable"] == 1  # as a freshly started forkserver's ranks are
         assert seen["channel"] not in seen["view"]["fds"]
+
+
+def test_a_later_failure_is_called_a_consequence_only_when_it_lost_its_peer():
+    from course.errors import RankFailure
+    from course.launcher.job import _failure_summary
+
+    first = RankFailure(1, "raised", exc_type="ValueError", message="bad value")
+    lost = RankFailure(0, "raised", exc_type="RuntimeError", message="[gloo] Connection closed by peer [127.0.0.1]")
+    text = _failure_summary(1, {1: first, 0: lost}, [], [1, 0], 2)
+    assert "then rank 0 failed too, as a consequence" in text
+    same = RankFailure(0, "raised", exc_type="ValueError", message="bad value")
+    text = _failure_summary(1, {1: first, 0: same}, [], [1, 0], 2)
+    assert "rank 0 raised the same error on its own (not because of rank 1)" in text and "consequence" not in text
+    other = RankFailure(0, "raised", exc_type="KeyError", message="'x'")
+    text = _failure_summary(1, {1: first, 0: other}, [], [1, 0], 2)
+    assert "rank 0 raised KeyError: 'x' on its own (not because of rank 1)" in text and "consequence" not in text

@@ -57,3 +57,44 @@ def test_notebook_functions_classes_and_globals_run_on_2_and_4_ranks():
     assert "raise KeyError('missing on purpose')" in report  # the cell's source line travels with the function
     for i in range(len(CELLS)):
         assert stderr(i) == "", f"cell {i} wrote to stderr: {stderr(i)}"
+
+
+FAILING = [
+    "import course, torch, torch.distributed as dist",
+    "def step(rank):\n"
+    "    dist.init_process_group('gloo')\n"
+    "    t = torch.ones(2)\n"
+    "    if rank == 0:\n"
+    "        dist.all_reduce(t)\n"
+    "    return t.tolist()",
+    "course.run_ranks(step, 2, timeout=30)",
+    "def no_group(rank):\n"
+    "    t = torch.ones(2)\n"
+    "    dist.all_reduce(t)",
+    "course.run_ranks(no_group, 2, timeout=30)",
+    "1 / 0",
+]
+
+
+def test_a_failed_job_shows_the_students_cells_and_one_summary_in_a_notebook():
+    import re
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in FAILING]
+    NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=True).execute()
+
+    def error(i):
+        (out,) = [o for o in nb.cells[i].outputs if o.output_type == "error"]
+        return out.ename, re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(out.traceback))
+
+    ename, deadlock = error(2)
+    assert ename == "RankStallError"
+    assert deadlock.count("is deadlocked") == 1, deadlock  # the summary once
+    assert "course/launcher" not in deadlock and "job.py" not in deadlock, deadlock  # no engine frames
+    assert "Cell In[3], line 1" in deadlock  # the student's own call
+    assert "Cell In[2], line 5 in step" in deadlock and "ipykernel_" not in deadlock  # the stack names the cell
+    _, independent = error(4)
+    assert "raised the same error on its own" in independent and "consequence" not in independent, independent
+    assert "course/launcher" not in independent
+    ename, plain = error(5)  # other errors keep IPython's own display
+    assert ename == "ZeroDivisionError" and "Cell In[6], line 1" in plain

@@ -8,6 +8,7 @@ summarised at the end of the run.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,28 @@ def test_lesson_executes_top_to_bottom(path, executed_lesson):
     nb = executed_lesson(path.stem)  # raises CellExecutionError (with the cell) if any cell fails
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count for c in code), "some code cells did not run"
+
+
+#: warnings a lesson shows on purpose (it teaches what they mean), by lesson file stem: regexes of the message
+TAUGHT_WARNINGS: dict[str, tuple[str, ...]] = {}
+_WARNING = re.compile(r"\b(\w*Warning): (.*)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", LESSONS, ids=_ids)
+def test_lesson_shows_no_warning_it_does_not_teach(path, executed_lesson):
+    nb = executed_lesson(path.stem)
+    taught = [re.compile(p) for p in TAUGHT_WARNINGS.get(path.stem, ())]
+    found = []
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            text = output.get("text", "") + "".join(str(v) for k, v in output.get("data", {}).items()
+                                                    if k == "text/plain")
+            for kind, message in _WARNING.findall(text):
+                if not any(p.search(message) for p in taught):
+                    found.append(f"cell {index}: {kind}: {message[:200]}")
+    assert not found, f"{_ids(path)} shows warnings it does not teach:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=_ids)

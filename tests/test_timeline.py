@@ -39,6 +39,31 @@ def test_a_rank_records_its_collectives_with_start_end_and_line():
     assert waited[0] > waited[1] + 0.1  # rank 0 waited in the all_reduce for the late rank 1
 
 
+def _ddp_step_watched(rank):
+    import warnings
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    with warnings.catch_warnings(record=True) as caught, timeline.record() as rec:
+        warnings.simplefilter("always")
+        rec.watch_ddp(ddp_model)
+        for _ in range(2):
+            ddp_model(torch.randn(3, 4)).sum().backward()
+    dist.destroy_process_group()
+    return rec.events, [str(w.message) for w in caught]
+
+
+def test_watching_ddp_records_each_layers_backward_and_each_bucket_without_warnings():
+    for events, warned in course.run_ranks(_ddp_step_watched, 2, echo=False):
+        assert warned == []  # no "Full backward hook is firing ..." from the course's own hooks
+        backward = [e["name"] for e in events if e["kind"] == "backward"]
+        assert backward == ["backward 2", "backward 0"] * 2, backward  # the last layer's backward comes first
+        assert all(e["end"] >= e["start"] for e in events)
+        assert sum(e["kind"] == "bucket" for e in events) >= 2 and all(e["end"] for e in events if e["kind"] == "bucket")
+
+
 def test_plot_draws_a_row_per_rank_and_kind_and_open_ended_waits():
     events = [[{"rank": 0, "kind": "collective", "name": "all_reduce", "start": 0.0, "end": 0.5, "where": ""},
                {"rank": 0, "kind": "bucket", "name": "bucket 0 (10 values)", "start": 0.1, "end": 0.3, "where": ""},

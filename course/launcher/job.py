@@ -52,6 +52,7 @@ from course.errors import (
     connection_lost,
     describe_exit,
     explain,
+    lost_peer,
     rank_list,
     were,
 )
@@ -382,7 +383,8 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
                 str(error.get("message", "")), processes[rank].exitcode, last, exc,
             )
         elif outcome["timeout"] and rank in outcome["running"]:
-            failures[rank] = RankFailure(rank, "timeout", exitcode=None, last_output=_user_frames(last))
+            failures[rank] = RankFailure(rank, "timeout", exitcode=None,
+                                         last_output=_user_frames(last, specs[rank].cell_names))
         elif rank in outcome["failed_at"]:
             code = processes[rank].exitcode
             failures[rank] = RankFailure(rank, "exited", exitcode=code, last_output=last,
@@ -425,9 +427,13 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
 _MACHINERY = ("multiprocessing/", "course/launcher/rank.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
 
 
-def _user_frames(lines: list[str]) -> list[str]:
-    """Drop the launcher's own frames from a faulthandler stack dump."""
-    return [line for line in lines if not any(m in line for m in _MACHINERY)]
+def _user_frames(lines: list[str], cell_names: dict[str, str] | None = None) -> list[str]:
+    """Drop the launcher's own frames from a faulthandler stack dump; name a notebook cell's file as IPython does
+    (``File "/tmp/ipykernel_1/2.py", line 5 in step`` -> ``Cell In[3], line 5 in step``)."""
+    kept = [line for line in lines if not any(m in line for m in _MACHINERY)]
+    for path, label in (cell_names or {}).items():
+        kept = [line.replace(f'File "{path}", line', f"{label}, line") for line in kept]
+    return kept
 
 
 def _failure_key(rank, failures, specs, outcome):
@@ -450,9 +456,21 @@ def _failure_summary(first, failures, returned, order, world_size) -> str:
     else:
         what = f"rank {first} {f.message}"
     lines = [f"{what}  ({world_size}-rank job)"]
-    later = [r for r in order[1:] if r in failures]
-    if later:
-        lines.append(f"then {rank_list(later)} failed too (often a consequence: a peer of a failed rank cannot finish its collectives)")
+    later = [r for r in order[1:] if r in failures and failures[r].kind != "stopped"]
+    # a rank that lost its peer failed because of the first; one that raised something else failed on its own
+    consequences = [r for r in later if failures[r].kind == "raised" and lost_peer(failures[r].message)]
+    if consequences:
+        lines.append(f"then {rank_list(consequences)} failed too, as a consequence: a peer of a failed rank cannot "
+                     "finish its collectives")
+    for r in (r for r in later if r not in consequences):
+        other = failures[r]
+        if other.kind != "raised":
+            lines.append(f"then rank {r} {other.message}")
+        elif (other.exc_type, other.message) == (f.exc_type, f.message):
+            lines.append(f"rank {r} raised the same error on its own (not because of rank {first})")
+        else:
+            lines.append(f"rank {r} raised {other.exc_type}: {other.message} on its own (not because of rank {first})"
+                         .replace(":  on", " on"))
     stopped = [r for r, x in failures.items() if x.kind == "stopped"]
     if stopped:
         lines.append(f"{were(stopped)} stopped by the launcher")
