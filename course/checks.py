@@ -307,7 +307,10 @@ def _last_output(err: LaunchError) -> str:
     for rank in sorted(err.failures):
         lines = err.failures[rank].last_output
         if lines:
-            parts.append(f"rank {rank} was at:\n" + textwrap.indent("\n".join(lines[-8:]), "    "))
+            # a stack dump (after its header) starts with the innermost frame, the student's line: keep its start
+            heads = [i for i, line in enumerate(lines) if line.startswith("Stack (most recent call first)")]
+            shown = lines[heads[-1] + 1:][:8] if heads else lines[-8:]
+            parts.append(f"rank {rank} was at:\n" + textwrap.indent("\n".join(shown), "    "))
     return "\n".join(parts)
 
 

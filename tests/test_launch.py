@@ -627,3 +627,27 @@ def test_a_later_failure_is_called_a_consequence_only_when_it_lost_its_peer():
     other = RankFailure(0, "raised", exc_type="KeyError", message="'x'")
     text = _failure_summary(1, {1: first, 0: other}, [], [1, 0], 2)
     assert "rank 0 raised KeyError: 'x' on its own (not because of rank 1)" in text and "consequence" not in text
+
+
+def test_a_stuck_ranks_stack_shows_the_students_frames_only():
+    from course.launcher.job import _user_frames
+
+    dump = ["Stack (most recent call first):",
+            '  File "/tmp/ipykernel_7/123.py", line 2 in shard_batch',
+            '  File "/opt/course/graders/ex1.py", line 40 in _harness',
+            '  File "/opt/course/course/launcher/rank.py", line 300 in main',
+            '  File "/opt/course/course/checks.py", line 172 in run',
+            '  File "/opt/course/course/grading/verifier.py", line 292 in _verify_cell',
+            '  File "<frozen runpy>", line 88 in _run_code']
+    shown = _user_frames(dump, {"/tmp/ipykernel_7/123.py": "Cell In[2]"}, ["/opt/course/course", "/opt/course/graders"])
+    assert shown == ["Stack (most recent call first):", "  Cell In[2], line 2 in shard_batch"]
+
+
+def test_a_timed_out_check_names_where_each_rank_was_innermost_first():
+    from course.checks import _last_output
+    from course.errors import RankFailure, RankTimeoutError
+
+    stack = ["printed before", "Stack (most recent call first):"] + [f'  File "x.py", line {i} in f{i}' for i in range(12)]
+    err = RankTimeoutError("late", {0: RankFailure(0, "timeout", last_output=stack)}, [], 1, 60.0)
+    text = _last_output(err)
+    assert 'line 0 in f0' in text and "line 7 in f7" in text and "line 8 in" not in text and "printed" not in text

@@ -384,7 +384,8 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
             )
         elif outcome["timeout"] and rank in outcome["running"]:
             failures[rank] = RankFailure(rank, "timeout", exitcode=None,
-                                         last_output=_user_frames(last, specs[rank].cell_names))
+                                         last_output=_user_frames(last, specs[rank].cell_names,
+                                                                  specs[rank].grader_dirs))
         elif rank in outcome["failed_at"]:
             code = processes[rank].exitcode
             failures[rank] = RankFailure(rank, "exited", exitcode=code, last_output=last,
@@ -427,10 +428,13 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
 _MACHINERY = ("multiprocessing/", "course/launcher/rank.py", "torch/multiprocessing/", 'File "<string>"', "c10d_logger.py")
 
 
-def _user_frames(lines: list[str], cell_names: dict[str, str] | None = None) -> list[str]:
-    """Drop the launcher's own frames from a faulthandler stack dump; name a notebook cell's file as IPython does
-    (``File "/tmp/ipykernel_1/2.py", line 5 in step`` -> ``Cell In[3], line 5 in step``)."""
-    kept = [line for line in lines if not any(m in line for m in _MACHINERY)]
+def _user_frames(lines: list[str], cell_names: dict[str, str] | None = None, hidden=()) -> list[str]:
+    """Drop the launcher's own frames from a faulthandler stack dump, and those of the engine and the check packages
+    (``hidden`` folders: a grader's frames are no student's business, nor its paths); name a notebook cell's file
+    as IPython does (``File "/tmp/ipykernel_1/2.py", line 5 in step`` -> ``Cell In[3], line 5 in step``)."""
+    engine = tuple(f'File "{d.rstrip(os.sep)}{os.sep}' for d in hidden)
+    kept = [line for line in lines if not any(m in line for m in _MACHINERY)
+            and not line.lstrip().startswith(engine + ('File "<frozen ',))]
     for path, label in (cell_names or {}).items():
         kept = [line.replace(f'File "{path}", line', f"{label}, line") for line in kept]
     return kept
