@@ -191,7 +191,7 @@ def test_report_page_shows_its_tables_and_plots_in_a_real_browser(sync_playwrigh
             for index in range(plots.count()):  # drawn, with room on the page, and their labels are text
                 box = plots.nth(index).bounding_box()
                 assert box and box["width"] > 200 and box["height"] > 80, box
-            assert "test_rank_sum" in plots.nth(1).inner_text()
+            assert "test_rank_sum" in plots.nth(1).text_content()
             page.screenshot(path=str(ARTIFACTS / "browser-report.png"), full_page=True)
         finally:
             browser.close()

@@ -306,6 +306,12 @@ def test_duedate_extensions_and_policy_go_through_nbgrader(tmp_path):
         bad = _cli("duedate", *args, course=course)
         assert bad.exit_code == 1 and why in bad.output and "Traceback" not in bad.output, (args, bad.output)
     assert snapshot(course.root) == before
+    from course.instructor.autograde.guards import course_lock
+
+    with course_lock(course):  # an autograde is merging: no due date, policy or extension changes under it
+        busy = _cli("duedate", ASSIGNMENT, "2026-03-01 13:00", "--penalty", "5%/hour", course=course)
+    assert busy.exit_code == 1 and "another ddp-course autograde is running" in busy.output, busy.output
+    assert {k: v for k, v in snapshot(course.root).items() if not k.endswith("autograde.lock")} == before
 
     # 13:00 in Berlin (winter, UTC+1) is 12:00 UTC, as nbgrader stores it
     result = _cli("duedate", ASSIGNMENT, "2026-03-01 13:00", "--tz", "Europe/Berlin", course=course)

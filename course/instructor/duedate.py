@@ -45,14 +45,12 @@ def grant_extension(course: Course, assignment: str, student: str, length: timed
 def reapply_penalties(course: Course, assignments: list[str]) -> int:
     """Compute the late penalty of every graded notebook of ``assignments`` again, as nbgrader's autograde does
     (its AssignLatePenalties step with the course's plugin, on the gradebook's submission times); returns how
-    many notebooks it went through. Holds the course lock: no autograde merges meanwhile."""
+    many notebooks it went through. The caller holds the course lock: no autograde merges meanwhile."""
     from nbgrader.preprocessors import AssignLatePenalties
-
-    from course.instructor.autograde.guards import course_lock
 
     step = AssignLatePenalties(config=course.config)
     done = 0
-    with course_lock(course), course.gradebook() as gb:
+    with course.gradebook() as gb:
         step.init_plugin()
         step.gradebook = gb  # what its preprocess opens, here on the course's own gradebook and course id
         for assignment in gb.assignments:
@@ -147,17 +145,20 @@ def command(assignment, when, tz, clear, extensions, penalty, cap, course_dir):
         rate, per = parse_rate(penalty) if penalty is not None else (current.penalty, current.per)
         policy = (rate, per, parse_percent(cap, "--cap") if cap is not None else current.cap)
 
-    if policy:
-        write_policy(course.root / CONFIG_FILE, *policy)
-        course = Course.open(course.root)  # the new config
-    if when or clear:
-        set_duedate(course, picked[0], due)
-        console.print(f"{picked[0]}: due {shown(due)}" if due else f"{picked[0]}: no due date")
-    for student, length in granted:
-        grant_extension(course, picked[0], student, length)
-        console.print(f"{picked[0]}: {student} " + (f"has {length} more" if length else "has no extension"))
     if policy or changes:
-        count = reapply_penalties(course, picked or course.source_assignments())
+        from course.instructor.autograde.guards import course_lock
+
+        with course_lock(course):  # first: while an autograde runs, nothing here changes
+            if policy:
+                write_policy(course.root / CONFIG_FILE, *policy)
+                course = Course.open(course.root)  # the new config
+            if when or clear:
+                set_duedate(course, picked[0], due)
+                console.print(f"{picked[0]}: due {shown(due)}" if due else f"{picked[0]}: no due date")
+            for student, length in granted:
+                grant_extension(course, picked[0], student, length)
+                console.print(f"{picked[0]}: {student} " + (f"has {length} more" if length else "has no extension"))
+            count = reapply_penalties(course, picked or course.source_assignments())
         if count:
             console.print(f"late penalties of {count} graded notebook(s) computed again by nbgrader")
     table, line = listing(course)

@@ -52,12 +52,12 @@ def grade_rows(course: Course, assignments: list[str] | tuple[str, ...] = ()) ->
                     for a in gb.assignments for s in a.submissions if _scored(s)}
     for row in rows:  # nbgrader writes 0 for "graded 0" and for "never submitted" alike: say which
         key = (row["student_id"], row["assignment"])
+        row["late"] = ("yes" if late[key] > 0 else "no") if key in late else ""
+        row["seconds_late"] = f"{late[key]:g}" if key in late else ""
         if key in late:
             row["status"] = "graded"
         else:
             row["status"] = "not graded" if key[::-1] in submitted else "not submitted"
-        row["late"] = ("yes" if late[key] > 0 else "no") if key in late else ""
-        row["seconds_late"] = f"{late[key]:g}" if key in late else ""
     return rows
 
 
@@ -123,7 +123,7 @@ def export_grades(course: Course, out: Path, assignments: list[str] | tuple[str,
     if fmt == "canvas":
         write_csv(out, canvas_table(rows, canvas_ids, match))
     else:
-        fields = [*(rows[0] if rows else {"status": "", "late": "", "seconds_late": ""})]
+        fields = [*(rows[0] if rows else {"late": "", "seconds_late": "", "status": ""})]
         write_csv(out, [fields, *([row[f] for f in fields] for row in rows)])
     return rows
 

@@ -268,6 +268,7 @@ th { background: #f3f3f3; }
 td.num { text-align: right; white-space: nowrap; }
 td.low { color: #a00; font-weight: bold; }
 code { white-space: pre-wrap; overflow-wrap: anywhere; }
+code.id { white-space: nowrap; }
 figure { display: inline-block; margin: 0 1rem 1rem 0; }
 figure svg { max-width: 100%; height: auto; }
 """
@@ -305,7 +306,7 @@ def html_page(report: ClassReport) -> str:
     for c in report.checks:
         failures = "<br>".join(f"{n} × <code>{e(line)}</code>" for line, n in c.failures.most_common(TOP_FAILURES))
         low = c.rate is not None and c.rate < 0.5
-        rows.append([e(c.assignment), f"<code>{e(c.grade_id)}</code>", e(c.description), f"{c.max_points:g}",
+        rows.append([e(c.assignment), f'<code class="id">{e(c.grade_id)}</code>', e(c.description), f"{c.max_points:g}",
                      f"{c.passed}/{c.graded}", f'<span class="{"low" if low else ""}">{_percent(c.rate)}</span>',
                      failures])
     parts.append(_table("checks", ["assignment", "check", "what it checks", "points", "passed", "pass rate",

@@ -220,8 +220,9 @@ def check_descriptions(course: Course, assignment: str) -> dict[tuple[str, str],
     """{(notebook, grade id): a short description} for every test cell of ``assignment``'s source notebooks.
 
     The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words);
-    the docstring's first sentence of the check the cell calls (``graders.ex1.check_shards(...)``, read from
-    the grader's source, never imported); the message of the cell's first ``assert``; its first line of code.
+    the docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from
+    the grader's source, never imported); the message of the cell's first ``assert`` that has one; its first
+    ``assert``; its first line. Hidden tests are never read.
     """
     found = {}
     for path in sorted(course.folder("source", assignment=assignment).glob("*.ipynb")):
@@ -256,9 +257,12 @@ def describe_cell(source: str) -> str:
         tree = ast.parse(visible)
     except SyntaxError:
         tree = None
-    for node in ast.walk(tree) if tree else ():
-        if isinstance(node, ast.Assert) and isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str):
+    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)] if tree else []
+    for node in asserts:
+        if isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str):
             return node.msg.value
+    if asserts:
+        return first_line(ast.get_source_segment(visible, asserts[0]) or "") or first_line(visible)
     return first_line(visible)
 
 
