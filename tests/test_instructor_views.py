@@ -12,6 +12,8 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
+import tempfile
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -54,13 +56,30 @@ def _cli(*args: str, course: Course):
     return CliRunner().invoke(main, [*args, "-C", str(course.root)], env={"COLUMNS": "300"})
 
 
+#: the graded course, built once per process (a new nbgrader gradebook costs seconds: nbgrader runs `alembic heads`)
+_BUILT = tempfile.TemporaryDirectory(prefix="ddp-graded-")
+
+
 def graded_course(tmp_path: Path, penalty: dict[str, float] | None = None) -> Course:
     """The tiny course after release, collect and autograde of :data:`CLASS` (erin submitted, not graded;
-    frank never submitted), built straight into the gradebook and folders."""
-    init_course(tmp_path / "course", exercises=TINY)
+    frank never submitted), built straight into the gradebook and folders; ``penalty``: late penalties as
+    nbgrader's AssignLatePenalties would have set them."""
+    built = Path(_BUILT.name) / "course"
+    if not built.is_dir():
+        _build(built)
+    shutil.copytree(built, tmp_path / "course")
     course = Course(tmp_path / "course")
+    with course.gradebook() as gb:
+        for student, points in (penalty or {}).items():
+            gb.find_submission_notebook(NOTEBOOK, ASSIGNMENT, student).late_submission_penalty = points
+        gb.db.commit()
+    return course
+
+
+def _build(root: Path) -> None:
+    init_course(root, exercises=TINY)
+    course = Course(root)
     source = nbformat.read(course.folder("source", assignment=ASSIGNMENT) / f"{NOTEBOOK}.ipynb", as_version=4)
-    penalty = penalty or {}
     with course.gradebook() as gb:
         gb.update_or_create_assignment(ASSIGNMENT, duedate=DUE)
         gb.update_or_create_notebook(NOTEBOOK, ASSIGNMENT)
@@ -76,8 +95,6 @@ def graded_course(tmp_path: Path, penalty: dict[str, float] | None = None) -> Co
             for grade_id in CHECKS:
                 grade = gb.find_grade(grade_id, NOTEBOOK, ASSIGNMENT, student)
                 grade.auto_score = 0.0 if grade_id in failures else CHECKS[grade_id]
-            notebook = gb.find_submission_notebook(NOTEBOOK, ASSIGNMENT, student)
-            notebook.late_submission_penalty = penalty.get(student)
             gb.db.commit()
             _write_notebooks(course, source, student, failures)
             record = course.state_dir / "autograde" / ASSIGNMENT / f"{student}.json"
@@ -88,7 +105,6 @@ def graded_course(tmp_path: Path, penalty: dict[str, float] | None = None) -> Co
     nbformat.write(source, erin / f"{NOTEBOOK}.ipynb")
     record = course.state_dir / "autograde" / ASSIGNMENT / "erin.json"
     record.write_text(json.dumps({"status": "timeout", "reason": "stopped after 40 s", "elapsed": 40.0}))
-    return course
 
 
 def _write_notebooks(course: Course, source, student: str, failures: dict[str, str]) -> None:

@@ -16,7 +16,6 @@ import click
 from course.errors import CourseError, unknown_names
 from course.instructor.coursedir import CONFIG_FILE, Course, course_dir_option
 from course.instructor.late import (
-    LatePolicy,
     course_policy,
     parse_duration,
     parse_percent,
@@ -141,6 +140,8 @@ def command(assignment, when, tz, clear, extensions, penalty, cap, course_dir):
                               "gradebook)")
     policy = None
     if penalty is not None or cap is not None:
+        from course.instructor.latepolicy import LatePolicy
+
         current = course_policy(course.config) or LatePolicy()
         rate, per = parse_rate(penalty) if penalty is not None else (current.penalty, current.per)
         policy = (rate, per, parse_percent(cap, "--cap") if cap is not None else current.cap)

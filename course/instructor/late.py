@@ -3,9 +3,10 @@
 * A due date is nbgrader's own ``Assignment.duedate`` (naive UTC) in the gradebook; an extension is
   ``Submission.extension``; nbgrader's autograde reads the submission's ``timestamp.txt`` (``collect`` writes
   it) and computes ``total_seconds_late`` from all three.
-* The penalty is asked of :class:`LatePolicy`, the late-submission plugin the course's ``nbgrader_config.py``
-  names for nbgrader's ``AssignLatePenalties`` (``ddp-course init`` writes that block; ``ddp-course duedate
-  --penalty`` rewrites it), so plain ``nbgrader autograde`` applies the same policy.
+* The penalty is asked of :class:`~course.instructor.latepolicy.LatePolicy`, the late-submission plugin the
+  course's ``nbgrader_config.py`` names for nbgrader's ``AssignLatePenalties`` (``ddp-course init`` writes
+  that block; ``ddp-course duedate --penalty`` rewrites it), so plain ``nbgrader autograde`` applies the same
+  policy. It lives in its own module because it imports nbgrader (seconds): this one does not.
 
 The policy: ``penalty`` percent of a notebook's points for every hour or day late that has begun (``per``),
 at most ``cap`` percent; 0 marks late work without a penalty. nbgrader itself keeps a penalty within the
@@ -19,53 +20,17 @@ import os
 import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-
-from nbgrader.plugins import LateSubmissionPlugin
-from traitlets import Enum, Float
+from typing import TYPE_CHECKING
 
 from course.errors import CourseError
+
+if TYPE_CHECKING:
+    from course.instructor.latepolicy import LatePolicy
 
 SECONDS = {"hour": 3600, "day": 86400}
 #: the lines of nbgrader_config.py that hold the policy (rewritten between these markers)
 BLOCK_BEGIN = "# >>> late work (ddp-course duedate --penalty/--cap rewrites this block)"
 BLOCK_END = "# <<< late work"
-
-
-class LatePolicy(LateSubmissionPlugin):
-    """nbgrader's late-submission plugin with a penalty per started hour or day late, capped.
-
-    nbgrader's own ``penalty_method = "zero"`` still works (a late notebook scores 0)."""
-
-    penalty = Float(0.0, help="Percent of a notebook's points taken per started `per` late (0: no penalty).").tag(
-        config=True)
-    per = Enum(("hour", "day"), default_value="day", help="The unit late time is counted in.").tag(config=True)
-    cap = Float(100.0, help="The most percent of a notebook's points a late penalty takes.").tag(config=True)
-
-    def late_submission_penalty(self, student_id: str, score: float, total_seconds_late: float) -> float | None:
-        if self.penalty_method == "zero":
-            return super().late_submission_penalty(student_id, score, total_seconds_late)
-        if total_seconds_late <= 0 or self.penalty <= 0:
-            return None
-        return round(self._max_score(score) * penalty_percent(self, total_seconds_late) / 100, 4)
-
-    def _max_score(self, score: float) -> float:
-        """The late notebook's points (AssignLatePenalties, the parent, has its gradebook open)."""
-        parent = self.parent
-        try:
-            notebook = parent.gradebook.find_submission_notebook(parent.notebook_id, parent.assignment_id,
-                                                                 parent.student_id)
-            return float(notebook.max_score)
-        except Exception:  # not under AssignLatePenalties: the score obtained is all there is to go by
-            return float(score)
-
-    def describe(self) -> str:
-        """The policy in words, for the verbs' output and the README's examples."""
-        if self.penalty_method == "zero":
-            return "late work scores 0 (nbgrader's penalty_method = 'zero')"
-        if self.penalty <= 0:
-            return "late work is marked, not penalised"
-        return (f"{self.penalty:g}% of a notebook's points per {self.per} late (each started {self.per} counts), "
-                f"at most {self.cap:g}%")
 
 
 def penalty_percent(policy: LatePolicy, seconds_late: float) -> float:
@@ -79,11 +44,11 @@ def course_policy(config) -> LatePolicy | None:
     """The policy a course's config sets, or None where its AssignLatePenalties does not use LatePolicy
     (a config written before late policies: ``ddp-course duedate --penalty`` adds the block)."""
     plugin = config.AssignLatePenalties.get("plugin_class")
-    if isinstance(plugin, str):
-        plugin = plugin.rsplit(".", 1)[-1]
-    name = plugin if isinstance(plugin, str) else getattr(plugin, "__name__", None)
-    if name != LatePolicy.__name__:
+    name = plugin.rsplit(".", 1)[-1] if isinstance(plugin, str) else getattr(plugin, "__name__", None)
+    if name != "LatePolicy":
         return None
+    from course.instructor.latepolicy import LatePolicy
+
     return LatePolicy(config=config)
 
 
@@ -93,7 +58,7 @@ def policy_block(penalty: float = 0.0, per: str = "day", cap: float = 100.0) -> 
             "# nbgrader's AssignLatePenalties asks LatePolicy for each late notebook's penalty: `penalty` percent of\n"
             "# the notebook's points per started `per` (\"hour\" or \"day\") after the due date and any extension,\n"
             "# at most `cap` percent; penalty 0 marks late work without a penalty.\n"
-            "from course.instructor.late import LatePolicy  # noqa: E402\n\n"
+            "from course.instructor.latepolicy import LatePolicy  # noqa: E402\n\n"
             "c.AssignLatePenalties.plugin_class = LatePolicy\n"
             f"c.LatePolicy.penalty = {float(penalty)!r}\n"
             f"c.LatePolicy.per = {per!r}\n"
