@@ -25,7 +25,7 @@ import click
 
 from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
-from course.instructor.results import Result, check_descriptions, check_label, class_results
+from course.instructor.results import Result, check_label, class_results, source_checks
 
 #: failure messages listed per check (the most common first)
 TOP_FAILURES = 3
@@ -62,7 +62,7 @@ class AssignmentStats:
     submitted: int = 0
     not_graded: int = 0
     late: int = 0
-    #: seconds autograde spent on each submission it graded (its last run)
+    #: seconds autograde spent on each submission (its last run, graded or not)
     elapsed: list[float] = field(default_factory=list)
 
     def bins(self) -> list[int]:
@@ -95,18 +95,19 @@ def build_report(course: Course, assignments: list[str]) -> ClassReport:
     stats = {a: AssignmentStats(a, 0.0) for a in assignments}
     checks: dict[tuple[str, str, str], CheckStats] = {}
     for assignment in assignments:  # every check of the source, in notebook order, even one nobody was graded on
-        for (notebook, grade_id), description in check_descriptions(course, assignment).items():
-            checks[(assignment, notebook, grade_id)] = CheckStats(assignment, notebook, grade_id, description, 0.0)
+        for notebook, grade_id, points, description in source_checks(course, assignment):
+            checks[(assignment, notebook, grade_id)] = CheckStats(assignment, notebook, grade_id, description, points)
+            stats[assignment].max_score += points  # the gradebook's total replaces it once there is one
     missing: dict[str, list[tuple[str, str]]] = {}
     totals: dict[str, tuple[float, float]] = {}
     for result in results:
         entry = stats[result.assignment]
-        entry.max_score = max(entry.max_score, result.max_score)
+        entry.max_score = result.max_score or entry.max_score
         score, most = totals.get(result.student, (0.0, 0.0))
         totals[result.student] = (score + (result.score or 0.0), most + result.max_score)
         if result.state != "not submitted":
             entry.submitted += 1
-        if result.record_status == "graded" and result.elapsed is not None:
+        if result.elapsed is not None:  # every last run counts, those that failed or timed out too
             entry.elapsed.append(float(result.elapsed))
         if result.state == "graded":
             entry.scores.append(result.score or 0.0)
@@ -162,15 +163,16 @@ def print_report(report: ClassReport, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("assignment", "submitted", "graded", "not graded", "late", "mean", "median", "min-max",
-                  "distribution (" + " ".join(_bin_labels()) + " of the points)",
-                  title=f"course {report.course_id}: scores")
+    table = Table(title=f"course {report.course_id}: scores")
+    for column, justify in (("assignment", "left"), ("submitted", "right"), ("graded", "right"), ("late", "right"),
+                            ("mean, median, range", "left"), ("students per fifth of the points", "left")):
+        table.add_column(column, justify=justify, no_wrap=column == "assignment", overflow="fold")
     for a in report.assignments:
         scores = a.scores
-        spread = (f"{statistics.mean(scores):.2f}", f"{statistics.median(scores):g}",
-                  f"{min(scores):g}-{max(scores):g}") if scores else ("-", "-", "-")
-        table.add_row(a.assignment, str(a.submitted), str(len(scores)), str(a.not_graded), str(a.late), *spread,
-                      " ".join(f"{n:>3}" for n in a.bins()) + f"  (of {a.max_score:g})")
+        spread = (f"{statistics.mean(scores):.2f}, {statistics.median(scores):g}, {min(scores):g}-{max(scores):g}"
+                  if scores else "-")
+        table.add_row(a.assignment, str(a.submitted), str(len(scores)), str(a.late), spread,
+                      f"{'·'.join(str(n) for n in a.bins())} of {a.max_score:g}")
     console.print(table)
 
     checks = Table(title="checks: pass rate and the most common failures", show_lines=True)
@@ -188,7 +190,8 @@ def print_report(report: ClassReport, console) -> None:
         students.add_row(student, f"{score:g}/{most:g}", gaps or "nothing")
     console.print(students)
 
-    times = Table("assignment", "graded", "total", "mean", "slowest", title="time spent grading (autograde records)")
+    times = Table("assignment", "submissions", "total", "mean", "slowest",
+                  title="time spent grading (autograde's records: each submission's last run)")
     for a in report.assignments:
         if a.elapsed:
             times.add_row(a.assignment, str(len(a.elapsed)), _seconds(sum(a.elapsed)),
@@ -326,7 +329,8 @@ def html_page(report: ClassReport) -> str:
              _seconds(max(a.elapsed))] for a in report.assignments if a.elapsed]
     rows.append(["all", str(sum(len(a.elapsed) for a in report.assignments)), _seconds(report.grading_seconds), "",
                  ""])
-    parts.append(_table("grading-time", ["assignment", "graded", "total", "mean", "slowest"], rows, {1, 2, 3, 4}))
+    parts.append(_table("grading-time", ["assignment", "submissions", "total", "mean", "slowest"], rows,
+                        {1, 2, 3, 4}))
     if any(a.elapsed for a in report.assignments):
         parts.append(f'<figure class="plot" data-plot="grading time">{time_plot(report.assignments)}</figure>')
     parts.append("</body></html>")

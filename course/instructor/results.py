@@ -217,14 +217,20 @@ def failure_messages(path: Path) -> dict[str, str]:
 
 
 def check_descriptions(course: Course, assignment: str) -> dict[tuple[str, str], str]:
-    """{(notebook, grade id): a short description} for every test cell of ``assignment``'s source notebooks.
+    """{(notebook, grade id): a short description} for every test cell of ``assignment``'s source notebooks
+    (:func:`source_checks`)."""
+    return {(notebook, grade_id): text for notebook, grade_id, _, text in source_checks(course, assignment)}
+
+
+def source_checks(course: Course, assignment: str) -> list[tuple[str, str, float, str]]:
+    """(notebook, grade id, points, description) for every test cell of ``assignment``'s source notebooks.
 
     The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words);
     the docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from
     the grader's source, never imported); the message of the cell's first ``assert`` that has one; its first
     ``assert``; its first line. Hidden tests are never read.
     """
-    found = {}
+    found = []
     for path in sorted(course.folder("source", assignment=assignment).glob("*.ipynb")):
         try:
             nb = json.loads(path.read_text())
@@ -234,8 +240,8 @@ def check_descriptions(course: Course, assignment: str) -> dict[tuple[str, str],
             meta = cell.get("metadata", {}).get("nbgrader", {})
             if cell.get("cell_type") == "code" and meta.get("grade") and meta.get("grade_id"):
                 source = cell.get("source", "")
-                found[(path.stem, meta["grade_id"])] = describe_cell("".join(source) if isinstance(source, list)
-                                                                     else source)
+                text = describe_cell("".join(source) if isinstance(source, list) else source)
+                found.append((path.stem, meta["grade_id"], float(meta.get("points") or 0), text))
     return found
 
 
