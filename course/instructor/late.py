@@ -20,28 +20,17 @@ import os
 import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from course.errors import CourseError
 
-if TYPE_CHECKING:
-    from course.instructor.latepolicy import LatePolicy
-
-SECONDS = {"hour": 3600, "day": 86400}
 #: the lines of nbgrader_config.py that hold the policy (rewritten between these markers)
 BLOCK_BEGIN = "# >>> late work (ddp-course duedate --penalty/--cap rewrites this block)"
 BLOCK_END = "# <<< late work"
 
 
-def penalty_percent(policy: LatePolicy, seconds_late: float) -> float:
-    """The percent of the points the policy takes for ``seconds_late``."""
-    if seconds_late <= 0 or policy.penalty <= 0:
-        return 0.0
-    return min(policy.cap, policy.penalty * math.ceil(seconds_late / SECONDS[policy.per]))
-
-
-def course_policy(config) -> LatePolicy | None:
-    """The policy a course's config sets, or None where its AssignLatePenalties does not use LatePolicy
+def course_policy(config):
+    """The :class:`~course.instructor.latepolicy.LatePolicy` a course's config sets, or None where its
+    AssignLatePenalties does not use it
     (a config written before late policies: ``ddp-course duedate --penalty`` adds the block)."""
     plugin = config.AssignLatePenalties.get("plugin_class")
     name = plugin.rsplit(".", 1)[-1] if isinstance(plugin, str) else getattr(plugin, "__name__", None)

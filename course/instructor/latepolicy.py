@@ -1,15 +1,18 @@
 """The course's late-submission plugin for nbgrader (see :mod:`course.instructor.late` for the whole of late work).
 
-A module of its own: it imports nbgrader, which takes seconds, and :mod:`course.instructor.late` (which
-``ddp-course init`` and ``duedate`` use to write and read the policy) does not.
+A module of its own, importing nothing of the course: it imports nbgrader, which takes seconds, and
+:mod:`course.instructor.late` (which ``ddp-course init`` and ``duedate`` use to write and read the policy)
+does not.
 """
 
 from __future__ import annotations
 
+import math
+
 from nbgrader.plugins import LateSubmissionPlugin
 from traitlets import Enum, Float
 
-from course.instructor.late import penalty_percent
+SECONDS = {"hour": 3600, "day": 86400}
 
 
 class LatePolicy(LateSubmissionPlugin):
@@ -27,7 +30,13 @@ class LatePolicy(LateSubmissionPlugin):
             return super().late_submission_penalty(student_id, score, total_seconds_late)
         if total_seconds_late <= 0 or self.penalty <= 0:
             return None
-        return round(self._max_score(score) * penalty_percent(self, total_seconds_late) / 100, 4)
+        return round(self._max_score(score) * self.percent(total_seconds_late) / 100, 4)
+
+    def percent(self, seconds_late: float) -> float:
+        """The percent of a notebook's points taken for ``seconds_late``."""
+        if seconds_late <= 0 or self.penalty <= 0:
+            return 0.0
+        return min(self.cap, self.penalty * math.ceil(seconds_late / SECONDS[self.per]))
 
     def _max_score(self, score: float) -> float:
         """The late notebook's points (AssignLatePenalties, the parent, has its gradebook open)."""
