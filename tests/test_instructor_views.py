@@ -350,7 +350,9 @@ def test_duedate_extensions_and_policy_go_through_nbgrader(tmp_path):
     with course.gradebook() as gb:
         assert gb.find_submission(ASSIGNMENT, "carol").extension == timedelta(days=2)
     listing = " ".join(_cli("duedate", course=course).output.split())
-    assert "carol +2 days" in listing and "frank +1 day" in listing, listing
+    assert "carol +2 d" in listing and "frank +1 d" in listing, listing
+    frank = " ".join(_cli("status", "--student", "frank", course=course).output.split())
+    assert "not submitted" in frank and "on time (extension +1 d)" in frank, frank
     again = _cli("duedate", "--penalty", "none", course=course)
     assert again.exit_code == 0 and "late work is marked, not penalised" in " ".join(again.output.split())
     assert penalties()["dave"] is None

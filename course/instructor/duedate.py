@@ -17,6 +17,7 @@ from course.errors import CourseError, unknown_names
 from course.instructor.coursedir import CONFIG_FILE, Course, course_dir_option
 from course.instructor.late import (
     course_policy,
+    late_by,
     parse_duration,
     parse_percent,
     parse_rate,
@@ -84,8 +85,8 @@ def listing(course: Course):
         recorded = {a.name: a for a in gb.assignments} if gb else {}
         for name in course.source_assignments():
             entry = recorded.get(name)
-            extensions = ", ".join(f"{s.student_id} +{s.extension}" for s in (entry.submissions if entry else [])
-                                   if s.extension)
+            extensions = ", ".join(f"{s.student_id} +{late_by(s.extension.total_seconds())}"
+                                   for s in (entry.submissions if entry else []) if s.extension)
             table.add_row(name, shown(entry.duedate if entry else None), extensions or "")
     policy = course_policy(course.config)
     line = (f"late policy: {policy.describe()}" if policy else
@@ -158,7 +159,8 @@ def command(assignment, when, tz, clear, extensions, penalty, cap, course_dir):
                 console.print(f"{picked[0]}: due {shown(due)}" if due else f"{picked[0]}: no due date")
             for student, length in granted:
                 grant_extension(course, picked[0], student, length)
-                console.print(f"{picked[0]}: {student} " + (f"has {length} more" if length else "has no extension"))
+                console.print(f"{picked[0]}: {student} " + (f"has {late_by(length.total_seconds())} more" if length
+                                                       else "has no extension"))
             count = reapply_penalties(course, picked or course.source_assignments())
         if count:
             console.print(f"late penalties of {count} graded notebook(s) computed again by nbgrader")

@@ -77,7 +77,7 @@ def student_table(course: Course, student: str):
         if result.late:
             late = f"[yellow]late {late_by(result.seconds_late)}, penalty {result.penalty:g}"
         elif result.extension:
-            late = f"on time (extension {result.extension})"
+            late = f"on time (extension +{late_by(result.extension.total_seconds())})"
         failed = "\n".join(
             f"[bold]{escape(check_label(c.grade_id, described.get((c.notebook, c.grade_id), '')))}[/bold] "
             f"({c.points or 0:g}/{c.max_points:g})\n  {escape(c.first_line)}" for c in result.failed)
