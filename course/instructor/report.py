@@ -86,6 +86,15 @@ class ClassReport:
     made: str = ""
 
     @property
+    def ungraded(self) -> list[str]:
+        """Assignments nobody's submission is graded in yet (their checks are left out of the tables)."""
+        return [a.assignment for a in self.assignments if not a.scores]
+
+    @property
+    def graded_checks(self) -> list[CheckStats]:
+        return [c for c in self.checks if c.assignment not in self.ungraded]
+
+    @property
     def grading_seconds(self) -> float:
         return sum(sum(a.elapsed) for a in self.assignments)
 
@@ -97,12 +106,11 @@ def build_report(course: Course, assignments: list[str]) -> ClassReport:
     for assignment in assignments:  # every check of the source, in notebook order, even one nobody was graded on
         for notebook, grade_id, points, description in source_checks(course, assignment):
             checks[(assignment, notebook, grade_id)] = CheckStats(assignment, notebook, grade_id, description, points)
-            stats[assignment].max_score += points  # the gradebook's total replaces it once there is one
     missing: dict[str, list[tuple[str, str]]] = {}
     totals: dict[str, tuple[float, float]] = {}
     for result in results:
         entry = stats[result.assignment]
-        entry.max_score = result.max_score or entry.max_score
+        entry.max_score = result.max_score
         score, most = totals.get(result.student, (0.0, 0.0))
         totals[result.student] = (score + (result.score or 0.0), most + result.max_score)
         if result.state != "not submitted":
@@ -178,11 +186,13 @@ def print_report(report: ClassReport, console) -> None:
     checks = Table(title="checks: pass rate and the most common failures", show_lines=True)
     for column in ("assignment", "check: what it checks", "points", "passed", "most common failures (first line)"):
         checks.add_column(column, overflow="fold", no_wrap=column in ("assignment", "points", "passed"))
-    for c in report.checks:
+    for c in report.graded_checks:
         failures = "\n".join(f"{n} x {escape(line)}" for line, n in c.failures.most_common(TOP_FAILURES))
         checks.add_row(c.assignment, escape(c.label), f"{c.max_points:g}", f"{c.passed}/{c.graded} {_percent(c.rate)}",
                        failures, style="red" if c.rate is not None and c.rate < 0.5 else None)
     console.print(checks)
+    if report.ungraded:
+        console.print(f"no graded submission yet: {', '.join(report.ungraded)}")
 
     students = Table("student", "total", "missing", title="students", show_lines=True)
     for student, (score, most) in sorted(report.totals.items()):
@@ -306,7 +316,7 @@ def html_page(report: ClassReport) -> str:
 
     parts.append("<h2>Checks</h2>")
     rows = []
-    for c in report.checks:
+    for c in report.graded_checks:
         failures = "<br>".join(f"{n} × <code>{e(line)}</code>" for line, n in c.failures.most_common(TOP_FAILURES))
         low = c.rate is not None and c.rate < 0.5
         rows.append([e(c.assignment), f'<code class="id">{e(c.grade_id)}</code>', e(c.description), f"{c.max_points:g}",
@@ -314,6 +324,8 @@ def html_page(report: ClassReport) -> str:
                      failures])
     parts.append(_table("checks", ["assignment", "check", "what it checks", "points", "passed", "pass rate",
                                    "most common failures (first line, count)"], rows, {3, 4, 5}))
+    if report.ungraded:
+        parts.append(f"<p>No graded submission yet: {e(', '.join(report.ungraded))}.</p>")
     parts += [f'<figure class="plot" data-plot="pass rate {e(a.assignment)}">'
               f"{pass_rate_plot(report.checks, a.assignment)}</figure>"
               for a in report.assignments if any(c.graded for c in report.checks if c.assignment == a.assignment)]

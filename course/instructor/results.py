@@ -135,9 +135,11 @@ def class_results(course: Course, assignments: Iterable[str] = (), students: Ite
         for assignment in assignments:
             entry = recorded.get(assignment)
             graded = {s.student_id: s for s in entry.submissions} if entry else {}
+            # not released yet: the points its source's test cells are worth
+            most = float(entry.max_score) if entry else sum(c[2] for c in source_checks(course, assignment))
             for student in wanted:
                 result = Result(assignment, student, "not submitted", duedate=entry.duedate if entry else None,
-                                max_score=float(entry.max_score) if entry else 0.0)
+                                max_score=most)
                 submission = graded.get(student)
                 if submission is not None:
                     result.extension = submission.extension

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import click
 
-from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
 from course.instructor.coursedir import Course, course_dir_option
 
 
@@ -24,7 +23,9 @@ class AssignmentStatus:
 
 def course_status(course: Course) -> list[AssignmentStatus]:
     """One entry per source assignment."""
+    # here, not at the top: status --student needs neither (autograde imports nbformat, seconds)
     from course.instructor.autograde.batch import elsewhere
+    from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
 
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}
