@@ -324,11 +324,11 @@ def html_page(report: ClassReport) -> str:
                      failures])
     parts.append(_table("checks", ["assignment", "check", "what it checks", "points", "passed", "pass rate",
                                    "most common failures (first line, count)"], rows, {3, 4, 5}))
-    if report.ungraded:
-        parts.append(f"<p>No graded submission yet: {e(', '.join(report.ungraded))}.</p>")
     parts += [f'<figure class="plot" data-plot="pass rate {e(a.assignment)}">'
               f"{pass_rate_plot(report.checks, a.assignment)}</figure>"
               for a in report.assignments if any(c.graded for c in report.checks if c.assignment == a.assignment)]
+    if report.ungraded:
+        parts.append(f"<p>No graded submission yet: {e(', '.join(report.ungraded))}.</p>")
 
     parts.append("<h2>Students</h2>")
     rows = [[e(student), f"{score:g}/{most:g}",
