@@ -244,8 +244,11 @@ def test_report_names_checks_by_what_they_check_and_groups_failures(tmp_path):
     assert parsed.svgs == 3  # scores, pass rates, grading time: matplotlib's, inline
     assert "<script" not in text and "double(2) should be 4" in text and "test_double_visible" in text
 
-    bad = _cli("report", "--html", str(tmp_path / "no" / "report.html"), course=course)
-    assert bad.exit_code == 1 and "does not exist" in bad.output and "Traceback" not in bad.output
+    for out, why in ((tmp_path / "no" / "report.html", "does not exist"), (Path("/proc/report.html"), "/proc")):
+        bad = _cli("report", "--html", str(out), course=course)
+        assert bad.exit_code == 1 and why in bad.output and "Traceback" not in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1, bad.output
+    assert not (tmp_path / "no").exists()
 
 
 # -- export: late marks, graded 0 vs not submitted, Canvas ----------------------------------------------------------

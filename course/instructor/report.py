@@ -379,7 +379,7 @@ def command(assignments, html_out, course_dir):
     course = Course.open(course_dir)
     out = html_out or course.root / "report.html"
     report = build_report(course, course.pick_assignments(assignments))
+    write_page(html_page(report), out)  # first: a page that cannot be written is the one line said
     console = Console()
     print_report(report, console)
-    write_page(html_page(report), out)
     console.print(f"wrote {out}")
