@@ -25,6 +25,8 @@ COMMANDS = {
     "feedback": "course.instructor.feedback:command",
     "export": "course.instructor.export:command",
     "status": "course.instructor.status:command",
+    "report": "course.instructor.report:command",
+    "duedate": "course.instructor.duedate:command",
     "demo": "course.instructor.demo:command",
 }
 

@@ -165,3 +165,34 @@ def test_lesson_1_runs_in_a_real_browser(sync_playwright, lab):
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(180)
+def test_report_page_shows_its_tables_and_plots_in_a_real_browser(sync_playwright, tmp_path):
+    """`ddp-course report`'s page (the graded tiny class of test_instructor_views) as a browser renders it."""
+    from test_instructor_views import report_page
+
+    _, page_file = report_page(tmp_path)
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(page_file.as_uri())
+            rows = {name: page.locator(f"table#{name} tbody tr").count()
+                    for name in ("assignments", "checks", "students", "grading-time")}
+            assert rows == {"assignments": 1, "checks": 4, "students": 6, "grading-time": 2}, rows
+            checks = page.locator("table#checks").inner_text()
+            assert "test_double_visible" in checks and "double(2) should be 4" in checks, checks
+            assert "FAILED check_rank_sum [rank 1]: the job did not finish within 20 s" in checks
+            plots = page.locator("figure.plot svg")
+            assert plots.count() == 3
+            for index in range(plots.count()):  # drawn, with room on the page, and their labels are text
+                box = plots.nth(index).bounding_box()
+                assert box and box["width"] > 200 and box["height"] > 80, box
+            assert "test_rank_sum" in plots.nth(1).text_content()
+            page.screenshot(path=str(ARTIFACTS / "browser-report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "browser-report.png").stat().st_size > 10_000

@@ -27,3 +27,16 @@ def test_demo_grades_a_sample_class(tmp_path):
     top = sum(submissions.full_marks("ex1-parallelism").values())  # from the notebook, not a copy of its total
     assert maximum == {top}, rows
     assert scores[0] < scores[-1] == top, rows  # someone is right, someone is not
+
+    # the class report on the demo class: its tables, each check named by what it checks, the page with its plots
+    import os
+
+    report = subprocess.run([sys.executable, "-m", "course.cli", "report", "-C", str(root)], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    out = " ".join(report.stdout.replace("│", " ").split())
+    assert "ex1_test_shards: Every row of the global batch is on exactly one rank" in out, out
+    assert "ex1-parallelism 3 3" in out, out  # submitted 3, graded 3
+    page = (root / "report.html").read_text()
+    assert all(f'<table id="{name}">' in page for name in ("assignments", "checks", "students", "grading-time"))
+    assert page.count("<svg") == 3 and "ex1_test_two_stage" in page

@@ -65,7 +65,10 @@ c.Autograde.autograde_preprocessors = [*GRADING_STEPS, ClearMetadataPreprocessor
 # Feedback shows each check's score and failure message but never hidden test
 # source (nbgrader issue #917).
 c.GenerateFeedback.preprocessors = [GetGrades, RedactHiddenTests, CSSHTMLHeaderPreprocessor]
-'''
+
+# Late work: due dates and extensions live in the gradebook (ddp-course duedate); autograde's
+# AssignLatePenalties asks the plugin below for each late notebook's penalty.
+{late_block}'''
 
 DB_DEFAULT_LINE = """\
 # The gradebook: SQLite (gradebook.db in this folder) unless set here. PostgreSQL works
@@ -104,8 +107,11 @@ def render_config(
     cell_timeout: int = DEFAULT_CELL_TIMEOUT,
 ) -> str:
     """The text of a course's nbgrader_config.py."""
+    from course.instructor.late import policy_block
+
     db_line = f"c.CourseDirectory.db_url = {db_url!r}" if db_url else DB_DEFAULT_LINE
     return CONFIG_TEMPLATE.format(
+        late_block=policy_block(),
         course_id=course_id,
         db_line=db_line,
         kernel=kernel,

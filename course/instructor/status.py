@@ -1,4 +1,5 @@
-"""``ddp-course status``: what is released, submitted, graded and sent back, and what failed to grade and why."""
+"""``ddp-course status``: what is released, submitted, graded and sent back, and what failed to grade and why;
+``status --student NAME``: one student's every assignment (read-only, no lock: it can run during an autograde)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from dataclasses import dataclass, field
 
 import click
 
-from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
 from course.instructor.coursedir import Course, course_dir_option
 
 
@@ -23,7 +23,9 @@ class AssignmentStatus:
 
 def course_status(course: Course) -> list[AssignmentStatus]:
     """One entry per source assignment."""
+    # here, not at the top: status --student needs neither (autograde imports nbformat, seconds)
     from course.instructor.autograde.batch import elsewhere
+    from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
 
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}
@@ -55,16 +57,57 @@ def course_status(course: Course) -> list[AssignmentStatus]:
     return report
 
 
+def student_table(course: Course, student: str):
+    """One student's every assignment: score/max, late flag and penalty, the checks that failed and why."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from course.instructor.late import late_by
+    from course.instructor.results import check_descriptions, check_label, class_results
+
+    results = class_results(course, students=[student])
+    if not results:
+        course.pick_students([student])  # the error, with the closest known name
+    table = Table(title=f"{student} in course {course.course_id}", show_lines=True)
+    for column in ("assignment", "state", "score", "late", "checks not passed (first line of the message)"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("assignment", "state", "score"))
+    for result in results:
+        described = check_descriptions(course, result.assignment) if result.failed else {}
+        score = f"{result.score:g}/{result.max_score:g}" if result.score is not None else f"-/{result.max_score:g}"
+        late = ""
+        if result.late:
+            late = f"[yellow]late {late_by(result.seconds_late)}, penalty {result.penalty:g}"
+        elif result.extension:
+            late = f"on time (extension +{late_by(result.extension.total_seconds())})"
+        failed = "\n".join(
+            f"[bold]{escape(check_label(c.grade_id, described.get((c.notebook, c.grade_id), '')))}[/bold] "
+            f"({c.points or 0:g}/{c.max_points:g})\n  {escape(c.first_line)}" for c in result.failed)
+        state = result.state
+        if result.state == "not graded" and result.record_status in ("failed", "timeout"):
+            state = f"[red]{result.record_status}"
+            failed = escape(result.record_reason)
+        table.add_row(result.assignment, state, score, late, failed, style="dim" if result.state == "not submitted" else None)
+    return table
+
+
 @click.command()
+@click.option("--student", default=None, help="One student's every assignment: score, late penalty, what failed "
+                                                "(reads only: it can run while autograde is grading).")
 @course_dir_option
-def command(course_dir):
-    """Show what is released, submitted, graded and has feedback; list submissions that failed to grade."""
+def command(student, course_dir):
+    """Show what is released, submitted, graded and has feedback; list submissions that failed to grade.
+
+    With --student NAME: that student's score, late flag and penalty, and failed checks per assignment.
+    """
     from rich.console import Console
     from rich.table import Table
 
     course = Course.open(course_dir)
-    report = course_status(course)
     console = Console()
+    if student is not None:
+        console.print(student_table(course, student))
+        return
+    report = course_status(course)
     table = Table("assignment", "released", "submitted", "graded", "feedback", "not graded",
                   title=f"course {course.course_id} at {course.root}")
     for s in report:

@@ -159,8 +159,9 @@ def summary_table(rows: list[Row]):
 
     table = Table(title="autograde summary")
     for column in ("student", "assignment", "score", "status", "time", "notes"):
+        # notes fold: a check id is never cut short ("ex2_test_set_epoc…"); status --student and report say what each does
         table.add_column(column, justify="right" if column in ("score", "time") else "left",
-                         no_wrap=column != "notes")
+                         no_wrap=column != "notes", overflow="fold" if column == "notes" else "ellipsis")
     for row in sorted(rows, key=lambda r: (r.submission.student, r.submission.assignment)):
         score = f"{row.score:g} / {row.max_score:g}" if row.score is not None else "-"
         notes = []

@@ -1,0 +1,295 @@
+"""Every student's results, read and never written: what ``status --student`` and ``report`` show.
+
+Where each fact comes from (nothing is run, nothing is locked):
+
+* scores, late penalties, due dates, extensions, submission times: nbgrader's gradebook, opened read-only
+  where it is a SQLite file (:func:`read_only_gradebook`);
+* why a check failed: the autograded notebook's test cell outputs
+  (``autograded/<student>/<assignment>/<notebook>.ipynb``, read as JSON);
+* what a check checks: :func:`check_descriptions`, from the source notebook's test cells;
+* how long grading took: autograde's records (``.ddp-course/autograde/<assignment>/<student>.json``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+from course.instructor.coursedir import Course
+
+#: graded: scores in the gradebook; not graded: submitted (in submitted/) but not scored (yet, or grading failed)
+State = Literal["graded", "not graded", "not submitted"]
+
+
+@dataclass
+class CheckResult:
+    """One test cell (a check) of one submission."""
+
+    notebook: str
+    grade_id: str
+    max_points: float
+    #: None: not scored
+    points: float | None
+    #: the failure message as the test cell's output shows it ("" when it passed)
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.points is not None and self.points >= self.max_points
+
+    @property
+    def first_line(self) -> str:
+        """The message's first line: what groups failures of the same kind."""
+        return first_line(self.message) if self.message else ("" if self.passed else "(no message: scored 0)")
+
+
+@dataclass
+class Result:
+    """One student's result on one assignment."""
+
+    assignment: str
+    student: str
+    state: State
+    max_score: float = 0.0
+    #: after the late penalty; None unless graded
+    score: float | None = None
+    penalty: float = 0.0
+    seconds_late: float = 0.0
+    duedate: datetime | None = None
+    timestamp: datetime | None = None
+    extension: timedelta | None = None
+    checks: list[CheckResult] = field(default_factory=list)
+    #: autograde's record: "graded", "failed", "timeout", ... and why
+    record_status: str = ""
+    record_reason: str = ""
+    #: seconds autograde spent on it (its last run)
+    elapsed: float | None = None
+
+    @property
+    def late(self) -> bool:
+        return self.seconds_late > 0
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.passed]
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+# -- the gradebook, read-only ------------------------------------------------------------------------------
+
+
+@contextmanager
+def read_only_gradebook(course: Course):
+    """nbgrader's Gradebook on the course's database; a SQLite file is opened read-only (mode=ro), so reading
+    can never change it, and it needs no lock (a running autograde keeps writing)."""
+    from nbgrader.api import Gradebook
+
+    from course.instructor.gradebook import sqlite_path
+
+    path = sqlite_path(course.db_url)
+    if path is not None and path.is_file():
+        url = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+        gb = Gradebook(url, course.course_id) if _has_course(path, course.course_id) else None
+    else:
+        gb = Gradebook(course.db_url, course.course_id) if path is None else None
+    try:
+        yield gb
+    finally:
+        if gb is not None:
+            gb.close()
+
+
+def _has_course(path: Path, course_id: str) -> bool:
+    """Gradebook() inserts a missing course row: only open read-only a gradebook that already has it."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True) as db:
+            return db.execute("SELECT 1 FROM course WHERE id = ?", (course_id,)).fetchone() is not None
+    except sqlite3.Error:
+        return False
+
+
+def class_results(course: Course, assignments: Iterable[str] = (), students: Iterable[str] = ()) -> list[Result]:
+    """A :class:`Result` per (assignment, student): every student the gradebook or the folders know,
+    every assignment of source/ (or those named), sorted by assignment then student."""
+    assignments = list(assignments) or course.source_assignments()
+    students = set(students)
+    submitted = set(course.submitted(assignments))
+    results: list[Result] = []
+    with read_only_gradebook(course) as gb:
+        known = set(course.students()) | ({s.id for s in gb.students} if gb else set())
+        wanted = sorted(known & students if students else known)
+        recorded = {a.name: a for a in gb.assignments} if gb else {}
+        for assignment in assignments:
+            entry = recorded.get(assignment)
+            graded = {s.student_id: s for s in entry.submissions} if entry else {}
+            # not released yet: the points its source's test cells are worth
+            most = float(entry.max_score) if entry else sum(c[2] for c in source_checks(course, assignment))
+            for student in wanted:
+                result = Result(assignment, student, "not submitted", duedate=entry.duedate if entry else None,
+                                max_score=most)
+                submission = graded.get(student)
+                if submission is not None:
+                    result.extension = submission.extension
+                if submission is not None and _scored(submission):
+                    _fill(course, result, submission)
+                elif (assignment, student) in submitted:
+                    result.state = "not graded"
+                _fill_record(course, result)
+                results.append(result)
+    return results
+
+
+def _scored(submission) -> bool:
+    """Whether autograde (or a grader) scored anything: a submission row made only to hold an extension is not."""
+    return any(g.auto_score is not None or g.manual_score is not None for nb in submission.notebooks for g in nb.grades)
+
+
+def _fill(course: Course, result: Result, submission) -> None:
+    result.state = "graded"
+    result.penalty = float(submission.late_submission_penalty or 0.0)
+    result.score = max(0.0, float(submission.score) - result.penalty)
+    result.max_score = float(submission.max_score)
+    result.timestamp = submission.timestamp
+    result.seconds_late = float(submission.total_seconds_late or 0.0)
+    for notebook in submission.notebooks:
+        messages = failure_messages(course.folder("autograded", result.student, result.assignment)
+                                    / f"{notebook.name}.ipynb")
+        for grade in notebook.grades:
+            if grade.cell.cell_type != "code" or not grade.max_score:
+                continue
+            points = None if grade.auto_score is None and grade.manual_score is None else float(grade.score)
+            check = CheckResult(notebook.name, grade.name, float(grade.max_score), points)
+            if not check.passed:
+                check.message = messages.get(grade.name, "")
+            result.checks.append(check)
+
+
+def _fill_record(course: Course, result: Result) -> None:
+    # autograde.records.record_path's place, read here without importing autograde (nbformat's slow import)
+    try:
+        record = json.loads((course.state_dir / "autograde" / result.assignment / f"{result.student}.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    record = record if isinstance(record, dict) else {}
+    result.record_status = record.get("status") or ""
+    result.record_reason = record.get("reason") or ""
+    result.elapsed = record.get("elapsed")
+
+
+def failure_messages(path: Path) -> dict[str, str]:
+    """{grade id: what its test cell's outputs say went wrong} for an autograded notebook (read as JSON:
+    fast, nothing run); errors first (a check's message, else ``Name: value``), else what went to stderr."""
+    try:
+        nb = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for cell in nb.get("cells", []):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.get("cell_type") != "code" or not meta.get("grade"):
+            continue
+        errors, stderr = [], []
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                name, value = output.get("ename", ""), str(output.get("evalue", ""))
+                errors.append(value if name in ("CheckFailed", "NotRun") and value else f"{name}: {value}")
+            elif output.get("output_type") == "stream" and output.get("name") == "stderr":
+                text = output.get("text", "")
+                stderr.append("".join(text) if isinstance(text, list) else text)
+        text = "\n".join(errors) or ("stderr: " + "".join(stderr).strip() if "".join(stderr).strip() else "")
+        if text:
+            found[meta.get("grade_id", "")] = text
+    return found
+
+
+# -- what each check checks ---------------------------------------------------------------------------------
+
+
+def check_descriptions(course: Course, assignment: str) -> dict[tuple[str, str], str]:
+    """{(notebook, grade id): a short description} for every test cell of ``assignment``'s source notebooks
+    (:func:`source_checks`)."""
+    return {(notebook, grade_id): text for notebook, grade_id, _, text in source_checks(course, assignment)}
+
+
+def source_checks(course: Course, assignment: str) -> list[tuple[str, str, float, str]]:
+    """(notebook, grade id, points, description) for every test cell of ``assignment``'s source notebooks.
+
+    The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words);
+    the docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from
+    the grader's source, never imported); the message of the cell's first ``assert`` that has one; its first
+    ``assert``; its first line. Hidden tests are never read.
+    """
+    found = []
+    for path in sorted(course.folder("source", assignment=assignment).glob("*.ipynb")):
+        try:
+            nb = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for cell in nb.get("cells", []):
+            meta = cell.get("metadata", {}).get("nbgrader", {})
+            if cell.get("cell_type") == "code" and meta.get("grade") and meta.get("grade_id"):
+                source = cell.get("source", "")
+                text = describe_cell("".join(source) if isinstance(source, list) else source)
+                found.append((path.stem, meta["grade_id"], float(meta.get("points") or 0), text))
+    return found
+
+
+def describe_cell(source: str) -> str:
+    """What a test cell checks, in a line (see :func:`check_descriptions`)."""
+    from course.grading.checkcalls import hidden_lines, parse
+
+    hidden = hidden_lines(source)
+    visible = "\n".join(line for number, line in enumerate(source.splitlines(), 1) if number not in hidden)
+    for line in visible.splitlines():
+        text = line.strip()
+        if text.startswith("#") and not text.startswith("###") and text.lstrip("# ").strip():
+            return text.lstrip("# ").strip()
+    for call in parse(visible) or []:
+        doc = check_docstring(call.module, call.function)
+        if doc:
+            return doc
+    try:
+        tree = ast.parse(visible)
+    except SyntaxError:
+        tree = None
+    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)] if tree else []
+    for node in asserts:
+        if isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str):
+            return node.msg.value
+    if asserts:
+        return first_line(ast.get_source_segment(visible, asserts[0]) or "") or first_line(visible)
+    return first_line(visible)
+
+
+@cache
+def check_docstring(module: str, function: str) -> str:
+    """The first sentence (first paragraph, one line) of ``module.function``'s docstring, read from its source."""
+    try:
+        spec = importlib.util.find_spec(module)
+        tree = ast.parse(Path(spec.origin).read_text()) if spec and spec.origin else None
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return ""
+    for node in tree.body if tree else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            doc = ast.get_docstring(node) or ""
+            paragraph = doc.split("\n\n")[0]
+            return " ".join(paragraph.split())
+    return ""
+
+
+def check_label(grade_id: str, description: str) -> str:
+    """A check as tables show it: its id, then what it checks (never cut short)."""
+    return f"{grade_id}: {description}" if description else grade_id
