@@ -136,7 +136,8 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def test_checks_are_described_by_their_own_words(tmp_path):
-    from course.instructor.results import check_descriptions, describe_cell
+    from course.instructor.checknames import describe_cell
+    from course.instructor.results import check_descriptions
 
     # a check call: the grader's docstring, its whole first paragraph on one line
     assert describe_cell("graders.ex1.check_shards(shard_batch)\n### BEGIN HIDDEN TESTS\n"

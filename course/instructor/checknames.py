@@ -1,64 +1,78 @@
 """What each graded test cell checks, in a few words, for tables and feedback pages (not only its grade id).
 
-A test cell of the course calls a check, ``graders.ex2.check_sampler(make_loader)``: its description is the
-first sentence of that check's docstring, read from the source with :mod:`ast` (nothing is imported or run).
-Another test cell (an instructor's own ``assert``) is described by its first comment line, else its first line.
+The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words); the
+docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from the grader's
+source with :mod:`ast`, never imported); the message of the cell's first ``assert`` that has one; its first
+``assert``; its first line. Hidden tests are never read.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import re
+import json
 from functools import cache
 from pathlib import Path
 
-import nbformat
 
-from course.instructor.leaks import HIDDEN_TESTS
-
-_CHECK_CALL = re.compile(r"^\s*(graders\.\w+)\.(check_\w+)\s*\(", re.MULTILINE)
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of a docstring's first paragraph, on one line."""
-    paragraph = " ".join(text.strip().split("\n\n")[0].split())
-    match = re.search(r"(?<=[.!?])\s(?=[A-Z`(])", paragraph)
-    return paragraph[: match.start()] if match else paragraph
-
-
-@cache
-def _docstrings(module: str) -> dict[str, str]:
-    spec = importlib.util.find_spec(module.split(".")[0])
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    path = Path(next(iter(spec.submodule_search_locations))) / f"{module.split('.', 1)[1]}.py"
-    if not path.is_file():
-        return {}
-    tree = ast.parse(path.read_text())
-    return {n.name: ast.get_docstring(n) or "" for n in tree.body if isinstance(n, ast.FunctionDef)}
+def first_line(text: str) -> str:
+    """The first non-empty line of ``text``, stripped."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def describe_cell(source: str) -> str:
-    """A short description of a test cell (its visible part: hidden tests are never read)."""
-    begin, _ = HIDDEN_TESTS
-    visible = source.split(begin)[0]
-    call = _CHECK_CALL.search(visible)
-    if call:
-        doc = _docstrings(call.group(1)).get(call.group(2))
+    """What a test cell checks, in a line (see :func:`check_descriptions`)."""
+    from course.grading.checkcalls import hidden_lines, parse
+
+    hidden = hidden_lines(source)
+    visible = "\n".join(line for number, line in enumerate(source.splitlines(), 1) if number not in hidden)
+    for line in visible.splitlines():
+        text = line.strip()
+        if text.startswith("#") and not text.startswith("###") and text.lstrip("# ").strip():
+            return text.lstrip("# ").strip()
+    for call in parse(visible) or []:
+        doc = check_docstring(call.module, call.function)
         if doc:
-            return first_sentence(doc)
-    lines = [line.strip() for line in visible.splitlines() if line.strip()]
-    comments = [line.lstrip("# ").strip() for line in lines if line.startswith("#") and line.lstrip("# ").strip()]
-    return comments[0] if comments else (lines[0] if lines else "")
+            return doc
+    try:
+        tree = ast.parse(visible)
+    except SyntaxError:
+        tree = None
+    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)] if tree else []
+    for node in asserts:
+        if isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str):
+            return node.msg.value
+    if asserts:
+        return first_line(ast.get_source_segment(visible, asserts[0]) or "") or first_line(visible)
+    return first_line(visible)
+
+
+@cache
+def check_docstring(module: str, function: str) -> str:
+    """The first sentence (first paragraph, one line) of ``module.function``'s docstring, read from its source."""
+    try:
+        spec = importlib.util.find_spec(module)
+        tree = ast.parse(Path(spec.origin).read_text()) if spec and spec.origin else None
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return ""
+    for node in tree.body if tree else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            doc = ast.get_docstring(node) or ""
+            paragraph = doc.split("\n\n")[0]
+            return " ".join(paragraph.split())
+    return ""
 
 
 def describe_notebook(path: Path | str) -> dict[str, str]:
-    """{grade_id: description} for every graded test cell of a notebook."""
-    nb = nbformat.read(str(path), as_version=4)
+    """{grade_id: description} for every graded test cell of a notebook (unreadable: none)."""
+    try:
+        nb = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
     found = {}
-    for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade") and not meta.get("solution") and cell.cell_type == "code":
-            found[meta["grade_id"]] = describe_cell(cell.source)
+    for cell in nb.get("cells", []):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.get("cell_type") == "code" and meta.get("grade") and meta.get("grade_id") and not meta.get("solution"):
+            source = cell.get("source", "")
+            found[meta["grade_id"]] = describe_cell("".join(source) if isinstance(source, list) else source)
     return found

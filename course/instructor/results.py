@@ -12,17 +12,15 @@ Where each fact comes from (nothing is run, nothing is locked):
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from course.instructor.checknames import describe_cell, first_line
 from course.instructor.coursedir import Course
 
 #: graded: scores in the gradebook; not graded: submitted (in submitted/) but not scored (yet, or grading failed)
@@ -80,10 +78,6 @@ class Result:
     @property
     def failed(self) -> list[CheckResult]:
         return [c for c in self.checks if not c.passed]
-
-
-def first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 # -- the gradebook, read-only ------------------------------------------------------------------------------
@@ -245,49 +239,6 @@ def source_checks(course: Course, assignment: str) -> list[tuple[str, str, float
                 text = describe_cell("".join(source) if isinstance(source, list) else source)
                 found.append((path.stem, meta["grade_id"], float(meta.get("points") or 0), text))
     return found
-
-
-def describe_cell(source: str) -> str:
-    """What a test cell checks, in a line (see :func:`check_descriptions`)."""
-    from course.grading.checkcalls import hidden_lines, parse
-
-    hidden = hidden_lines(source)
-    visible = "\n".join(line for number, line in enumerate(source.splitlines(), 1) if number not in hidden)
-    for line in visible.splitlines():
-        text = line.strip()
-        if text.startswith("#") and not text.startswith("###") and text.lstrip("# ").strip():
-            return text.lstrip("# ").strip()
-    for call in parse(visible) or []:
-        doc = check_docstring(call.module, call.function)
-        if doc:
-            return doc
-    try:
-        tree = ast.parse(visible)
-    except SyntaxError:
-        tree = None
-    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)] if tree else []
-    for node in asserts:
-        if isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str):
-            return node.msg.value
-    if asserts:
-        return first_line(ast.get_source_segment(visible, asserts[0]) or "") or first_line(visible)
-    return first_line(visible)
-
-
-@cache
-def check_docstring(module: str, function: str) -> str:
-    """The first sentence (first paragraph, one line) of ``module.function``'s docstring, read from its source."""
-    try:
-        spec = importlib.util.find_spec(module)
-        tree = ast.parse(Path(spec.origin).read_text()) if spec and spec.origin else None
-    except (ImportError, ValueError, OSError, SyntaxError):
-        return ""
-    for node in tree.body if tree else ():
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
-            doc = ast.get_docstring(node) or ""
-            paragraph = doc.split("\n\n")[0]
-            return " ".join(paragraph.split())
-    return ""
 
 
 def check_label(grade_id: str, description: str) -> str:
