@@ -156,6 +156,27 @@ class Course:
         return tuple(names)
 
 
+def write_whole(out: Path, text: str) -> None:
+    """Write ``text`` to ``out`` whole or not at all (a temporary file beside it, then a rename); one line naming
+    the path and the cause when it cannot (a missing folder is not created)."""
+    out = Path(out).absolute()
+    if not out.parent.is_dir():
+        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
+    if out.is_dir():
+        raise CourseError(f"cannot write {out}: it is a folder (nothing written)")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, out)
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise CourseError(f"cannot write {out}: {err.strerror or err} (nothing written)") from None
+
+
 course_dir_option = click.option(
     "--course-dir",
     "-C",

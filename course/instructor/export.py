@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import tempfile
 from pathlib import Path
 
 import click
 
 from course.errors import CourseError
-from course.instructor.coursedir import Course, course_dir_option
+from course.instructor.coursedir import Course, course_dir_option, write_whole
 
 #: Canvas's gradebook columns before the assignments, in its order
 CANVAS_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
@@ -93,24 +92,9 @@ def _number(text: str) -> str:
 
 def write_csv(out: Path, table: list[list]) -> None:
     """Write ``table`` to ``out`` whole or not at all; one line naming the path and the cause when it cannot."""
-    out = Path(out).absolute()
-    if not out.parent.is_dir():
-        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
-    if out.is_dir():
-        raise CourseError(f"cannot write {out}: it is a folder (nothing written)")
     buffer = io.StringIO()
     csv.writer(buffer).writerows(table)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", newline="") as fh:
-            fh.write(buffer.getvalue())
-        os.replace(tmp, out)
-    except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise CourseError(f"cannot write {out}: {err.strerror or err} (nothing written)") from None
+    write_whole(out, buffer.getvalue())
 
 
 def export_grades(course: Course, out: Path, assignments: list[str] | tuple[str, ...] = (), fmt: str = "csv",

@@ -14,7 +14,6 @@ library inline or a CDN the course machines may not reach.
 from __future__ import annotations
 
 import html
-import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,8 +22,7 @@ from pathlib import Path
 
 import click
 
-from course.errors import CourseError
-from course.instructor.coursedir import Course, course_dir_option
+from course.instructor.coursedir import Course, course_dir_option, write_whole
 from course.instructor.results import Result, check_label, class_results, source_checks
 
 #: failure messages listed per check (the most common first)
@@ -351,19 +349,7 @@ def html_page(report: ClassReport) -> str:
 
 def write_page(text: str, out: Path) -> None:
     """Write the page whole or not at all; one line naming the path and the cause when it cannot."""
-    out = Path(out).absolute()
-    if not out.parent.is_dir():
-        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise CourseError(f"cannot write {out}: {err.strerror or err} (nothing written)") from None
+    write_whole(out, text)
 
 
 @click.command()
