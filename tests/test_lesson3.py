@@ -130,3 +130,13 @@ def test_optimizer_memory_per_rank_with_and_without_sharding(nb):
         assert sum(zero) == full and max(zero) < full
         for nbytes in fsdp:
             assert 0.9 * full / world_size < nbytes < 1.05 * full / world_size
+
+
+def test_two_forwards_before_one_backward_are_run_live_on_this_torch(nb):
+    text = output_of(nb, "outcome = course.run_ranks(two_forwards, 2)")
+    assert world_sizes(text) == [2]
+    match = re.search(r"torch (\S+): (ran cleanly|backward raised: .*modified by an inplace operation)", text)
+    assert match, text
+    version = tuple(int(v) for v in re.findall(r"\d+", match.group(1))[:2])
+    if version >= (2, 13):  # has pytorch/pytorch#175851: the lesson says so
+        assert match.group(2) == "ran cleanly", text
