@@ -119,6 +119,12 @@ def test_sampler_shards_are_disjoint_covering_and_padded(nb):
             assert len(set(seen)) == len(seen), "an even split must not repeat indices"
         else:
             assert len(seen) - len(set(seen)) == len(seen) - n
+    dropped = re.search(r"dataset of 10 samples, drop_last=True: (\[.*?\]\]); repeated: \[\]; not seen this epoch: "
+                        r"(\[.*?\])", text)
+    assert dropped, text
+    kept = [i for shard in ast.literal_eval(dropped.group(1)) for i in shard]
+    assert len(kept) == 10 // ws * ws and len(set(kept)) == len(kept)
+    assert sorted(set(range(10)) - set(kept)) == ast.literal_eval(dropped.group(2))
 
 
 def test_uneven_batches_hang_without_join(nb):
@@ -225,5 +231,11 @@ def test_the_bucket_timeline_shows_all_reduce_overlapping_backward(nb):
     assert world_sizes(text) == [2]
     buckets = ast.literal_eval(rows(r"^buckets in the last step: (\[.*\])$", text)[0])
     assert len(buckets) >= 2, buckets  # 0.3 MB buckets: the 6 layers need several
+    layer, cap = 256 * 256 + 256, 0.3 * 2**20 / 4  # values in one layer, in one bucket's cap (float32)
+    sizes = [int(re.search(r"\((\d+) values\)", b).group(1)) for b in buckets]
+    assert sum(sizes) == 6 * layer and all(n % layer == 0 for n in sizes), sizes  # whole layers, all of them
+    assert all(n > cap for n in sizes[:-1]), sizes  # a bucket closes once it exceeds the cap (the lesson's claim)
+    first = ast.literal_eval(rows(r"^buckets in the first step: (\[.*\])$", text)[0])
+    assert first and sum(int(re.search(r"\((\d+) values\)", b).group(1)) for b in first) == 6 * layer, first
     overlap = [float(ms) for _, ms in rows(r"^rank (\d): ([\d.]+) ms of all-reduce ran while backward", text)]
     assert len(overlap) == 2 and all(ms > 0 for ms in overlap), text
