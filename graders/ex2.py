@@ -427,7 +427,7 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
     if hold.get("neither"):
         late = hold["neither"]
         site = (hold.get("sites") or {}).get(late[0]) or (hold.get("sites") or {}).get(str(late[0]))
-        at = f", at line {site['line']}: {site['code']}" if site else ""
+        at = f", at line {site['line']}" + (f": {site['code']}" if site.get("code") else "") if site else ""
         raise CheckFailed(check, f"{checks.rank_list(late)} did not wait for rank 0's {name} ({where}): for "
                           f"{hold['limit']:g} s after rank 0 began to save, {'it' if len(late) == 1 else 'they'} "
                           "neither waited in a collective nor returned", ranks=late,
