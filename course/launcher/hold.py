@@ -88,7 +88,7 @@ class Hold:
     def __init__(self, folder: str, rank: int, world_size: int, limit: float, hidden: tuple[str, ...] = ()):
         self.folder, self.rank, self.world_size = folder, rank, world_size
         os.makedirs(folder, exist_ok=True)
-        self.limit = limit * (1 + random.random())
+        self.limit = limit * (1 + random.SystemRandom().random())  # not the forked ranks' shared PRNG state
         self.hidden = tuple(hidden)
         self.returned_flag = False
         self.stopped = False
