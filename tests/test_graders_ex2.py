@@ -336,6 +336,22 @@ def save_serialization_internals(rank, ddp_model, ckpt_path):
     dist.barrier()
 
 
+def save_monitored_barrier(rank, ddp_model, ckpt_path):
+    """Right, other synchronisations: gloo's monitored_barrier, then an object broadcast from rank 0."""
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    dist.monitored_barrier()
+    done = [ckpt_path if rank == 0 else None]
+    dist.broadcast_object_list(done, src=0)
+
+
+def save_async_barrier_waited(rank, ddp_model, ckpt_path):
+    """Right: an async barrier, waited for (the main thread then sits in Work.wait, outside torch's Python)."""
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    dist.barrier(async_op=True).wait()
+
+
 def save_sleep_2(rank, ddp_model, ckpt_path):
     if rank == 0:
         torch.save(ddp_model.module.state_dict(), ckpt_path)
@@ -489,6 +505,8 @@ def test_check_checkpoint_judges_the_barrier_by_order_not_a_race():
     fails(ex2.check_checkpoint, save_sleep_2, "returned on rank 1 before rank 0's ckpt.pt was complete",
           "found no file", "dist.barrier() on every rank")
     fails(ex2.check_checkpoint, save_sleep_10, "[rank 1]", "dist.barrier() on every rank")
+    ex2.check_checkpoint(save_monitored_barrier, world_sizes=(3,))
+    ex2.check_checkpoint(save_async_barrier_waited, world_sizes=(2,))  # let through at the hold's limit
 
 
 @pytest.mark.slow
