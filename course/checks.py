@@ -23,7 +23,10 @@ What every exercise needs is here, so an exercise module holds only its checks a
 * :func:`memo` runs one job for the checks that read the same observations; :func:`reference`
   computes a single-process reference once per arguments;
 * :data:`REAL`, the captured-torch guard: torch's functions taken before any student code runs, for
-  harnesses that must act or observe with torch's own.
+  harnesses that must act or observe with torch's own;
+* :func:`record_writes` (every file a rank writes, however the student's code reached the writing
+  function) and :class:`Hold` (rank 0's write held until the other ranks wait for it: synchronisation
+  judged by order, not by a race).
 
 The same check runs in the student's notebook (a visible self-check) and in the
 trusted verifier (:mod:`course.grading.verifier`) that produces the score. There
@@ -80,12 +83,16 @@ from course.errors import (
 )
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
+from course.launcher.hold import Hold
 from course.launcher.job import JobResult, launch
+from course.launcher.writes import paused as grader_writes
+from course.launcher.writes import recording as record_writes
 
 __all__ = [
     "CHECK_TIMEOUT",
     "TIMEOUT_ENV",
     "CheckFailed",
+    "Hold",
     "Mistake",
     "REAL",
     "answer_source",
@@ -94,10 +101,12 @@ __all__ = [
     "check_timeout",
     "device",
     "expect",
+    "grader_writes",
     "join_job",
     "memo",
     "on_every_rank",
     "passed",
+    "record_writes",
     "reference",
     "rank_list",
     "require_written",

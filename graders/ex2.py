@@ -13,8 +13,9 @@ happened, never what the student's process says about itself:
   error, calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
   :func:`check_set_epoch`: what reached the model before each optimizer step, and the weights);
 * ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``ddp_model.module.state_dict()`` from
-  rank 0 only, and no rank returns before the file is complete (:func:`check_checkpoint`: the
-  files, rank 0's save slowed down, what every rank found when the function returned).
+  rank 0 only, and no rank returns before the file is complete (:func:`check_checkpoint`: every file
+  each rank wrote, rank 0's write held until the others wait for it, what every rank found when the
+  function returned).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from course import checks
 from course.checks import CheckFailed, passed
 from graders.ex2_model import (
-    SLOW_SAVE,
+    HOLD_LIMIT,
     _checkpoint_harness,
     _cleanup_harness,
     _reference,
@@ -331,9 +332,10 @@ def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, 
 
 
 def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
-    """Only rank 0 writes ckpt_path, a plain state_dict (no `module.` prefix) that loads into a
-    model without DDP (strict=True) and holds the trained parameters; when save_checkpoint returns,
-    every rank finds the whole file, though rank 0's save is slowed down (a barrier after the save)."""
+    """Only rank 0 writes ckpt_path (every file each rank writes is seen, however it is written), a plain
+    state_dict (no `module.` prefix) that loads into a model without DDP (strict=True) and holds the trained
+    parameters; no rank returns before rank 0's file is complete: rank 0's write is held until every other
+    rank waits for it in a collective (a barrier after the save) or has returned."""
     check = "check_checkpoint"
     checks.require_written(check, save_checkpoint=save_checkpoint)
     hints = [("Connection closed by peer", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits "
@@ -345,8 +347,9 @@ def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
         try:
             ckpt_path = os.path.join(workdir, "shared", "ckpt.pt")
             os.makedirs(os.path.dirname(ckpt_path))
+            hold = min(HOLD_LIMIT, checks.check_timeout() / 6)
             job = checks.run(check, _checkpoint_harness, world_size,
-                              args=(save_checkpoint, ckpt_path, workdir, seed), hints=hints)
+                              args=(save_checkpoint, ckpt_path, workdir, seed, hold), hints=hints)
             _judge_checkpoint(check, job.values, ckpt_path, world_size)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -357,27 +360,29 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
     where = f"{world_size}-rank job"
     name = os.path.basename(ckpt_path)
     folder = os.path.dirname(ckpt_path)  # a temporary file beside it, then os.replace, is fine
-    elsewhere = {r: o["files"] + [c for c in o["calls"] if os.path.dirname(c) != folder] for r, o in enumerate(obs)}
-    elsewhere = {r: paths for r, paths in elsewhere.items() if paths}
-    if elsewhere:
-        rank, paths = sorted(elsewhere.items())[0]
-        raise CheckFailed(check, f"a checkpoint was written somewhere other than ckpt_path ({where})",
-                          ranks=list(elsewhere), expected=f"torch.save(..., ckpt_path) (here {ckpt_path})",
-                          got=f"rank {rank} wrote {paths[0]}", hint="save to the ckpt_path argument")
-    savers = [r for r, o in enumerate(obs) if o["calls"]]
-    if not savers:
-        raise CheckFailed(check, f"no rank called torch.save ({where})", expected=f"rank 0 writes {name}",
-                          hint="if rank == 0: torch.save(ddp_model.module.state_dict(), ckpt_path)")
-    if savers != [0]:
-        others = [r for r in savers if r != 0]
-        if 0 in savers:
-            problem = f"{checks.rank_list(others)} also wrote {name} ({where})"
+    written = {r: list(dict.fromkeys([e["path"] for e in o["writes"]] + o["files"])) for r, o in enumerate(obs)}
+    others = {r: paths for r, paths in written.items() if r != 0 and paths}
+    if others:
+        rank, paths = sorted(others.items())[0]
+        what = name if ckpt_path in paths else "a file"
+        if any(os.path.dirname(p) == folder for p in written[0]):
+            problem = f"{checks.rank_list(others)} also wrote {what} ({where})"
             hint = "save only when rank == 0: every rank holds the same weights, one copy is enough"
         else:
-            problem = f"{checks.rank_list(others)} wrote {name} instead of rank 0 ({where})"
+            problem = f"{checks.rank_list(others)} wrote {what} instead of rank 0 ({where})"
             hint = "save when rank == 0 (rank 0 exists in every job)"
-        raise CheckFailed(check, problem, ranks=others, expected="only rank 0 writes the checkpoint",
-                          got=f"written by {checks.rank_list(savers)}", hint=hint)
+        raise CheckFailed(check, problem, ranks=list(others), expected="only rank 0 writes the checkpoint (no other "
+                          "rank writes any file, under any name)",
+                          got=f"rank {rank} wrote {_listed(paths)}", hint=hint)
+    # a file rank 0 wrote elsewhere and still there (a temporary file it moved onto ckpt_path is gone)
+    elsewhere = [p for p in written[0] if os.path.dirname(p) != folder and os.path.exists(p)]
+    if elsewhere:
+        raise CheckFailed(check, f"a checkpoint was written somewhere other than ckpt_path ({where})", ranks=[0],
+                          expected=f"torch.save(..., ckpt_path) (here {ckpt_path})",
+                          got=f"rank 0 wrote {_listed(elsewhere)}", hint="save to the ckpt_path argument")
+    if not written[0] and not os.path.exists(ckpt_path):
+        raise CheckFailed(check, f"no rank wrote {name} ({where})", expected=f"rank 0 writes {name}",
+                          hint="if rank == 0: torch.save(ddp_model.module.state_dict(), ckpt_path)")
     try:
         state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the student's mistake
@@ -409,14 +414,30 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
                           hint="save the state_dict of the model you were given (ddp_model.module), as it is now")
     final = file_digest(ckpt_path)
     early = [r for r, o in enumerate(obs) if r != 0 and o["seen"] != final]
+    barrier = ("after rank 0's torch.save, call dist.barrier() on every rank (outside the if): a rank that goes on "
+               "at once may read a checkpoint that is not written yet")
     if early:
         found = "no file" if obs[early[0]]["seen"] == "missing" else "an incomplete file"
         raise CheckFailed(check, f"save_checkpoint returned on {checks.rank_list(early)} before rank 0's {name} was "
-                          f"complete ({where}; rank 0's save took {SLOW_SAVE:g} s)", ranks=early,
+                          f"complete ({where}; the grader wrote rank 0's file only once the others waited for it or "
+                          "had returned)", ranks=early,
                           expected=f"every rank finds the whole {name} once save_checkpoint returns",
-                          got=f"rank {early[0]} found {found}",
-                          hint="after rank 0's torch.save, call dist.barrier() on every rank (outside the if): a rank "
-                          "that goes on at once may read a checkpoint that is not written yet")
+                          got=f"rank {early[0]} found {found}", hint=barrier)
+    hold = obs[0]["hold"] or {}
+    if hold.get("neither"):
+        late = hold["neither"]
+        site = (hold.get("sites") or {}).get(late[0]) or (hold.get("sites") or {}).get(str(late[0]))
+        at = f", at line {site['line']}" + (f": {site['code']}" if site.get("code") else "") if site else ""
+        raise CheckFailed(check, f"{checks.rank_list(late)} did not wait for rank 0's {name} ({where}): for "
+                          f"{hold['limit']:g} s after rank 0 began to save, {'it' if len(late) == 1 else 'they'} "
+                          "neither waited in a collective nor returned", ranks=late,
+                          expected="every other rank waits (dist.barrier()) until rank 0's file is complete",
+                          got=f"rank {late[0]} was still running its own code{at}",
+                          hint=barrier + "; a sleep is not a barrier: no fixed time is long enough on every disk")
+
+
+def _listed(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _first_line(exc: BaseException) -> str:

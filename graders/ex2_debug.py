@@ -12,7 +12,9 @@ judges one behaviour, never the lines:
 * :func:`check_checkpoint`: the file at ``ckpt_path`` loads into the plain model (``strict=True``)
   and holds the trained weights;
 * :func:`check_finishes`: every rank returns from ``main`` (no rank waits forever), and none returns
-  before rank 0's checkpoint is complete (rank 0's ``torch.save`` is slowed down).
+  before rank 0's checkpoint is complete: rank 0's first write into the checkpoint's folder (by any
+  means: every write of the rank is recorded) is held until every other rank waits for it in a
+  collective or has returned (:class:`course.checks.Hold`).
 
 Each rank's harness writes what it observes to a journal file as it happens, so the first three
 checks still judge their behaviour when the script then hangs (the fourth bug stops nothing else
@@ -25,7 +27,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,7 @@ from course import checks
 from course.checks import CheckFailed, passed
 from graders.ex2_model import file_digest
 
-SLOW_SAVE = 1.0  # seconds rank 0's torch.save is slowed by: ranks that do not wait for it return first
+HOLD_LIMIT = 4.0  # least seconds rank 0's checkpoint write waits for ranks that neither wait for it nor return
 JOB_TIMEOUT = 40.0
 FEATURES, CLASSES = 4, 3
 
@@ -91,15 +92,16 @@ class _Journal:
         self.fd = os.open(os.path.join(folder, f"rank{rank}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, entry: dict, state: dict | None = None) -> None:
-        if state is not None:
-            self.count += 1
-            name = f"rank{self.rank}-state{self.count}.pt"
-            _REAL.save(checks.to_cpu(state), os.path.join(self.folder, name))
-            entry = {**entry, "state": name}
-        os.write(self.fd, (json.dumps(entry) + "\n").encode())
+        with checks.grader_writes():  # the grader's own files: not the rank's writes
+            if state is not None:
+                self.count += 1
+                name = f"rank{self.rank}-state{self.count}.pt"
+                _REAL.save(checks.to_cpu(state), os.path.join(self.folder, name))
+                entry = {**entry, "state": name}
+            os.write(self.fd, (json.dumps(entry) + "\n").encode())
 
 
-def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed):
+def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed, hold_limit):
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
     journal = _Journal(folder, rank)
@@ -118,19 +120,22 @@ def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed):
         journal.write({"log": value, "keys": sorted(map(str, metrics)) if isinstance(metrics, dict) else []},
                       state=model.state_dict())
 
-    def save(obj, f, *args, **kwargs):
-        if rank == 0:
-            time.sleep(SLOW_SAVE)  # a slow disk: the others must not return before the file is complete
-        out = _REAL.serialization_save(obj, f, *args, **kwargs)
-        journal.write({"saved": os.fspath(f) if isinstance(f, (str, os.PathLike)) else "<file>"})
-        return out
+    hold = checks.Hold(os.path.join(folder, "hold"), rank, world_size, hold_limit)
+    ckpt_folder = os.path.dirname(ckpt_path)
 
-    torch.save = torch.serialization.save = save
+    def before(event):  # rank 0, about to write the checkpoint (or a file beside it): the others must wait
+        if rank == 0 and os.path.dirname(event["path"]) == ckpt_folder and hold.result is None:
+            journal.write({"hold": hold.wait()})
+
+    hold.start()
     try:
-        main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs)
+        with checks.record_writes(before):
+            main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs)
+        seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment main returned
     finally:
-        torch.save, torch.serialization.save = _REAL.save, _REAL.serialization_save
-    journal.write({"returned": True, "seen": file_digest(ckpt_path)}, state=model.state_dict())
+        hold.returned()
+        hold.stop()
+    journal.write({"returned": True, "seen": seen}, state=model.state_dict())
     return True
 
 
@@ -182,8 +187,10 @@ def _run_job(check, main, *, world_size, n_train, n_val, epochs, seed, hints) ->
         ckpt_path = os.path.join(folder, "ckpt.pt")
         failure, hung = None, False
         try:
-            checks.run(check, _harness, world_size, args=(main, folder, ckpt_path, n_train, n_val, epochs, seed),
-                       hints=list(hints), timeout=min(checks.check_timeout(), JOB_TIMEOUT))
+            timeout = min(checks.check_timeout(), JOB_TIMEOUT)
+            checks.run(check, _harness, world_size,
+                       args=(main, folder, ckpt_path, n_train, n_val, epochs, seed, min(HOLD_LIMIT, timeout / 6)),
+                       hints=list(hints), timeout=timeout)
         except CheckFailed as err:
             failure, hung = err, err.hung
         ckpt = None
@@ -331,12 +338,23 @@ def check_finishes(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0
                hints=[("timeout", hint)])
     if run.failure is not None:
         raise run.failure
+    barrier = "the other ranks must wait until rank 0 has saved: something every rank calls, after the save"
     early = [r for r, journal in enumerate(run.journals)
              for e in journal if e.get("returned") and e.get("seen") != run.ckpt_digest]
     if early:
         raise CheckFailed(check, f"{checks.rank_list(early)} returned from main before the checkpoint was complete",
                           ranks=early, expected="every rank finds rank 0's whole checkpoint when main returns",
-                          got="rank 0 was still writing it (the grader's disk is slow)",
-                          hint="the other ranks must wait until rank 0 has saved: something every rank calls, "
-                          "after the save")
+                          got="rank 0 was still writing it (the grader wrote it only once the other ranks waited "
+                          "for it or had returned)", hint=barrier)
+    hold = next((e["hold"] for e in run.journals[0] if "hold" in e), {}) if run.journals else {}
+    if hold.get("neither"):
+        late = hold["neither"]
+        site = (hold.get("sites") or {}).get(str(late[0]))
+        at = f", at line {site['line']}" + (f": {site['code']}" if site.get("code") else "") if site else ""
+        raise CheckFailed(check, f"{checks.rank_list(late)} did not wait for rank 0's checkpoint: for "
+                          f"{hold['limit']:g} s after rank 0 began to save, {'it' if len(late) == 1 else 'they'} "
+                          "neither waited in a collective nor returned from main", ranks=late,
+                          expected="every other rank waits until rank 0's checkpoint is complete",
+                          got=f"rank {late[0]} was still running its own code{at}",
+                          hint=barrier + " (a sleep is not: no fixed time is long enough on every disk)")
     passed(check)

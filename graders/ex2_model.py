@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course import checks
 
-SLOW_SAVE = 1.0  # seconds rank 0's torch.save is slowed by in check_checkpoint
+HOLD_LIMIT = 4.0  # least seconds rank 0's checkpoint write waits for ranks that neither wait for it nor return
 
 
 def make_net(seed: int) -> nn.Sequential:
@@ -187,35 +187,40 @@ def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True):
     return model.state_dict()
 
 
-def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed):
+def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_limit):
+    """Run save_checkpoint with every file write of the rank recorded (whatever name the student's code
+    reached the writing function by) and rank 0's first write into the checkpoint's folder held until the
+    other ranks wait for it in a collective, or return (:class:`course.checks.Hold`); then look at the file."""
     dev = checks.join_job()
-    cwd = os.path.join(workdir, f"rank{rank}")  # relative paths land in a folder of their own per rank
-    os.makedirs(cwd, exist_ok=True)
+    cwd = os.path.join(workdir, f"rank{rank}")  # relative paths and temporary files: a folder of this rank's
+    tmp = os.path.join(cwd, "tmp")
+    os.makedirs(tmp, exist_ok=True)
     os.chdir(cwd)
+    os.environ["TMPDIR"] = tempfile.tempdir = tmp
     model = make_net(seed + 17 * rank).to(dev)
     ddp_model = DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank)).to(dev)
     ddp_model(x).pow(2).mean().backward()  # rank-dependent data, averaged: parameters stay equal
     torch.optim.SGD(ddp_model.parameters(), lr=0.1).step()
 
-    calls = []
-    real_save = torch.save
+    hold = checks.Hold(os.path.join(workdir, "hold"), rank, _REAL.get_world_size(), hold_limit)
+    folder = os.path.dirname(ckpt_path)
 
-    def spy(obj, f, *args, **kwargs):  # audit hooks do not see torch.save (it opens files in C++)
-        path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else f"<{type(f).__name__}>"
-        calls.append(path)
-        if rank == 0:
-            time.sleep(SLOW_SAVE)  # a slow disk: the others must not go on before the file is complete
-        return real_save(obj, f, *args, **kwargs)
+    def before(event):  # rank 0, about to write the checkpoint (or a file beside it): the others must wait
+        if rank == 0 and os.path.dirname(event["path"]) == folder:
+            hold.wait()
 
-    torch.save = torch.serialization.save = spy
+    hold.start()
     try:
-        save_checkpoint(rank, ddp_model, ckpt_path)
+        with checks.record_writes(before) as writes:
+            save_checkpoint(rank, ddp_model, ckpt_path)
+        seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment save_checkpoint returned
     finally:
-        torch.save = torch.serialization.save = real_save
-    seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment save_checkpoint returned
+        hold.returned()
+        hold.stop()
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
-    return {"calls": calls, "files": files, "state": checks.to_cpu(model.state_dict()), "seen": seen}
+    return {"writes": [dict(e) for e in writes], "files": files, "state": checks.to_cpu(model.state_dict()),
+            "seen": seen, "hold": hold.result}
 
 
 def file_digest(path: str) -> str:

@@ -392,11 +392,15 @@ def check_zero_save(save_optimizer, world_size: int = 2) -> None:
         dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
         for d in dirs:
             os.makedirs(d)
-        checks.run(check, _zero_save_harness, world_size, args=(save_optimizer, dirs), mistakes=_SAVE_MISTAKES)
+        job = checks.run(check, _zero_save_harness, world_size, args=(save_optimizer, dirs), mistakes=_SAVE_MISTAKES)
         paths = [os.path.join(d, "optimizer.pt") for d in dirs]
-        others = [r for r in range(1, world_size) if os.listdir(dirs[r])]
+        written = {r: job.values[r]["writes"] + [os.path.join(dirs[r], f) for f in os.listdir(dirs[r])]
+                   for r in range(1, world_size)}
+        others = [r for r, found in written.items() if found]
         expect(not others, check, f"{checks.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,
-               expected="only rank 0 writes the checkpoint", hint="guard the save with `if rank == 0:`")
+               expected="only rank 0 writes the checkpoint (no other rank writes any file, under any name)",
+               got=f"rank {others[0]} wrote {written[others[0]][0]}" if others else None,
+               hint="guard the save with `if rank == 0:`")
         expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at ckpt_path ({world_size}-rank job)",
                ranks=[0], hint="on rank 0: torch.save(optimizer.state_dict(), ckpt_path)")
         try:

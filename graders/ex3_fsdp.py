@@ -461,10 +461,12 @@ def _export_verdict(check: str, values: list[dict], paths: list[str], spec: tupl
     where = _where(ws)
     hint = ("on every rank: sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
             "cpu_offload=True)); then on rank 0 only: torch.save(sd, path)")
-    others = [r for r in range(1, ws) if os.path.exists(paths[r])]
+    written = {r: values[r]["writes"] + ([paths[r]] if os.path.exists(paths[r]) else []) for r in range(1, ws)}
+    others = [r for r, found in written.items() if found]  # any file, under any name, anywhere
     expect(not others, check, f"{rank_list(others)} wrote a file too ({where})", ranks=others,
-           expected="only rank 0 saves the exported weights", hint="guard the torch.save with `if rank == 0:` "
-           "(dist.get_rank()); keep the gather outside it")
+           expected="only rank 0 saves the exported weights", got=f"rank {others[0]} wrote {written[others[0]][0]}"
+           if others else None, hint="guard the torch.save with `if rank == 0:` (dist.get_rank()); keep the gather "
+           "outside it")
     expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at `path` ({where})", ranks=[0],
            expected="a file at `path`, written by rank 0 with torch.save", hint=hint)
     mesh_log = logging.getLogger("torch.distributed.device_mesh")  # a DTensor's mesh unpickled here warns

@@ -327,5 +327,6 @@ def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int
 def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:
     model, _ = _trained(rank, spec, steps, _join())
     params = _locals(model)
-    export_weights(model, paths[rank])
-    return {"params": params}
+    with checks.record_writes() as writes:  # every file this rank writes, however it writes it
+        export_weights(model, paths[rank])
+    return {"params": params, "writes": sorted({e["path"] for e in writes})}

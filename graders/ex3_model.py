@@ -276,7 +276,7 @@ def _zero_optimizer_harness(rank: int, make_zero_optimizer) -> dict:
     return obs
 
 
-def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> None:
+def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -285,4 +285,6 @@ def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> None:
     ddp_model = DDP(model)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.Adam, lr=ZERO_LR)
     _zero_train(ddp_model, optimizer, rank)
-    save_optimizer(optimizer, rank, os.path.join(dirs[rank], "optimizer.pt"))
+    with checks.record_writes() as writes:  # every file this rank writes, however it writes it
+        save_optimizer(optimizer, rank, os.path.join(dirs[rank], "optimizer.pt"))
+    return {"writes": sorted({e["path"] for e in writes})}

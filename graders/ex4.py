@@ -166,18 +166,23 @@ def check_multinode_ranks(script: str = "train.py") -> None:
 
 
 def _writes(w: torchrun.Worker, run: torchrun.Run) -> list[str]:
-    """What a worker wrote that only rank 0 may write: checkpoint saves, renames and raw writes, and final.pt."""
-    final = os.path.join(run.out_dir, "final.pt")
-    ckpt_dir = os.path.dirname(run.ckpt_path) + os.sep
+    """What a worker wrote that only rank 0 may write: every file it saved, created or moved into place, wherever
+    and under whatever name, apart from its own report-<pid>.json in OUT."""
+    report = os.path.join(run.out_dir, "report-")
+
+    def shown(path: str) -> str:
+        return os.path.basename(path) if os.path.dirname(path) in (run.out_dir, os.path.dirname(run.ckpt_path)) else path
+
     found = []
     for e in w.events:
         path = e.get("path") or ""
-        if e["event"] == "save" and (path == final or not path.startswith(run.out_dir + os.sep)):
-            found.append(f"torch.save(..., {os.path.basename(path)!r})")
-        elif e["event"] == "rename" and (e.get("dst") or "") in (run.ckpt_path, final):
-            found.append(f"os.replace({os.path.basename(e.get('src') or '?')!r}, {os.path.basename(e['dst'])!r})")
-        elif e["event"] == "open" and e.get("write") and (path.startswith(ckpt_dir) or path == final):
-            found.append(f"open({os.path.basename(path)!r}) for writing")
+        if e["event"] == "save" and path:
+            found.append(f"torch.save(..., {shown(path)!r})")
+        elif e["event"] == "rename" and e.get("dst"):
+            found.append(f"os.replace({shown(e.get('src') or '?')!r}, {shown(e['dst'])!r})")
+        elif (e["event"] == "open" and e.get("write") and path
+              and not (path.startswith(report) and path.endswith(".json"))):
+            found.append(f"open({shown(path)!r}) for writing")
     return found
 
 

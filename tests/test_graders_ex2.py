@@ -308,6 +308,89 @@ def save_stale_weights(rank, ddp_model, ckpt_path):
         torch.save({k: torch.zeros_like(v) for k, v in ddp_model.module.state_dict().items()}, ckpt_path)
 
 
+_bound_save = torch.save  # bound when this module was loaded, as `save = torch.save` at a notebook's top level
+
+
+def save_bound(rank, ddp_model, ckpt_path):
+    """Right: torch.save through a name bound before the grader's job started."""
+    if rank == 0:
+        _bound_save(ddp_model.module.state_dict(), ckpt_path)
+    dist.barrier()
+
+
+def save_bound_no_barrier(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        _bound_save(ddp_model.module.state_dict(), ckpt_path)
+
+
+def save_bound_every_rank(rank, ddp_model, ckpt_path):
+    _bound_save(ddp_model.module.state_dict(), ckpt_path)
+    dist.barrier()
+
+
+def save_serialization_internals(rank, ddp_model, ckpt_path):
+    """Right: torch.serialization's own functions, below torch.save."""
+    if rank == 0:
+        with torch.serialization._open_zipfile_writer(ckpt_path) as writer:
+            torch.serialization._save(ddp_model.module.state_dict(), writer, __import__("pickle"), 2, False)
+    dist.barrier()
+
+
+def save_monitored_barrier(rank, ddp_model, ckpt_path):
+    """Right, other synchronisations: gloo's monitored_barrier, then an object broadcast from rank 0."""
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    dist.monitored_barrier()
+    done = [ckpt_path if rank == 0 else None]
+    dist.broadcast_object_list(done, src=0)
+
+
+def save_async_barrier_waited(rank, ddp_model, ckpt_path):
+    """Right: an async barrier, waited for (the main thread then sits in Work.wait, outside torch's Python)."""
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    dist.barrier(async_op=True).wait()
+
+
+def save_sleep_2(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    time.sleep(2)  # "long enough for the save"
+
+
+def save_sleep_10(rank, ddp_model, ckpt_path):
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    time.sleep(10)
+
+
+def save_rank1_beside(rank, ddp_model, ckpt_path):
+    torch.save(ddp_model.module.state_dict(), ckpt_path if rank == 0 else f"{ckpt_path}.rank{rank}")
+    dist.barrier()
+
+
+def save_rank1_tmp(rank, ddp_model, ckpt_path):
+    import tempfile
+
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
+            torch.save(ddp_model.module.state_dict(), fh)
+    dist.barrier()
+
+
+def save_rank1_pickle_in_folder(rank, ddp_model, ckpt_path):
+    import pickle
+
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), ckpt_path)
+    else:
+        with open(os.path.join(os.path.dirname(ckpt_path), "copy.pkl"), "wb") as fh:
+            pickle.dump(ddp_model.module.state_dict(), fh)
+    dist.barrier()
+
+
 # --- unit tests of the checks ------------------------------------------------------------------
 
 
@@ -412,6 +495,36 @@ def test_check_checkpoint_sees_the_race_a_barrier_prevents():
     fails(ex2.check_checkpoint, save_no_barrier, "returned on rank 1 before rank 0's ckpt.pt was complete",
           "found no file", "dist.barrier() on every rank")
     fails(ex2.check_checkpoint, save_barrier_first, "before rank 0's ckpt.pt was complete", "[rank 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint_judges_the_barrier_by_order_not_a_race():
+    """A sleep instead of a barrier loses the check however long it is: rank 0's write waits until the others
+    wait for it in a collective (or return), for a random time longer than the shorter sleeps."""
+    fails(ex2.check_checkpoint, save_sleep_2, "returned on rank 1 before rank 0's ckpt.pt was complete",
+          "found no file", "dist.barrier() on every rank")
+    fails(ex2.check_checkpoint, save_sleep_10, "[rank 1]", "dist.barrier() on every rank")
+    ex2.check_checkpoint(save_monitored_barrier, world_sizes=(3,))
+    ex2.check_checkpoint(save_async_barrier_waited, world_sizes=(2,))  # let through at the hold's limit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint_sees_every_way_of_writing():
+    """torch.save bound before the job, or torch.serialization's internals: the writes are seen all the same."""
+    ex2.check_checkpoint(save_bound, world_sizes=(2,))
+    ex2.check_checkpoint(save_serialization_internals, world_sizes=(3,))
+    fails(ex2.check_checkpoint, save_bound_no_barrier, "returned on rank 1 before rank 0's ckpt.pt was complete")
+    fails(ex2.check_checkpoint, save_bound_every_rank, "rank 1 also wrote ckpt.pt", "rank == 0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint_sees_other_ranks_writing_anywhere():
+    fails(ex2.check_checkpoint, save_rank1_beside, "rank 1 also wrote a file", "ckpt.pt.rank1", "rank == 0")
+    fails(ex2.check_checkpoint, save_rank1_tmp, "rank 1 also wrote a file", "/rank1/tmp/", ".pt", "rank == 0")
+    fails(ex2.check_checkpoint, save_rank1_pickle_in_folder, "rank 1 also wrote a file", "shared/copy.pkl")
 
 
 # --- wrong submissions, graded as notebooks -------------------------------------------------------

@@ -62,6 +62,21 @@ WRONG_FIX = {
                            "shuffle", ["never trained on"]),
     "the barrier removed": (("        dist.barrier()  # the other ranks must not go on before the checkpoint is written\n",
                              ""), "finishes", ["returned from main before the checkpoint was complete"]),
+    "a 2 s sleep instead of the barrier": (
+        (("import torch\n", "import time\nimport torch\n"),
+         ("        dist.barrier()  # the other ranks must not go on before the checkpoint is written\n",
+          "    time.sleep(2)  # long enough for the save?\n")),
+        "finishes", ["returned from main before the checkpoint was complete"]),
+    "a 10 s sleep instead of the barrier": (
+        (("import torch\n", "import time\nimport torch\n"),
+         ("        dist.barrier()  # the other ranks must not go on before the checkpoint is written\n",
+          "    time.sleep(10)  # long enough for the save?\n")),
+        "finishes", ["rank 1 did not wait for rank 0's checkpoint", "neither waited in a collective nor returned",
+                     "still running its own code, at line", "a sleep is not"]),
+    "the barrier removed, torch.save bound at the top": (
+        (("import torch\n", "import torch\nfrom torch import save\n"), ("        torch.save({", "        save({"),
+         ("        dist.barrier()  # the other ranks must not go on before the checkpoint is written\n", "")),
+        "finishes", ["returned from main before the checkpoint was complete"]),
     "rank 0's share only": (("    dist.all_reduce(accuracy)\n    return accuracy.item() / world_size",
                              "    return accuracy.item()"), "metric", ["logged an accuracy the model does not have"]),
     "the initial weights saved": ((('"model": ddp_model.state_dict()}', '"model": initial}'),
@@ -152,6 +167,17 @@ def test_other_right_fixes_pass():
         main = _script(_fixed(*mix, other=[b for b in FIX if b not in mix]), f"mix_{'_'.join(mix)}")
         for check in CHECKS.values():
             check(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_save_bound_before_the_job_is_seen():
+    """`from torch import save` at the script's top: bound before the grader's job, still seen and held."""
+    bound = _edit(_fixed(*FIX), ("import torch\n", "import torch\nfrom torch import save\n"),
+                  ("        torch.save({", "        save({"))
+    main = _script(bound, "bound_save")
+    for check in CHECKS.values():
+        check(main)
 
 
 @pytest.mark.slow

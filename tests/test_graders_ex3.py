@@ -8,6 +8,8 @@ process; each must lose exactly the intended test cells' points.
 from __future__ import annotations
 
 import linecache
+import os
+import re
 import sys
 import time
 
@@ -190,6 +192,17 @@ def save_every_rank_its_shard(optimizer, rank, ckpt_path):
     torch.save(optimizer.optim.state_dict(), ckpt_path)
 
 
+def save_other_ranks_elsewhere(optimizer, rank, ckpt_path):
+    """Rank 1 writes its shard under another name, in a shared temporary folder: still a write of rank 1's."""
+    import tempfile
+
+    optimizer.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save(optimizer.state_dict(), ckpt_path)
+    else:
+        torch.save(optimizer.optim.state_dict(), os.path.join(tempfile.gettempdir(), f"ddp-course-test-shard-{os.getpid()}.pt"))
+
+
 fails = submissions.fails
 
 
@@ -295,6 +308,10 @@ def test_check_zero_save():
     fails(ex3.check_zero_save, save_on_every_rank, "[rank 1]", "saving on every rank", "if rank == 0")
     fails(ex3.check_zero_save, save_local_shard, "does not load into torch.optim.Adam", "one shard")
     fails(ex3.check_zero_save, save_every_rank_its_shard, "saved a file too", "[rank 1]")
+    message = fails(ex3.check_zero_save, save_other_ranks_elsewhere, "saved a file too", "[rank 1]", "if rank == 0:")
+    leftover = re.search(r"rank 1 wrote (\S+\.pt)", message)
+    assert leftover, message
+    os.unlink(leftover.group(1))
     # consolidating inside `if rank == 0:` (a hang) is graded as a notebook below
 
 

@@ -462,6 +462,16 @@ def export_on_every_rank(model, path):
     torch.save(state, path)
 
 
+def export_rank1_beside(model, path):
+    """Rank 1 also writes, under another name in rank 0's folder: any file it writes counts."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    else:
+        with open(path.replace("rank1", "rank0") + ".rank1", "wb") as fh:
+            torch.save(state, fh)
+
+
 def export_gather_on_rank0(model, path):
     if dist.get_rank() == 0:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -491,6 +501,7 @@ def test_check_export_names_each_mistake():
     fails(fsdp.check_export, export_sharded, "DTensor shards", "[rank 0]", "full_state_dict=True")
     fails(fsdp.check_export, export_local_shards, "the tensors are shards", "size mismatch")
     fails(fsdp.check_export, export_on_every_rank, "[rank 1]", "wrote a file too", "if rank == 0:")
+    fails(fsdp.check_export, export_rank1_beside, "[rank 1]", "wrote a file too", "rank0/weights.pt.rank1")
     fails(fsdp.check_export, export_forged, "do not load into a plain", "Missing key(s)")
 
 

@@ -387,6 +387,14 @@ WRONG = {
         [('    if rank == 0:\n        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n',
           '    torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n')],
         ["ex4_test_checkpoint_rank0"], ["ranks 1, 2 wrote the final weights too", "final.pt", "if rank == 0:"]),
+    "the other ranks keep a checkpoint of their own elsewhere": (
+        [("            save_checkpoint(state, args.ckpt)\n",
+          "            save_checkpoint(state, args.ckpt)\n"
+          "        else:  # a copy of its own, beside the folders it was given\n"
+          "            import pickle\n"
+          "            with open(os.path.join(os.path.dirname(args.out), f'copy-rank{rank}.pkl'), 'wb') as fh:\n"
+          "                pickle.dump(model.state_dict(), fh)\n")],
+        ["ex4_test_checkpoint_rank0"], ["ranks 1, 2 wrote the checkpoint too", "copy-rank1.pkl", "for writing"]),
     "no destroy_process_group": (
         [("    dist.destroy_process_group()\n", "")],
         ["ex4_test_destroy"], ["never called dist.destroy_process_group()", "[ranks 0, 1, 2]"]),

@@ -651,3 +651,34 @@ def test_a_timed_out_check_names_where_each_rank_was_innermost_first():
     err = RankTimeoutError("late", {0: RankFailure(0, "timeout", last_output=stack)}, [], 1, 60.0)
     text = _last_output(err)
     assert 'line 0 in f0' in text and "line 7 in f7" in text and "line 8 in" not in text and "printed" not in text
+
+
+_bound_save = torch.save  # bound before any job: as `save = torch.save` at a notebook's top level
+
+
+def record_every_write(rank, folder):
+    """A rank writes in five ways while recording, plus once as the grader (not recorded)."""
+    import pickle
+
+    from course.launcher import writes
+
+    with writes.recording() as events:
+        _bound_save({"a": 1}, os.path.join(folder, f"bound{rank}.pt"))
+        torch.serialization.save({"a": 1}, os.path.join(folder, f"module{rank}.pt"))
+        with open(os.path.join(folder, f"pickled{rank}.pkl"), "wb") as fh:
+            pickle.dump(1, fh)
+        fd, tmp = tempfile.mkstemp(dir=folder)
+        os.close(fd)
+        os.replace(tmp, os.path.join(folder, f"moved{rank}"))
+        with writes.paused():
+            torch.save({"a": 1}, os.path.join(folder, f"grader{rank}.pt"))
+    torch.save({"a": 1}, os.path.join(folder, f"after{rank}.pt"))  # recording is over
+    return [(os.path.basename(e["path"]) if not e["path"].startswith(os.path.join(folder, "tmp")) else "tmp", e["how"])
+            for e in events]
+
+
+def test_a_rank_records_every_write_however_the_writer_was_reached(tmp_path):
+    values = course.run_ranks(record_every_write, 2, args=(str(tmp_path),), echo=False)
+    for rank, got in enumerate(values):
+        assert got == [(f"bound{rank}.pt", "torch.save"), (f"module{rank}.pt", "torch.save"),
+                       (f"pickled{rank}.pkl", "open"), ("tmp", "open"), (f"moved{rank}", "rename")], got

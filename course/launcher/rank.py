@@ -25,6 +25,7 @@ import traceback
 
 import cloudpickle
 
+from course.launcher import writes
 from course.launcher.spec import RankSpec
 
 # Keeps process groups alive after the student's destroy_process_group():
@@ -119,7 +120,7 @@ def _student_traceback(exc: BaseException, hidden=(), cell_names: dict | None = 
             continue
         seen.add(id(current))
         current.stack = traceback.StackSummary.from_list(
-            [f for f in current.stack if not _under(f.filename, hidden)])
+            [f for f in current.stack if not under(f.filename, hidden)])
         todo += [t for t in (current.__cause__, current.__context__) if t is not None]
     text = "".join(te.format())
     for name, label in (cell_names or {}).items():
@@ -171,11 +172,11 @@ def start_stall_probe(spec: dict):
                 entries = None
         frame = sys._current_frames().get(main)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in _COLLECTIVE_CODE)
-                   and not any(f.name in _JOINING for f in stack))  # a rendezvous may wait for a late peer
+        waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
+                   and not any(f.name in JOINING for f in stack))  # a rendezvous may wait for a late peer
         site = None
         for f in reversed(stack):  # the innermost frame of the student's code
-            if f.filename.startswith(("<frozen", "<string>")) or _under(f.filename, hidden + libraries):
+            if f.filename.startswith(("<frozen", "<string>")) or under(f.filename, hidden + libraries):
                 continue
             label = names.get(f.filename) or f'File "{f.filename}"'
             site = {"where": f"{label}, line {f.lineno}", "line": (f.line or "").strip(), "function": f.name}
@@ -186,6 +187,7 @@ def start_stall_probe(spec: dict):
         replace(path + ".tmp", path)
 
     def loop() -> None:
+        writes.grader_thread()
         while True:
             time.sleep(0.1)
             if exists(path + ".req"):
@@ -200,14 +202,15 @@ def start_stall_probe(spec: dict):
 
 
 #: a main thread in these functions is joining a group (waiting in a store for its peers), not in a collective
-_JOINING = frozenset({"init_process_group", "new_group", "new_subgroups", "_new_process_group_helper",
+JOINING = frozenset({"init_process_group", "new_group", "new_subgroups", "_new_process_group_helper",
                       "_store_based_barrier", "rendezvous", "init_device_mesh"})
 #: an idle main thread in this code waits for a collective: torch.distributed's functions, DDP's forward
 #: (buffer broadcasts), and a backward (DDP's gradient all-reduce finishes inside it)
-_COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/graph.py")
+COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/graph.py")
 
 
-def _under(filename: str, places: tuple[str, ...]) -> bool:
+def under(filename: str, places: tuple[str, ...]) -> bool:
+    """Whether ``filename`` lies in one of the folders ``places``."""
     if not filename or filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
@@ -318,6 +321,7 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
 
     torch.set_num_threads(spec.num_threads)
     _patch_destroy()
+    writes.install()  # before the payload is unpickled: whatever the student's code binds is already seen
     start_stall_probe({"probe_path": spec.probe_path, "grader_dirs": spec.grader_dirs, "cell_names": spec.cell_names})
     _rendezvous_through_file(spec)
 

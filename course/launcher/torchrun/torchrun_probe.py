@@ -37,6 +37,7 @@ CRASH_EXIT_CODE = 17
 _log_fd: int | None = None
 _in_hook = False
 _watched: tuple[str, ...] = ()
+_unwatched: tuple[str, ...] = ("/dev/", "/proc/", "/sys/")
 _steps = 0
 
 
@@ -69,17 +70,22 @@ def _audit(event: str, args: tuple) -> None:
         return
     try:
         if event == "os.rename":
-            _log("rename", src=_path(args[0]), dst=_path(args[1]))
+            dst = _path(args[1])
+            if not (dst or "").startswith(_unwatched):  # the probe's own answers aside
+                _log("rename", src=_path(args[0]), dst=dst)
             return
         path = _path(args[0])
-        if path is None or not path.startswith(_watched):
+        if path is None:
             return
         mode, flags = args[1], args[2] or 0
         if isinstance(mode, str):
             write = any(c in mode for c in "wax+")
         else:
             write = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
-        _log("open", path=path, write=write)
+        # the watched folders: every open; elsewhere: every write of a file (not the probe's own, not byte code)
+        if path.startswith(_watched) or (write and not path.startswith(_unwatched) and not path.endswith(".pyc")
+                                         and "__pycache__" not in path):
+            _log("open", path=path, write=write)
     except Exception:
         pass
 
@@ -174,11 +180,12 @@ def _numel(size) -> int:
 
 def install(probe_dir: str, watched: list[str]) -> None:
     """Start this worker's event log and install every probe."""
-    global _log_fd, _watched
+    global _log_fd, _watched, _unwatched
     os.makedirs(probe_dir, exist_ok=True)
     pid = os.getpid()
     _log_fd = os.open(os.path.join(probe_dir, f"events-{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     _watched = tuple(os.path.abspath(w).rstrip(os.sep) + os.sep for w in watched)
+    _unwatched += (os.path.abspath(probe_dir).rstrip(os.sep) + os.sep,)
     env = {k: os.environ.get(k) for k in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
     _log("start", pid=pid, env=env)
