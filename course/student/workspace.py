@@ -36,7 +36,6 @@ FOLDERS = ("lessons", "exercises")
 WORKSPACE_ENV = "DDP_COURSE_WORKSPACE"
 DEFAULT_NAME = "ddp-course-work"
 _SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
-_SOURCE_MARKERS = ("BEGIN SOLUTION", "BEGIN HIDDEN TESTS")
 
 
 class WorkspaceError(CourseError):
@@ -84,7 +83,9 @@ class SyncReport:
 
 def is_source_notebook(nb) -> bool:
     """Whether ``nb`` is an nbgrader source notebook (solution or hidden-test regions), not a student copy."""
-    return any(m in cell.get("source", "") for cell in nb.cells for m in _SOURCE_MARKERS)
+    from course.instructor.leaks import HIDDEN_TESTS, SOLUTION
+
+    return any(m in cell.get("source", "") for cell in nb.cells for m in (SOLUTION[0], HIDDEN_TESTS[0]))
 
 
 def release_notebook(source, assignment: str, name: str):
