@@ -82,8 +82,9 @@ def command(folder, port, ip, no_browser, allow_root, make_only, dry_run, jupyte
     allowed = False if make_only else root_allowed(allow_root or "--allow-root" in jupyter_args)
     config_dir = ws / labconfig.CONFIG_DIR
     argv = lab_argv(ws, port, ip, not no_browser, jupyter_args, allow_root=allowed)
+    env = lab_env(config_dir)
     if dry_run:
-        click.echo(f"JUPYTER_CONFIG_DIR={config_dir} " + " ".join(argv))
+        click.echo(f"JUPYTER_CONFIG_PATH={env['JUPYTER_CONFIG_PATH']} " + " ".join(argv))
         return
     report = workspace.sync(ws, course)
     for line in report.lines():
@@ -98,7 +99,14 @@ def command(folder, port, ip, no_browser, allow_root, make_only, dry_run, jupyte
     if not _has_jupyterlab():
         raise CourseError("JupyterLab is not installed: pip install ddp-course (it depends on jupyterlab)")
     sys.stdout.flush()
-    os.execve(argv[0], argv, {**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir)})
+    os.execve(argv[0], argv, env)
+
+
+def lab_env(config_dir: Path) -> dict[str, str]:
+    """This environment with the lab's settings first on JUPYTER_CONFIG_PATH: they win over the Python
+    environment's (nbgrader enables its instructor tools there), the student's own ~/.jupyter still comes first."""
+    paths = [str(config_dir), *filter(None, os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep))]
+    return {**os.environ, "JUPYTER_CONFIG_PATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _has_jupyterlab() -> bool:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +40,15 @@ def tiny_course(tmp_path):
     shutil.copy(sorted((ROOT / "lessons").glob("01-*.ipynb"))[0], course / "lessons" / "01-intro.ipynb")
     shutil.copytree(TINY, course / "exercises")
     return course
+
+
+@pytest.fixture
+def public_tmp():
+    """A temporary folder every user can read (pytest's are its owner's only)."""
+    folder = Path(tempfile.mkdtemp(prefix="ddp-course-ws-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def lab(*args, course: Path):
@@ -115,7 +125,8 @@ def _as_nobody() -> list[str]:
 
 
 @pytest.mark.parametrize("case", ["file", "inside", "holds", "unwritable"])
-def test_a_folder_that_cannot_be_a_workspace_is_one_line_and_nothing_written(case, tiny_course, tmp_path):
+def test_a_folder_that_cannot_be_a_workspace_is_one_line_and_nothing_written(case, tiny_course, tmp_path,
+                                                                            public_tmp):
     if case == "file":
         folder = tmp_path / "notes.txt"
         folder.write_text("mine")
@@ -123,17 +134,17 @@ def test_a_folder_that_cannot_be_a_workspace_is_one_line_and_nothing_written(cas
         folder = tiny_course / "exercises" / "work"
     elif case == "holds":
         folder = tmp_path
-    else:
-        parent = tmp_path / "locked"
-        parent.mkdir(mode=0o555)
-        folder = parent / "work"
+    else:  # as root every folder is writable: run as nobody, in folders nobody can read (pytest's are root's only)
         if os.geteuid() == 0 and not shutil.which("setpriv"):
             pytest.skip("root without setpriv: every folder is writable")
-        os.chmod(tmp_path, 0o755)
+        tmp_path = public_tmp
+        tiny_course = Path(shutil.copytree(tiny_course, tmp_path / "course"))
+        (tmp_path / "locked").mkdir(mode=0o555)
+        folder = tmp_path / "locked" / "work"
     before = snapshot(tmp_path)
     proc = subprocess.run([*_as_nobody() * (case == "unwritable"), sys.executable, "-m", "course.cli", "lab",
                            "--dir", str(folder), "--no-browser"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "DDP_COURSE_ROOT": str(tiny_course)}, cwd="/")
+                          env={**os.environ, "DDP_COURSE_ROOT": str(tiny_course), "HOME": "/"}, cwd="/")
     assert proc.returncode == 1, proc
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert {"file": "is a file", "inside": "inside the course's sources", "holds": "holds the course's sources",
@@ -160,7 +171,7 @@ def test_check_says_no_answer_cells_found_for_an_emptied_notebook(tmp_path):
     nb.cells = []
     nbformat.write(nb, mine)
     for verb in ("check", "grade"):
-        result = CliRunner().invoke(main, [verb, str(mine)])
+        result = CliRunner().invoke(main, [verb, str(mine), "--json"])
         assert result.exit_code == 0, result.output
         assert "no answer cells found" in result.output and "not written yet" not in result.output
 

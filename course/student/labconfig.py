@@ -1,8 +1,8 @@
 """The student lab's own Jupyter settings: no instructor tools, an nbgrader config, and what to do as root.
 
-``ddp-course lab`` points ``JUPYTER_CONFIG_DIR`` at :data:`CONFIG_DIR` inside the workspace,
-so these settings win over the environment's (nbgrader's install enables every one of its
-extensions) and apply to this lab only: an instructor's own ``jupyter lab`` keeps formgrader.
+``ddp-course lab`` puts :data:`CONFIG_DIR` (inside the workspace) first on ``JUPYTER_CONFIG_PATH``,
+so these settings win over the Python environment's (nbgrader's install enables every one of its
+extensions there) and apply to this lab only: an instructor's own ``jupyter lab`` keeps formgrader.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def disabled_plugins() -> list[str]:
 
 
 def write(workspace: Path) -> Path:
-    """Write the lab's config folder in ``workspace``; returns it (the lab's ``JUPYTER_CONFIG_DIR``)."""
+    """Write the lab's config folder in ``workspace``; returns it (first on the lab's ``JUPYTER_CONFIG_PATH``)."""
     folder = Path(workspace) / CONFIG_DIR
     (folder / "labconfig").mkdir(parents=True, exist_ok=True)
     server = {"ServerApp": {"jpserver_extensions": SERVER_EXTENSIONS}}
