@@ -104,8 +104,9 @@ def test_a_students_edits_survive_an_update_of_the_course(tiny_course, tmp_path)
     offered = ws / "exercises" / "ex0-tiny" / "tiny.updated.ipynb"
     assert "Updated instructions." in offered.read_text() and "BEGIN SOLUTION" not in offered.read_text()
     assert "kept your exercises/ex0-tiny/tiny.ipynb" in result.output and "tiny.updated.ipynb" in result.output
-    for new in ("lessons/02-next.ipynb", "exercises/ex0-tiny/tiny_more.ipynb", "lessons/01-intro.ipynb"):
+    for new in ("lessons/02-next.ipynb", "exercises/ex0-tiny/tiny_more.ipynb"):
         assert (ws / new).is_file() and f"new: {new}" in result.output, result.output
+    assert "fresh copy (it was gone): lessons/01-intro.ipynb" in result.output and (ws / "lessons/01-intro.ipynb").is_file()
     assert "BEGIN HIDDEN TESTS" not in (ws / "exercises/ex0-tiny/tiny_more.ipynb").read_text()
 
     before = snapshot(ws)

@@ -59,6 +59,8 @@ class SyncReport:
 
     workspace: Path
     added: list[str] = field(default_factory=list)
+    #: files the workspace had had and that were gone (deleted to start over): a fresh copy
+    restored: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     #: (the student's file, kept; the course's newer original, written beside it)
     offered: list[tuple[str, str]] = field(default_factory=list)
@@ -69,9 +71,11 @@ class SyncReport:
     def lines(self) -> list[str]:
         out = [f"workspace {self.workspace}: {self.files} course files"
                + (f", {len(self.added)} added" if self.added else "")
+               + (f", {len(self.restored)} restored" if self.restored else "")
                + (f", {len(self.updated)} updated" if self.updated else "")]
         if self.added and len(self.added) < self.files:
             out += [f"  new: {p}" for p in self.added]
+        out += [f"  fresh copy (it was gone): {p}" for p in self.restored]
         out += [f"  updated (you had not changed it): {p}" for p in self.updated]
         out += [f"  kept your {mine}; the course's new version is beside it: {theirs}" for mine, theirs in self.offered]
         out += [f"  not installed: {p}" for p in self.problems]
@@ -268,7 +272,7 @@ def sync(workspace: Path, course: Path) -> SyncReport:
         recorded = files.get(item.path, {}).get("sha256")
         if not target.exists():
             _write_new(target, item.data)
-            report.added.append(item.path)
+            (report.restored if recorded else report.added).append(item.path)
         elif target.is_file():
             current = digest(target.read_bytes())
             if current == recorded and new != recorded:
