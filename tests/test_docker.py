@@ -167,7 +167,7 @@ def lab_server(lab_image):
         docker("rm", "-f", cid, check=False)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_lab_serves_jupyterlab_with_token(lab_server):
     base_url, _ = lab_server
     status, page = http_get(f"{base_url}/lab?token={TOKEN}")
@@ -197,6 +197,12 @@ def test_lab_serves_jupyterlab_with_token(lab_server):
     _, cid = lab_server
     log = docker("logs", cid, check=False)
     assert "No nbgrader_config.py" not in log.stdout + log.stderr
+
+    # the self-check works from the workspace, and knows the hidden variants from the installed course's counts
+    check = docker("exec", "-w", str(WORK_IN_LAB), cid, "ddp-course", "check",
+                   "exercises/ex1-parallelism/parallelism.ipynb", timeout=240, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "not written yet" in check.stdout and "1 hidden variant is graded too" in check.stdout, check.stdout
 
 
 @pytest.mark.timeout(120)
