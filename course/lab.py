@@ -86,7 +86,11 @@ def command(folder, port, ip, no_browser, allow_root, make_only, dry_run, jupyte
     if dry_run:
         click.echo(f"JUPYTER_CONFIG_PATH={env['JUPYTER_CONFIG_PATH']} " + " ".join(argv))
         return
-    report = workspace.sync(ws, course)
+    try:
+        report = workspace.sync(ws, course)
+    except OSError as err:  # a folder inside it that is not ours, a full disk: one line
+        raise CourseError(f"cannot write your workspace {ws}: {err.strerror or err} ({err.filename}); choose "
+                          "another folder with --dir") from None
     for line in report.lines():
         click.echo(line)
     if make_only:

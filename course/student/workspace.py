@@ -295,10 +295,8 @@ def sync(workspace: Path, course: Path) -> SyncReport:
 def broken_notebooks(workspace: Path) -> list[str]:
     """One line for each notebook of the workspace that JupyterLab cannot open (not JSON, not a notebook)."""
     lines = []
-    for path in sorted(Path(workspace).rglob("*.ipynb")):
+    for path in sorted(_notebooks(Path(workspace))):
         rel = path.relative_to(workspace)
-        if any(p.startswith(".") or p in _SKIP_PARTS for p in rel.parts):
-            continue
         try:
             nb = json.loads(path.read_text(errors="replace"))
             if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
@@ -307,3 +305,10 @@ def broken_notebooks(workspace: Path) -> list[str]:
             lines.append(f"{rel} is broken, JupyterLab cannot open it ({str(err).splitlines()[0]}): repair it in "
                          "a text editor, or rename it and start the lab again to get a fresh copy")
     return lines
+
+
+def _notebooks(folder: Path):
+    """The notebooks under ``folder``, never looking into hidden folders (a home folder's caches, environments)."""
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _SKIP_PARTS and d != "node_modules"]
+        yield from (Path(top) / f for f in files if f.endswith(".ipynb") and not f.startswith("."))
