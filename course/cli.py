@@ -17,6 +17,7 @@ from course import __version__
 COMMANDS = {
     "lab": "course.lab:command",
     "grade": "course.grading.grade:command",
+    "check": "course.student.check:command",
     "init": "course.instructor.init:command",
     "release": "course.instructor.release:command",
     "collect": "course.instructor.collect:command",

@@ -5,7 +5,7 @@
   also those inside functions (a lazy import still ties two modules together);
   none between packages either (``course.x.y`` counts as its package ``course.x``).
 * Layers one way, from the bottom: process primitives, environment names, errors and
-  paths; the sandbox; the launcher; grading; the instructor's verbs; the check API; the
+  paths; the sandbox; the launcher; grading; the instructor's verbs; the student's side; the check API; the
   exercises' checks. A layer imports only from its own and those below it.
 * The three subsystems and the verbs have rooms of their own, and the CLI's verbs
   point into them.
@@ -99,6 +99,7 @@ LAYERS = [
     {"course.launcher"},
     {"course.grading"},
     {"course.instructor"},
+    {"course.student"},
     {"course.checks"},
     {"graders"},
 ]

@@ -1,4 +1,5 @@
-"""A real browser runs lesson 1: JupyterLab started by `ddp-course lab`, driven by headless Chromium.
+"""A real browser runs lesson 1 and opens an exercise in the student's workspace: JupyterLab started by
+`ddp-course lab`, driven by headless Chromium.
 
 Playwright (pip install playwright) drives Debian's chromium (/usr/bin/chromium, or env
 DDP_COURSE_CHROMIUM): Playwright cannot download its own browser here. Without either the test
@@ -57,7 +58,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
-    """`ddp-course lab` on a temporary copy of lessons/, with its own settings: (base URL, lesson 1's name)."""
+    """`ddp-course lab` on a temporary workspace (made from the course), with its own settings: (base URL, lesson 1's
+    name)."""
     lessons = sorted((ROOT / "lessons").glob("01-*.ipynb"))
     if not lessons:
         pytest.fail("no lessons/01-*.ipynb in the repository")
@@ -162,6 +164,17 @@ def test_lesson_1_runs_in_a_real_browser(sync_playwright, lab):
             assert code_cells > 0 and sum(1 for text in ran if text.strip("[]: ").isdigit()) == code_cells, (
                 f"not every code cell ran: prompts {ran}")
             assert "world_size=" in page.locator(".jp-Notebook").inner_text()
+
+            # the same workspace holds the exercise as students get it: no solution, no instructor menu
+            exercise = ARTIFACTS / "browser-exercise-01.png"
+            page.goto(f"{base_url}/lab/tree/exercises/ex1-parallelism/parallelism.ipynb?token={TOKEN}")
+            notebook = page.locator(".jp-Notebook:visible")  # the lesson's tab stays open behind it
+            notebook.get_by_text("def shard_batch").first.wait_for(timeout=90_000)
+            text = notebook.inner_text()
+            page.screenshot(path=str(exercise))
+            assert "raise NotImplementedError" in text and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+            menus = page.locator(".lm-MenuBar-itemLabel").all_inner_texts()
+            assert "Run" in menus and not [m for m in menus if "nbgrader" in m.lower()], menus
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000

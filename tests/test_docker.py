@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAB_IMAGE = os.environ.get("DDP_COURSE_LAB_IMAGE", "ddp-course:lab")
 GRADER_IMAGE = os.environ.get("DDP_COURSE_GRADER_IMAGE", "ddp-course:grader")
 TOKEN = "ddp-course-smoke"
-COURSE_IN_LAB = PurePosixPath("/home/learner/course")
+COURSE_IN_LAB = PurePosixPath("/opt/ddp-course")  # the installed course; students work in WORK_IN_LAB
+WORK_IN_LAB = PurePosixPath("/home/learner/work")
 EXERCISES_IN_GRADER = PurePosixPath("/opt/ddp-course/exercises")
 
 #: The flags docker/README.md tells instructors to grade with: student code gets no network, no root,
@@ -95,6 +96,18 @@ def source_notebooks() -> list[Path]:
     return sorted((ROOT / "exercises").glob("*/*.ipynb"))
 
 
+def hidden_test_lines(source: Path) -> list[str]:
+    """The lines inside a source notebook's hidden-test regions (meaningful ones: 8 characters or more)."""
+    lines, inside = [], False
+    for cell in nbformat.read(source, as_version=4).cells:
+        for line in cell.source.splitlines():
+            if "BEGIN HIDDEN TESTS" in line or "END HIDDEN TESTS" in line:
+                inside = "BEGIN" in line
+            elif inside and len(line.strip()) >= 8:
+                lines.append(line.strip())
+    return lines
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -154,7 +167,7 @@ def lab_server(lab_image):
         docker("rm", "-f", cid, check=False)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_lab_serves_jupyterlab_with_token(lab_server):
     base_url, _ = lab_server
     status, page = http_get(f"{base_url}/lab?token={TOKEN}")
@@ -169,8 +182,27 @@ def test_lab_serves_jupyterlab_with_token(lab_server):
     config = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S)
     assert config, "no jupyter-config-data in the /lab page"
     disabled = json.loads(config.group(1)).get("disabledExtensions", [])
-    for plugin in ("formgrader", "create-assignment", "course-list"):
+    for plugin in ("formgrader", "create-assignment", "course-list", "assignment-list", "menu"):
         assert f"@jupyter/nbgrader:{plugin}" in disabled, f"nbgrader's {plugin} plugin is on in the student lab"
+
+    # The lab opens the student's workspace: every exercise notebook there is a student copy.
+    for source in source_notebooks():
+        status, body = http_get(f"{base_url}/api/contents/exercises/{source.parent.name}/{source.name}"
+                                f"?token={TOKEN}&content=1&format=text&type=file")
+        assert status == 200, f"no exercises/{source.parent.name}/{source.name} in the lab's workspace"
+        text = json.loads(body)["content"]
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, source
+        hidden = [line for line in hidden_test_lines(source) if line in text]
+        assert not hidden, f"{source.name}: hidden test lines in the workspace copy: {hidden}"
+    _, cid = lab_server
+    log = docker("logs", cid, check=False)
+    assert "No nbgrader_config.py" not in log.stdout + log.stderr
+
+    # the self-check works from the workspace, and knows the hidden variants from the installed course's counts
+    check = docker("exec", "-w", str(WORK_IN_LAB), cid, "ddp-course", "check",
+                   "exercises/ex1-parallelism/parallelism.ipynb", timeout=240, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "not written yet" in check.stdout and "1 hidden variant is graded too" in check.stdout, check.stdout
 
 
 @pytest.mark.timeout(120)
@@ -245,9 +277,10 @@ def test_lesson_executes_in_lab_container(lab_image):
     lessons = sorted((ROOT / "lessons").glob("01-*.ipynb")) or sorted((ROOT / "lessons").glob("*.ipynb"))
     assert lessons, "no lessons in the repository"
     lesson = lessons[0]
-    proc = docker("run", "--rm", "--network", "none", "--shm-size", "1g", lab_image,
-                  "jupyter", "nbconvert", "--to", "notebook", "--execute", "--stdout",
-                  "--ExecutePreprocessor.timeout=300", f"lessons/{lesson.name}", timeout=540, check=False)
+    # in the student's workspace, as the lab runs it: `ddp-course lab --make-only` makes it from the installed course
+    proc = docker("run", "--rm", "--network", "none", "--shm-size", "1g", lab_image, "sh", "-c",
+                  "ddp-course lab --make-only >&2 && jupyter nbconvert --to notebook --execute --stdout "
+                  f"--ExecutePreprocessor.timeout=300 lessons/{lesson.name}", timeout=540, check=False)
     assert proc.returncode == 0, f"lessons/{lesson.name} failed in {lab_image}:\n{proc.stderr[-4000:]}"
     nb = nbformat.reads(proc.stdout, as_version=4)
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
@@ -358,11 +391,11 @@ def test_compose_serves_the_lab_and_keeps_work(lab_image, tmp_path):
         cid = run("ps", "-q", "lab").strip()
         shm = int(docker("inspect", "-f", "{{.HostConfig.ShmSize}}", cid).stdout)
         assert shm >= 2**30, f"the lab container's /dev/shm is {shm} bytes: multi-rank jobs need more"
-        docker("exec", cid, "sh", "-c", "echo kept > /home/learner/course/lessons/my-notes.txt")
+        docker("exec", cid, "sh", "-c", "echo kept > /home/learner/work/lessons/my-notes.txt")
         run("down")
         run("up", "-d", "--no-build", "lab")
         cid = run("ps", "-q", "lab").strip()
-        kept = docker("exec", cid, "cat", "/home/learner/course/lessons/my-notes.txt", check=False)
+        kept = docker("exec", cid, "cat", "/home/learner/work/lessons/my-notes.txt", check=False)
         assert kept.stdout.strip() == "kept", "a student's file did not survive `compose down` / `up`"
     finally:
         subprocess.run([*base, "down", "-v"], env=env, capture_output=True, timeout=120)

@@ -165,6 +165,11 @@ def test_release_has_no_solutions_and_no_hidden_tests(released, assignment):
                 assert line.strip() not in text, f"the release leaks {line.strip()!r}"
     ids = [c.metadata["nbgrader"]["grade_id"] for c in student.cells if c.metadata.get("nbgrader", {}).get("grade")]
     assert ids == list(submissions.full_marks(assignment))  # every test cell is there, hidden ones emptied
+    # a student's workspace (ddp-course lab) gets this very copy, made without a gradebook
+    from course.student.workspace import release_notebook
+
+    workspace_copy = release_notebook(source, assignment, released[assignment].stem)
+    assert json.loads(nbformat.writes(workspace_copy)) == json.loads(released[assignment].read_text())
 
 
 @pytest.mark.slow

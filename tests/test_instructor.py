@@ -543,6 +543,32 @@ def graded_records(course_dir: Path) -> dict[str, dict]:
     return records
 
 
+def assert_check_says_what_feedback_says(course_dir: Path, students: list[str], assignment: str, notebook: str,
+                                         exercises: Path) -> None:
+    """``ddp-course check`` on each student's submitted copy gives each test cell the score and message its
+    autograded notebook (what the feedback page shows) has, and counts the hidden variants."""
+    from course.grading.scoring import score_cell
+    from course.student.check import check_notebook, report_lines
+    from course.student.workspace import hidden_variants
+
+    hidden = hidden_variants(nbformat.read(exercises / assignment / f"{notebook}.ipynb", as_version=4))
+    assert hidden
+    for student in students:
+        graded = nbformat.read(course_dir / "autograded" / student / assignment / f"{notebook}.ipynb", as_version=4)
+        feedback = {}
+        for cell in graded.cells:
+            meta = cell.metadata.get("nbgrader", {})
+            if meta.get("grade") and not meta.get("solution"):
+                result = score_cell(cell, float(meta["points"]), cell.get("execution_count") is not None)
+                feedback[result.id] = (result.score, result.message)
+        report = check_notebook(course_dir / "submitted" / student / assignment / f"{notebook}.ipynb",
+                                exercises=exercises)
+        assert {t.id: (t.score, t.message) for t in report.tests} == feedback, student
+        assert {t.id: t.hidden for t in report.tests if t.hidden} == hidden
+        lines = "\n".join(report_lines(report))
+        assert "1 hidden variant is graded too" in lines and "BEGIN HIDDEN" not in lines
+
+
 def autograded_mtimes(course_dir: Path) -> dict[str, float]:
     return {str(p.relative_to(course_dir)): p.stat().st_mtime for p in (course_dir / "autograded").glob("*/*/*.ipynb")}
 
@@ -583,8 +609,10 @@ def test_tiny_course_end_to_end(tmp_path):
     write_samples(course_dir, {"alice": "reference", "bob": "untouched", "carol": "partial"}, "ex0-tiny", "tiny", incoming)
     # passes the visible tests, fails the hidden one: its traceback quotes the hidden line
     edited(incoming / "alice_tiny.ipynb", incoming / "frank" / "tiny.ipynb", "return 2 * x", "return 2 * abs(x)")
+    # fails visible tests: `ddp-course check` must say what its feedback says
+    edited(incoming / "alice_tiny.ipynb", incoming / "gil" / "tiny.ipynb", "return 2 * x", "return x + 1")
     collected = cli("collect", str(incoming), cwd=course_dir)
-    assert collected.stdout.count(" new ") == 4
+    assert collected.stdout.count(" new ") == 5
 
     # Ctrl-C once the first submission is graded: it stays graded, the rest is left for the rerun
     rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "1"], signal.SIGINT)
@@ -593,13 +621,14 @@ def test_tiny_course_end_to_end(tmp_path):
     assert_all_gone(descendants)
     first = graded_records(course_dir)
     before = autograded_mtimes(course_dir)
-    assert 1 <= len(first) < 4 and len(before) == len(first)
+    assert 1 <= len(first) < 5 and len(before) == len(first)
 
     rerun = cli("autograde", "--jobs", "2", cwd=course_dir)
     assert rerun.stdout.count("already graded") == len(first), rerun.stdout
     after = autograded_mtimes(course_dir)
     assert {k: after[k] for k in before} == before  # not graded again
-    assert len(after) == 4
+    assert len(after) == 5
+    assert_check_says_what_feedback_says(course_dir, ["alice", "bob", "carol", "gil"], "ex0-tiny", "tiny", TINY)
 
     # a submission that ignores interrupts and never ends is stopped at --timeout, with its whole process tree
     hang = tmp_path / "hang"
@@ -609,7 +638,7 @@ def test_tiny_course_end_to_end(tmp_path):
     started = time.monotonic()
     stuck = cli("autograde", "--timeout", "40", cwd=course_dir, check=False)
     assert time.monotonic() - started < 150
-    assert stuck.returncode == 2 and "1 of 5 submission(s) could not be graded" in stuck.stderr, stuck  # done in part
+    assert stuck.returncode == 2 and "1 of 6 submission(s) could not be graded" in stuck.stderr, stuck  # done in part
     assert re.search(r"henry.*timeout", stuck.stdout), stuck.stdout
     leftovers = [p for p in psutil.process_iter(["cwd"]) if str(course_dir) in (p.info["cwd"] or "")]
     assert_all_gone(leftovers, within=10)
@@ -620,21 +649,21 @@ def test_tiny_course_end_to_end(tmp_path):
     secret = 'assert double(-5) == -10, "secret: double(-5) should be -10"'
     assert hidden_lines(TINY / "ex0-tiny" / "tiny.ipynb") == {secret}
     pages = sorted((course_dir / "feedback").glob("*/ex0-tiny/tiny.html"))
-    assert [p.parent.parent.name for p in pages] == ["alice", "bob", "carol", "frank"]
+    assert [p.parent.parent.name for p in pages] == ["alice", "bob", "carol", "frank", "gil"]
     for page in pages:
         text = plain_text(page.read_text())
         assert "double(-5) == -10" not in text and "HIDDEN TESTS" not in text, page
         assert "Score: " in text
         html = page.read_text()  # long message lines wrap (once), before the page's own styles end
         assert html.count('id="ddp-course-wrap"') == 1 and html.index("ddp-course-wrap") < html.index("</head>")
-    frank = plain_text(pages[-1].read_text())
+    frank = plain_text(pages[-2].read_text())
     assert "secret: double(-5) should be -10" in frank  # the failure message is shown, its source is not
     assert re.search(r"test_double_hidden\s+Score: 0\.0 / 1\.0", frank)
 
     cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
     grades = read_csv(tmp_path / "grades.csv")
     scores = {student: float(grades[(student, "ex0-tiny")]["score"]) for student, _ in grades}
-    assert scores == {"alice": 4.0, "bob": 0.0, "carol": 3.0, "frank": 3.0, "henry": 0.0}
+    assert scores == {"alice": 4.0, "bob": 0.0, "carol": 3.0, "frank": 3.0, "gil": 1.0, "henry": 0.0}
     assert grades[("henry", "ex0-tiny")]["timestamp"] == ""  # never graded
 
 
@@ -722,6 +751,8 @@ def test_course_exercises_end_to_end(tmp_path):
     assert {k: after[k] for k in before} == before  # not graded again
     records = graded_records(course_dir)
     assert len(records) == jobs and len(after) == files, rerun.stdout
+    assert_check_says_what_feedback_says(course_dir, ["ada", "bob", "cy"], "ex1-parallelism", "parallelism", EXERCISES)
+    phase("check ex1")
 
     # two workers really graded at the same time
     spans = sorted((time.mktime(time.strptime(r["finished"][:19], "%Y-%m-%dT%H:%M:%S")) - r["elapsed"],

@@ -15,8 +15,13 @@ import click
 
 from course.errors import CourseError
 from course.grading.notebook import Timeouts, clear_outputs, read
-from course.grading.restore import find_source, graded_cells, restore
-from course.grading.scoring import GradeReport, score_notebook
+from course.grading.restore import find_source, graded_cells, has_answer_cells, restore
+from course.grading.scoring import CellResult, GradeReport, score_notebook
+
+#: every test's message when a notebook has none of the exercise's answer cells (all deleted, or a new notebook)
+NO_ANSWERS = ("no answer cells found in {name}: it has none of the exercise's answer cells, so nothing was run "
+              "(were they deleted?); start again from a fresh copy of the exercise and write your code in its "
+              "answer cells")
 
 
 def grade_notebook(
@@ -41,8 +46,28 @@ def grade_notebook(
     path = Path(path)
     student = read(path)
     source_path = find_source(path, exercises)
-    source = read(source_path)
-    nb = restore(student, source)
+    report, run = grade_against(path, student, read(source_path), hide=[str(source_path.resolve().parent.parent)],
+                                timeouts=timeouts, in_process=in_process)
+    if output is not None and run is not None:
+        import nbformat
+
+        nbformat.write(run.nb, str(output))
+    return report
+
+
+def grade_against(path: Path, student, original, *, hide: list[str], timeouts: Timeouts = Timeouts(),
+                  in_process: bool = False):
+    """(report, execution) of ``student`` with its locked cells restored from ``original``: the grading steps
+    ``grade`` (``original`` is the source, hidden tests included) and ``check`` (the student copy) share.
+
+    A notebook without any of the original's answer cells is not run: every test says "no answer cells found"
+    (the execution is then None).
+    """
+    graded = graded_cells(original)
+    if not has_answer_cells(student, original):
+        tests = [CellResult(g.grade_id, 0.0, g.points, NO_ANSWERS.format(name=path.name)) for g in graded]
+        return GradeReport(str(path), 0.0, sum(g.points for g in graded), tests), None
+    nb = restore(student, original)
     clear_outputs(nb)
     if in_process:
         from course.grading.inprocess import run_in_process
@@ -53,17 +78,13 @@ def grade_notebook(
 
         from course.grading import pipeline
 
-        kernel = source.metadata.get("kernelspec", {}).get("name") or "python3"
+        kernel = original.metadata.get("kernelspec", {}).get("name") or "python3"
         config = pipeline.configure(Config(), test_timeout=timeouts.test, other_timeout=timeouts.other,
-                                    kernel_name=kernel, hide=[str(source_path.resolve().parent.parent)])
+                                    kernel_name=kernel, hide=hide)
         run = pipeline.run(nb, path.resolve().parent, config)
-    report = score_notebook(run, graded_cells(source), str(path))
+    report = score_notebook(run, graded, str(path))
     report.notes = list(run.notes)
-    if output is not None:
-        import nbformat
-
-        nbformat.write(run.nb, str(output))
-    return report
+    return report, run
 
 
 def print_report(report: GradeReport) -> None:

@@ -72,6 +72,12 @@ def graded_cells(source: NotebookNode) -> list[GradedCell]:
             for c in source.cells if is_grade(c) and _grade_id(c)]
 
 
+def has_answer_cells(student: NotebookNode, source: NotebookNode) -> bool:
+    """Whether ``student`` holds at least one of ``source``'s answer cells (by grade_id), or ``source`` has none."""
+    answers = {_grade_id(c) for c in source.cells if is_solution(c) and _grade_id(c)}
+    return not answers or bool(answers & {_grade_id(c) for c in student.cells})
+
+
 def released(cell: NotebookNode) -> NotebookNode:
     """The student-copy version of a source cell: solution regions replaced by nbgrader's stub."""
     from nbgrader.preprocessors import ClearSolutions

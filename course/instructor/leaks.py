@@ -119,8 +119,11 @@ def notebook_text(nb) -> str:
 
 def student_copy_leaks(source_path: Path, student_path: Path) -> list[str]:
     """Problems that make a generated student copy unsafe to hand out; empty when it is clean."""
-    secrets = secrets_of(source_path)
-    student = nbformat.read(str(student_path), as_version=4)
+    return notebook_leaks(secrets_of(source_path), nbformat.read(str(student_path), as_version=4))
+
+
+def notebook_leaks(secrets: Secrets, student) -> list[str]:
+    """Problems of a student copy (a NotebookNode) given its source's :class:`Secrets`; empty when it is clean."""
     text = notebook_text(student)
     problems = [f"region marker {m!r} left in" for m in markers_in(text)]
     problems += [f"solution line left in: {line!r}" for line in find_in_text(text, secrets.solution)]
