@@ -510,6 +510,34 @@ class AllGatherBuckets(BucketedDDP):
         super()._wait()
 
 
+class AllGatherWithDecoys(AllGatherBuckets):
+    """Forgery: the buckets travel in all_gathers, and an all-reduce of zeros the size of each bucket is what a
+    count of all-reduces by size sees."""
+
+    def _launch(self, i):
+        super()._launch(i)
+        self.decoys = getattr(self, "decoys", [])
+        self.decoys.append(dist.all_reduce(torch.zeros(self.pending[i][1].numel()), async_op=True))
+
+
+class SendRecvWithDecoys(StoreDecoys):
+    """Forgery: all-reduces of zeros of the buckets' sizes from the hooks; the gradients travel point to point
+    (isend/irecv, which gloo's flight recorder does not list)."""
+
+    def _wait(self):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        for i, (work, _) in sorted(self.pending.items()):
+            work.wait()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+            mine = torch.cat([g.reshape(-1) for g in grads])
+            parts = {r: torch.empty_like(mine) for r in range(world_size) if r != rank}
+            requests = [dist.isend(mine, r) for r in parts] + [dist.irecv(t, r) for r, t in parts.items()]
+            for request in requests:
+                request.wait()
+            self.pending[i] = (work, mine + sum(parts.values()))
+        BucketedDDP._wait(self)
+
+
 # --- the tests ----------------------------------------------------------------------------------------
 
 
@@ -667,6 +695,11 @@ def test_collectives_are_judged_by_what_they_carry():
     fails(ex2s.check_buckets, ZeroDecoys, "6 all-reduces carrying 67, 67, 256, 256, 112, 112 values", "nothing else")
     fails(ex2s.check_buckets, AllGatherBuckets, "other collectives than all_reduce", "all_gather",
           "dist.all_reduce(flat, async_op=True)")
+    fails(ex2s.check_buckets, AllGatherWithDecoys, "other collectives than all_reduce", "3 x all_gather, and 3 all-reduces")
+    ex2s.check_bucketed(SendRecvWithDecoys)
+    fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", "x send", "x recv")
+    fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", **HIDDEN)
+    fails(ex2s.check_overlap, SendRecvWithDecoys, "no all-reduce carrying this step's gradients had started")
     ex2s.check_bucketed(StoreDecoys)
     fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", "only zeros", "synchronises nothing")
     fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", **HIDDEN)
