@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from course import checks
+from graders import comm_spy
 from graders.ex2_model import make_net
 
 CLASSES = 3
@@ -151,8 +152,10 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
     student's code runs) and notes, for each synchronised backward, how many forwards the call had
     run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
-    bucket the call really issued, whatever the student's code does to the hook. A forward pre-hook
-    counts forwards; the optimizer's step hook counts steps."""
+    bucket the call really issued, whatever the student's code does to the hook; a spy on the
+    collectives (graders.comm_spy) keeps what each collective of the call sent, and the weights the
+    call started with let the checker recompute the gradients. A forward pre-hook counts forwards;
+    the optimizer's step hook counts steps."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
@@ -187,8 +190,11 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
         batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
         forwards[0], optimizer_steps[0] = 0, 0
         synced.clear()
+        start = checks.to_cpu(model.state_dict())
         before = issued()
-        accumulate_step(ddp_model, optimizer, batches)
+        spy, carried = comm_spy.spy()  # what each collective of the call sent (DDP's and the student's)
+        with spy:
+            accumulate_step(ddp_model, optimizer, batches)
         after = issued()
         reduced = None
         if before is not None and after is not None:
@@ -196,8 +202,21 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
             reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
                           and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
         calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
-                      "all_reduces": reduced})
+                      "all_reduces": reduced, "start": start, "carried": carried})
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
+
+
+def _accumulated(start: dict, seed: int, rank: int, step: int, k: int, size: int) -> list[dict]:
+    """sums[j][name]: the sum of this rank's gradients over its micro-batches 1..j+1 of call ``step``, at the
+    weights the call started with (``start``, read on the rank): what `.grad` holds after j+1 backward passes
+    inside no_sync(), up to the 1/k a divided loss gives."""
+    model = make_net(0)
+    model.load_state_dict(start)
+    sums = []
+    for x, y in _micro_batches(seed, rank, step, k, size):
+        F.mse_loss(model(x), y).backward()
+        sums.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return sums
 
 
 def _accumulate_reference(world_size, k, size, steps, lr, seed, *, scale=1.0, zero_grad=True):
