@@ -243,7 +243,7 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
             # recorder says (the hook's record, in the student's reach, only says in which backward)
             count = len(synced) if c["all_reduces"] is None else c["all_reduces"]
             if count == 1 and synced == [forwards] and forwards >= 1:
-                _judge_carried(check, rank, call, c, _accumulated(c["start"], seed, rank, call, k, size), where,
+                _judge_carried(check, rank, call, c, _accumulated(c, seed, rank, call, k, size), where,
                                world_size, k, weights)
                 continue
             got = (f"call {call + 1}: {count} all-reduce(s) of the gradients; DDP's hook saw them in the backward "
@@ -270,12 +270,20 @@ _EARLY_SYNC = ("sync in the last micro-batch, not an earlier one: the gradients 
                "their rank; use no_sync() for the first k-1 micro-batches")
 
 
-def _judge_carried(check, rank, call, c, sums, where, world_size, k, weights):
-    """The call's one gradient all-reduce carried the sum of all k micro-batches' gradients (as DDP's
-    bucket holds them, divided by k and/or the world size or not), and no other collective carried them."""
-    scales = (1.0, 1 / k, 1 / world_size, 1 / (k * world_size))
-    flat = [torch.cat([g.reshape(-1) for g in s.values()]) for s in sums]
-    bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == flat[0].numel()]
+def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weights):
+    """The call's one gradient all-reduce carried what `.grad` held after all k backward passes (each
+    micro-batch's loss divided by k or not; averaged before the all-reduce or not), and no other
+    collective carried the gradients."""
+    held, sums = accumulated
+
+    def after(j, divided):  # what .grad holds after micro-batch j + 1, as one flat tensor
+        return torch.cat([(held[n] + sums[j][n] / (k if divided else 1)).reshape(-1) for n in held])
+
+    def carries(values, j):
+        return any(comm_spy.holds(values, after(j, d), (1.0, 1 / world_size), exactly=True) for d in (True, False))
+
+    numel = sum(t.numel() for t in held.values())
+    bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == numel]
     if len(bucket) != 1:
         raise CheckFailed(check, f"the grader could not see what DDP's all-reduce carried in call {call + 1} ({where})",
                           ranks=[rank], expected="DDP's all-reduce issued from the backward of the last micro-batch, "
@@ -284,8 +292,8 @@ def _judge_carried(check, rank, call, c, sums, where, world_size, k, weights):
                           hint="call backward() on the thread that runs accumulate_step, and leave torch's "
                           "dispatch as it is")
     values = torch.cat(bucket[0]["values"])
-    if not comm_spy.holds(values, flat[-1], scales, exactly=True):
-        early = [j + 1 for j in range(k - 1) if comm_spy.holds(values, flat[j], scales, exactly=True)]
+    if not carries(values, k - 1):
+        early = [j + 1 for j in range(k - 1) if carries(values, j)]
         raise CheckFailed(check, f"DDP's all-reduce did not carry the gradients of all {k} micro-batches ({where})",
                           ranks=[rank], expected=f"in call {call + 1}, one all-reduce of the sum of the {k} "
                           "micro-batches' gradients (this rank's), in the backward of the last one",
@@ -293,9 +301,10 @@ def _judge_carried(check, rank, call, c, sums, where, world_size, k, weights):
                                "it carried other values than this rank's accumulated gradients"),
                           hint=_EARLY_SYNC if early else "accumulate the k micro-batches' gradients in .grad (no "
                           "zero_grad() between them, no change to .grad by hand) and let the last backward sync")
-    mine = [g.reshape(-1) for s in sums for g in s.values() if g.numel() >= 8]
+    mine = [(held[n] + sums[j][n] / d).reshape(-1) for j in range(k) for n in held for d in (1, k)
+            if held[n].numel() >= 8]
     others = Counter(r["op"] for r in c["carried"] if r is not bucket[0] and r["op"] in comm_spy.SENDS and any(
-        comm_spy.holds(v, g, scales, exactly=False) for v in r["values"] for g in mine))
+        comm_spy.holds(v, g, (1.0, 1 / world_size), exactly=False) for v in r["values"] for g in mine))
     if others:
         raise CheckFailed(check, f"the gradients were also sent by other collectives than DDP's one all-reduce "
                           f"({where})", ranks=[rank], expected=f"in call {call + 1}, the gradients communicated once, "
