@@ -1,9 +1,11 @@
 """What a rank's collectives carried: a spy on torch's collective ops, and comparisons of what they sent
 with the gradients a check expects.
 
-torch's flight recorder (:func:`course.checks.collectives`) lists every collective a rank issued, of
-every kind: op, sizes, dtypes, sequence number (on gloo in torch 2.13 each entry stays "scheduled":
-no completion, and no content). What a collective *carried* it does not hold. Every
+torch's flight recorder (:func:`course.checks.collectives`) lists the collectives a rank issued: op,
+input and output sizes and dtypes, sequence number, the issuing thread and when it was created. What
+it does not give (measured, torch 2.13 on gloo): what a collective *carried* (no content); when it
+started or completed (each entry stays "scheduled", its discovered times None); point-to-point
+send/recv (not listed at all); and a reduce_scatter shows up as an all_reduce of the whole input. Every
 ``torch.distributed`` collective (``dist.all_reduce``, ``all_gather``, ``send``, the coalesced and the
 functional ones, DDP's own) reaches the process group through one of the dispatcher ops
 ``c10d::*`` / ``_c10d_functional::*``; :func:`spy` is a dispatch mode that sees those calls, on the
