@@ -153,16 +153,16 @@ def reference(kind: str, world_size: int, width: int, seed: int, steps: int):
     return out
 
 
-def local_grads(kind: str, step: dict, width: int, batch) -> dict:
+def local_grads(kind: str, step: dict, width: int, batch, *, held: bool = True) -> dict:
     """What a rank's backward left in each ``.grad`` before any communication: the gradient of its own
     batch's loss at the weights it started the step with (``step["start"]``, read on the rank), added to
     what ``.grad`` held when backward began (``step["held"]``: None after the grader's zero_grad, unless
-    the wrapper wrote there since)."""
+    the wrapper wrote there since); ``held=False``: backward's own part only."""
     model = make_model(kind, 0, width)
     model.load_state_dict(step["start"])
     x, y = batch
     loss_of(kind, model(x), y).backward()
-    held = step.get("held") or {}
+    held = (step.get("held") if held else None) or {}
     return {n: None if p.grad is None and held.get(n) is None else
             (torch.zeros_like(p) if p.grad is None else p.grad.detach()) + (0 if held.get(n) is None else held[n])
             for n, p in model.named_parameters()}
@@ -227,11 +227,12 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
         seen: list[dict] = []  # what the optimizer saw: each parameter's gradient at its step
         optimizer.register_step_pre_hook(lambda *_, seen=seen, params=params: seen.append(
             {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32).clone() for n, p in params.items()}))
-        at_first: list[float] = []  # when backward produced the first layer's gradient
+        at_first: list[tuple] = []  # when the first layer's hook ran, with the gradient it was given (watched)
         signal: list = [None]  # the store key that tells the late rank so, in a watched step
 
         def on_first(grad, at_first=at_first, signal=signal):
-            at_first.append(_CLOCK())
+            # the checker keeps the calls whose gradient is the true one: a call made by hand, early, is not backward
+            at_first.append((_CLOCK(), grad.detach().to("cpu", torch.float32).clone() if watch else None))
             if signal[0] is not None:
                 store.set(signal[0], "1")
             return grad
@@ -263,7 +264,7 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
                            "state": checks.to_cpu(model.state_dict()),
                            "issued": _issued(_since(real.collectives(), mark)), "start": start, "held": held,
                            "carried": carried[first:], "backward_at": backward_at,
-                           "first_at": at_first[0] if at_first else None})
+                           "first_calls": list(at_first)})
         out[kind] = {"before": before, "after": after, "steps": record}
     return out
 

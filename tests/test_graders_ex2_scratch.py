@@ -423,6 +423,19 @@ class BlockingInHook(BucketedDDP):
         self.pending[i] = (_Done(), flat)
 
 
+class TriggersTheFirstHook(BucketedDDP):
+    """Forgery: each bucket's all-reduce is waited for in its hook (nothing overlaps), but between the launch and
+    the wait the first layer's tensor hooks (the grader's among them) are called by hand, so that "backward
+    reached the first layer while a bucket was in flight" would be recorded."""
+
+    def _launch(self, i):
+        super()._launch(i)
+        first = next(iter(self.module.parameters()))
+        for hook in list((first._backward_hooks or {}).values()):
+            hook(torch.zeros_like(first))
+        self.pending[i][0].wait()
+
+
 class _Done:
     def wait(self):
         return True
@@ -676,6 +689,7 @@ def test_overlap_is_judged_by_concurrency_not_issue_order():
     fails(ex2s.check_overlap, BlockingInHook, "backward waited for the communication", "held back before its backward",
           "after rank", "async_op=True", "blocking `dist.all_reduce(flat)`")
     fails(ex2s.check_overlap, BlockingInHook, "backward waited for the communication", **HIDDEN)
+    fails(ex2s.check_overlap, TriggersTheFirstHook, "backward waited for the communication")
     ex2s.check_bucketed(DecoyInForward)
     fails(ex2s.check_overlap, DecoyInForward, "no all-reduce carrying this step's gradients had started",
           "carried none of this step's gradients", "in forward")
