@@ -10,9 +10,10 @@ process says about itself:
   all-reduce all give other numbers; the model's own forward records which samples each rank saw);
 * ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
   (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
-  together; :func:`check_no_sync`: a communication hook the grader registers on the DDP model sees
-  when DDP syncs, torch's flight recorder how many all-reduces of the gradients the rank issued: one
-  per step, in the last micro-batch's backward);
+  together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
+  the rank issued, one per step; a communication hook the grader registers on the DDP model sees in
+  which backward; what that all-reduce carried (a spy on the collectives, :mod:`graders.comm_spy`)
+  is the sum of all k micro-batches' gradients, and no other collective carried gradients);
 * ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
   batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and they are
   what Join or a loop equalised to the fewest batches gives);
@@ -31,16 +32,19 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 
 import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders import comm_spy
 from graders.ex2_model import make_net
 from graders.ex2_practice_model import (
     SAVED_FROM,
     _accumulate_harness,
     _accumulate_reference,
+    _accumulated,
     _accuracies,
     _checkpoint_case,
     _eval_case,
@@ -220,8 +224,10 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
 
 
 def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
-    """Each call of accumulate_step all-reduces the gradients once (DDP's sync, seen by the grader's
-    communication hook), in the backward of the last micro-batch: the first k-1 run inside no_sync()."""
+    """Each call of accumulate_step all-reduces the gradients once, in the backward of the last micro-batch
+    (the first k-1 run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
+    bucket the call issued, the grader's communication hook says in which backward, what that all-reduce
+    carried must be the sum of all k micro-batches' gradients, and no other collective may carry them."""
     check = "check_no_sync"
     checks.require_written(check, accumulate_step=accumulate_step)
     obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
@@ -234,9 +240,11 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
         for call, c in enumerate(o["calls"]):
             synced, forwards = c["synced_at"], c["forwards"]
             # how many all-reduces of the gradients: what the process group issued, where the flight
-            # recorder says; the hook's count otherwise (they agree unless the hook was tampered with)
-            count = len(synced) if c["all_reduces"] is None else max(c["all_reduces"], len(synced))
+            # recorder says (the hook's record, in the student's reach, only says in which backward)
+            count = len(synced) if c["all_reduces"] is None else c["all_reduces"]
             if count == 1 and synced == [forwards] and forwards >= 1:
+                _judge_carried(check, rank, call, c, _accumulated(c, seed, rank, call, k, size), where,
+                               world_size, k, weights)
                 continue
             got = (f"call {call + 1}: {count} all-reduce(s) of the gradients; DDP's hook saw them in the backward "
                    f"passes after forwards {synced} of {forwards}" if count else f"call {call + 1}: no gradient all-reduce in "
@@ -245,18 +253,65 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                 problem = f"DDP all-reduced the gradients {count} times in one accumulate_step ({where})"
                 hint = (f"run the first {k - 1} micro-batches (forward and backward) inside `with "
                         f"ddp_model.no_sync():` and only the last outside it; {weights}")
-            elif not synced:
+            elif count == 0 or not synced:
                 problem = f"DDP never all-reduced the gradients in one accumulate_step ({where})"
                 hint = ("the last micro-batch's forward and backward must run outside no_sync(): DDP decides in "
                         "the forward whether the next backward syncs; syncing by hand skips DDP's bucketed all-reduce")
             else:
                 problem = f"DDP all-reduced the gradients before the last micro-batch ({where})"
-                hint = ("sync in the last micro-batch, not an earlier one: the gradients added after the all-reduce "
-                        "stay on their rank; use no_sync() for the first k-1 micro-batches")
+                hint = _EARLY_SYNC
             raise CheckFailed(check, problem, ranks=[rank],
                               expected=f"1 all-reduce per call, in the backward of micro-batch {k} of {k}",
                               got=got, hint=hint)
     passed(check)
+
+
+_EARLY_SYNC = ("sync in the last micro-batch, not an earlier one: the gradients added after the all-reduce stay on "
+               "their rank; use no_sync() for the first k-1 micro-batches")
+
+
+def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weights):
+    """The call's one gradient all-reduce carried what `.grad` held after all k backward passes (each
+    micro-batch's loss divided by k or not; averaged before the all-reduce or not), and no other
+    collective carried the gradients."""
+    held, sums = accumulated
+
+    def after(j, divided):  # what .grad holds after micro-batch j + 1, as one flat tensor
+        return torch.cat([(held[n] + sums[j][n] / (k if divided else 1)).reshape(-1) for n in held])
+
+    def carries(values, j):
+        return any(comm_spy.holds(values, after(j, d), (1.0, 1 / world_size), exactly=True) for d in (True, False))
+
+    numel = sum(t.numel() for t in held.values())
+    bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == numel]
+    if len(bucket) != 1:
+        raise CheckFailed(check, f"the grader could not see what DDP's all-reduce carried in call {call + 1} ({where})",
+                          ranks=[rank], expected="DDP's all-reduce issued from the backward of the last micro-batch, "
+                          "on the thread that calls accumulate_step",
+                          got=f"the process group ran it, but {len(bucket)} were seen where the grader looks",
+                          hint="call backward() on the thread that runs accumulate_step, and leave torch's "
+                          "dispatch as it is")
+    values = torch.cat(bucket[0]["values"])
+    if not carries(values, k - 1):
+        early = [j + 1 for j in range(k - 1) if carries(values, j)]
+        raise CheckFailed(check, f"DDP's all-reduce did not carry the gradients of all {k} micro-batches ({where})",
+                          ranks=[rank], expected=f"in call {call + 1}, one all-reduce of the sum of the {k} "
+                          "micro-batches' gradients (this rank's), in the backward of the last one",
+                          got=(f"it carried the gradients of micro-batches 1 to {early[0]} only" if early else
+                               "it carried other values than this rank's accumulated gradients"),
+                          hint=_EARLY_SYNC if early else "accumulate the k micro-batches' gradients in .grad (no "
+                          "zero_grad() between them, no change to .grad by hand) and let the last backward sync")
+    mine = [(held[n] + sums[j][n] / d).reshape(-1) for j in range(k) for n in held for d in (1, k)
+            if held[n].numel() >= 8]
+    others = Counter(r["op"] for r in c["carried"] if r is not bucket[0] and r["op"] in comm_spy.SENDS and any(
+        comm_spy.holds(v, g, (1.0, 1 / world_size), exactly=False) for v in r["values"] for g in mine))
+    if others:
+        raise CheckFailed(check, f"the gradients were also sent by other collectives than DDP's one all-reduce "
+                          f"({where})", ranks=[rank], expected=f"in call {call + 1}, the gradients communicated once, "
+                          "by DDP's all-reduce in the last micro-batch's backward",
+                          got="besides it, " + ", ".join(f"{n} x {op}" for op, n in others.items()) + " carrying "
+                          "gradient values", hint=f"let DDP communicate: no all_reduce or all_gather of the gradients "
+                          f"by hand, no_sync() for the first {k - 1} micro-batches and the last outside it; {weights}")
 
 
 # --- part 3: uneven inputs ------------------------------------------------------------------------

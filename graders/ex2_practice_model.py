@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from course import checks
+from graders import comm_spy
 from graders.ex2_model import make_net
 
 CLASSES = 3
@@ -151,17 +152,26 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
     student's code runs) and notes, for each synchronised backward, how many forwards the call had
     run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
-    bucket the call really issued, whatever the student's code does to the hook. A forward pre-hook
-    counts forwards; the optimizer's step hook counts steps."""
+    bucket the call really issued, whatever the student's code does to the hook; a spy on the
+    collectives (graders.comm_spy) keeps what each collective of the call sent, and the weights the
+    call started with let the checker recompute the gradients. A forward pre-hook counts forwards;
+    the optimizer's step hook counts steps."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
     ddp_model = _wrap(model, dev)
     forwards, optimizer_steps, synced = [0], [0], []
+    weights_at: list[dict] = []  # the weights at each forward of a call: what each backward differentiated at
+
+    held: dict = {}  # what .grad held at a call's first forward: what its backward passes add to
 
     def on_forward(module, args):
         forwards[0] += 1
+        if not weights_at:
+            held.update({n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32).clone()
+                         for n, p in model.named_parameters()})
+        weights_at.append(checks.to_cpu(model.state_dict()))
 
     def average(state, bucket):
         if bucket.index() == 0:  # one backward's all-reduce, whatever the number of buckets
@@ -187,8 +197,12 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
         batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
         forwards[0], optimizer_steps[0] = 0, 0
         synced.clear()
+        weights_at.clear()
+        held.clear()
         before = issued()
-        accumulate_step(ddp_model, optimizer, batches)
+        spy, carried = comm_spy.spy()  # what each collective of the call sent (DDP's and the student's)
+        with spy:
+            accumulate_step(ddp_model, optimizer, batches)
         after = issued()
         reduced = None
         if before is not None and after is not None:
@@ -196,8 +210,25 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
             reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
                           and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
         calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
-                      "all_reduces": reduced})
+                      "all_reduces": reduced, "weights_at": list(weights_at), "held": dict(held), "carried": carried})
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
+
+
+def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int) -> tuple[dict, list[dict]]:
+    """(held, sums): what `.grad` held at call ``step``'s first forward on this rank, and sums[j][name], the sum of
+    the gradients of its micro-batches 1..j+1, each at the weights its forward saw (``call["weights_at"]``,
+    read on the rank; the call's first weights for all when the forwards were not one per micro-batch)."""
+    model = make_net(0)
+    weights = call["weights_at"]
+    held = {n: torch.zeros_like(p) if call["held"].get(n) is None else call["held"][n] for n, p in model.named_parameters()}
+    sums = []
+    for j, (x, y) in enumerate(_micro_batches(seed, rank, step, k, size)):
+        if j == 0 or len(weights) == k:
+            model.load_state_dict(weights[j if len(weights) == k else 0])
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        sums.append({n: (sums[-1][n] if sums else 0) + p.grad.detach() for n, p in model.named_parameters()})
+    return held, sums
 
 
 def _accumulate_reference(world_size, k, size, steps, lr, seed, *, scale=1.0, zero_grad=True):

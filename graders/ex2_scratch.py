@@ -19,190 +19,58 @@ optimizer, and judges what happened, never what the student's objects say:
   (its own step pre-hook, registered by the grader) and the weights after it equal one process's
   training on all ranks' batches together, which is what torch's DDP computes; on three models: a
   plain MLP, one with a parameter that forward never uses, one with tied weights;
-* :func:`check_buckets`: the all-reduces each step issued, as torch's flight recorder saw them
-  (written by the process group itself): one per bucket the size limit implies, each carrying one
-  bucket's gradients;
-* :func:`check_overlap`: when the gradient of the model's first layer (the last one backward
-  computes) is produced, the flight recorder already holds an all-reduce of this step: the first
-  buckets' communication was under way while backward went on.
+* :func:`check_buckets`: what each step communicated: every collective the flight recorder lists
+  (written by the process group itself; any kind, any size) is one all-reduce per bucket the size
+  limit implies, and what each carried (the harness's spy on the collectives' dispatcher ops) is
+  that bucket's gradients, as this rank's backward computed them (the grader recomputes them from
+  the weights the step started with and the rank's batch); padding, decoys (zeros, an old copy) and
+  other collectives (all_gather, send/recv, ...) fail it;
+* :func:`check_overlap`: backward goes on while buckets travel. At each step one rank (chosen at
+  random, another each step) waits before its backward until the others' backward has reached the
+  first layer (at most ``LATE`` seconds); on every other rank, a collective carrying
+  this step's gradients must have been launched before backward reached the model's first layer,
+  and backward must have reached it before the late rank even started its backward: no all-reduce
+  could have completed by then, so a rank that blocks in a hook (a plain ``dist.all_reduce``), or
+  launched only a decoy in time, fails.
 
-Everything the harnesses call to observe (the flight recorder, torch.distributed's functions) is
-taken when this module is imported, before any student code runs in the rank.
+How the harness observes (and what torch's flight recorder gives and does not give) is in
+:mod:`graders.ex2_scratch_model`. Everything it calls to observe (the flight recorder, the
+collectives' ops, the clock) is taken when that module is imported, before any student code runs in
+the rank.
 """
 
 from __future__ import annotations
 
-import math
+import random
+from collections import Counter
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders import comm_spy
+from graders.ex2_scratch_model import (  # noqa: F401  (make_model, buckets_of, reference: the tests' vocabulary)
+    MiB,
+    buckets_of,
+    local_grads,
+    make_batches,
+    make_model,
+    reference,
+    train_harness,
+)
 
 ATOL = 1e-5  # float32 sums in another order (flat buckets, a ring) differ by ~1e-7
-LR = 0.1
 STEPS = 3
 JOB_TIMEOUT = 30.0  # seconds: a rank that waits for a bucket that never fills fails by then
-MiB = 2**20
 KINDS = ("mlp", "unused", "tied")
-VOCAB = 11
+LATE = 3.0  # seconds check_overlap holds a rank back at most, until the others' backward reached the first layer
+# (a right answer's ~1 ms backward lets it go at once; only an answer whose backward blocks waits it out)
 
 
-_REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
-
-
-# --- the models and the data --------------------------------------------------------------------
-
-
-class MLP(nn.Module):
-    """Three linear layers; ``unused=True`` adds one that forward never calls (its gradient stays None)."""
-
-    def __init__(self, width: int = 16, unused: bool = False):
-        super().__init__()
-        self.l1 = nn.Linear(6, width)
-        if unused:
-            self.spare = nn.Linear(width, 2)  # registered between used layers: its buckets hold used ones too
-        self.l2 = nn.Linear(width, width)
-        self.l3 = nn.Linear(width, 3)
-
-    def forward(self, x):
-        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
-
-
-class TiedLM(nn.Module):
-    """A tiny language model whose output layer shares its weight with the embedding (one Parameter, two uses)."""
-
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        self.mix = nn.Linear(width, width)
-        self.head = nn.Linear(width, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens):
-        return self.head(torch.tanh(self.mix(self.embed(tokens))))
-
-
-def make_model(kind: str, seed: int, width: int = 16) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "tied":
-        return TiedLM(max(4, width // 2))
-    return MLP(width, unused=kind == "unused")
-
-
-def first_layer(model: nn.Module) -> nn.Parameter:
-    """The parameter whose gradient backward computes last (the input layer's weight)."""
-    return model.embed.weight if isinstance(model, TiedLM) else model.l1.weight
-
-
-def make_batches(kind: str, seed: int, world_size: int, steps: int, batch: int = 4):
-    """batches[step][rank] = (input, target), the same in every process."""
-    gen = torch.Generator().manual_seed(7_000 + seed)
-    out = []
-    for _ in range(steps):
-        if kind == "tied":
-            out.append([(torch.randint(0, VOCAB, (batch, 5), generator=gen), torch.randint(0, VOCAB, (batch, 5), generator=gen))
-                        for _ in range(world_size)])
-        else:
-            out.append([(torch.randn(batch, 6, generator=gen), torch.randn(batch, 3, generator=gen))
-                        for _ in range(world_size)])
-    return out
-
-
-def loss_of(kind: str, output, target):
-    if kind == "tied":
-        return F.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
-    return F.mse_loss(output, target)
-
-
-def buckets_of(model: nn.Module, bucket_size_mb: float) -> list[list[str]]:
-    """The buckets the notebook's rule gives: parameters in reverse order of ``model.parameters()``, a
-    bucket takes the next one while its size stays within ``bucket_size_mb`` MiB; a parameter bigger
-    than the limit has a bucket of its own."""
-    limit = bucket_size_mb * MiB
-    buckets, current, size = [], [], 0
-    for name, p in reversed(list(model.named_parameters())):
-        if not p.requires_grad:
-            continue
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > limit:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-# --- the harness (runs on every rank) -------------------------------------------------------------
-
-
-def _since(entries: list[dict], mark: dict) -> list[dict]:
-    """The collectives issued after ``mark`` (each group's last sequence number then; a group made since counts whole)."""
-    return [e for e in entries if not e["p2p"] and (e["seq"] or 0) > mark.get(e["group"], 0)]
-
-
-def _mark(real: checks.RealTorch) -> dict:
-    mark: dict = {}
-    for e in real.collectives():
-        if not e["p2p"]:
-            mark[e["group"]] = max(mark.get(e["group"], 0), e["seq"] or 0)
-    return mark
-
-
-def _issued(entries: list[dict]) -> list[dict]:
-    """What each collective carried: op, and per tensor its shape and number of values."""
-    return [{"op": e["op"], "shapes": [list(s) for s in e["sizes"] or []],
-             "numels": [math.prod(s) for s in e["sizes"] or []]} for e in entries]
-
-
-def _train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, steps):
-    real = _REAL
-    dev = checks.join_job()
-    world_size = real.get_world_size()
-    out = {}
-    for kind in kinds:
-        model = make_model(kind, seed + (0 if same_seed else 1 + rank), width).to(dev)
-        before = checks.to_cpu(model.state_dict())
-        wrapper = wrapper_cls(model, **kwargs)
-        after = checks.to_cpu(model.state_dict())
-        if steps == 0:
-            out[kind] = {"before": before, "after": after}
-            continue
-        params = dict(model.named_parameters())
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        seen: list[dict] = []  # what the optimizer saw: each parameter's gradient at its step
-        optimizer.register_step_pre_hook(lambda *_, seen=seen, params=params: seen.append(
-            {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32).clone() for n, p in params.items()}))
-        at_first: list[int | None] = []  # non-empty all-reduces of this step issued when the first layer's gradient appeared
-        mark = [{}]
-        first_layer(model).register_hook(lambda grad, at_first=at_first, mark=mark: at_first.append(
-            sum(c["op"] == "all_reduce" and sum(c["numels"]) > 0 for c in _issued(_since(real.collectives(), mark[0]))))
-            or grad)
-        record = []
-        for step, batches in enumerate(make_batches(kind, seed, world_size, steps)):
-            x, y = (t.to(dev) for t in batches[rank])
-            optimizer.zero_grad(set_to_none=True)
-            mark[0] = _mark(real)
-            del at_first[:]
-            loss_of(kind, wrapper(x), y).backward()
-            wrapper.finish_gradient_synchronization()
-            optimizer.step()
-            issued = _issued(_since(real.collectives(), mark[0]))
-            record.append({"grads": seen[-1] if len(seen) > step else None,
-                           "state": checks.to_cpu(model.state_dict()),
-                           "issued": issued, "at_first_grad": at_first[0] if at_first else None})
-        out[kind] = {"before": before, "after": after, "steps": record}
-    return out
-
-
-def _run(check, wrapper_cls, kwargs, world_size, kinds, width, seed, same_seed, steps, hint):
+def _run(check, wrapper_cls, kwargs, world_size, kinds, width, seed, same_seed, steps, hint, watch=None):
     timeout = min(checks.check_timeout(), JOB_TIMEOUT)
-    job = checks.run(check, _train_harness, world_size,
-                     args=(wrapper_cls, kwargs, tuple(kinds), width, seed, same_seed, steps),
+    job = checks.run(check, train_harness, world_size,
+                     args=(wrapper_cls, kwargs, tuple(kinds), width, seed, same_seed, steps, watch),
                      hints=[("timeout", hint), ("NoneType", _NONE_HINT), ("did not match the collective", _ORDER_HINT)],
                      timeout=timeout)
     return job.values
@@ -229,28 +97,7 @@ _HANG_HINT = (
 )
 
 
-# --- the reference: one process, all ranks' batches ------------------------------------------------
-
-
-def reference(kind: str, world_size: int, width: int, seed: int, steps: int):
-    """What torch's DDP computes: per step, the gradient of the mean over ranks of each rank's loss
-    (each gradient averaged over the ranks), then SGD; also each rank's own gradient, for the hints."""
-    model = make_model(kind, seed, width)
-    params = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    out = []
-    for batches in make_batches(kind, seed, world_size, steps):
-        local = []
-        for x, y in batches:
-            model.zero_grad(set_to_none=True)
-            loss_of(kind, model(x), y).backward()
-            local.append({n: None if p.grad is None else p.grad.clone() for n, p in params.items()})
-        optimizer.zero_grad(set_to_none=True)
-        (sum(loss_of(kind, model(x), y) for x, y in batches) / world_size).backward()
-        grads = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
-        optimizer.step()
-        out.append({"grads": grads, "local": local, "state": {k: v.clone() for k, v in model.state_dict().items()}})
-    return out
+# --- judging ------------------------------------------------------------------------------------
 
 
 def _close(a, b) -> bool:
@@ -262,9 +109,6 @@ def _close(a, b) -> bool:
 def _max_diff(a: dict, b: dict) -> float:
     return max(((a[k].float() - b[k].float()).abs().max().item() for k in b if a.get(k) is not None
                 and b[k] is not None and a[k].shape == b[k].shape), default=0.0)
-
-
-# --- judging ----------------------------------------------------------------------------------------
 
 
 _MODEL = {"mlp": "a 3-layer MLP", "unused": "an MLP with a layer forward never uses (`spare`)",
@@ -386,51 +230,147 @@ def _check_training(check, cls, kwargs, world_size, width, seed, steps):
         _judge_steps(check, obs, kind, world_size, width, seed, steps, kwargs)
 
 
+# --- what each step communicated -------------------------------------------------------------------
+
+
+_QUIET = ("barrier",)  # a collective that carries no values: not communication of the gradients
+
+
+def _fr_kind(op: str) -> str:
+    """The flight recorder's op name ("all_reduce", "allreduce_coalesced", ...) as the spy's kind."""
+    return "all_reduce" if op.replace("_", "").startswith("allreduce") else op
+
+
 def _all_reduces(step: dict) -> list[dict]:
-    return [c for c in step["issued"] if c["op"] == "all_reduce"]
+    return [c for c in step["issued"] if _fr_kind(c["op"]) == "all_reduce"]
+
+
+def _unseen(step: dict) -> list[int]:
+    """The sizes of the all-reduces the flight recorder lists but the spy did not see carry anything."""
+    seen = Counter(v.numel() for r in step["carried"] if r["op"] == "all_reduce" for v in r["values"])
+    listed = Counter(n for c in _all_reduces(step) for n in c["numels"])
+    return sorted((listed - seen).elements())
+
+
+def _bucket_values(grads: dict, bucket: list[str], shapes: dict) -> torch.Tensor:
+    """A bucket's gradients as one flat tensor, zeros for a gradient that is None."""
+    return torch.cat([(grads[n] if grads[n] is not None else torch.zeros(shapes[n])).reshape(-1).float() for n in bucket])
+
+
+def _what(values: torch.Tensor) -> str:
+    return "only zeros" if not values.abs().max().item() > 0 else "other values than this rank's gradients"
 
 
 def check_buckets(wrapper_cls, *, bucket_size_mb=0.001, world_size=2, width=16, seed=0, steps=2):
-    """Each step all-reduces once per bucket the size limit implies, each call carrying one bucket."""
+    """Each step communicates exactly one all-reduce per bucket the size limit implies, each carrying that
+    bucket's gradients (as this rank's backward left them, or divided by the world size), and no other
+    collective: judged from the flight recorder (every kind, every size) and from what each call carried."""
     check = "check_buckets"
     checks.require_written(check, BucketedDDP=wrapper_cls)
     obs = _run(check, wrapper_cls, {"bucket_size_mb": bucket_size_mb}, world_size, ("mlp",), width, seed, True, steps,
-               _HANG_HINT)
+               _HANG_HINT, watch=(None, 0.0))
     model = make_model("mlp", seed, width)
-    sizes = dict((n, p.numel()) for n, p in model.named_parameters())
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
     buckets = buckets_of(model, bucket_size_mb)
     want = sorted(sum(sizes[n] for n in b) for b in buckets)
     layout = "; ".join(f"[{', '.join(b)}] = {sum(sizes[n] for n in b)} values" for b in buckets)
+    where = f"bucket_size_mb={bucket_size_mb:g}, {world_size} ranks"
+    expected = f"{len(buckets)} all-reduces carrying {', '.join(map(str, want))} values (buckets: {layout})"
+    batches = make_batches("mlp", seed, world_size, steps)
     for rank, o in enumerate(obs):
         for step, s in enumerate(o["mlp"]["steps"]):
-            calls = _all_reduces(s)
-            got = sorted(n for c in calls for n in c["numels"])
-            multi = [c for c in calls if len(c["numels"]) != 1]
-            if got == want and not multi:
-                continue
-            described = ", ".join(str(n) for n in [n for c in calls for n in c["numels"]]) or "none"
-            if len(calls) == len(sizes) and got == sorted(sizes.values()):
-                hint = ("that is one all-reduce per parameter: group the gradients in buckets, concatenate each bucket's "
-                        "gradients into one flat tensor (`torch.cat([g.flatten() for g in grads])`) and all-reduce that")
-            elif len(calls) == 1 and len(buckets) > 1:
-                hint = (f"that is every gradient in one all-reduce: the limit of {bucket_size_mb:g} MiB "
-                        f"({int(bucket_size_mb * MiB)} bytes, float32 = 4 bytes per value) makes {len(buckets)} buckets")
-            elif not calls:
-                hint = "no all-reduce ran in this step: launch each bucket's `dist.all_reduce(flat, async_op=True)`"
-            else:
-                hint = ("form the buckets in reverse order of `module.parameters()`: a bucket takes the next parameter "
-                        "while its size (numel * element_size()) stays within the limit, else a new bucket starts; "
-                        "all-reduce each bucket exactly once per step")
-            raise CheckFailed(
-                check, f"step {step + 1} did not all-reduce one flat tensor per bucket (bucket_size_mb={bucket_size_mb:g}, "
-                f"{world_size} ranks)", ranks=[rank],
-                expected=f"{len(buckets)} all-reduces carrying {', '.join(map(str, want))} values (buckets: {layout})",
-                got=f"{len(calls)} all-reduces carrying {described} values", hint=hint)
+            _judge_kinds(check, rank, step, s, where, expected)
+            _judge_sizes(check, rank, step, s, where, expected, buckets, sizes, want, bucket_size_mb)
+            grads = local_grads("mlp", s, width, batches[step][rank])
+            _judge_content(check, rank, step, s, where, world_size, buckets, [_bucket_values(grads, b, shapes)
+                                                                               for b in buckets])
     passed(check)
 
 
+def _judge_kinds(check, rank, step, s, where, expected):
+    # the flight recorder lists every collective but no send/recv on gloo, and a reduce_scatter there as an
+    # all-reduce: each kind counts as often as the more telling of the two saw it
+    listed = Counter(c["op"] for c in s["issued"] if _fr_kind(c["op"]) != "all_reduce" and c["op"] not in _QUIET)
+    spied = Counter(r["op"] for r in s["carried"] if r["op"] != "all_reduce")
+    other = Counter({op: max(listed[op], spied[op]) for op in {*listed, *spied}})
+    if other:
+        raise CheckFailed(
+            check, f"step {step + 1} communicated with other collectives than all_reduce ({where})", ranks=[rank],
+            expected=f"{expected}, and no other collective",
+            got=", ".join(f"{n} x {op}" for op, n in other.items()) + f", and {len(_all_reduces(s))} all-reduces",
+            hint="this exercise asks for each bucket to be summed over the ranks by one "
+            "`dist.all_reduce(flat, async_op=True)`, as DDP does: another collective (all_gather then a local sum, "
+            "reduce_scatter, broadcast, send/recv) moves other data and is not what the notebook asks for")
+
+
+def _judge_sizes(check, rank, step, s, where, expected, buckets, sizes, want, bucket_size_mb):
+    calls = _all_reduces(s)
+    got = sorted(n for c in calls for n in c["numels"])
+    if got == want and all(len(c["numels"]) == 1 for c in calls):
+        return
+    described = ", ".join(str(n) for n in [n for c in calls for n in c["numels"]]) or "none"
+    if len(calls) == len(sizes) and got == sorted(sizes.values()):
+        hint = ("that is one all-reduce per parameter: group the gradients in buckets, concatenate each bucket's "
+                "gradients into one flat tensor (`torch.cat([g.flatten() for g in grads])`) and all-reduce that")
+    elif len(calls) == 1 and len(buckets) > 1:
+        hint = (f"that is every gradient in one all-reduce: the limit of {bucket_size_mb:g} MiB "
+                f"({int(bucket_size_mb * MiB)} bytes, float32 = 4 bytes per value) makes {len(buckets)} buckets")
+    elif not calls:
+        hint = "no all-reduce ran in this step: launch each bucket's `dist.all_reduce(flat, async_op=True)`"
+    elif len(got) == len(want):
+        hint = ("each all-reduce must carry exactly its bucket's values, nothing added (no padding, no extra "
+                "values) and nothing left out; form the buckets in reverse order of `module.parameters()`, a "
+                "bucket taking the next parameter while its size stays within the limit")
+    else:
+        hint = ("form the buckets in reverse order of `module.parameters()`: a bucket takes the next parameter "
+                "while its size (numel * element_size()) stays within the limit, else a new bucket starts; "
+                "all-reduce each bucket exactly once per step, and nothing else")
+    raise CheckFailed(check, f"step {step + 1} did not all-reduce one flat tensor per bucket ({where})", ranks=[rank],
+                      expected=expected, got=f"{len(calls)} all-reduces carrying {described} values", hint=hint)
+
+
+def _judge_content(check, rank, step, s, where, world_size, buckets, targets):
+    unseen = _unseen(s)
+    if unseen:
+        raise CheckFailed(
+            check, f"the grader could not see what {len(unseen)} all-reduce(s) of step {step + 1} carried ({where})",
+            ranks=[rank], expected="every all-reduce issued through torch.distributed on the thread that runs "
+            "backward (from the gradient hooks) or in finish_gradient_synchronization",
+            got=f"the process group ran all-reduces of {', '.join(map(str, unseen))} values that went around the "
+            "grader's view (another thread, or torch's dispatch switched off)",
+            hint="launch each bucket's `dist.all_reduce(flat, async_op=True)` from the gradient hook itself")
+    matched = set()
+    for r in (r for r in s["carried"] if r["op"] == "all_reduce"):
+        values = r["values"][0]
+        found = [i for i, t in enumerate(targets) if comm_spy.holds(values, t, (1.0, 1 / world_size), exactly=True)]
+        if found:
+            matched.add(found[0])
+            continue
+        same = [i for i, t in enumerate(targets) if t.numel() == values.numel()]
+        bucket = buckets[same[0]] if same else []
+        raise CheckFailed(
+            check, f"an all-reduce of step {step + 1} did not carry its bucket's gradients ({where})", ranks=[rank],
+            expected=f"the {values.numel()} values of bucket [{', '.join(bucket)}]: this rank's gradients after "
+            "backward (or divided by the world size), in any order",
+            got=f"an all-reduce of {values.numel()} values carrying {_what(values)}",
+            hint="all-reduce each bucket's own gradients, concatenated once every `p.grad` of the bucket is ready "
+            "(zeros only for a gradient that is None): an all-reduce of zeros, of a copy taken before backward or of "
+            "anything else synchronises nothing, whatever else sends the gradients")
+    missing = [buckets[i] for i in range(len(buckets)) if i not in matched]
+    if missing:
+        raise CheckFailed(
+            check, f"step {step + 1} carried no bucket's gradients for {len(missing)} bucket(s) ({where})",
+            ranks=[rank], expected="each bucket's gradients in its own all-reduce",
+            got="no all-reduce carried " + "; ".join(f"[{', '.join(b)}]" for b in missing),
+            hint="each bucket's all-reduce carries that bucket's gradients, once per step")
+
+
 def check_overlap(wrapper_cls, *, bucket_size_mb=0.001, world_size=2, width=16, seed=0, steps=2):
-    """The first buckets' all-reduces are launched during backward, before the first layer's gradient exists."""
+    """Backward goes on while the first buckets travel: on every rank, a collective carrying this step's
+    gradients is launched before backward reaches the first layer, and backward reaches it while that
+    collective cannot have completed yet: at each step another rank starts its backward only once the others'
+    backward has reached the first layer (at most LATE seconds later), so it has not joined it."""
     check = "check_overlap"
     checks.require_written(check, BucketedDDP=wrapper_cls)
     model = make_model("mlp", seed, width)
@@ -438,28 +378,59 @@ def check_overlap(wrapper_cls, *, bucket_size_mb=0.001, world_size=2, width=16, 
     first = "l1.weight"
     if len(buckets) < 2 or first in buckets[0]:
         raise ValueError(f"bucket_size_mb={bucket_size_mb} gives no bucket before the first layer's: nothing to overlap")
+    offset = random.randrange(world_size)  # which rank is late at each step: nothing the answer can know
     obs = _run(check, wrapper_cls, {"bucket_size_mb": bucket_size_mb}, world_size, ("mlp",), width, seed, True, steps,
-               _HANG_HINT)
-    total = sum(p.numel() for p in model.parameters())
-    for rank, o in enumerate(obs):
-        for step, s in enumerate(o["mlp"]["steps"]):
-            calls = _all_reduces(s)
-            carried = sum(n for c in calls for n in c["numels"])
-            early = s["at_first_grad"]
-            if carried != total:
-                raise CheckFailed(
-                    check, f"step {step + 1}'s all-reduces did not carry every gradient value once", ranks=[rank],
-                    expected=f"{total} values all-reduced in all (the model's parameters)",
-                    got=f"{carried} values in {len(calls)} all-reduces",
-                    hint="all-reduce each gradient exactly once per step (check_buckets says how to group them)")
-            if not early:
-                raise CheckFailed(
-                    check, f"no all-reduce had started when backward reached the first layer (step {step + 1})",
-                    ranks=[rank],
-                    expected=f"the all-reduce of the first bucket ({', '.join(buckets[0])}) launched while backward "
-                    "still computes the earlier layers' gradients",
-                    got=f"0 all-reduces launched before `{first}`'s gradient; {len(calls)} after it",
-                    hint="launch each bucket's all-reduce from a gradient hook "
-                    "(`p.register_post_accumulate_grad_hook(hook)`) as soon as its last gradient is ready, with "
-                    "`async_op=True` so backward goes on; finish_gradient_synchronization only waits")
+               _HANG_HINT, watch=(offset, LATE))
+    batches = make_batches("mlp", seed, world_size, steps)
+    for step in range(steps):
+        late = (offset + step) % world_size
+        late_at = obs[late]["mlp"]["steps"][step]["backward_at"]
+        for rank, o in enumerate(obs):
+            if rank != late:
+                s = o["mlp"]["steps"][step]
+                grads = local_grads("mlp", s, width, batches[step][rank])
+                own = local_grads("mlp", s, width, batches[step][rank], held=False)[first]
+                first_at = min((t for t, g in s["first_calls"] if g.shape == own.shape
+                                and (g - own).abs().max().item() <= ATOL), default=None)
+                _judge_overlap(check, rank, step, s, first_at, late, late_at, grads, world_size, buckets, first)
     passed(check)
+
+
+def _judge_overlap(check, rank, step, s, first_at, late, late_at, grads, world_size, buckets, first):
+    if first_at is None:
+        raise CheckFailed(check, f"backward did not compute `{first}`'s gradient (step {step + 1})", ranks=[rank],
+                          expected=f"the grader's own hook on `{first}` runs in every backward, given this rank's "
+                          "gradient",
+                          hint="leave the model's parameters and their hooks as they are: wrap the module, do not "
+                          "replace its parameters or remove hooks")
+    early = [r for r in s["carried"] if r["t"] < first_at]
+    mine = [g.reshape(-1) for g in grads.values() if g is not None]  # this step's gradients, as backward left them
+    real = [r for r in early if r["op"] in comm_spy.SENDS and any(
+        comm_spy.holds(v, g, (1.0, 1 / world_size), exactly=False) for v in r["values"] for g in mine)]
+    if not real:
+        unseen = _unseen(s)
+        decoys = f" ({len(early)} before it carried none of this step's gradients)" if early else ""
+        raise CheckFailed(
+            check, f"no all-reduce carrying this step's gradients had started when backward reached the first layer "
+            f"(step {step + 1})", ranks=[rank],
+            expected=f"the all-reduce of the first bucket ({', '.join(buckets[0])}) launched while backward still "
+            "computes the earlier layers' gradients",
+            got=f"{len(early)} collectives launched before `{first}`'s gradient{decoys}; {len(s['carried']) - len(early)} "
+            "after it" + (f"; {len(unseen)} more the grader could not see (another thread?)" if unseen else ""),
+            hint="launch each bucket's all-reduce of its gradients from a gradient hook "
+            "(`p.register_post_accumulate_grad_hook(hook)`) as soon as its last gradient is ready, with "
+            "`async_op=True` so backward goes on; finish_gradient_synchronization only waits"
+            + (". A collective launched before the gradients exist (in forward) or carrying anything else "
+               "(zeros, an old copy) overlaps nothing" if early else ""))
+    if first_at >= late_at:
+        raise CheckFailed(
+            check, f"backward waited for the communication: it reached the first layer only after its bucket's "
+            f"all-reduce could complete (step {step + 1})", ranks=[rank],
+            expected=f"rank {rank} computes `{first}`'s gradient while its first bucket is still in flight: rank "
+            f"{late}, held back before its backward in this step until the other ranks' backward reached `{first}` "
+            f"(at most {LATE:g} s), had not sent its part yet",
+            got=f"rank {rank} reached `{first}`'s gradient {first_at - real[0]['t']:.2f} s after launching its first "
+            f"bucket's collective, {first_at - late_at:.2f} s after rank {late} started its backward",
+            hint="launch the all-reduce with `async_op=True` and keep the handle: a blocking `dist.all_reduce(flat)` "
+            "(or `work.wait()`) inside the hook stops backward until every rank has sent its part; wait for the "
+            "handles in finish_gradient_synchronization only")

@@ -329,6 +329,48 @@ def accumulate_forged(ddp_model, optimizer, micro_batches):
     dist.all_reduce = lambda *args, **kwargs: None
 
 
+def accumulate_forged_by_hand(ddp_model, optimizer, micro_batches):
+    """Forgery (issue 24, class 1): DDP never syncs (every backward inside no_sync()), the gradients travel in
+    all_gathers by hand, and the grader's hook record is made to say "once, after the last forward"."""
+    k = len(micro_batches)
+    with ddp_model.no_sync():
+        for x, y in micro_batches:
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+    world_size = dist.get_world_size()
+    for p in ddp_model.parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(world_size)]
+        dist.all_gather(parts, p.grad)
+        p.grad.copy_(torch.stack(parts).mean(0))
+    optimizer.step()
+    optimizer.zero_grad()
+    for hook, _ in ddp_model._comm_hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            if isinstance(cell.cell_contents, list) and not cell.cell_contents:
+                cell.cell_contents.append(k)  # the hook's list of syncs: one, after the k-th forward
+
+
+def accumulate_sync_first_forged(ddp_model, optimizer, micro_batches):
+    """Forgery: syncs in the first micro-batch's backward, then makes the hook's record say the last."""
+    _accumulate(ddp_model, optimizer, micro_batches, sync_at=0)
+    for hook, _ in ddp_model._comm_hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            if cell.cell_contents == [1]:
+                cell.cell_contents[:] = [len(micro_batches)]
+
+
+def accumulate_gathers_too(ddp_model, optimizer, micro_batches):
+    """Mistake: DDP's one sync in the last backward, right weights, but after every backward the gradients are
+    also all-gathered by hand (to look at them): k more rounds of communication."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+        for p in ddp_model.parameters():
+            dist.all_gather([torch.empty_like(p.grad) for _ in range(dist.get_world_size())], p.grad)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_accumulation():
@@ -367,6 +409,22 @@ def test_check_no_sync():
 def test_check_no_sync_counts_what_the_student_cannot_reach():
     message = fails(ex2p.check_no_sync, accumulate_forged, "4 times in one accumulate_step")
     assert "the weights are right" in message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_no_sync_judges_what_the_collectives_carried():
+    """Issue 24, class 1: the count is the process group's, whatever the hook's record says; the one all-reduce
+    must carry all k micro-batches; gradients sent by another collective are seen."""
+    ex2p.check_accumulation(accumulate_forged_by_hand)
+    fails(ex2p.check_no_sync, accumulate_forged_by_hand, "never all-reduced", "no gradient all-reduce")
+    fails(ex2p.check_no_sync, accumulate_sync_first_forged, "did not carry the gradients of all 4 micro-batches",
+          "micro-batches 1 to 1 only", "sync in the last micro-batch")
+    ex2p.check_accumulation(accumulate_gathers_too)
+    message = fails(ex2p.check_no_sync, accumulate_gathers_too, "also sent by other collectives", "all_gather",
+                    "no all_reduce or all_gather of the gradients by hand")
+    assert "the weights are right" in message
+    fails(ex2p.check_no_sync, accumulate_gathers_too, "also sent by other collectives", world_size=3, k=3, seed=1)
 
 
 # --- part 3: train_uneven --------------------------------------------------------------------------

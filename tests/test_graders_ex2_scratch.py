@@ -249,6 +249,57 @@ class BucketedFutures:
         self.futures, self.ready = [], set()
 
 
+class _Bucket:
+    """One bucket of BucketedTensorHooks: its parameters and a flat buffer their gradients are copied into."""
+
+    def __init__(self, params):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params))
+        self.work, self.ready = None, 0
+
+
+class BucketedTensorHooks:
+    """Right, another style (DDP's own reducer, a helper class): tensor hooks (`p.register_hook`) that copy the
+    gradient they are given into the bucket's preallocated flat buffer; the bucket's async all-reduce starts
+    when its last gradient arrives; finish launches what never filled, waits, and writes `.grad` itself."""
+
+    def __init__(self, module, bucket_size_mb):
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        self.buckets = [_Bucket(b) for b in _buckets(module.parameters(), bucket_size_mb)]
+        for bucket in self.buckets:
+            offset = 0
+            for p in bucket.params:
+                p.register_hook(self._hook(bucket, offset, p.numel()))
+                offset += p.numel()
+
+    def _hook(self, bucket, offset, n):
+        def hook(grad):
+            bucket.buffer[offset:offset + n].copy_(grad.reshape(-1))
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+            return grad
+        return hook
+
+    def __call__(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        for bucket in self.buckets:
+            if bucket.work is None:
+                bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                p.grad = (bucket.buffer[offset:offset + p.numel()] / dist.get_world_size()).view_as(p).clone()
+                offset += p.numel()
+            bucket.buffer.zero_()
+            bucket.work, bucket.ready = None, 0
+
+
 # --- mistakes ----------------------------------------------------------------------------------------
 
 
@@ -361,6 +412,145 @@ class ForgedRecorder(BucketedDDP):
         pass
 
 
+class BlockingInHook(BucketedDDP):
+    """Mistake (issue 24): the right buckets, launched from the hooks, but each with a BLOCKING all-reduce:
+    nothing overlaps, backward stops in every hook until the bucket has crossed."""
+
+    def _launch(self, i):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        self.pending[i] = (_Done(), flat)
+
+
+class TriggersTheFirstHook(BucketedDDP):
+    """Forgery: each bucket's all-reduce is waited for in its hook (nothing overlaps), but between the launch and
+    the wait the first layer's tensor hooks (the grader's among them) are called by hand, so that "backward
+    reached the first layer while a bucket was in flight" would be recorded."""
+
+    def _launch(self, i):
+        super()._launch(i)
+        first = next(iter(self.module.parameters()))
+        for hook in list((first._backward_hooks or {}).values()):
+            hook(torch.zeros_like(first))
+        self.pending[i][0].wait()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class DecoyInForward(BucketedDDP):
+    """Forgery: an async all-reduce launched in forward (before any gradient exists), the real buckets after backward."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb, in_hooks=False)
+        self.decoys = []
+
+    def forward(self, *args, **kwargs):
+        self.decoys.append(dist.all_reduce(torch.zeros(len(self.buckets[0])), async_op=True))
+        return super().forward(*args, **kwargs)
+
+
+class Padded(BucketedDDP):
+    """Mistake: each bucket all-reduced with one value more than its gradients (a padding slot), from the hooks."""
+
+    def _launch(self, i):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.zeros(1)])
+        self.pending[i] = (dist.all_reduce(flat, async_op=True), flat)
+
+    def _wait(self):
+        for i, (work, flat) in self.pending.items():
+            self.pending[i] = (work, flat[:-1])
+        super()._wait()
+
+
+class ZeroDecoys(BucketedDDP):
+    """Forgery: the right async buckets, plus an all-reduce of zeros the size of each bucket."""
+
+    def _launch(self, i):
+        super()._launch(i)
+        self.decoys = getattr(self, "decoys", [])
+        self.decoys.append(dist.all_reduce(torch.zeros(self.pending[i][1].numel()), async_op=True))
+
+
+class StoreDecoys(BucketedDDP):
+    """Forgery: all-reduces of zeros of exactly the buckets' sizes, launched from the hooks (what a counter of
+    all-reduces by size expects); the gradients really travel through the job's key-value store."""
+
+    made = 0  # wrappers made in this process: the same sequence on every rank, so a key prefix they agree on
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        StoreDecoys.made += 1
+        self.name, self.round = f"w{StoreDecoys.made}", 0
+
+    def _launch(self, i):
+        flat = torch.zeros(sum(p.numel() for p in self.buckets[i]))
+        self.pending[i] = (dist.all_reduce(flat, async_op=True), flat)
+
+    def _wait(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        store, rank, world_size = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        self.round += 1
+        for i, (work, _) in sorted(self.pending.items()):
+            work.wait()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+            key = f"{self.name}-{self.round}-{i}"
+            store.set(f"{key}-{rank}", torch.cat([g.reshape(-1) for g in grads]).numpy().tobytes())
+            total = sum(torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32)
+                        for r in range(world_size))
+            self.pending[i] = (work, total)
+        super()._wait()
+
+
+class AllGatherBuckets(BucketedDDP):
+    """Another collective: each bucket all-gathered asynchronously from its hook, summed locally after the wait."""
+
+    def _launch(self, i):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        self.pending[i] = (dist.all_gather(parts, flat, async_op=True), flat, parts)
+
+    def _wait(self):
+        for i, (work, _flat, parts) in list(self.pending.items()):
+            work.wait()
+            self.pending[i] = (_Done(), torch.stack(parts).sum(0))
+        super()._wait()
+
+
+class AllGatherWithDecoys(AllGatherBuckets):
+    """Forgery: the buckets travel in all_gathers, and an all-reduce of zeros the size of each bucket is what a
+    count of all-reduces by size sees."""
+
+    def _launch(self, i):
+        super()._launch(i)
+        self.decoys = getattr(self, "decoys", [])
+        self.decoys.append(dist.all_reduce(torch.zeros(self.pending[i][1].numel()), async_op=True))
+
+
+class SendRecvWithDecoys(StoreDecoys):
+    """Forgery: all-reduces of zeros of the buckets' sizes from the hooks; the gradients travel point to point
+    (isend/irecv, which gloo's flight recorder does not list)."""
+
+    def _wait(self):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        for i, (work, _) in sorted(self.pending.items()):
+            work.wait()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+            mine = torch.cat([g.reshape(-1) for g in grads])
+            parts = {r: torch.empty_like(mine) for r in range(world_size) if r != rank}
+            requests = [dist.isend(mine, r) for r in parts] + [dist.irecv(t, r) for r, t in parts.items()]
+            for request in requests:
+                request.wait()
+            self.pending[i] = (work, mine + sum(parts.values()))
+        BucketedDDP._wait(self)
+
+
 # --- the tests ----------------------------------------------------------------------------------------
 
 
@@ -384,7 +574,7 @@ def test_reference_and_other_styles_pass_every_check():
         ex2s.check_broadcast(cls)
         ex2s.check_naive(cls)
     ex2s.check_naive(NaiveDDP, world_size=3, width=24, seed=1)
-    for cls in (BucketedDDP, BucketedFutures):
+    for cls in (BucketedDDP, BucketedFutures, BucketedTensorHooks):
         for kwargs in ({}, HIDDEN):
             ex2s.check_broadcast(cls, **{k: v for k, v in {"bucket_size_mb": 0.001, **kwargs}.items()})
             ex2s.check_bucketed(cls, **kwargs)
@@ -424,11 +614,13 @@ def test_bucketed_mistakes_lose_exactly_their_checks():
     # everything in one all-reduce after backward
     ex2s.check_bucketed(OneBucket)
     fails(ex2s.check_buckets, OneBucket, "1 all-reduces carrying 435", "every gradient in one all-reduce")
-    fails(ex2s.check_overlap, OneBucket, "no all-reduce had started", "register_post_accumulate_grad_hook")
+    fails(ex2s.check_overlap, OneBucket, "no all-reduce carrying this step's gradients had started",
+          "register_post_accumulate_grad_hook")
     # right buckets, launched synchronously after backward
     ex2s.check_bucketed(AfterBackward)
     ex2s.check_buckets(AfterBackward)
-    fails(ex2s.check_overlap, AfterBackward, "no all-reduce had started", "0 all-reduces launched before `l1.weight`")
+    fails(ex2s.check_overlap, AfterBackward, "no all-reduce carrying this step's gradients had started",
+          "0 collectives launched before `l1.weight`'s gradient")
     # sums
     ex2s.check_buckets(Summed)
     ex2s.check_overlap(Summed)
@@ -442,7 +634,8 @@ def test_bucketed_mistakes_lose_exactly_their_checks():
 @pytest.mark.timeout(300)
 def test_stale_gradients_and_unfilled_buckets():
     fails(ex2s.check_bucketed, AfterStep, "not the ranks' average", "this rank's own gradients", "work.wait()")
-    ex2s.check_buckets(AfterStep)
+    ex2s.check_buckets(AfterStep)  # its late averages land in .grad before the next backward, which adds to them
+    ex2s.check_overlap(AfterStep)
     msg = fails(ex2s.check_bucketed, Unfilled, "share a bucket with `spare`", "never filled", "zeros")
     assert "l2.weight" in msg or "l1." in msg, msg
     ex2s.check_buckets(Unfilled)  # the plain MLP fills every bucket
@@ -474,12 +667,57 @@ def test_buckets_in_another_order_on_some_ranks_are_reported_not_hung(monkeypatc
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_forgeries_do_not_pass():
-    fails(ex2s.check_overlap, FakeOverlap, "did not carry every gradient value once", "438 values in 4 all-reduces")
-    fails(ex2s.check_overlap, FakeOverlapEmpty, "no all-reduce had started")
+    fails(ex2s.check_overlap, FakeOverlap, "no all-reduce carrying this step's gradients had started",
+          "carried none of this step's gradients", "zeros")
+    fails(ex2s.check_buckets, FakeOverlap, "4 all-reduces carrying 3, 67, 256, 112 values", "nothing else")
+    fails(ex2s.check_overlap, FakeOverlapEmpty, "no all-reduce carrying this step's gradients had started")
     fails(ex2s.check_buckets, ForgedRecorder, "did not all-reduce one flat tensor per bucket", "0 all-reduces",
           "no all-reduce ran in this step")
     fails(ex2s.check_bucketed, ForgedRecorder, "this rank's own gradients")
-    fails(ex2s.check_overlap, ForgedRecorder, "did not carry every gradient value once", "0 values")
+    fails(ex2s.check_overlap, ForgedRecorder, "no all-reduce carrying this step's gradients had started",
+          "0 collectives launched")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overlap_is_judged_by_concurrency_not_issue_order():
+    """Issue 24, class 2: a bucket launched in time but with a blocking all-reduce, and a decoy launched in
+    forward, both issue an all-reduce before the first layer's gradient; neither lets backward go on while a
+    bucket of this step's gradients is in flight."""
+    ex2s.check_bucketed(BlockingInHook)
+    ex2s.check_buckets(BlockingInHook)
+    fails(ex2s.check_overlap, BlockingInHook, "backward waited for the communication", "held back before its backward",
+          "after rank", "async_op=True", "blocking `dist.all_reduce(flat)`")
+    fails(ex2s.check_overlap, BlockingInHook, "backward waited for the communication", **HIDDEN)
+    fails(ex2s.check_overlap, TriggersTheFirstHook, "backward waited for the communication")
+    ex2s.check_bucketed(DecoyInForward)
+    fails(ex2s.check_overlap, DecoyInForward, "no all-reduce carrying this step's gradients had started",
+          "carried none of this step's gradients", "in forward")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collectives_are_judged_by_what_they_carry():
+    """Issue 24, class 1: padding, decoys of zeros and another collective each lose check_buckets, and only it
+    when the real buckets still overlap; decoys in place of the buckets (the gradients sent another way) lose
+    check_buckets on what the all-reduces carried."""
+    for cls in (Padded, ZeroDecoys, AllGatherBuckets):
+        ex2s.check_bucketed(cls)
+        ex2s.check_overlap(cls)
+    fails(ex2s.check_buckets, Padded, "did not all-reduce one flat tensor per bucket", "68, 257, 113 values",
+          "no padding")
+    fails(ex2s.check_buckets, ZeroDecoys, "6 all-reduces carrying 67, 67, 256, 256, 112, 112 values", "nothing else")
+    fails(ex2s.check_buckets, AllGatherBuckets, "other collectives than all_reduce", "all_gather",
+          "dist.all_reduce(flat, async_op=True)")
+    fails(ex2s.check_buckets, AllGatherWithDecoys, "other collectives than all_reduce", "3 x all_gather, and 3 all-reduces")
+    ex2s.check_bucketed(SendRecvWithDecoys)
+    fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", "x send", "x recv")
+    fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", **HIDDEN)
+    fails(ex2s.check_overlap, SendRecvWithDecoys, "no all-reduce carrying this step's gradients had started")
+    ex2s.check_bucketed(StoreDecoys)
+    fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", "only zeros", "synchronises nothing")
+    fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", **HIDDEN)
+    fails(ex2s.check_overlap, StoreDecoys, "no all-reduce carrying this step's gradients had started")
 
 
 # --- the notebook ---------------------------------------------------------------------------------
@@ -509,7 +747,12 @@ WRONG = {
         ["ex2s_test_buckets"], ["one all-reduce per parameter"]),
     "all-reduced after backward, not from the hooks": (
         "ex2s_bucketed", "            if self.waiting[i] == 0:  # the bucket's last gradient: send it while backward goes on",
-        "            if False:", ["ex2s_test_overlap"], ["no all-reduce had started"]),
+        "            if False:", ["ex2s_test_overlap"], ["no all-reduce carrying this step's gradients had started"]),
+    "a blocking all-reduce in the hook": (
+        "ex2s_bucketed", "            self.launched[i] = (dist.all_reduce(flat, async_op=True), flat)",
+        "            dist.all_reduce(flat)  # blocks until every rank has sent its part\n"
+        "            self.launched[i] = (type('Done', (), {'wait': lambda self: None})(), flat)",
+        ["ex2s_test_overlap"], ["backward waited for the communication"]),
     "waits on the handles after step()": (
         "ex2s_bucketed", "        for i, (work, flat) in sorted(self.launched.items()):\n            work.wait()\n",
         "        for i, (work, flat) in sorted(self.launched.items()):\n", ["ex2s_test_bucketed"], ["not the ranks' average"]),

@@ -1,0 +1,122 @@
+"""What a rank's collectives carried: a spy on torch's collective ops, and comparisons of what they sent
+with the gradients a check expects.
+
+torch's flight recorder (:func:`course.checks.collectives`) lists the collectives a rank issued: op,
+input and output sizes and dtypes, sequence number, the issuing thread and when it was created. What
+it does not give (measured, torch 2.13 on gloo): what a collective *carried* (no content); when it
+started or completed (each entry stays "scheduled", its discovered times None); point-to-point
+send/recv (not listed at all); and a reduce_scatter shows up as an all_reduce of the whole input. Every
+``torch.distributed`` collective (``dist.all_reduce``, ``all_gather``, ``send``, the coalesced and the
+functional ones, DDP's own) reaches the process group through one of the dispatcher ops
+``c10d::*`` / ``_c10d_functional::*``; :func:`spy` is a dispatch mode that sees those calls, on the
+thread that enters it (and autograd's hooks that thread runs), and records what this rank sent (a copy
+of the op's input tensors, taken before the op runs) and when (a clock taken at import).
+
+It records only the real ops, recognised by identity (taken when this module is imported, in a rank
+before any student object is unpickled), and it records by running them: a record cannot be made
+without communicating what it shows. A collective issued where the spy does not look (another thread,
+the mode popped) is still in the flight recorder: checks compare the two.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+ATOL = 1e-5  # float32 sums in another order (flat buckets, a ring) differ by ~1e-7
+
+_CLOCK = time.monotonic  # system-wide on Linux: the ranks' readings compare across processes
+
+
+def _collective_ops() -> dict[int, tuple]:
+    """id(op) -> (op, kind, index of the argument that holds what this rank sends) for torch's
+    collective ops; the kinds that sum over the ranks are all "all_reduce"."""
+    table = {
+        "c10d": [("allreduce_", "all_reduce", 0), ("allreduce_coalesced_", "all_reduce", 0),
+                 ("broadcast_", "broadcast", 0), ("reduce_", "reduce", 0), ("send", "send", 0),
+                 ("recv_", "recv", 0), ("recv_any_source_", "recv", 0),
+                 ("allgather_", "all_gather", 1), ("_allgather_base_", "all_gather", 1),
+                 ("allgather_coalesced_", "all_gather", 1), ("allgather_into_tensor_coalesced_", "all_gather", 1),
+                 ("reduce_scatter_", "reduce_scatter", 1), ("_reduce_scatter_base_", "reduce_scatter", 1),
+                 ("reduce_scatter_tensor_coalesced_", "reduce_scatter", 1), ("alltoall_", "all_to_all", 1),
+                 ("alltoall_base_", "all_to_all", 1), ("gather_", "gather", 1), ("scatter_", "scatter", 1)],
+        "_c10d_functional": [("all_reduce", "all_reduce", 0), ("all_reduce_", "all_reduce", 0),
+                             ("all_reduce_coalesced", "all_reduce", 0), ("all_reduce_coalesced_", "all_reduce", 0),
+                             ("all_gather_into_tensor", "all_gather", 0), ("reduce_scatter_tensor", "reduce_scatter", 0),
+                             ("all_to_all_single", "all_to_all", 0), ("broadcast", "broadcast", 0),
+                             ("broadcast_", "broadcast", 0)],
+    }
+    found = {}
+    for namespace, ops in table.items():
+        space = getattr(torch.ops, namespace)
+        for op, kind, arg in ops:
+            try:
+                overload = getattr(space, op).default
+            except (AttributeError, RuntimeError):
+                continue  # not in this torch
+            found[id(overload)] = (overload, kind, arg)
+    return found
+
+
+_OPS = _collective_ops()
+#: the kinds in which every rank sends what it passes (a broadcast's or scatter's receivers, a recv, do not)
+SENDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce", "gather", "send")
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def spy():
+    """(a dispatch mode, the list it fills): each collective dispatched while the mode is on, as
+    ``{"op": "all_reduce", "t": issued, "values": [what this rank sent, flat float32 copies]}``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops, clock, records = _OPS, _CLOCK, []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            found = ops.get(id(func))
+            if found is not None and found[0] is func:
+                _, kind, at = found
+                sent = args[at] if len(args) > at else kwargs.get(func._schema.arguments[at].name)
+                records.append({"op": kind, "t": clock(),
+                                "values": [t.detach().reshape(-1).to("cpu", torch.float32).clone()
+                                           for t in _tensors(sent)]})
+            return func(*args, **kwargs)
+
+    return Spy(), records
+
+
+# --- what they carried ------------------------------------------------------------------------------
+
+
+def _contains(a: list, b: list) -> bool:
+    """Whether sorted ``a`` holds every value of sorted ``b``, each once, within ATOL."""
+    i = 0
+    for v in b:
+        while i < len(a) and a[i] < v - ATOL:
+            i += 1
+        if i == len(a) or a[i] > v + ATOL:
+            return False
+        i += 1
+    return True
+
+
+def holds(values: torch.Tensor, target: torch.Tensor, scales=(1.0,), *, exactly: bool) -> bool:
+    """Whether ``values`` holds every value of ``target`` times one of ``scales``, in any order;
+    ``exactly``: and nothing else."""
+    if target.numel() == 0 or values.numel() < target.numel() or (exactly and values.numel() != target.numel()):
+        return False
+    a = values.float().sort().values
+    for scale in scales:
+        b = (target.float() * scale).sort().values
+        if (a - b).abs().max().item() <= ATOL if exactly else _contains(a.tolist(), b.tolist()):
+            return True
+    return False
