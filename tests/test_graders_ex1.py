@@ -7,6 +7,7 @@ process; each must lose exactly the intended test cell's points.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -256,5 +257,9 @@ def average_gradients(model, world_size):
     report = submissions.grade(submissions.write(nb, tmp_path, A))
     seconds = time.monotonic() - start
     assert submissions.scores(report) == submissions.losing(A, "ex1_test_average_gradients")
-    assert f"did not finish within {HANG_TIMEOUT} s" in submissions.messages(report)["ex1_test_average_gradients"]
+    message = submissions.messages(report)["ex1_test_average_gradients"]
+    assert f"did not finish within {HANG_TIMEOUT} s" in message
+    # where each rank was: the student's own loop, by cell and line; never the grader's frames or paths
+    assert re.search(r"Cell In\[\d+\], line \d+ in average_gradients", message), message
+    assert not any(p in message for p in ("/course/", "graders/", "<frozen", "zygote", "verifier")), message
     assert seconds < HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"
