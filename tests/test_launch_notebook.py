@@ -73,6 +73,10 @@ FAILING = [
     "    dist.all_reduce(t)",
     "course.run_ranks(no_group, 2, timeout=30)",
     "1 / 0",
+    "def spin(rank):\n"
+    "    while True:\n"
+    "        pass",
+    "course.run_ranks(spin, 2, timeout=6)",
 ]
 
 
@@ -98,3 +102,6 @@ def test_a_failed_job_shows_the_students_cells_and_one_summary_in_a_notebook():
     assert "course/launcher" not in independent
     ename, plain = error(5)  # other errors keep IPython's own display
     assert ename == "ZeroDivisionError" and "Cell In[6], line 1" in plain
+    ename, endless = error(7)  # an endless loop: where each rank was at the deadline, by cell and line
+    assert ename == "RankTimeoutError" and endless.count("did not finish within 6 s") == 1, endless
+    assert "Cell In[7], line 2 in spin" in endless and "course/launcher" not in endless, endless
