@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
+from graders.ex3_fsdp_dcp import _read_harness
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     BATCH,
     LR,
@@ -322,6 +323,12 @@ _LOAD_MISTAKES = [
             "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
             "model_sd, optim_sd = get_state_dict(model, optimizer)",
             got=r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+"),  # DCP's own words, the key it lacks
+    Mistake(lambda rank, text: "FileNotFoundError" in text or "IsADirectoryError" in text,
+            "load_checkpoint looked for a file DCP does not write ({ws}-rank job): it was given the checkpoint as DCP "
+            "itself writes it (the grader's copy of what it read in your folder, saved again with dcp.save on 1 rank)",
+            expected="load_checkpoint reads the folder with dcp.load, whatever the world size that saved it",
+            hint="load with dcp.load(state, checkpoint_id=path) into get_state_dict(model, optimizer), then "
+            "set_state_dict(...): .metadata tells every rank where its pieces are, also at another world size"),
     Mistake(lambda rank, text: "Unsupported global" in text or "weights_only" in text,
             "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a "
             "plain state dict", expected="a DCP checkpoint folder, read with dcp.load on every rank",
@@ -354,6 +361,48 @@ def _checkpoint_files(check: str, path: str, ws: int) -> None:
     raise CheckFailed(check, f"{problem} ({where})", ranks=missing or list(range(ws)),
                       expected=f".metadata and one __<rank>_0.distcp file per rank (ranks 0..{ws - 1})", got=got,
                       hint="dcp.save writes every rank's own shard, so call it on every rank: " + hint)
+
+
+def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> None:
+    """What the grader's own DCP read of the folder found (:mod:`graders.ex3_fsdp_dcp`): the trained weights and
+    SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size)."""
+    where = f"{_where(ws)}, the folder read with torch.distributed.checkpoint by the grader"
+    hint = ("on every rank: model_sd, optim_sd = get_state_dict(model, optimizer); "
+            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
+    if read[0]["error"]:
+        raise CheckFailed(
+            check, f"the folder save_checkpoint wrote is not a checkpoint torch.distributed.checkpoint can read ({where})",
+            ranks=list(range(ws)), expected="DCP's .metadata (its index of every tensor) and the shard files it names, "
+            "as dcp.save writes them", got=f"files {read[0]['files'][:8]}; dcp.load said: {read[0]['error']}",
+            hint="files with DCP's names but torch.save (or pickle) content, or a .metadata from elsewhere, only your own "
+            "loader reads; let DCP write the folder: " + hint)
+    whole = read[0]["whole"]
+
+    def found(want: torch.Tensor) -> str | None:
+        return next((k for k, t in whole.items() if _same(t.float(), want.float())), None)
+
+    for kind, key in (("params", "weights"), ("momentum", "momentum")):
+        want = _full([obs[kind] for obs in saved])
+        keys = {n: found(t) for n, t in want.items()}
+        lost = [n for n, k in keys.items() if k is None]
+        if lost and kind == "momentum" and len(lost) == len(keys):
+            raise CheckFailed(check, f"save_checkpoint did not save the optimizer's state ({where})", ranks=list(range(ws)),
+                              expected="SGD's momentum_buffer of every parameter beside the weights",
+                              got=f"no tensor of the checkpoint is a momentum; it holds {sorted(whole)[:6]}",
+                              hint="save the model's AND the optimizer's state dicts: " + hint)
+        if lost:
+            near = [k for k in whole if k.endswith(lost[0]) or k.endswith(f"{lost[0]}.momentum_buffer")]
+            got = (f"{near[0]} holds other values" if near else f"no tensor for it; the checkpoint holds {sorted(whole)[:6]}")
+            raise CheckFailed(check, f"the checkpoint does not hold the trained {key} of {len(lost)} parameters, e.g. "
+                              f"{lost[0]} ({where})", ranks=list(range(ws)),
+                              expected=f"the {key} of every parameter when save_checkpoint was called", got=got,
+                              hint="save the state the model and optimizer hold now: " + hint)
+        for rank, obs in enumerate(read):
+            off = [n for n, k in keys.items() if not _same(obs["shards"].get(k), saved[rank][kind][n])]
+            expect(not off, check, f"read sharded across the {ws} ranks that saved it, rank {rank}'s rows of {off[0] if off else ''} "
+                   f"are not what rank {rank} saved ({where})", ranks=[rank],
+                   expected=f"each rank's own rows of every {key} tensor", got=f"{len(off)} tensors differ",
+                   hint="let every rank save its own shards with DCP: " + hint)
 
 
 def _same(a, b) -> bool:
@@ -425,7 +474,10 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
         saved = checks.run(check, _save_harness, world_size, args=(save_checkpoint, path, spec, steps),
                            mistakes=_SAVE_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_files(check, path, world_size)
-        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, path, spec, steps),
+        copy = os.path.join(root, "copy")  # what the grader read, written again by DCP at world size 1
+        read = checks.run(check, _read_harness, world_size, args=(path, copy), env=_job_env(world_size)).values
+        _read_verdict(check, read, saved, world_size)
+        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, copy, spec, steps),
                             mistakes=_LOAD_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
     finally:
