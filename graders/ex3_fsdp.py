@@ -15,8 +15,10 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   passes its own correct ``shard``, so this part is graded on its own);
 * ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
-  every rank's shard must be in the folder; a second job loads into a fresh sharded model and
-  optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
+  every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
+  rank and sharded on the saved world size (:mod:`graders.ex3_fsdp_dcp`): it must hold the trained weights
+  and momentum; a last job loads what the grader read, written again by DCP on one rank, into a fresh
+  sharded model and optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
 * ``export_weights(model, path)``: the full state dict, gathered on every rank, saved by rank 0
   alone (:func:`check_export`: the file loads into a plain :class:`Net` with ``strict=True`` and
   holds the trained weights; no other rank wrote; a gather on rank 0 only is named as such, within
@@ -39,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
-from graders.ex3_fsdp_dcp import _read_harness
+from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     BATCH,
     LR,
@@ -363,48 +365,6 @@ def _checkpoint_files(check: str, path: str, ws: int) -> None:
                       hint="dcp.save writes every rank's own shard, so call it on every rank: " + hint)
 
 
-def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> None:
-    """What the grader's own DCP read of the folder found (:mod:`graders.ex3_fsdp_dcp`): the trained weights and
-    SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size)."""
-    where = f"{_where(ws)}, the folder read with torch.distributed.checkpoint by the grader"
-    hint = ("on every rank: model_sd, optim_sd = get_state_dict(model, optimizer); "
-            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
-    if read[0]["error"]:
-        raise CheckFailed(
-            check, f"the folder save_checkpoint wrote is not a checkpoint torch.distributed.checkpoint can read ({where})",
-            ranks=list(range(ws)), expected="DCP's .metadata (its index of every tensor) and the shard files it names, "
-            "as dcp.save writes them", got=f"files {read[0]['files'][:8]}; dcp.load said: {read[0]['error']}",
-            hint="files with DCP's names but torch.save (or pickle) content, or a .metadata from elsewhere, only your own "
-            "loader reads; let DCP write the folder: " + hint)
-    whole = read[0]["whole"]
-
-    def found(want: torch.Tensor) -> str | None:
-        return next((k for k, t in whole.items() if _same(t.float(), want.float())), None)
-
-    for kind, key in (("params", "weights"), ("momentum", "momentum")):
-        want = _full([obs[kind] for obs in saved])
-        keys = {n: found(t) for n, t in want.items()}
-        lost = [n for n, k in keys.items() if k is None]
-        if lost and kind == "momentum" and len(lost) == len(keys):
-            raise CheckFailed(check, f"save_checkpoint did not save the optimizer's state ({where})", ranks=list(range(ws)),
-                              expected="SGD's momentum_buffer of every parameter beside the weights",
-                              got=f"no tensor of the checkpoint is a momentum; it holds {sorted(whole)[:6]}",
-                              hint="save the model's AND the optimizer's state dicts: " + hint)
-        if lost:
-            near = [k for k in whole if k.endswith(lost[0]) or k.endswith(f"{lost[0]}.momentum_buffer")]
-            got = (f"{near[0]} holds other values" if near else f"no tensor for it; the checkpoint holds {sorted(whole)[:6]}")
-            raise CheckFailed(check, f"the checkpoint does not hold the trained {key} of {len(lost)} parameters, e.g. "
-                              f"{lost[0]} ({where})", ranks=list(range(ws)),
-                              expected=f"the {key} of every parameter when save_checkpoint was called", got=got,
-                              hint="save the state the model and optimizer hold now: " + hint)
-        for rank, obs in enumerate(read):
-            off = [n for n, k in keys.items() if not _same(obs["shards"].get(k), saved[rank][kind][n])]
-            expect(not off, check, f"read sharded across the {ws} ranks that saved it, rank {rank}'s rows of {off[0] if off else ''} "
-                   f"are not what rank {rank} saved ({where})", ranks=[rank],
-                   expected=f"each rank's own rows of every {key} tensor", got=f"{len(off)} tensors differ",
-                   hint="let every rank save its own shards with DCP: " + hint)
-
-
 def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
 
@@ -463,8 +423,9 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
 
 def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed: int = 0, width: int = 8,
                      depth: int = 3, steps: int = 2) -> None:
-    """save_checkpoint writes a DCP checkpoint, every rank its own shard; load_checkpoint restores the weights and
-    the optimizer state into a fresh sharded model and optimizer (another job): training goes on as if never stopped."""
+    """save_checkpoint writes a DCP checkpoint, every rank its own shard, that DCP reads back (by the grader, whole
+    and sharded) as the trained weights and momentum; load_checkpoint restores them from a copy DCP wrote at world
+    size 1 into a fresh sharded model and optimizer (another job): training goes on as if never stopped."""
     check = "check_checkpoint"
     checks.require_written(check, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
     spec = (width, depth, seed)

@@ -1,4 +1,4 @@
-"""The grader reads the student's DCP checkpoint itself (exercise 3's FSDP notebook, :func:`graders.ex3_fsdp.check_checkpoint`).
+"""The grader reads the student's DCP checkpoint itself (:func:`graders.ex3_fsdp.check_checkpoint`, exercise 3).
 
 A folder with DCP's file names is not yet a checkpoint: only ``torch.distributed.checkpoint`` reading it says
 so. :func:`_read_harness` runs on as many ranks as saved it, with no student code in the job, and
@@ -14,10 +14,14 @@ so. :func:`_read_harness` runs on as many ranks as saved it, with no student cod
 The folder is the student's: nothing in it may run code here. ``.metadata`` is unpickled with DCP's own
 classes only (:class:`_MetadataUnpickler`), tensors are read with ``torch.load(weights_only=True)`` (DCP's
 own way) and the other values (an optimizer's ``lr``...) are copied as raw bytes, never unpickled.
+
+:func:`_read_verdict`, in the grader's process, finds the trained weights and SGD's momentum among the tensors
+read, by value (whatever the keys the student chose: ``model.``, ``app.model.``, an optimizer's integer ids).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -36,7 +40,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from course import checks
-from graders.ex3_fsdp_model import _join
+from course.checks import CheckFailed, expect
+from graders.ex3_fsdp_model import _full, _join
 
 # In a rank this module is imported while the job's payload is unpickled: what it uses is torch's own.
 _LOAD = dcp.load
@@ -99,9 +104,12 @@ class _CopyPlanner(DefaultSavePlanner):
 
 
 def _failure(exc: BaseException) -> str:
-    """What went wrong, in one line (a CheckpointException holds the cause's traceback: its last line)."""
-    lines = [line.strip() for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
-    text = lines[-1] if len(lines) > 1 and ("Error" in lines[-1] or "Exception" in lines[-1]) else lines[0]
+    """What went wrong, in one line: a CheckpointException's first cause (it holds each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        exc = cause[0] if isinstance(cause, tuple) else cause
+    text = f"{type(exc).__name__}: " + " ".join(line.strip() for line in str(exc).strip().splitlines())
     return text[:300] + (" ..." if len(text) > 300 else "")
 
 
@@ -118,8 +126,8 @@ def _sharded(metadata: Metadata, mesh, rank: int, world_size: int, dev) -> dict[
         rows = torch.arange(size[0]).chunk(world_size)
         local = len(rows[rank]) if rank < len(rows) else 0
         stride = tuple(int(s) for s in torch.empty(size).stride())
-        out[key] = _FROM_LOCAL(torch.zeros((local, *size[1:]), dtype=dtype, device=dev), mesh, [Shard(0)], run_check=False,
-                               shape=torch.Size(size), stride=stride)
+        empty = torch.zeros((local, *size[1:]), dtype=dtype, device=dev)
+        out[key] = _FROM_LOCAL(empty, mesh, [Shard(0)], run_check=False, shape=torch.Size(size), stride=stride)
     return out
 
 
@@ -135,7 +143,12 @@ def _read_harness(rank: int, path: str, copy_path: str) -> dict:
     try:
         _LOAD(whole, storage_reader=_Reader(path), planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - what DCP said is the observation
-        return {"files": files, "error": _failure(exc).replace(path, "path")}
+        error = _failure(exc).replace(path, "path")
+        index = os.path.join(path, ".metadata")
+        with contextlib.suppress(OSError), open(index, "rb") as file:
+            if file.read(4) == b"PK\x03\x04":
+                error = f".metadata is a zip archive, as torch.save writes, not DCP's index; {error}"
+        return {"files": files, "error": error}
     whole = planner.original_state_dict  # dcp.load fills a dict of its own: the planner holds it
     tensors = {k: v for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)}  # by DCP's key
     obs = {"files": files, "error": None, "whole": {k: checks.to_cpu(v) for k, v in tensors.items()}}
@@ -146,3 +159,52 @@ def _read_harness(rank: int, path: str, copy_path: str) -> dict:
     if rank == 0:
         _SAVE(whole, storage_writer=FileSystemWriter(copy_path), planner=_CopyPlanner(), no_dist=True)
     return obs
+
+
+# --------------------------------------------------------------------------- the grader's side
+
+
+def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> None:
+    """What the grader's own DCP read of the folder found (:mod:`graders.ex3_fsdp_dcp`): the trained weights and
+    SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size)."""
+    where = f"{ws}-rank job, the folder read with torch.distributed.checkpoint by the grader"
+    hint = ("on every rank: model_sd, optim_sd = get_state_dict(model, optimizer); "
+            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
+    if read[0]["error"]:
+        raise CheckFailed(
+            check, f"the folder save_checkpoint wrote is not a checkpoint torch.distributed.checkpoint can read ({where})",
+            ranks=list(range(ws)), expected="DCP's .metadata (its index of every tensor) and the shard files it names, "
+            "as dcp.save writes them", got=f"files {read[0]['files'][:8]}; dcp.load said: {read[0]['error']}",
+            hint="files with DCP's names but torch.save (or pickle) content, or a .metadata from elsewhere, only your own "
+            "loader reads; let DCP write the folder: " + hint)
+    whole = read[0]["whole"]
+
+    def found(want: torch.Tensor) -> str | None:
+        return next((k for k, t in whole.items() if _same(t.float(), want.float())), None)
+
+    for kind, key in (("params", "weights"), ("momentum", "momentum")):
+        want = _full([obs[kind] for obs in saved])
+        keys = {n: found(t) for n, t in want.items()}
+        lost = [n for n, k in keys.items() if k is None]
+        if lost and kind == "momentum" and len(lost) == len(keys):
+            raise CheckFailed(check, f"save_checkpoint did not save the optimizer's state ({where})", ranks=list(range(ws)),
+                              expected="SGD's momentum_buffer of every parameter beside the weights",
+                              got=f"no tensor of the checkpoint is a momentum; it holds {sorted(whole)[:6]}",
+                              hint="save the model's AND the optimizer's state dicts: " + hint)
+        if lost:
+            near = [k for k in whole if k.endswith(lost[0]) or k.endswith(f"{lost[0]}.momentum_buffer")]
+            got = f"{near[0]} holds other values" if near else f"no such tensor; it holds {sorted(whole)[:6]}"
+            raise CheckFailed(check, f"the checkpoint does not hold the trained {key} of {len(lost)} parameters, e.g. "
+                              f"{lost[0]} ({where})", ranks=list(range(ws)),
+                              expected=f"the {key} of every parameter when save_checkpoint was called", got=got,
+                              hint="save the state the model and optimizer hold now: " + hint)
+        for rank, obs in enumerate(read):
+            off = [n for n, k in keys.items() if not _same(obs["shards"].get(k), saved[rank][kind][n])]
+            expect(not off, check, f"read sharded across the {ws} ranks that saved it, rank {rank}'s rows of "
+                   f"{off[0] if off else ''} are not what rank {rank} saved ({where})", ranks=[rank],
+                   expected=f"each rank's own rows of every {key} tensor", got=f"{len(off)} tensors differ",
+                   hint="let every rank save its own shards with DCP: " + hint)
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)

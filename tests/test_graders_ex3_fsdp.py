@@ -457,7 +457,7 @@ def test_check_checkpoint_accepts_every_style():
     fsdp.check_checkpoint(save_app_state, load_app_state)
     fsdp.check_checkpoint(save_plain_model, load_plain_model)
     fsdp.check_checkpoint(save_checkpoint, load_full_and_set)
-    fsdp.check_checkpoint(save_app_state, load_bound_early, world_size=3)
+    fsdp.check_checkpoint(save_checkpoint, load_bound_early, world_size=3)
 
 
 @pytest.mark.slow
@@ -474,6 +474,7 @@ def test_check_checkpoint_names_each_mistake():
           load_checkpoint=load_plain)
     fails(fsdp.check_checkpoint, save_forged, "not a checkpoint torch.distributed.checkpoint can read",
           "read with torch.distributed.checkpoint by the grader", "let DCP write the folder", load_checkpoint=load_forged)
+    fails(fsdp.check_checkpoint, save_checkpoint, "does not hold the weights that were saved", load_checkpoint=load_forged)
     fails(fsdp.check_checkpoint, save_stub, "`save_checkpoint` is not written yet", load_checkpoint=load_checkpoint)
 
 
@@ -484,7 +485,8 @@ def test_check_checkpoint_reads_the_folder_with_dcp_itself():
     reads anything but DCP's files (it is given what the grader read, written again by DCP on 1 rank)."""
     fails(fsdp.check_checkpoint, save_torch_named_like_dcp, "[ranks 0, 1]",
           "not a checkpoint torch.distributed.checkpoint can read", "files ['.metadata', '__0_0.distcp', '__1_0.distcp']",
-          "dcp.load said: ", "let DCP write the folder", load_checkpoint=load_torch_named_like_dcp)
+          "dcp.load said: ", "a zip archive, as torch.save writes", "let DCP write the folder",
+          load_checkpoint=load_torch_named_like_dcp)
     fails(fsdp.check_checkpoint, save_with_copied_metadata, "torch.distributed.checkpoint",
           load_checkpoint=load_torch_named_like_dcp)
     fails(fsdp.check_checkpoint, save_beside_a_pickle, "looked for a file DCP does not write", "dcp.load",
