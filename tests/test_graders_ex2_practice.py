@@ -731,6 +731,11 @@ WRONG = {
         "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
         "Subset(dataset, list(DistributedSampler(dataset, num_replicas=world_size, rank=rank)))",
         "ex2p_test_evaluate", ["the padding counted"]),
+    "a split drawn from the labels": (
+        "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
+        "Subset(dataset, torch.randperm(len(dataset), generator=torch.Generator().manual_seed("
+        "int(sum(int(y) for _, y in dataset)))).tolist()[rank::world_size])",
+        "ex2p_test_evaluate", ["changed when only the labels changed", "split the samples by their index"]),
     "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
                       "ex2p_test_evaluate", ["its own share"]),
     "no no_sync": ("ex2p_accumulate_step", "        if i < k - 1:", "        if False:",

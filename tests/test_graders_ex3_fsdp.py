@@ -637,6 +637,17 @@ WRONG = {
           "    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))\n"
           "    state = {")],
         "ex3f_test_checkpoint", ["fresh model's weights", "set_state_dict"]),
+    "torch.save under DCP's file names": (
+        [("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n"
+          "    dcp.save({\"model\": model_sd, \"optimizer\": optim_sd}, checkpoint_id=path)",
+          "    import io, os\n    os.makedirs(path, exist_ok=True)\n"
+          "    torch.save({k: v.to_local() for k, v in model.state_dict().items()}, "
+          "os.path.join(path, f\"__{dist.get_rank()}_0.distcp\"))\n"
+          "    if dist.get_rank() == 0:\n        index = io.BytesIO()\n"
+          "        torch.save({\"world_size\": dist.get_world_size()}, index)\n"
+          "        open(os.path.join(path, \".metadata\"), \"wb\").write(index.getvalue())\n"
+          "    dist.barrier()")],
+        "ex3f_test_checkpoint", ["not a checkpoint torch.distributed.checkpoint can read", "zip archive"]),
     "model.state_dict() exported": (
         [("ex3f_export_weights", "    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
           "cpu_offload=True))\n", "    full = model.state_dict()\n")],
