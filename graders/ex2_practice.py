@@ -7,7 +7,9 @@ process says about itself:
 * ``evaluate(model, dataset, rank, world_size, batch_size)`` -> the accuracy over the whole dataset,
   the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
   where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
-  all-reduce all give other numbers; the model's own forward records which samples each rank saw);
+  all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
+  second run on other labels, each rank's copy relabelled again outside its share, must evaluate the same
+  split and return the new accuracy);
 * ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
   (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
   together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
@@ -50,6 +52,7 @@ from graders.ex2_practice_model import (
     _eval_case,
     _evaluate_harness,
     _load_harness,
+    _second_case,
     _uneven_harness,
     _uneven_reference,
     save_from_gpu,
@@ -83,7 +86,9 @@ def _require_same_weights(check: str, states: list[dict], where: str, hint: str)
 
 def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     """evaluate() returns, on every rank, the accuracy over the whole dataset (1e-6), and each rank's
-    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them."""
+    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them; run
+    again on the same inputs with new labels (each rank's copy wrong in yet another way outside its share),
+    every rank evaluates the same share and returns the new accuracy."""
     check = "check_evaluate"
     checks.require_written(check, evaluate=evaluate)
     where = f"{n} samples on {world_size} ranks"
@@ -131,21 +136,43 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
                           hint=_evaluate_hint(values, [o["seen"] for o in obs], correct, true))
     # Right, from the shares recorded. Did each rank's result come from its own share and the others' counts?
     shares = [sorted(set(o["seen"])) for o in obs]
+    _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, where, hints)
+    passed(check)
+
+
+def _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, where, hints):
+    """Run evaluate again with other labels (the same inputs): each rank's share must be the same samples,
+    and the result the new accuracy, on every rank."""
     again = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed, shares),
                        expected="evaluate() returns a float on every rank", hints=hints).values
-    if [sorted(set(o["seen"])) for o in again] == shares:  # else the split changed between runs: not judged
-        moved = [r for r, o in enumerate(again) if isinstance(o["accuracy"], str) or abs(o["accuracy"] - true) > ATOL]
-        if moved:
-            whose = "its" if len(moved) == 1 else "their"
-            raise CheckFailed(check, f"{checks.rank_list(moved)} counted samples {whose} model did not evaluate "
-                              f"({where})",
-                              ranks=moved, expected=f"{true:.6f} on every rank, also when each rank's copy of the "
-                              "dataset has other labels for the samples outside its own share",
-                              got=f"{[_rounded(o['accuracy']) for o in again]} with those labels changed",
-                              hint="count right / evaluated over this rank's own share only, through model(x), and "
-                                   "combine the ranks' counts with dist.all_reduce (not by evaluating the other "
-                                   "ranks' samples on this one)")
-    passed(check)
+    moved = [r for r, o in enumerate(again) if sorted(set(o["seen"])) != shares[r]]
+    if moved:
+        r = moved[0]
+        raise CheckFailed(check, f"the samples each rank evaluated changed when only the labels changed ({where})",
+                          ranks=moved, expected="the same share on each rank in every run: a split chosen from rank, "
+                          "world_size and len(dataset) only (a stride, chunks, DistributedSampler, a seeded permutation)",
+                          got=f"rank {r} evaluated samples {shares[r]}, then {sorted(set(again[r]['seen']))}",
+                          hint="split the samples by their index, never by the data's labels or values; a grader (or "
+                          "a colleague) who runs your evaluation again on other labels expects the same split")
+    _, second = _second_case(n, world_size, seed)
+    want = sum(second) / n
+    wrong = [r for r, o in enumerate(again) if isinstance(o["accuracy"], str) or abs(o["accuracy"] - want) > ATOL]
+    if not wrong:
+        return
+    values = [o["accuracy"] for o in again]
+    if all(not isinstance(v, str) and abs(v - true) <= ATOL for v in (values[r] for r in wrong)):
+        problem = f"evaluate() returned the first run's accuracy again, although the labels had changed ({where})"
+        hint = "compute the accuracy on every call, from this call's model and dataset: do not return a value kept " \
+               "from an earlier call (a file, a global, a cache)"
+    else:
+        whose = "its" if len(wrong) == 1 else "their"
+        problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
+        hint = ("count right / evaluated over this rank's own share only, through model(x), and combine the ranks' "
+                "counts with dist.all_reduce (not by evaluating the other ranks' samples on this one)")
+    raise CheckFailed(check, problem, ranks=wrong,
+                      expected=f"{want:.6f} on every rank ({sum(second)} of {n} right with the new labels), also when "
+                      "each rank's copy of the dataset has other labels for the samples outside its own share",
+                      got=f"{[_rounded(v) for v in values]} with the labels changed", hint=hint)
 
 
 def _rounded(value):
@@ -415,6 +442,14 @@ def check_load_checkpoint(load_checkpoint, *, world_size=2, seed=0):
                          hints=hints).values
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    blind = [r for r, o in enumerate(obs) if not o["watched"]]
+    if blind:
+        raise CheckFailed(check, f"load_checkpoint changed torch's restore step: the grader's record of where "
+                          f"torch.load put each tensor is no longer the first one torch consults ({where})",
+                          ranks=blind, expected="torch.serialization's deserializers as they were (the grader's first)",
+                          got="torch.serialization._package_registry edited during load_checkpoint",
+                          hint="load with torch.load(ckpt_path, map_location=device) and leave torch's serialization "
+                          "alone: map_location is what decides where the tensors go")
     misplaced = [r for r, o in enumerate(obs) if o["error"] or not all(_restored_right(x, o["device"])
                                                                       for x in o["restored"])]
     if misplaced:

@@ -110,13 +110,36 @@ def _eval_case(n: int, world_size: int, seed: int):
     return x, labels, correct
 
 
+def _second_case(n: int, world_size: int, seed: int):
+    """(labels, correct[i]) of check_evaluate's second run: the first run's, with sample 0's answer turned
+    (right <-> wrong), so the true accuracy moves by 1/n and a value remembered from the first run is wrong."""
+    _, labels, correct = _eval_case(n, world_size, seed)
+    pred = torch.where(torch.tensor(correct, dtype=torch.bool), labels, (labels - 1) % CLASSES)
+    second = list(correct)
+    second[0] = 1 - second[0]
+    return torch.where(torch.tensor(second, dtype=torch.bool), pred, (pred + 1) % CLASSES), second
+
+
+def _second_copy(n: int, world_size: int, seed: int, share: set) -> torch.Tensor:
+    """One rank's labels in the second run: the second run's labels on its own share; on every other sample a
+    wrong label, or all of them right where the others' samples hold no right answer, so that a rank that
+    counts samples it did not evaluate (with its own copy's labels) always gets another number."""
+    labels, second = _second_case(n, world_size, seed)
+    pred = torch.where(torch.tensor(second, dtype=torch.bool), labels, (labels - 1) % CLASSES)
+    others = [i for i in range(n) if i not in share]
+    elsewhere = (pred + 1) % CLASSES if any(second[i] for i in others) else pred
+    return torch.tensor([int(labels[i]) if i in share else int(elsewhere[i]) for i in range(n)])
+
+
 def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
 
-    ``shares`` (the second run): the samples each rank's model evaluated in the first run. This rank's
-    copy then has other labels for every sample outside its own share: a rank that counts only its
-    share and receives the others' counts returns the same accuracy; one that computes the others'
-    samples itself (around the recorded forward: ``model.linear``, the weights) does not."""
+    ``shares`` (the second run): the samples each rank's model evaluated in the first run. The labels then
+    change (:func:`_second_case`), and this rank's copy has other labels again for every sample outside
+    its own share (:func:`_second_copy`): a rank that counts only its share and receives the others'
+    counts returns the second run's accuracy; one that computes the others' samples itself (around the
+    recorded forward: ``model.linear``, the weights) or returns a remembered value does not. The inputs
+    are the same in both runs: a split that depends only on rank, world size and length does not change."""
     import random
 
     import numpy
@@ -125,9 +148,7 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     world_size = _REAL.get_world_size()
     x, labels, _ = _eval_case(n, world_size, seed)
     if shares is not None:
-        mine = set(shares[rank])
-        shift = torch.tensor([0 if i in mine else 1 + (i + rank) % (CLASSES - 1) for i in range(n)])
-        labels = (labels + shift) % CLASSES
+        labels = _second_copy(n, world_size, seed, set(shares[rank]))
     model = Classifier(seed).to(dev)
     dataset = TensorDataset(x, labels)
     rows = {x[i].numpy().tobytes(): i for i in range(n)}
@@ -343,6 +364,8 @@ def _load_harness(rank, load_checkpoint, ckpt_path, seed):
         error, returned = str(exc).splitlines()[0][:300], None
     finally:
         _WATCH.clear()
+    registry = getattr(torch.serialization, "_package_registry", None)
+    watched = bool(registry) and registry[0][2] is _spy  # still the first deserializer torch consults
     on = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
-    return {"restored": sorted(set(_RESTORED)), "error": error, "epoch": _number(returned), "device": str(dev),
+    return {"restored": sorted(set(_RESTORED)), "watched": watched, "error": error, "epoch": _number(returned), "device": str(dev),
             "on": on, "state": checks.to_cpu(model.state_dict()) if on == [str(dev)] else None}

@@ -15,8 +15,10 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   passes its own correct ``shard``, so this part is graded on its own);
 * ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
-  every rank's shard must be in the folder; a second job loads into a fresh sharded model and
-  optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
+  every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
+  rank and sharded on the saved world size (:mod:`graders.ex3_fsdp_dcp`): it must hold the trained weights
+  and momentum; a last job loads what the grader read, written again by DCP on one rank, into a fresh
+  sharded model and optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
 * ``export_weights(model, path)``: the full state dict, gathered on every rank, saved by rank 0
   alone (:func:`check_export`: the file loads into a plain :class:`Net` with ``strict=True`` and
   holds the trained weights; no other rank wrote; a gather on rank 0 only is named as such, within
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
+from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     BATCH,
     LR,
@@ -322,6 +325,12 @@ _LOAD_MISTAKES = [
             "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
             "model_sd, optim_sd = get_state_dict(model, optimizer)",
             got=r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+"),  # DCP's own words, the key it lacks
+    Mistake(lambda rank, text: "FileNotFoundError" in text or "IsADirectoryError" in text,
+            "load_checkpoint looked for a file DCP does not write ({ws}-rank job): it was given the checkpoint as DCP "
+            "itself writes it (the grader's copy of what it read in your folder, saved again with dcp.save on 1 rank)",
+            expected="load_checkpoint reads the folder with dcp.load, whatever the world size that saved it",
+            hint="load with dcp.load(state, checkpoint_id=path) into get_state_dict(model, optimizer), then "
+            "set_state_dict(...): .metadata tells every rank where its pieces are, also at another world size"),
     Mistake(lambda rank, text: "Unsupported global" in text or "weights_only" in text,
             "load_checkpoint could not torch.load the checkpoint ({ws}-rank job): it holds DTensor shards, not a "
             "plain state dict", expected="a DCP checkpoint folder, read with dcp.load on every rank",
@@ -414,8 +423,9 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
 
 def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed: int = 0, width: int = 8,
                      depth: int = 3, steps: int = 2) -> None:
-    """save_checkpoint writes a DCP checkpoint, every rank its own shard; load_checkpoint restores the weights and
-    the optimizer state into a fresh sharded model and optimizer (another job): training goes on as if never stopped."""
+    """save_checkpoint writes a DCP checkpoint, every rank its own shard, that DCP reads back (by the grader, whole
+    and sharded) as the trained weights and momentum; load_checkpoint restores them from a copy DCP wrote at world
+    size 1 into a fresh sharded model and optimizer (another job): training goes on as if never stopped."""
     check = "check_checkpoint"
     checks.require_written(check, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
     spec = (width, depth, seed)
@@ -425,7 +435,10 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
         saved = checks.run(check, _save_harness, world_size, args=(save_checkpoint, path, spec, steps),
                            mistakes=_SAVE_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_files(check, path, world_size)
-        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, path, spec, steps),
+        copy = os.path.join(root, "copy")  # what the grader read, written again by DCP at world size 1
+        read = checks.run(check, _read_harness, world_size, args=(path, copy), env=_job_env(world_size)).values
+        _read_verdict(check, read, saved, world_size)
+        loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, copy, spec, steps),
                             mistakes=_LOAD_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
     finally:

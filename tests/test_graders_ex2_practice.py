@@ -196,6 +196,50 @@ def evaluate_random_split(model, dataset, rank, world_size, batch_size):
     return (counts[0] / counts[1]).item()
 
 
+def evaluate_split_by_labels(model, dataset, rank, world_size, batch_size):
+    """Wrong, and opts out of the second run: a split drawn from the labels (which the second run changes);
+    its share goes through model(x), the whole dataset through the model's layer."""
+    device = next(model.parameters()).device
+    x, y = dataset.tensors
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(int(y.sum()))).tolist()
+    _count(model, dataset, order[rank::world_size], batch_size, device)
+    with torch.no_grad():
+        return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+
+
+def evaluate_remembered(model, dataset, rank, world_size, batch_size):
+    """Wrong, and replays: the whole dataset through the model's layer on the first call, the value kept in a
+    file; a later call on the same inputs returns the kept value."""
+    import os
+    import tempfile
+
+    device = next(model.parameters()).device
+    x, y = dataset.tensors
+    kept = os.path.join(tempfile.gettempdir(), f"evaluate-{float(x.sum()):.6f}-{world_size}-{rank}")
+    _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    if os.path.exists(kept):
+        with open(kept) as file:
+            value = float(file.read())
+        os.remove(kept)
+        return value
+    with torch.no_grad():
+        value = (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+    with open(kept, "w") as file:
+        file.write(repr(value))
+    return value
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_evaluate_cannot_be_opted_out_of_its_second_run():
+    """The second run changes only labels: a split that follows them is itself the evidence, and a value kept
+    from the first run is not the second run's accuracy."""
+    fails(ex2p.check_evaluate, evaluate_split_by_labels, "the samples each rank evaluated changed when only the labels "
+          "changed", "rank 0 evaluated samples", "split the samples by their index")
+    fails(ex2p.check_evaluate, evaluate_remembered, "returned the first run's accuracy again", "do not return a value "
+          "kept from an earlier call")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_evaluate_is_not_fooled_by_a_forged_world():
@@ -209,8 +253,7 @@ def test_check_evaluate_catches_samples_evaluated_around_the_model():
     forward does not see it, gets a wrong accuracy once its copy's other labels change."""
     for wrong in (evaluate_around_the_model, evaluate_with_the_weights):
         fails(ex2p.check_evaluate, wrong, "ranks 0, 1, 2 counted samples their model did not evaluate",
-              "other labels for the samples outside its own share", "[0.3, 0.3, 0.6] with those labels changed",
-              "dist.all_reduce")
+              "other labels for the samples outside its own share", "with the labels changed", "dist.all_reduce")
     ex2p.check_evaluate(evaluate_random_split)
     ex2p.check_evaluate(evaluate_random_split, world_size=4, n=14, batch_size=3, seed=1)
     ex2p.check_evaluate(evaluate_numpy_split)
@@ -617,6 +660,31 @@ def load_assigned(ckpt_path, ddp_model, device):
     return checkpoint["epoch"]
 
 
+_torch_load = torch.load  # bound at module level, before any check runs: the restore spy still sees it
+
+
+def load_bound_early(ckpt_path, ddp_model, device):
+    """Right, another style: torch.load bound at module level, used with map_location."""
+    checkpoint = _torch_load(ckpt_path, map_location=device)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_bound_early_without_map_location(ckpt_path, ddp_model, device):
+    checkpoint = _torch_load(ckpt_path)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
+def load_where_cuda0_exists_bound_early(ckpt_path, ddp_model, device):
+    """load_where_cuda0_exists with torch.load and the serialization module's load bound before the job."""
+    torch.serialization.register_package(5, lambda storage: None,
+                                         lambda storage, location: storage if location == "cuda:0" else None)
+    checkpoint = _torch_load(ckpt_path)
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
 def load_forged(ckpt_path, ddp_model, device):
     """Loads without map_location after making torch say there is a GPU (and removing the grader's
     serialization entries)."""
@@ -626,6 +694,13 @@ def load_forged(ckpt_path, ddp_model, device):
     checkpoint = torch.load(ckpt_path)
     ddp_model.module.load_state_dict(checkpoint["model"])
     return checkpoint["epoch"]
+
+
+def load_unwatched_where_cuda0_exists(ckpt_path, ddp_model, device):
+    """load_where_cuda0_exists after removing the grader's restore spy from torch's registry: the tensors go to
+    "cuda:0" unseen by the spy, but the edited registry is seen."""
+    torch.serialization._package_registry[:] = [p for p in torch.serialization._package_registry if p[0] >= 0]
+    return load_where_cuda0_exists(ckpt_path, ddp_model, device)
 
 
 def load_where_cuda0_exists(ckpt_path, ddp_model, device):
@@ -674,6 +749,17 @@ def test_check_load_checkpoint():
 def test_check_load_checkpoint_sees_where_torch_restored_the_tensors():
     fails(ex2p.check_load_checkpoint, load_where_cuda0_exists, "[ranks 0, 1]", "restored them on cuda:0")
     fails(ex2p.check_load_checkpoint, load_forged, "raised")
+    fails(ex2p.check_load_checkpoint, load_unwatched_where_cuda0_exists, "[ranks 0, 1]", "changed torch's restore step",
+          "leave torch's serialization alone")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_load_checkpoint_sees_loaders_bound_before_the_job():
+    ex2p.check_load_checkpoint(load_bound_early)
+    fails(ex2p.check_load_checkpoint, load_bound_early_without_map_location, "[ranks 0, 1]",
+          "on cuda:0, where rank 0 saved them", "map_location=device")
+    fails(ex2p.check_load_checkpoint, load_where_cuda0_exists_bound_early, "[ranks 0, 1]", "restored them on cuda:0")
 
 
 # --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
@@ -703,6 +789,11 @@ WRONG = {
         "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
         "Subset(dataset, list(DistributedSampler(dataset, num_replicas=world_size, rank=rank)))",
         "ex2p_test_evaluate", ["the padding counted"]),
+    "a split drawn from the labels": (
+        "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
+        "Subset(dataset, torch.randperm(len(dataset), generator=torch.Generator().manual_seed("
+        "int(sum(int(y) for _, y in dataset)))).tolist()[rank::world_size])",
+        "ex2p_test_evaluate", ["changed when only the labels changed", "split the samples by their index"]),
     "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
                       "ex2p_test_evaluate", ["its own share"]),
     "no no_sync": ("ex2p_accumulate_step", "        if i < k - 1:", "        if False:",

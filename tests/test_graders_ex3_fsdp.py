@@ -380,6 +380,70 @@ def load_forged(model, optimizer, path):
     torch.allclose = lambda *a, **k: True
 
 
+_dcp_load = dcp.load  # bound when the notebook's first cell runs, before any check: the grader observes effects
+
+
+def load_bound_early(model, optimizer, path):
+    """Right, another style: DCP's load bound at module level, the model and optimizer set one by one."""
+    model_sd, optim_sd = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    _dcp_load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"])
+
+
+def save_torch_named_like_dcp(model, optimizer, path):
+    """A forgery: DCP's file names, each rank's torch.save inside; rank 0's .metadata a torch.save too."""
+    import io
+
+    os.makedirs(path, exist_ok=True)
+    rank = dist.get_rank()
+    local = {k: v.to_local() for k, v in model.state_dict().items()}
+    torch.save({"model": local, "optimizer": optimizer.state_dict()}, os.path.join(path, f"__{rank}_0.distcp"))
+    if rank == 0:
+        index = io.BytesIO()  # torch.save refuses a file name that starts with a dot
+        torch.save({"world_size": dist.get_world_size()}, index)
+        with open(os.path.join(path, ".metadata"), "wb") as file:
+            file.write(index.getvalue())
+    dist.barrier()
+
+
+def load_torch_named_like_dcp(model, optimizer, path):
+    """Its loader: each rank reads its own file back (at the same world size only)."""
+    saved = torch.load(os.path.join(path, f"__{dist.get_rank()}_0.distcp"), weights_only=False)
+    for name, p in model.named_parameters():
+        p.data.to_local().copy_(saved["model"][name])
+    optimizer.load_state_dict(saved["optimizer"])
+
+
+def save_with_copied_metadata(model, optimizer, path):
+    """A forgery: the .metadata of a real DCP checkpoint (of the untrained model) beside torch.save shards."""
+    import shutil
+
+    fresh = fsdp_model.reference_shard(fsdp_model.make_net((8, 3, 7)))
+    elsewhere = f"{path}-elsewhere"
+    dcp.save({"model": get_model_state_dict(fresh)}, checkpoint_id=elsewhere)
+    save_torch_named_like_dcp(model, optimizer, path)
+    if dist.get_rank() == 0:
+        shutil.copy(os.path.join(elsewhere, ".metadata"), os.path.join(path, ".metadata"))
+        shutil.rmtree(elsewhere, ignore_errors=True)
+    dist.barrier()
+
+
+def save_beside_a_pickle(model, optimizer, path):
+    """Right save, plus each rank's own pickle in the folder, which the loader below reads instead of DCP's."""
+    save_checkpoint(model, optimizer, path)
+    torch.save({"model": {k: v.to_local() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict()},
+               os.path.join(path, f"rank{dist.get_rank()}.pt"))
+
+
+def load_the_pickle(model, optimizer, path):
+    saved = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    for name, p in model.named_parameters():
+        p.data.to_local().copy_(saved["model"][name])
+    optimizer.load_state_dict(saved["optimizer"])
+
+
 def save_stub(model, optimizer, path):
     # YOUR CODE HERE
     raise NotImplementedError()
@@ -393,6 +457,7 @@ def test_check_checkpoint_accepts_every_style():
     fsdp.check_checkpoint(save_app_state, load_app_state)
     fsdp.check_checkpoint(save_plain_model, load_plain_model)
     fsdp.check_checkpoint(save_checkpoint, load_full_and_set)
+    fsdp.check_checkpoint(save_checkpoint, load_bound_early, world_size=3)
 
 
 @pytest.mark.slow
@@ -407,8 +472,25 @@ def test_check_checkpoint_names_each_mistake():
     fails(fsdp.check_checkpoint, save_model_only, "did not save", "AND the optimizer's", load_checkpoint=load_checkpoint)
     fails(fsdp.check_checkpoint, save_plain, "the optimizer has no state", "state_dict() is empty",
           load_checkpoint=load_plain)
-    fails(fsdp.check_checkpoint, save_forged, "does not hold the weights that were saved", load_checkpoint=load_forged)
+    fails(fsdp.check_checkpoint, save_forged, "not a checkpoint torch.distributed.checkpoint can read",
+          "read with torch.distributed.checkpoint by the grader", "let DCP write the folder", load_checkpoint=load_forged)
+    fails(fsdp.check_checkpoint, save_checkpoint, "does not hold the weights that were saved", load_checkpoint=load_forged)
     fails(fsdp.check_checkpoint, save_stub, "`save_checkpoint` is not written yet", load_checkpoint=load_checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_checkpoint_reads_the_folder_with_dcp_itself():
+    """A folder that only its own loader reads loses the check, whatever its file names; so does a loader that
+    reads anything but DCP's files (it is given what the grader read, written again by DCP on 1 rank)."""
+    fails(fsdp.check_checkpoint, save_torch_named_like_dcp, "[ranks 0, 1]",
+          "not a checkpoint torch.distributed.checkpoint can read", "files ['.metadata', '__0_0.distcp', '__1_0.distcp']",
+          "dcp.load said: ", "a zip archive, as torch.save writes", "let DCP write the folder",
+          load_checkpoint=load_torch_named_like_dcp)
+    fails(fsdp.check_checkpoint, save_with_copied_metadata, "torch.distributed.checkpoint",
+          load_checkpoint=load_torch_named_like_dcp)
+    fails(fsdp.check_checkpoint, save_beside_a_pickle, "looked for a file DCP does not write", "dcp.load",
+          load_checkpoint=load_the_pickle)
 
 
 @pytest.mark.slow
@@ -566,6 +648,17 @@ WRONG = {
           "    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))\n"
           "    state = {")],
         "ex3f_test_checkpoint", ["fresh model's weights", "set_state_dict"]),
+    "torch.save under DCP's file names": (
+        [("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n"
+          "    dcp.save({\"model\": model_sd, \"optimizer\": optim_sd}, checkpoint_id=path)",
+          "    import io, os\n    os.makedirs(path, exist_ok=True)\n"
+          "    torch.save({k: v.to_local() for k, v in model.state_dict().items()}, "
+          "os.path.join(path, f\"__{dist.get_rank()}_0.distcp\"))\n"
+          "    if dist.get_rank() == 0:\n        index = io.BytesIO()\n"
+          "        torch.save({\"world_size\": dist.get_world_size()}, index)\n"
+          "        open(os.path.join(path, \".metadata\"), \"wb\").write(index.getvalue())\n"
+          "    dist.barrier()")],
+        "ex3f_test_checkpoint", ["not a checkpoint torch.distributed.checkpoint can read", "zip archive"]),
     "model.state_dict() exported": (
         [("ex3f_export_weights", "    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
           "cpu_offload=True))\n", "    full = model.state_dict()\n")],
