@@ -54,10 +54,25 @@ _PATHS = {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "Window
 _OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
+def _enum_member(cls, name):
+    """What ``getattr(cls, name)`` means in DCP's metadata: a member of one of its enums, by name (some Pythons
+    pickle an enum member as that call); nothing else."""
+    import enum
+
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ in _DCP_MODULES
+            and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"it asks for {getattr(cls, '__name__', cls)!s}.{name}, which is not a member of "
+                                     "one of DCP's enums")
+    return cls.__members__[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """pickle's unpickler that builds DCP's metadata classes (and torch.Size, dtypes, paths) and nothing else."""
+    """pickle's unpickler that builds DCP's metadata classes (and torch.Size, dtypes, paths, members of DCP's
+    enums) and nothing else."""
 
     def find_class(self, module, name):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = ((module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _PATHS | _OTHERS
                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:

@@ -437,7 +437,8 @@ def test_check_sampler():
     fails(ex2.check_sampler, loader_no_shuffle, "not shuffled", "shuffle=True")
     fails(ex2.check_sampler, loader_shuffle_twice, "mutually exclusive", "no shuffle= for the DataLoader")
     fails(ex2.check_sampler, loader_global_batch, "batches of the wrong size", "per rank")
-    fails(ex2.check_sampler, loader_subset, "different numbers of samples", "[6, 5]", "pads")
+    # 11 samples first: the unequal shards are judged before the order (a per-rank shuffle can repeat an order)
+    fails(ex2.check_sampler, loader_subset, "different numbers of samples", "[6, 5]", "pads", cases=((11, 4),))
 
 
 @pytest.mark.slow

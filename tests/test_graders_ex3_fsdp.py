@@ -695,3 +695,41 @@ def test_a_gather_on_rank_0_only_is_graded_within_the_timeout(tmp_path):
     message = submissions.messages(report)["ex3f_test_export"]
     assert "[rank 0]" in message and "waited in the full-state gather" in message, message
     assert seconds < 2 * (fsdp_model.PG_TIMEOUT.total_seconds() + 30), f"grading took {seconds:.0f} s"
+
+
+def test_the_metadata_reader_takes_enum_members_pickled_by_getattr_and_nothing_else_so(tmp_path):
+    """Python 3.11.2 (Debian 12, the grader image) pickles an enum member as getattr(EnumClass, name): DCP's own
+    .metadata then holds builtins.getattr, which the reader must accept for DCP's enums only."""
+    import enum
+    import io
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from graders.ex3_fsdp_dcp import _MetadataUnpickler
+
+    class ByGetattr(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(3, 4), "lr": 0.1}, checkpoint_id=str(tmp_path), no_dist=True)
+    with open(tmp_path / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)  # what this Python wrote; then the same, written as Python 3.11.2 writes it
+    buffer = io.BytesIO()
+    ByGetattr(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    buffer.seek(0)
+    assert sorted(_MetadataUnpickler(buffer).load().state_dict_metadata) == ["lr", "w"]
+
+    class Sneaky:
+        def __reduce__(self):
+            return (getattr, (torch.Size, "count"))  # a class the reader builds, but not one of DCP's enums
+
+    buffer = io.BytesIO()
+    pickle.dump(Sneaky(), buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        _MetadataUnpickler(buffer).load()

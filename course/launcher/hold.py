@@ -34,6 +34,12 @@ import traceback
 from course.launcher import writes
 from course.launcher.rank import COLLECTIVE_CODE, JOINING, under
 
+#: torch.distributed code a rank runs on its way out, which waits for no peer (gloo's destroy returns at once)
+LEAVING = frozenset({"destroy_process_group", "_shutdown_backend", "_abort_process_group", "shutdown"})
+#: seconds the others must stay waiting, their collectives unchanged, before rank 0 writes: a rank caught passing
+#: through torch.distributed (the end of a collective, its way out) moves on within that time; one blocked until
+#: rank 0 joins cannot
+STEADY = 0.3
 POLL = 0.005  # seconds between two looks at the others' state (rank 0) or two reports (the others)
 
 
@@ -73,7 +79,7 @@ def _main_thread_state(libraries: tuple[str, ...]) -> tuple[bool, dict | None]:
     frame = sys._current_frames().get(threading.main_thread().ident)
     stack = traceback.extract_stack(frame) if frame is not None else []
     waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-               and not any(f.name in JOINING for f in stack))
+               and not any(f.name in JOINING or f.name in LEAVING for f in stack))
     for f in reversed(stack):
         if f.filename.startswith(("<frozen", "<string>")) or under(f.filename, libraries):
             continue
@@ -155,6 +161,7 @@ class Hold:
             pass
         others = [r for r in range(self.world_size) if r != self.rank]
         states: dict[int, dict] = {}
+        steady_since, steady_seqs = None, None
         while True:
             for r in others:
                 try:
@@ -163,9 +170,16 @@ class Hold:
                 except (OSError, ValueError):
                     pass
             verdict = {r: self._state(states.get(r), mine) for r in others}
+            now = time.monotonic()
             if all(v in ("returned", "waiting") for v in verdict.values()):
-                break
-            if time.monotonic() - start >= self.limit:
+                seqs = {r: (states.get(r) or {}).get("seqs") for r, v in verdict.items() if v == "waiting"}
+                if steady_since is None or seqs != steady_seqs:
+                    steady_since, steady_seqs = now, seqs  # waiting (or returned) from now on: is it steady?
+                elif now - steady_since >= STEADY or not seqs:
+                    break  # every other rank returned, or has waited STEADY s in the same collective
+            else:
+                steady_since = steady_seqs = None
+            if now - start >= self.limit:
                 break
             time.sleep(POLL)
         self.result = {
