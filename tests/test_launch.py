@@ -624,7 +624,12 @@ def test_a_later_failure_is_called_a_consequence_only_when_it_lost_its_peer():
     same = RankFailure(0, "raised", exc_type="ValueError", message="bad value")
     text = _failure_summary(1, {1: first, 0: same}, [], [1, 0], 2)
     assert "rank 0 raised the same error on its own (not because of rank 1)" in text and "consequence" not in text
+    from course.launcher.job import _same_errors_by_rank
+
+    assert _same_errors_by_rank([1, 0], {1: first, 0: same}) == [0, 1]  # the same error on its own: by rank
+    assert _same_errors_by_rank([1, 0], {1: first, 0: lost}) == [1, 0]  # a consequence stays after its cause
     other = RankFailure(0, "raised", exc_type="KeyError", message="'x'")
+    assert _same_errors_by_rank([1, 0], {1: first, 0: other}) == [1, 0]  # another error: the order it came in
     text = _failure_summary(1, {1: first, 0: other}, [], [1, 0], 2)
     assert "rank 0 raised KeyError: 'x' on its own (not because of rank 1)" in text and "consequence" not in text
 

@@ -419,7 +419,8 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
             "The last output of each stuck rank shows where it was."
         )
         raise RankTimeoutError(summary, failures, returned, world_size, timeout)
-    order = sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, specs, outcome))
+    order = _same_errors_by_rank(sorted(outcome["failed_at"], key=lambda r: _failure_key(r, failures, specs, outcome)),
+                                 failures)
     first = order[0] if order else min(failures)
     summary = _failure_summary(first, failures, returned, order, world_size)
     raise RankFailedError(summary, failures, returned, world_size, order)
@@ -438,6 +439,19 @@ def _user_frames(lines: list[str], cell_names: dict[str, str] | None = None, hid
     for path, label in (cell_names or {}).items():
         kept = [line.replace(f'File "{path}", line', f"{label}, line") for line in kept]
     return kept
+
+
+def _same_errors_by_rank(order: list[int], failures) -> list[int]:
+    """Ranks that raised the same error on their own did so in no meaningful order (which wrote first is a race):
+    those come lowest rank first, so the same job reads the same every time; the rest keep their order."""
+    def error(rank):
+        f = failures.get(rank)
+        return (f.exc_type, f.message) if f is not None and f.kind == "raised" and not lost_peer(f.message) else None
+
+    if not order or error(order[0]) is None:
+        return order
+    same = [r for r in order if error(r) == error(order[0])]
+    return sorted(same) + [r for r in order if r not in same]
 
 
 def _failure_key(rank, failures, specs, outcome):
