@@ -93,6 +93,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "CheckFailed",
     "Hold",
+    "did_not_wait",
     "Mistake",
     "REAL",
     "answer_source",
@@ -546,3 +547,18 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
+
+
+def did_not_wait(check: str, hold: dict, what: str, *, returned: str, expected: str, hint: str) -> None:
+    """Fail ``check`` when the :class:`Hold` of rank 0's write (its ``result``) found ranks that, for its whole
+    limit, neither waited in a collective nor ``returned``; the message names the line each was running."""
+    late = hold.get("neither") or []
+    if not late:
+        return
+    sites = hold.get("sites") or {}
+    site = sites.get(late[0]) or sites.get(str(late[0]))
+    at = f", at line {site['line']}" + (f": {site['code']}" if site.get("code") else "") if site else ""
+    raise CheckFailed(check, f"{rank_list(late)} did not wait for rank 0's {what}: for {hold['limit']:g} s after "
+                      f"rank 0 began to save, {'it' if len(late) == 1 else 'they'} neither waited in a collective "
+                      f"nor {returned}", ranks=late, expected=expected,
+                      got=f"rank {late[0]} was still running its own code{at}", hint=hint)
