@@ -1,0 +1,336 @@
+"""Checks for exercise 2, part 2 (exercises/ex2-ddp-basics/ddp_basics.ipynb): a distributed sampler of the
+student's own, ``ShardSampler(dataset, num_replicas, rank, seed=0, drop_last=False)`` with ``__iter__``,
+``__len__`` and ``set_epoch``, judged against the contract of ``torch.utils.data.DistributedSampler``:
+
+* :func:`check_sampler_shards`: in each epoch the ranks' shares have equal length and, with
+  ``drop_last=False``, cover the dataset with only the padding repeated; with ``drop_last=True`` they are
+  ``n // num_replicas`` distinct indices each, nothing repeated;
+* :func:`check_sampler_order`: the order is shuffled, changes with ``set_epoch``, and depends on the seed
+  and the epoch only (a new sampler, later, in a process whose random state is its own, yields the same);
+* :func:`check_sampler_training`: in a real DDP training run with the sampler in a ``DataLoader``, every
+  rank takes the same number of steps, ``len(loader)`` is that number, and every epoch trains on every sample.
+
+Every job runs on real ranks whose global random states (torch, ``random``, numpy) differ, as in a job that
+seeds its augmentations with ``base + rank``: a sampler whose order comes from the process's random state,
+not from its seed and epoch, splits the data differently on each rank, as it would in a real job. The
+sampler must be the student's own: torch's ``DistributedSampler`` code running during its calls (a
+subclass, a wrapped instance) fails every check (seen by a profile hook on code objects, whatever name
+the student's code reached the class by).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from course import checks
+from course.checks import CheckFailed, Mistake, passed
+from graders.ex2_model import IndexDataset, RegressionDataset, make_net
+
+_REAL = checks.REAL
+_TORCH_SAMPLER_FILE = os.path.join("torch", "utils", "data", "distributed.py")
+#: (dataset size, seed, drop_last) of the visible tests: sizes that do not divide by 2 or 3
+CASES = ((10, 0, False), (7, 3, False), (11, 5, True))
+_SIGNATURE = "ShardSampler(dataset, num_replicas=..., rank=..., seed=..., drop_last=...)"
+
+
+# --- on the ranks ----------------------------------------------------------------------------------------
+
+
+def _own_random_state(rank: int) -> None:
+    """Give this rank a global random state of its own (torch, random, numpy), as a real job's ranks have."""
+    seed = int.from_bytes(os.urandom(4), "little") + rank
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy ships with torch's CPU wheels
+        pass
+
+
+class _TorchSamplerSpy:
+    """A profile hook that notes whether any code of torch's DistributedSampler runs (a subclass, a wrapped
+    instance, a copy of its methods bound before the job: the code object's file tells, not a name)."""
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+
+    def _hook(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(_TORCH_SAMPLER_FILE):
+            self.seen = True
+
+    def __enter__(self):
+        self._previous = sys.getprofile()
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._previous)
+        return False
+
+
+def _make(Sampler, dataset, world_size, rank, seed, drop_last):
+    return Sampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=drop_last)
+
+
+def _indices(sampler) -> list:
+    out = []
+    for i in sampler:
+        value = i.item() if isinstance(i, torch.Tensor) and i.numel() == 1 else i
+        try:
+            out.append(int(value) if int(value) == value else repr(i))
+        except (TypeError, ValueError):
+            out.append(repr(i))
+    return out
+
+
+def _contract_harness(rank, Sampler, cases):
+    """Each case: this rank's indices in epochs 0 and 1 (set_epoch), epoch 1 again from a new sampler made
+    after other random draws, and epoch 0 with another seed."""
+    checks.join_job()
+    world_size = _REAL.get_world_size()
+    _own_random_state(rank)
+    out = []
+    with _TorchSamplerSpy() as spy:
+        for n, seed, drop_last in cases:
+            dataset = IndexDataset(n)
+            sampler = _make(Sampler, dataset, world_size, rank, seed, drop_last)
+            epochs = []
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                epochs.append(_indices(sampler))
+            torch.rand(5), random.random()  # the process's random state moves on; the sampler's order must not
+            again = _make(Sampler, dataset, world_size, rank, seed, drop_last)
+            again.set_epoch(1)
+            other = _make(Sampler, dataset, world_size, rank, seed + 1000, drop_last)
+            other.set_epoch(0)
+            out.append({"epochs": epochs, "again": _indices(again), "other_seed": _indices(other)})
+    return {"cases": out, "torch_sampler": spy.seen}
+
+
+def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed):
+    """Train a DDP model with the student's sampler in a DataLoader; note what reached the model every step."""
+    dev = checks.join_job()
+    world_size = _REAL.get_world_size()
+    _own_random_state(rank)
+    model = make_net(seed + 17 * rank).to(dev)
+    dataset = RegressionDataset(n, seed)
+    seen: list[list[int]] = []
+
+    def on_forward(module, args):
+        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            seen.append(dataset.indices_of(args[0]))
+
+    model.register_forward_pre_hook(on_forward)
+    ddp_model = DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    per_epoch, lengths = [], []
+    with _TorchSamplerSpy() as spy:
+        sampler = _make(Sampler, dataset, world_size, rank, seed, False)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            lengths.append(len(loader))
+            seen.clear()
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.mse_loss(ddp_model(x.to(dev)), y.to(dev)).backward()
+                optimizer.step()
+            per_epoch.append([list(batch) for batch in seen])
+    return {"epochs": per_epoch, "lengths": lengths, "torch_sampler": spy.seen}
+
+
+# --- the verdicts ----------------------------------------------------------------------------------------
+
+
+def _contract_job(check, Sampler, world_size, cases):
+    checks.require_written(check, ShardSampler=Sampler)
+    hints = [("unexpected keyword argument", f"keep the signature: the grader calls {_SIGNATURE}"),
+             ("set_epoch", "give the sampler a set_epoch(epoch) method: the training loop calls it every epoch")]
+    cases = tuple(tuple(c) for c in cases)
+    return checks.memo(check, ("sampler contract", Sampler, world_size, cases), lambda: checks.run(
+        check, _contract_harness, world_size, args=(Sampler, cases), hints=hints).values)
+
+
+def _own(check, values) -> None:
+    used = [r for r, v in enumerate(values) if v["torch_sampler"]]
+    if used:
+        raise CheckFailed(check, "your sampler runs torch's DistributedSampler", ranks=used,
+                          expected="a sampler of your own (torch.utils.data.Sampler, or any class with __iter__, "
+                          "__len__ and set_epoch)", got="code of torch/utils/data/distributed.py ran in its calls",
+                          hint="this part is about writing the split yourself: shuffle with a generator, pad or "
+                          "drop, then take this rank's share")
+
+
+def _where(n, seed, drop_last, world_size) -> str:
+    return f"{n} samples, {world_size} ranks, seed={seed}, drop_last={drop_last}"
+
+
+def _bad_values(check, shares, n, where) -> None:
+    for rank, share in enumerate(shares):
+        bad = [i for i in share if not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise CheckFailed(check, f"rank {rank}'s sampler yielded something that is not an index of the dataset "
+                              f"({where})", ranks=[rank], expected=f"integers 0 .. {n - 1}", got=f"{bad[:5]}",
+                              hint="yield Python ints (int(i)), indices into the dataset")
+
+
+def _judge_shards(check, shares, n, drop_last, world_size, where, epoch) -> None:
+    per_rank = n // world_size if drop_last else math.ceil(n / world_size)
+    sizes = [len(s) for s in shares]
+    if set(sizes) != {per_rank}:
+        wrong = [r for r, k in enumerate(sizes) if k != per_rank]
+        if not drop_last and len(set(sizes)) > 1:
+            hint = ("pad: repeat the first indices of the epoch's order until the total divides by num_replicas, "
+                    "so every rank gets the same number. With unequal shares the ranks take different numbers of "
+                    "steps, and DDP waits forever in the all-reduce of the step only some ranks take")
+        elif drop_last:
+            hint = "with drop_last=True cut the order to n // num_replicas * num_replicas indices before splitting"
+        else:
+            hint = "every rank gets ceil(n / num_replicas) indices: its share of the padded order, not all of it"
+        raise CheckFailed(check, f"the ranks' shares in epoch {epoch} do not have the contract's length ({where})",
+                          ranks=wrong, expected=f"{per_rank} indices on every rank "
+                          f"({'n // num_replicas' if drop_last else 'ceil(n / num_replicas)'})",
+                          got=f"{sizes} indices per rank", hint=hint)
+    everything = [i for s in shares for i in s]
+    counts: dict[int, list[int]] = {}
+    for rank, share in enumerate(shares):
+        for i in share:
+            counts.setdefault(i, []).append(rank)
+    repeated = sorted(i for i, ranks in counts.items() if len(ranks) > 1)
+    padding = 0 if drop_last else per_rank * world_size - n
+    extra = len(everything) - len(counts)
+    if extra > padding:
+        same = len(shares) > 1 and all(s == shares[0] for s in shares)
+        if same:
+            problem, hint = (f"every rank got the same share in epoch {epoch} ({where})",
+                             "take this rank's own part of the order (e.g. every num_replicas-th index from "
+                             "position rank): the rank argument must change what a sampler yields")
+        else:
+            problem, hint = (f"the ranks' shares overlap in epoch {epoch} ({where})",
+                             "every rank must shuffle with the same permutation (a generator seeded with seed + "
+                             "epoch, never with the rank or the process's random state), then take a disjoint part")
+        raise CheckFailed(check, problem, ranks=sorted({r for i in repeated for r in counts[i]}),
+                          expected=f"each index on one rank" + (f" (only the {padding} padding indices repeat)"
+                                                                if padding else ""),
+                          got=f"{extra} extra repeats, e.g. indices {repeated[:8]} on several ranks", hint=hint)
+    if not drop_last:
+        missing = sorted(set(range(n)) - set(counts))
+        if missing:
+            raise CheckFailed(check, f"{len(missing)} index(es) are on no rank in epoch {epoch} ({where})",
+                              expected=f"all {n} indices, spread over the ranks", got=f"missing {missing[:8]}",
+                              hint="with drop_last=False every index is used each epoch: pad the order, never cut it")
+
+
+def check_sampler_shards(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
+    """Each epoch the ranks' shares have equal length: with drop_last=False ceil(n / num_replicas) each,
+    covering the dataset, only the padding repeated; with drop_last=True n // num_replicas distinct indices.
+    ``cases``: (dataset size, seed, drop_last)."""
+    check = "check_sampler_shards"
+    for world_size in world_sizes:
+        values = _contract_job(check, ShardSampler, world_size, cases)
+        _own(check, values)
+        for c, (n, seed, drop_last) in enumerate(cases):
+            where = _where(n, seed, drop_last, world_size)
+            for epoch in (0, 1):
+                shares = [v["cases"][c]["epochs"][epoch] for v in values]
+                _bad_values(check, shares, n, where)
+                _judge_shards(check, shares, n, drop_last, world_size, where, epoch)
+    passed(check)
+
+
+def check_sampler_order(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
+    """The order is shuffled, changes with set_epoch, and is a function of (seed, epoch) only: a new sampler with
+    the same seed and epoch yields the same indices (later, whatever the process's random state), another
+    seed another order."""
+    check = "check_sampler_order"
+    for world_size in world_sizes:
+        values = _contract_job(check, ShardSampler, world_size, cases)
+        _own(check, values)
+        shares = [share for v in values for case in v["cases"] for share in case["epochs"]]
+        if all(share == sorted(share) for share in shares):  # every share of every case and epoch: chance is ruled out
+            raise CheckFailed(check, f"the indices are not shuffled ({world_size} ranks)", ranks=range(world_size),
+                              expected="a random order (a permutation drawn from seed + epoch)",
+                              got=f"rank 0: {shares[0][:8]}, always in increasing order",
+                              hint="shuffle the indices with a torch.Generator seeded with seed + epoch "
+                              "(torch.randperm(n, generator=g)) before splitting")
+        for c, (n, seed, drop_last) in enumerate(cases):
+            where = _where(n, seed, drop_last, world_size)
+            obs = [v["cases"][c] for v in values]
+            for o in obs:
+                _bad_values(check, o["epochs"], n, where)
+            first = [o["epochs"][0] for o in obs]
+            same = [r for r, o in enumerate(obs) if o["epochs"][0] == o["epochs"][1]]
+            if len(same) == world_size:
+                raise CheckFailed(check, f"set_epoch(1) did not change the order ({where})", ranks=same,
+                                  expected="a new order in every epoch", got=f"rank 0 both epochs: {first[0][:8]}",
+                                  hint="draw the permutation from seed + epoch, with the epoch set_epoch stored, "
+                                  "each time the sampler is iterated (not once in __init__)")
+            moved = [r for r, o in enumerate(obs) if o["again"] != o["epochs"][1]]
+            if moved:
+                r = moved[0]
+                raise CheckFailed(check, f"a new sampler with the same seed and epoch yielded other indices ({where})",
+                                  ranks=moved, expected=f"rank {r}: {obs[r]['epochs'][1][:8]} (epoch 1, as before)",
+                                  got=f"{obs[r]['again'][:8]}",
+                                  hint="the order must depend on seed and epoch only: use your own "
+                                  "torch.Generator().manual_seed(seed + epoch), not the global random state "
+                                  "(torch.randperm without a generator, random.shuffle), which differs "
+                                  "between processes and moves on with every draw")
+            if all(o["other_seed"] == o["epochs"][0] for o in obs):
+                raise CheckFailed(check, f"another seed gave the same order ({where})", ranks=range(world_size),
+                                  expected="the seed argument chooses the permutation",
+                                  got=f"rank 0 with seed {seed} and {seed + 1000}: {first[0][:8]}",
+                                  hint="seed your generator with seed + epoch")
+    passed(check)
+
+
+def check_sampler_training(ShardSampler, *, world_sizes=(2,), n=9, batch_size=2, epochs=2, lr=0.1, seed=0):
+    """In a real DDP run with the sampler in a DataLoader: every rank takes the same number of steps each epoch,
+    len(loader) is that number, and every epoch trains on every sample."""
+    check = "check_sampler_training"
+    checks.require_written(check, ShardSampler=ShardSampler)
+    mistakes = [Mistake(lambda rank, text: checks.stranded(text),
+                        "the ranks took different numbers of steps: rank {rank} waited in DDP's all-reduce for a "
+                        "step the others never took ({ws}-rank job, %d samples, batch_size=%d)" % (n, batch_size),
+                        "every rank's share must have the same length (pad with drop_last=False): DDP all-reduces "
+                        "the gradients of every step, so a rank with one more batch waits forever")]
+    for world_size in world_sizes:
+        values = checks.run(check, _training_harness, world_size,
+                            args=(ShardSampler, n, batch_size, epochs, lr, seed), mistakes=mistakes).values
+        _own(check, values)
+        where = f"{world_size}-rank DDP run, {n} samples, batch_size={batch_size}"
+        for epoch in range(epochs):
+            steps = [len(v["epochs"][epoch]) for v in values]
+            if len(set(steps)) > 1:
+                raise CheckFailed(check, f"the ranks took different numbers of steps in epoch {epoch} ({where})",
+                                  ranks=range(world_size), expected="the same number on every rank", got=f"{steps}",
+                                  hint="pad every rank's share to the same length")
+            lengths = [v["lengths"][epoch] for v in values]
+            wrong = [r for r in range(world_size) if lengths[r] != steps[r]]
+            if wrong:
+                r = wrong[0]
+                raise CheckFailed(check, f"len(loader) is not the number of batches the loader gives ({where})",
+                                  ranks=wrong, expected=f"{steps[r]} (the steps rank {r} took in epoch {epoch})",
+                                  got=f"len(loader) = {lengths[r]}",
+                                  hint="__len__ must return the number of indices this rank's sampler yields "
+                                  "(ceil(n / num_replicas) with padding, n // num_replicas with drop_last): the "
+                                  "DataLoader's len, learning-rate schedules and progress bars rely on it")
+            trained = [i for v in values for batch in v["epochs"][epoch] for i in batch]
+            missing = sorted(set(range(n)) - set(trained))
+            if missing:
+                raise CheckFailed(check, f"epoch {epoch} never trained on {len(missing)} of the {n} samples ({where})",
+                                  ranks=range(world_size), expected="every sample on some rank, every epoch",
+                                  got=f"missing {missing[:8]}",
+                                  hint="every rank must draw the same permutation (seed + epoch, not the rank or "
+                                  "the process's random state) and take its own disjoint part of it")
+    passed(check)
