@@ -8,9 +8,12 @@ judges one behaviour, never the lines:
 * :func:`check_shuffle`: what reached the model (a forward pre-hook on it): every epoch is a new
   shuffle, and each epoch gives every sample to some rank;
 * :func:`check_metric`: every accuracy the script logs equals the accuracy, over the whole
-  validation set, of the weights the model held when it was logged;
+  validation set, of the weights the model held when it was logged; and only rank 0 logs: no other
+  rank calls ``log``, prints (its file descriptor 1 goes to a file of the grader's while ``main`` runs)
+  or emits a ``logging`` record (a handler on the root logger);
 * :func:`check_checkpoint`: the file at ``ckpt_path`` loads into the plain model (``strict=True``)
-  and holds the trained weights;
+  and holds the trained weights; and only rank 0 writes: no other rank writes any file
+  (:func:`course.checks.record_writes`);
 * :func:`check_finishes`: every rank returns from ``main`` (no rank waits forever), and none returns
   before rank 0's checkpoint is complete: rank 0's first write into the checkpoint's folder (by any
   means: every write of the rank is recorded) is held until every other rank waits for it in a
@@ -18,14 +21,23 @@ judges one behaviour, never the lines:
 
 Each rank's harness writes what it observes to a journal file as it happens, so the first three
 checks still judge their behaviour when the script then hangs (the fourth bug stops nothing else
-from being graded); a job that crashes fails every check with its traceback.
+from being graded); a job that crashes fails every check with its traceback. The four checks share
+one run of the script (:func:`course.checks.memo`).
+
+Why the course's rules sit in these two checks: logging on every rank makes every metric appear
+world_size times (and a tracker open one run per rank), which is what check_metric judges, what the
+script reports; every rank writing the checkpoint is what check_checkpoint judges, the saved file (ranks
+writing one path at once can leave it corrupt). The given script keeps both rules, so a student who
+"fixes" it into breaking one loses that check, and the given script still scores nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -101,6 +113,52 @@ class _Journal:
             os.write(self.fd, (json.dumps(entry) + "\n").encode())
 
 
+class _Records(logging.Handler):
+    """Every record the script's logging emits on this rank (torch's own loggers aside), into the journal."""
+
+    def __init__(self, journal: _Journal):
+        super().__init__(logging.NOTSET)
+        self.journal = journal
+
+    def emit(self, record):
+        if not record.name.startswith("torch"):
+            self.journal.write({"logging": f"{record.levelname}: {record.getMessage()}"[:200]})
+
+
+class _Stdout:
+    """This rank's stdout (file descriptor 1, so C-level writes too) sent to a file of the grader's while the
+    script runs. stderr is left alone: the launcher's stack dumps of a stuck rank go there."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        sys.stdout.flush()
+        with checks.grader_writes():
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.saved = os.dup(1)
+        os.dup2(self.fd, 1)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(self.saved, 1)
+        os.close(self.saved)
+        os.close(self.fd)
+        return False
+
+
+def _printed(folder: str, rank: int) -> list[str]:
+    try:
+        with open(os.path.join(folder, f"rank{rank}.out"), errors="replace") as fh:
+            return [line.rstrip("\n") for line in fh if line.strip()]
+    except OSError:
+        return []
+
+
 def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed, hold_limit):
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
@@ -123,18 +181,22 @@ def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed, hold_l
     hold = checks.Hold(os.path.join(folder, "hold"), rank, world_size, hold_limit)
     ckpt_folder = os.path.dirname(ckpt_path)
 
-    def before(event):  # rank 0, about to write the checkpoint (or a file beside it): the others must wait
+    def before(event):  # every write is noted; rank 0's into the checkpoint's folder waits for the others
+        journal.write({"wrote": event["path"]})
         if rank == 0 and os.path.dirname(event["path"]) == ckpt_folder and hold.result is None:
             journal.write({"hold": hold.wait()})
 
+    records = _Records(journal)
+    logging.getLogger().addHandler(records)
     hold.start()
     try:
-        with checks.record_writes(before):
+        with _Stdout(os.path.join(folder, f"rank{rank}.out")), checks.record_writes(before):
             main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs)
         seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment main returned
     finally:
         hold.returned()
         hold.stop()
+        logging.getLogger().removeHandler(records)
     journal.write({"returned": True, "seen": seen}, state=model.state_dict())
     return True
 
@@ -163,21 +225,35 @@ def _read(folder: str, world_size: int) -> list[list[dict]]:
 
 
 class _Run:
-    """One run of the student's main: the journals, the checkpoint, and how the job ended."""
+    """One run of the student's main: the journals, what each rank printed, the checkpoint, how the job ended."""
 
-    def __init__(self, journals, ckpt, ckpt_digest, failure: CheckFailed | None, hung: bool):
-        self.journals, self.ckpt, self.ckpt_digest, self.failure, self.hung = journals, ckpt, ckpt_digest, failure, hung
+    def __init__(self, journals, printed, ckpt, ckpt_digest, failure: CheckFailed | None, hung: bool):
+        self.journals, self.printed, self.ckpt, self.ckpt_digest = journals, printed, ckpt, ckpt_digest
+        self.failure, self.hung = failure, hung
 
 
-def _run(check, main, *, world_size, n_train, n_val, epochs, seed, hints=()) -> _Run:
-    """Run the student's ``main`` for ``check``: not written yet, or a crash, fails it at once (the crash's
-    traceback is the message); a hang is kept in the run (:attr:`_Run.hung`) for the check to judge."""
+_STUCK_HINT = ("a rank waits in a collective that the other ranks never call (they returned from main): a collective "
+               "runs only when every rank calls it. Whatever only rank 0 does (saving, logging) may be inside "
+               "`if rank == 0:`; what all ranks wait for must not be")
+
+
+def _run(check, main, *, world_size, n_train, n_val, epochs, seed) -> _Run:
+    """Run the student's ``main`` once for all four checks (:func:`course.checks.memo`): not written yet, or a
+    crash, fails the asking check at once (the crash's traceback is the message); a hang is kept in the run
+    (:attr:`_Run.hung`) for each check to judge."""
     checks.require_written(check, main=main)
-    run = _run_job(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed,
-                   hints=hints)
+    run = checks.memo(check, ("debug_training", main, world_size, n_train, n_val, epochs, seed), lambda: _run_job(
+        "check_finishes", main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed,
+        hints=[("timeout", _STUCK_HINT)]))
     if run.failure is not None and not run.hung:
-        raise run.failure
+        raise _as(check, run.failure)
     return run
+
+
+def _as(check: str, err: CheckFailed) -> CheckFailed:
+    """The job's failure, under the name of the check that reports it."""
+    return CheckFailed(check, err.problem, ranks=err.ranks, expected=err.expected, got=err.got, hint=err.hint,
+                       detail=err.detail)
 
 
 def _run_job(check, main, *, world_size, n_train, n_val, epochs, seed, hints) -> _Run:
@@ -199,7 +275,8 @@ def _run_job(check, main, *, world_size, n_train, n_val, epochs, seed, hints) ->
                 ckpt = torch.load(ckpt_path, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - what a student's file holds is theirs
                 ckpt = exc
-        return _Run(_read(folder, world_size), ckpt, file_digest(ckpt_path), failure, hung)
+        return _Run(_read(folder, world_size), [_printed(folder, r) for r in range(world_size)], ckpt,
+                    file_digest(ckpt_path), failure, hung)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -280,7 +357,32 @@ def check_metric(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
                               expected=f"{right / total:.6f} ({right} right of the {total} validation samples, with "
                               "the weights the model held at the log call)",
                               got=f"{entry['log']:.6f}", hint=why)
+    _only_rank0_logs(check, run)
     passed(check)
+
+
+def _only_rank0_logs(check: str, run: _Run) -> None:
+    """The course's rule: only rank 0 logs (the log function, print, the logging module)."""
+    found = {}
+    for rank, journal in enumerate(run.journals[1:], start=1):
+        calls = [e for e in journal if "log" in e]
+        records = [e["logging"] for e in journal if "logging" in e]
+        printed = run.printed[rank] if rank < len(run.printed) else []
+        if calls:
+            found[rank] = f"called log({{'accuracy': ...}}) {len(calls)} time(s)"
+        elif records:
+            found[rank] = f"logged \"{records[0]}\" through logging"
+        elif printed:
+            found[rank] = f"printed \"{printed[0][:120]}\""
+    if found:
+        rank, what = next(iter(found.items()))
+        raise CheckFailed(check, f"{checks.rank_list(list(found))} also logged: only rank 0 logs" + _after_hang(run),
+                          ranks=list(found), expected="log(...), print and logging output on rank 0 only",
+                          got=f"rank {rank} {what}",
+                          hint="every rank runs the same code, so a line logged on every rank appears world_size "
+                          "times and an experiment tracker gets one run per rank; after the all-reduce rank 0 holds "
+                          "the global numbers. Log inside `if rank == 0:` and keep every collective (the "
+                          "evaluation's all-reduce) outside it")
 
 
 def check_checkpoint(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
@@ -315,7 +417,25 @@ def check_checkpoint(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed
                               expected="rank 0's weights at the end of training",
                               got=f"{len(differ)} tensors differ, e.g. `{differ[0]}`",
                               hint="save at the end, after the last epoch's training")
+    _only_rank0_writes(check, run)
     passed(check)
+
+
+def _only_rank0_writes(check: str, run: _Run) -> None:
+    """The course's rule: only rank 0 writes files (every write each rank made is in its journal)."""
+    others = {rank: [e["wrote"] for e in journal if "wrote" in e]
+              for rank, journal in enumerate(run.journals) if rank != 0}
+    others = {rank: paths for rank, paths in others.items() if paths}
+    if others:
+        rank, paths = next(iter(others.items()))
+        same = any(os.path.basename(p) == "ckpt.pt" for p in paths)
+        raise CheckFailed(check, f"{checks.rank_list(list(others))} also wrote {'the checkpoint' if same else 'a file'}: "
+                          "only rank 0 saves" + _after_hang(run), ranks=list(others),
+                          expected="rank 0 writes the checkpoint; no other rank writes any file",
+                          got=f"rank {rank} wrote {', '.join(sorted(set(paths))[:3])}",
+                          hint="every rank holds the same weights, so one copy is enough: ranks writing the same "
+                          "file at once can leave it corrupt, and world_size copies waste time and disk. Save "
+                          "inside `if rank == 0:`, and let the other ranks wait for it outside the guard")
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -331,13 +451,9 @@ def _final_state(journal: list[dict]):
 def check_finishes(main, *, world_size=2, n_train=24, n_val=11, epochs=3, seed=0):
     """Every rank returns from main, and none before rank 0's checkpoint is complete."""
     check = "check_finishes"
-    hint = ("a rank waits in a collective that the other ranks never call (they returned from main): a collective "
-            "runs only when every rank calls it. Whatever only rank 0 does (saving, logging) may be inside "
-            "`if rank == 0:`; what all ranks wait for must not be")
-    run = _run(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed,
-               hints=[("timeout", hint)])
+    run = _run(check, main, world_size=world_size, n_train=n_train, n_val=n_val, epochs=epochs, seed=seed)
     if run.failure is not None:
-        raise run.failure
+        raise _as(check, run.failure)
     barrier = "the other ranks must wait until rank 0 has saved: something every rank calls, after the save"
     early = [r for r, journal in enumerate(run.journals)
              for e in journal if e.get("returned") and e.get("seen") != run.ckpt_digest]

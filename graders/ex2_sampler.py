@@ -20,6 +20,7 @@ the student's code reached the class by).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -57,19 +58,54 @@ def _own_random_state(rank: int) -> None:
         pass
 
 
+_TORCH_CALLS = [0]  # calls of torch's DistributedSampler methods in this process, counted by _watch_torch_sampler
+
+
+def _watch_torch_sampler() -> None:
+    """Count every call of torch's DistributedSampler methods, from now on in this process.
+
+    Run when this module is imported, which in a rank is before the student's objects are unpickled: a subclass
+    or a wrapped instance reaches torch's methods through the class, and finds these counting wrappers there."""
+    from torch.utils.data import distributed
+
+    cls = distributed.DistributedSampler
+    for name in ("__init__", "__iter__", "__len__", "set_epoch"):
+        original = cls.__dict__.get(name)
+        if original is None or getattr(original, "_ddp_course_counted", False):
+            continue
+
+        @functools.wraps(original)
+        def counted(*args, _original=original, **kwargs):
+            _TORCH_CALLS[0] += 1
+            return _original(*args, **kwargs)
+
+        counted._ddp_course_counted = True
+        setattr(cls, name, counted)
+
+
+_watch_torch_sampler()
+
+
 class _TorchSamplerSpy:
-    """A profile hook that notes whether any code of torch's DistributedSampler runs (a subclass, a wrapped
-    instance, a copy of its methods bound before the job: the code object's file tells, not a name)."""
+    """Whether torch's DistributedSampler ran while the student's sampler was used: the counting wrappers above,
+    and a profile hook on code objects (the file tells, whatever name the code was reached by, also after a
+    reload of torch's module)."""
 
     def __init__(self):
-        self.seen = False
+        self._profiled = False
         self._previous = None
+        self._calls = 0
+
+    @property
+    def seen(self) -> bool:
+        return self._profiled or _TORCH_CALLS[0] > self._calls
 
     def _hook(self, frame, event, arg):
         if event == "call" and frame.f_code.co_filename.endswith(_TORCH_SAMPLER_FILE):
-            self.seen = True
+            self._profiled = True
 
     def __enter__(self):
+        self._calls = _TORCH_CALLS[0]
         self._previous = sys.getprofile()
         sys.setprofile(self._hook)
         return self

@@ -8,21 +8,24 @@ process; each must lose exactly the intended test cell's points.
 from __future__ import annotations
 
 import os
+import random
 import re
 import sys
 import time
 
 import cloudpickle
+import numpy as np
 import pytest
 import submissions
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Sampler
 
 import course
 import graders.ex2 as ex2
+import graders.ex2_sampler as ex2s
 from course.checks import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.
@@ -102,34 +105,140 @@ def cleanup_rank0_only():
         dist.destroy_process_group()
 
 
-def make_loader(dataset, rank, world_size, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+class ShardSampler(Sampler):
+    """Right: a torch Generator seeded with seed + epoch, padded by repeating the order's start, every W-th index."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.n = len(dataset)
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.epoch = 0
+        self.per_rank = self.n // num_replicas if drop_last else -(-self.n // num_replicas)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        total = self.per_rank * self.num_replicas
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return iter(order[:total][self.rank::self.num_replicas])
+
+    def __len__(self):
+        return self.per_rank
 
 
-def loader_plain_shuffle(dataset, rank, world_size, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+class NumpyChunkSampler:
+    """Right, another style: no torch Sampler base, numpy's generator, contiguous chunks, np.resize to pad."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.size, self.replicas, self.rank, self.seed, self.drop = len(dataset), num_replicas, rank, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.size // self.replicas if self.drop else -(-self.size // self.replicas)
+
+    def __iter__(self):
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
+        perm = np.resize(perm, len(self) * self.replicas)
+        k = len(self)
+        yield from (int(i) for i in perm[self.rank * k:(self.rank + 1) * k])
 
 
-def loader_drop_last(dataset, rank, world_size, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+class PythonRandomSampler:
+    """Right, another style: random.Random seeded from a string, a generator __iter__, len from the order."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def _order(self):
+        order = list(range(len(self.dataset)))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        if self.drop_last:
+            return order[:len(order) - len(order) % self.num_replicas]
+        return order + order[:(-len(order)) % self.num_replicas]
+
+    def __iter__(self):
+        for position, index in enumerate(self._order()):
+            if position % self.num_replicas == self.rank:
+                yield index
+
+    def __len__(self):
+        return len(self._order()) // self.num_replicas
 
 
-def loader_no_shuffle(dataset, rank, world_size, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+class SamplerIgnoringEpoch(ShardSampler):
+    def set_epoch(self, epoch):
+        pass  # the order never changes
 
 
-def loader_shuffle_twice(dataset, rank, world_size, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, sampler=DistributedSampler(dataset))
+class SamplerWithoutPadding(ShardSampler):
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return iter(order[self.rank::self.num_replicas])
 
 
-def loader_global_batch(dataset, rank, world_size, batch_size):
-    return DataLoader(dataset, batch_size=batch_size // world_size, sampler=DistributedSampler(dataset))
+class SamplerSameShard(ShardSampler):
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return iter((order + order)[:self.per_rank])  # forgets the rank
 
 
-def loader_subset(dataset, rank, world_size, batch_size):  # disjoint and covering, but not padded
-    return DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size=batch_size, shuffle=True)
+class SamplerSeededByRank(ShardSampler):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch + self.rank)  # "different data on every rank"
+        order = torch.randperm(self.n, generator=g).tolist()
+        return iter((order + order)[:self.per_rank * self.num_replicas][self.rank::self.num_replicas])
+
+
+class SamplerGlobalRandom(ShardSampler):
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()  # the process's random state: not deterministic
+        return iter((order + order)[:self.per_rank * self.num_replicas][self.rank::self.num_replicas])
+
+
+class SamplerLenOfDataset(ShardSampler):
+    def __len__(self):
+        return self.n
+
+
+class SamplerIgnoringDropLast(ShardSampler):
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        super().__init__(dataset, num_replicas, rank, seed, False)
+
+
+class SamplerFromTorch(DistributedSampler):
+    """torch's own, under the exercise's name: not the student's."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+
+
+class SamplerWrappingTorchQuietly:
+    """A forgery: switches the grader's profile hook off, then delegates to torch's DistributedSampler."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        sys.setprofile(None)
+        self.inner = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+
+    def set_epoch(self, epoch):
+        sys.setprofile(None)
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        sys.setprofile(None)
+        return iter(list(self.inner))
+
+    def __len__(self):
+        return len(self.inner)
 
 
 def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", reduction="mean", extra_sync=False,
@@ -427,18 +536,61 @@ def test_check_cleanup_judges_a_real_destroy():
     fails(ex2.check_cleanup, cleanup_forged, "still up", "[ranks 0, 1]", "initialize the default process group twice")
 
 
+HIDDEN_SAMPLER = {"world_sizes": (4,), "cases": ((13, 1, False), (10, 2, True), (6, 4, False))}
+SAMPLER_CHECKS = (ex2s.check_sampler_shards, ex2s.check_sampler_order, ex2s.check_sampler_training)
+
+
+def _sampler_fails(sampler, failing: dict):
+    """``sampler`` fails exactly the checks in ``failing`` ({check: words of its message}) and passes the others."""
+    for check in SAMPLER_CHECKS:
+        if check in failing:
+            fails(check, sampler, *failing[check])
+        else:
+            check(sampler)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_check_sampler():
-    ex2.check_sampler(make_loader)
-    ex2.check_sampler(make_loader, world_sizes=(4,), cases=((13, 3), (8, 2)))
-    fails(ex2.check_sampler, loader_plain_shuffle, "every rank reads the whole dataset", "DistributedSampler")
-    fails(ex2.check_sampler, loader_drop_last, "on no rank", "drop_last")
-    fails(ex2.check_sampler, loader_no_shuffle, "not shuffled", "shuffle=True")
-    fails(ex2.check_sampler, loader_shuffle_twice, "mutually exclusive", "no shuffle= for the DataLoader")
-    fails(ex2.check_sampler, loader_global_batch, "batches of the wrong size", "per rank")
-    # 11 samples first: the unequal shards are judged before the order (a per-rank shuffle can repeat an order)
-    fails(ex2.check_sampler, loader_subset, "different numbers of samples", "[6, 5]", "pads", cases=((11, 4),))
+def test_right_samplers_in_three_styles_pass_every_sampler_check():
+    for sampler in (ShardSampler, NumpyChunkSampler, PythonRandomSampler):
+        for check in SAMPLER_CHECKS[:2]:
+            check(sampler)
+            check(sampler, **HIDDEN_SAMPLER)
+        ex2s.check_sampler_training(sampler)
+        ex2s.check_sampler_training(sampler, world_sizes=(3,), n=13, batch_size=2, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_each_sampler_mistake_loses_its_checks_with_a_message_naming_it():
+    _sampler_fails(SamplerIgnoringEpoch, {ex2s.check_sampler_order: ["set_epoch(1) did not change the order",
+                                                                     "not once in __init__"]})
+    _sampler_fails(SamplerLenOfDataset, {ex2s.check_sampler_training: ["len(loader) is not the number of batches",
+                                                                      "__len__ must return"]})
+    _sampler_fails(SamplerIgnoringDropLast, {ex2s.check_sampler_shards: ["drop_last=True", "[6, 6] indices per rank",
+                                                                         "n // num_replicas"]})
+    # a share of the wrong length is also a DDP run whose ranks take different numbers of steps: a hang
+    _sampler_fails(SamplerWithoutPadding, {
+        ex2s.check_sampler_shards: ["do not have the contract's length", "[4, 3] indices per rank", "pad"],
+        ex2s.check_sampler_training: ["different numbers of steps", "waited in DDP's all-reduce", "pad"]})
+    # shares that do not split one permutation train some samples twice and others never
+    _sampler_fails(SamplerSameShard, {ex2s.check_sampler_shards: ["every rank got the same share", "rank argument"],
+                                      ex2s.check_sampler_training: ["never trained on"]})
+    _sampler_fails(SamplerSeededByRank, {ex2s.check_sampler_shards: ["overlap", "never with the rank"],
+                                         ex2s.check_sampler_training: ["never trained on", "not the rank"]})
+    _sampler_fails(SamplerGlobalRandom, {
+        ex2s.check_sampler_shards: ["overlap", "process's random state"],
+        ex2s.check_sampler_order: ["a new sampler with the same seed and epoch yielded other indices",
+                                   "not the global random state"],
+        ex2s.check_sampler_training: ["never trained on"]})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchs_sampler_under_the_exercises_name_scores_nothing():
+    for sampler in (SamplerFromTorch, SamplerWrappingTorchQuietly):
+        for check in SAMPLER_CHECKS:
+            fails(check, sampler, "runs torch's DistributedSampler", "writing the split yourself")
 
 
 @pytest.mark.slow
@@ -545,17 +697,24 @@ WRONG = {
                                      "ex2_test_checkpoint", ["'module.'"]),
     "wrong rank saves": ("ex2_save_checkpoint", "if rank == 0:", "if rank:",
                          "ex2_test_checkpoint", ["instead of rank 0"]),
-    "no barrier after the save": ("ex2_save_checkpoint", "    dist.barrier()\n", "",
+    "no barrier after the save": ("ex2_save_checkpoint", "    dist.barrier()  # every rank: no one goes on before the file is complete", "",
                                   "ex2_test_checkpoint", ["before rank 0's ckpt.pt was complete", "dist.barrier()"]),
     "no DDP wrap": ("ex2_train", 'DDP(model, device_ids=[device.index]) if device.type == "cuda" else DDP(model)',
                     "model", "ex2_test_training", ["different parameters", "DDP(model)"]),
     "no destroy_process_group": ("ex2_cleanup", "dist.destroy_process_group()", "dist.barrier()",
                                  "ex2_test_cleanup", ["still up", "destroy_process_group"]),
-    "shuffle in a plain loader": ("ex2_make_loader", "return DataLoader(dataset, batch_size=batch_size, sampler=sampler)",
-                                  "return DataLoader(dataset, batch_size=batch_size, shuffle=True)",
-                                  "ex2_test_sampler", ["whole dataset"]),
-    "hard-coded world size": ("ex2_setup", "world_size=world_size)", "world_size=2)",
+    "hard-coded world size": ("ex2_setup", "world_size=world_size,", "world_size=2,",
                               "ex2_test_setup", ["rank 2", "hard-code"]),
+    "sampler ignores set_epoch": ("ex2_sampler", "        self.epoch = epoch\n", "        pass\n",
+                                  "ex2_test_sampler_order", ["set_epoch(1) did not change the order"]),
+}
+
+#: mistakes that break two properties, each judged by its own check: (answer, old, new, failing tests, words)
+WRONG_TWICE = {
+    "sampler without padding": ("ex2_sampler", "        while len(order) < wanted:  # pad by repeating the start of the order\n"
+                                "            order += order[:wanted - len(order)]\n", "",
+                                ["ex2_test_sampler_shards", "ex2_test_sampler_training"],
+                                ["do not have the contract's length", "pad"]),
 }
 
 
@@ -565,6 +724,16 @@ WRONG = {
 def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
     grade_id, old, new, failing, words = WRONG[name]
     submissions.assert_loses_exactly(grade_with(tmp_path, grade_id, old, new), A, [failing], words)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(WRONG_TWICE))
+def test_wrong_submission_loses_exactly_the_tests_of_what_it_breaks(tmp_path, name):
+    grade_id, old, new, failing, words = WRONG_TWICE[name]
+    report = grade_with(tmp_path, grade_id, old, new)
+    submissions.assert_loses_exactly(report, A, failing, words)
+    assert "different numbers of steps" in submissions.messages(report)["ex2_test_sampler_training"]
 
 
 @pytest.mark.slow
@@ -587,16 +756,16 @@ def test_collective_inside_rank0_branch_in_training_deadlocks_within_the_bound(t
     train fail as soon as the ranks' collectives show it (not at their deadline), naming the line."""
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     start = time.monotonic()
-    report = grade_with(tmp_path, "ex2_train", "            optimizer.step()\n",
-                        "            optimizer.step()\n"
-                        "            if rank == 0:  # log the global loss\n"
-                        "                dist.all_reduce(loss.detach().clone())\n")
+    report = grade_with(tmp_path, "ex2_train", "            sgd.step()\n",
+                        "            sgd.step()\n"
+                        "            if rank == 0:  # count the steps of all ranks\n"
+                        "                dist.all_reduce(torch.ones(1))\n")
     seconds = time.monotonic() - start
     assert submissions.scores(report) == submissions.losing(A, "ex2_test_training", "ex2_test_set_epoch")
     for test in ("ex2_test_training", "ex2_test_set_epoch"):
         message = submissions.messages(report)[test]
         # found as a deadlock at once: rank 0 in its extra all_reduce, rank 1 already in DDP's next step
         assert "job deadlocked: rank 0 waits in all_reduce" in message, message
-        assert re.search(r"Cell In\[\d+\], line \d+: dist\.all_reduce\(loss\.detach\(\)\.clone\(\)\)", message), message
+        assert re.search(r"Cell In\[\d+\], line \d+: dist\.all_reduce\(torch\.ones\(1\)\)", message), message
         assert "inside `if rank == 0:`" in message
     assert seconds < HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"
