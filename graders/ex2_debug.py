@@ -9,8 +9,8 @@ judges one behaviour, never the lines:
   shuffle, and each epoch gives every sample to some rank;
 * :func:`check_metric`: every accuracy the script logs equals the accuracy, over the whole
   validation set, of the weights the model held when it was logged; and only rank 0 logs: no other
-  rank calls ``log``, prints (its file descriptor 1 goes to a file of the grader's while ``main`` runs)
-  or emits a ``logging`` record (a handler on the root logger);
+  rank calls ``log``, prints (its file descriptor 1 goes to a file of the grader's while ``main`` runs;
+  ``sys.stderr`` is teed, Python's warnings aside) or emits a ``logging`` record (a handler on the root logger);
 * :func:`check_checkpoint`: the file at ``ckpt_path`` loads into the plain model (``strict=True``)
   and holds the trained weights; and only rank 0 writes: no other rank writes any file
   (:func:`course.checks.record_writes`);
@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -151,6 +152,44 @@ class _Stdout:
         return False
 
 
+class _StderrLines:
+    """sys.stderr while the script runs: what it writes goes on to the real stderr and, line by line, into the
+    journal, apart from Python's warnings (``file:line: SomeWarning: ...`` and the source line under it: torch's,
+    not the script's logging). The file descriptor is left alone for the launcher's stack dumps."""
+
+    _WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+    def __init__(self, journal: _Journal):
+        self.journal, self.pending, self.after_warning = journal, "", False
+
+    def __enter__(self):
+        self.real = sys.stderr
+        sys.stderr = self
+        return self
+
+    def __exit__(self, *exc):
+        self.write("\n" if self.pending else "")
+        sys.stderr = self.real
+        return False
+
+    def write(self, text):
+        self.real.write(text)
+        self.pending += str(text)
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            warning = bool(self._WARNING.match(line))
+            if line.strip() and not warning and not (self.after_warning and line.startswith(" ")):
+                self.journal.write({"stderr": line[:200]})
+            self.after_warning = warning
+        return len(text)
+
+    def flush(self):
+        self.real.flush()
+
+    def __getattr__(self, name):  # fileno, encoding, isatty, ...: the real stream's
+        return getattr(self.real, name)
+
+
 def _printed(folder: str, rank: int) -> list[str]:
     try:
         with open(os.path.join(folder, f"rank{rank}.out"), errors="replace") as fh:
@@ -190,7 +229,7 @@ def _harness(rank, main, folder, ckpt_path, n_train, n_val, epochs, seed, hold_l
     logging.getLogger().addHandler(records)
     hold.start()
     try:
-        with _Stdout(os.path.join(folder, f"rank{rank}.out")), checks.record_writes(before):
+        with _Stdout(os.path.join(folder, f"rank{rank}.out")), _StderrLines(journal), checks.record_writes(before):
             main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs)
         seen = file_digest(ckpt_path)  # the checkpoint as this rank finds it the moment main returned
     finally:
@@ -367,7 +406,8 @@ def _only_rank0_logs(check: str, run: _Run) -> None:
     for rank, journal in enumerate(run.journals[1:], start=1):
         calls = [e for e in journal if "log" in e]
         records = [e["logging"] for e in journal if "logging" in e]
-        printed = run.printed[rank] if rank < len(run.printed) else []
+        printed = (run.printed[rank] if rank < len(run.printed) else []) + [e["stderr"] for e in journal
+                                                                             if "stderr" in e]
         if calls:
             found[rank] = f"called log({{'accuracy': ...}}) {len(calls)} time(s)"
         elif records:

@@ -87,6 +87,47 @@ WRONG_FIX = {
 }
 
 
+_LOG_CALL = '        if rank == 0:\n            log({"epoch": epoch, "accuracy": accuracy})\n'
+_SAVE_GUARD = '    if rank == 0:\n        torch.save({'
+
+# the four bugs fixed, then a rule of the course broken: (edits, the checks that must fail, words in the first's message)
+RULE_BREAKS = {
+    "every rank logs": (((_LOG_CALL, '        log({"epoch": epoch, "accuracy": accuracy})\n'),),
+                        ["metric"], ["rank 1 also logged", "only rank 0 logs", "called log(", "`if rank == 0:`"]),
+    "every rank prints the accuracy": (
+        ((_LOG_CALL, _LOG_CALL + '        print(f"epoch {epoch}: accuracy {accuracy:.3f}")\n'),),
+        ["metric"], ["only rank 0 logs", 'printed "epoch 0: accuracy']),
+    "every rank logs through logging": (
+        (("import torch\n", "import logging\n\nimport torch\n"),
+         (_LOG_CALL, _LOG_CALL + '        logging.warning("epoch %d: accuracy %.3f", epoch, accuracy)\n')),
+        ["metric"], ["only rank 0 logs", 'logged "WARNING: epoch 0: accuracy']),
+    "every rank prints to stderr": (
+        (("import torch\n", "import sys\n\nimport torch\n"),
+         (_LOG_CALL, _LOG_CALL + '        print("epoch", epoch, "done", file=sys.stderr)\n')),
+        ["metric"], ["only rank 0 logs", 'printed "epoch 0 done"']),
+    "every rank saves": (((_SAVE_GUARD, '    if True:  # every rank\n        torch.save({'),),
+                         ["checkpoint"], ["also wrote the checkpoint: only rank 0 saves", "ckpt.pt", "`if rank == 0:`"]),
+    "every rank logs and saves": (((_LOG_CALL, '        log({"epoch": epoch, "accuracy": accuracy})\n'),
+                                   (_SAVE_GUARD, '    if True:  # every rank\n        torch.save({')),
+                                  ["metric", "checkpoint"], ["only rank 0 logs"]),
+}
+
+# the four bugs fixed, and logging as the rules allow: all checks pass
+RULE_KEEPING = {
+    "rank 0 prints and logs through logging": (
+        ("import torch\n", "import logging\n\nimport torch\n"),
+        (_LOG_CALL, _LOG_CALL + '            print(f"epoch {epoch}: accuracy {accuracy:.3f}")\n'
+                                '            logging.warning("epoch %d done", epoch)\n'
+                                '        warnings.warn("a warning is not a log line")  # every rank: Python\'s, not logging\n'),
+        ("import logging\n", "import logging\nimport warnings\n")),
+    "rank 0 saves through a temporary file": (
+        ("import torch\n", "import os\n\nimport torch\n"),
+        ('        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()}, ckpt_path)\n',
+         '        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()}, ckpt_path + ".tmp")\n'
+         '        os.replace(ckpt_path + ".tmp", ckpt_path)\n')),
+}
+
+
 def _script(source: str, name: str):
     """``main`` of a script variant, as a module the ranks get by value."""
     module = types.ModuleType(f"debug_variant_{name}")
@@ -193,6 +234,30 @@ def test_wrong_fixes_fail_their_check(name):
             fails(check, main, *words)
         else:
             check(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(RULE_BREAKS))
+def test_a_fix_that_breaks_the_rank0_rules_loses_that_check(name):
+    """The planted bugs fixed, but every rank logs (the log function, print, logging) or saves: check_metric or
+    check_checkpoint fails, naming the rule and the rank; the other checks pass."""
+    edits, failing, words = RULE_BREAKS[name]
+    main = _script(_edit(_fixed(*FIX), *edits), "rules_" + name.replace(" ", "_"))
+    for check_name, check in CHECKS.items():
+        if check_name in failing:
+            fails(check, main, *(words if check_name == failing[0] else ()))
+        else:
+            check(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_logging_and_saving_on_rank0_as_the_rules_allow_pass():
+    main = _script(_edit(_fixed(*FIX), *(e for edits in RULE_KEEPING.values() for e in edits)), "rules_kept")
+    for check in CHECKS.values():
+        check(main)
+        check(main, **HIDDEN)
 
 
 # --- the notebook ---------------------------------------------------------------------------------
