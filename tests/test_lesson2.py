@@ -239,3 +239,41 @@ def test_the_bucket_timeline_shows_all_reduce_overlapping_backward(nb):
     assert first and sum(int(re.search(r"\((\d+) values\)", b).group(1)) for b in first) == 6 * layer, first
     overlap = [float(ms) for _, ms in rows(r"^rank (\d): ([\d.]+) ms of all-reduce ran while backward", text)]
     assert len(overlap) == 2 and all(ms > 0 for ms in overlap), text
+
+
+# --- predict, then run: each answer states what the next cell computes live --------------------------------
+
+
+def _answer(nb, question: str) -> str:
+    """The folded answer of the quick-check question whose markdown holds ``question``, on one line."""
+    [cell] = [c for c in nb.cells if c.cell_type == "markdown" and question in c.source]
+    found = re.search(r"<details><summary>Answer</summary>(.*?)</details>", cell.source, re.S)
+    assert found, cell.source
+    return " ".join(re.sub(r"</?code>", "", found.group(1)).split())
+
+
+def test_predict_then_run_the_shards_of_an_uneven_dataset(nb):
+    answer = _answer(nb, "**Question 1.**")
+    text = output_of(nb, "run_ranks(predict_shards")
+    assert world_sizes(text) == [3]
+    live = {int(r): (ast.literal_eval(p), ast.literal_eval(d)) for r, p, d in
+            rows(r"7 samples on 3 ranks, rank (\d+): padded (\[.*?\]), drop_last=True (\[.*?\])", text)}
+    stated = [ast.literal_eval(s) for s in re.findall(r"\[[\d, ]+\]", answer)]
+    assert stated == [live[r][0] for r in range(3)] + [live[r][1] for r in range(3)], (stated, live)
+    unseen = sorted(set(range(7)) - {i for r in range(3) for i in live[r][1]})
+    assert f"index {', '.join(map(str, unseen))} is not seen this epoch" in answer
+
+
+def test_predict_then_run_what_batch_size_means_per_rank(nb):
+    answer = _answer(nb, "**Question 2.**")
+    text = output_of(nb, "run_ranks(predict_batches")
+    [ws] = world_sizes(text)
+    per_rank = [(int(steps), ast.literal_eval(sizes)) for _, steps, sizes in
+                rows(r"100 samples, batch_size=8, rank (\d+): (\d+) steps, batch sizes (\[.*?\])", text)]
+    assert len(per_rank) == ws == 4 and len({(s, tuple(b)) for s, b in per_rank}) == 1
+    steps, sizes = per_rank[0]
+    assert steps == len(sizes) and sum(sizes) == 100 // ws
+    stated = f"{steps} steps per rank in batches of {', '.join(map(str, sizes[:-1]))} and {sizes[-1]}"
+    assert stated in answer, (stated, answer)
+    (full, last), = rows(r"the global batch\): (\d+); in the last step: (\d+)", text)
+    assert f"{ws} x {sizes[0]} = {full} samples over all ranks" in answer and f"the last step only {last}" in answer
