@@ -257,7 +257,7 @@ def _judge_shards(check, shares, n, drop_last, world_size, where, epoch) -> None
                              "every rank must shuffle with the same permutation (a generator seeded with seed + "
                              "epoch, never with the rank or the process's random state), then take a disjoint part")
         raise CheckFailed(check, problem, ranks=sorted({r for i in repeated for r in counts[i]}),
-                          expected=f"each index on one rank" + (f" (only the {padding} padding indices repeat)"
+                          expected="each index on one rank" + (f" (only the {padding} padding indices repeat)"
                                                                 if padding else ""),
                           got=f"{extra} extra repeats, e.g. indices {repeated[:8]} on several ranks", hint=hint)
     if not drop_last:
@@ -337,7 +337,7 @@ def check_sampler_training(ShardSampler, *, world_sizes=(2,), n=9, batch_size=2,
     checks.require_written(check, ShardSampler=ShardSampler)
     mistakes = [Mistake(lambda rank, text: checks.stranded(text),
                         "the ranks took different numbers of steps: rank {rank} waited in DDP's all-reduce for a "
-                        "step the others never took ({ws}-rank job, %d samples, batch_size=%d)" % (n, batch_size),
+                        "step the others never took ({ws}-rank job, " + f"{n} samples, batch_size={batch_size})",
                         "every rank's share must have the same length (pad with drop_last=False): DDP all-reduces "
                         "the gradients of every step, so a rank with one more batch waits forever")]
     for world_size in world_sizes:
