@@ -1,7 +1,7 @@
 """The course's own checks: one module per exercise (``graders.ex1`` ... ``graders.ex4``), written on
 the check API :mod:`course.checks`.
 
-How it works: a test cell calls a check as ``graders.ex2.check_sampler(make_loader)``; the grader
+How it works: a test cell calls a check as ``graders.ex2_sampler.check_sampler_shards(ShardSampler)``; the grader
 re-runs exactly such calls in its trusted verifier (:mod:`course.grading.checkcalls`). A check makes
 sure the answer is written, runs a harness on real ranks with :func:`course.checks.run` (known
 mistakes named there), and compares what the ranks observed with a single-process reference.

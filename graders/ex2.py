@@ -1,14 +1,13 @@
 """Checks for exercise 2, DDP basics (exercises/ex2-ddp-basics/ddp_basics.ipynb).
 
-The student writes six small functions; each check runs one of them as real ranks and judges what
+The student writes five small functions and a sampler class; each check runs one of them as real ranks and judges what
 happened, never what the student's process says about itself:
 
 * ``setup(rank, world_size)`` joins the job (:func:`check_setup`: a collective through the real
   default group shows every rank in one group of the job's backend, as its own rank);
 * ``cleanup()`` leaves it (:func:`check_cleanup`: a new process group can be made afterwards,
   which torch allows only once the old one is really destroyed);
-* ``make_loader(dataset, rank, world_size, batch_size)`` -> a DataLoader over this rank's
-  DistributedSampler shard (:func:`check_sampler`: what the loader yields, two epochs);
+* ``ShardSampler``, a distributed sampler of the student's own, has its checks in :mod:`graders.ex2_sampler`;
 * ``train(rank, model, loader, epochs, lr)`` -> the DDP model, trained with SGD on mean-squared
   error, calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
   :func:`check_set_epoch`: what reached the model before each optimizer step, and the weights);
@@ -35,7 +34,6 @@ from graders.ex2_model import (
     _checkpoint_harness,
     _cleanup_harness,
     _reference,
-    _sampler_harness,
     _setup_harness,
     _train_harness,
     file_digest,
@@ -119,83 +117,6 @@ def check_cleanup(cleanup, *, world_sizes=(2, 3)):
                               ranks=broken, got=job.values[broken[0]].get("error"),
                               hint="cleanup() should only call dist.destroy_process_group()")
     passed(check)
-
-
-# --- the data loader ---------------------------------------------------------------------------
-
-
-def check_sampler(make_loader, *, world_sizes=(2, 3), cases=((10, 2), (11, 4))):
-    """Each epoch the ranks' shards are disjoint, cover the dataset and are padded to equal size;
-    batches hold batch_size samples per rank; set_epoch reshuffles. ``cases``: (dataset size, batch size)."""
-    check = "check_sampler"
-    checks.require_written(check, make_loader=make_loader)
-    hints = [_HARD_CODED, ("Invalid rank", "DistributedSampler(dataset, num_replicas=world_size, rank=rank): "
-                                           "use the arguments, not fixed numbers"),
-             ("mutually exclusive with shuffle", "the sampler does the shuffling: DistributedSampler(..., "
-                                                 "shuffle=True) and no shuffle= for the DataLoader")]
-    for world_size in world_sizes:
-        job = checks.run(check, _sampler_harness, world_size, args=(make_loader, [tuple(c) for c in cases]),
-                          hints=hints)
-        for i, (n, batch_size) in enumerate(cases):
-            _judge_loader(check, [job.values[r][i] for r in range(world_size)], n, batch_size, world_size)
-    passed(check)
-
-
-def _judge_loader(check, per_rank, n, batch_size, world_size):
-    where = f"{n} samples, batch_size={batch_size}, world_size={world_size}"
-    per_rank_n = math.ceil(n / world_size)
-    for epoch in (0, 1):
-        samples = [[i for b in obs["epochs"][epoch] for i in b] for obs in per_rank]
-        everything = [r for r, s in enumerate(samples) if len(set(s)) == n and world_size > 1]
-        if everything:
-            raise CheckFailed(check, f"every rank reads the whole dataset ({where})", ranks=everything,
-                              expected=f"{per_rank_n} samples per rank (1/{world_size} of the data)",
-                              got=f"{[len(s) for s in samples]} samples per rank",
-                              hint="give the DataLoader sampler=DistributedSampler(dataset, num_replicas=world_size, "
-                              "rank=rank, shuffle=True); shuffle=True on a plain DataLoader shuffles but does not split")
-        counts: dict[int, list[int]] = {}
-        for rank, s in enumerate(samples):
-            for i in s:
-                counts.setdefault(i, []).append(rank)
-        padding = per_rank_n * world_size - n
-        repeats = sum(len(r) - 1 for r in counts.values())
-        if repeats > padding:
-            shared = sorted(i for i, r in counts.items() if len(set(r)) > 1)
-            raise CheckFailed(check, f"the ranks' shards overlap in epoch {epoch} ({where})",
-                              ranks=sorted({r for i in shared for r in counts[i]}),
-                              expected=f"each sample on one rank (only the {padding} padding sample(s) repeat)",
-                              got=f"samples {shared[:10]} on several ranks",
-                              hint="one DistributedSampler per rank with num_replicas=world_size and its own rank")
-        missing = sorted(set(range(n)) - set(counts))
-        if missing:
-            raise CheckFailed(check, f"{len(missing)} sample(s) are on no rank in epoch {epoch} ({where})",
-                              expected=f"all {n} samples", got=f"samples {missing} missing",
-                              hint="keep DistributedSampler's default drop_last=False (and the DataLoader's): "
-                              "it pads the last shard instead of dropping samples")
-        sizes = [len(s) for s in samples]
-        if set(sizes) != {per_rank_n}:
-            raise CheckFailed(check, f"the ranks get different numbers of samples ({where})",
-                              ranks=[r for r, k in enumerate(sizes) if k != per_rank_n],
-                              expected=f"{per_rank_n} on every rank (ceil({n}/{world_size}), padded)",
-                              got=f"{sizes}",
-                              hint="use DistributedSampler: it pads so every rank takes the same number of steps "
-                              "(with unequal steps DDP waits forever for the rank that stopped)")
-        for rank, obs in enumerate(per_rank):
-            bad = [len(b) for b in obs["epochs"][epoch][:-1] if len(b) != batch_size]
-            last = obs["epochs"][epoch][-1:] or [[]]
-            if bad or len(last[0]) > batch_size:
-                raise CheckFailed(check, f"batches of the wrong size ({where})", ranks=[rank],
-                                  expected=f"batches of batch_size={batch_size} samples on each rank",
-                                  got=f"batch sizes {[len(b) for b in obs['epochs'][epoch]]}",
-                                  hint="DataLoader(dataset, batch_size=batch_size, sampler=sampler): "
-                                  "batch_size is per rank, not divided or multiplied by world_size")
-    unshuffled = [list(range(r, per_rank_n * world_size, world_size)) for r in range(world_size)]
-    orders = [[[i for b in obs["epochs"][e] for i in b] for e in (0, 1)] for obs in per_rank]
-    if all(o[0] == o[1] for o in orders) or all([x % n for x in o[0]] == [x % n for x in u]
-                                                    for o, u in zip(orders, unshuffled)):
-        raise CheckFailed(check, f"the samples are not shuffled ({where})", ranks=range(world_size),
-                          expected="a new order after sampler.set_epoch(1)", got="the same order in both epochs",
-                          hint="DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)")
 
 
 # --- training ----------------------------------------------------------------------------------

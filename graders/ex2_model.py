@@ -117,23 +117,6 @@ def _cleanup_harness(rank, cleanup, store_dir):
     return obs
 
 
-def _sampler_harness(rank, make_loader, cases):
-    checks.join_job()
-    world_size = dist.get_world_size()
-    out = []
-    for n, batch_size in cases:
-        loader = make_loader(IndexDataset(n), rank, world_size, batch_size)
-        sampler = getattr(loader, "sampler", None)
-        epochs = []
-        for epoch in (0, 1):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            epochs.append([torch.as_tensor(b).reshape(-1).tolist() for b in loader])
-        out.append({"loader": type(loader).__name__, "sampler": type(sampler).__name__,
-                    "has_set_epoch": hasattr(sampler, "set_epoch"), "epochs": epochs})
-    return out
-
-
 def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
     """Train with the student's train(); observe what reached the model and what each optimizer step used.
 

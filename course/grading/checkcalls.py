@@ -1,4 +1,4 @@
-"""Read a test cell as the check calls it makes: ``graders.ex2.check_sampler(make_loader)``.
+"""Read a test cell as the check calls it makes: ``graders.ex2.check_training(train)``.
 
 A test cell the grader can re-run on its own is a sequence of calls to
 ``graders.<module>.check_<name>(...)`` (or another package of :func:`check_packages`)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from course.envnames import CHECK_PACKAGES_ENV
 from course.grading.cells import HIDDEN_BEGIN, HIDDEN_END
 
-#: an argument: ("name", "make_loader") or ("value", 3)
+#: an argument: ("name", "train") or ("value", 3)
 Arg = tuple[str, object]
 
 
@@ -43,7 +43,7 @@ USES_PREFIX = "# (the grader runs this cell's checks itself; they use: "
 @dataclass(frozen=True)
 class CheckCall:
     module: str  # "graders.ex2"
-    function: str  # "check_sampler"
+    function: str  # "check_training"
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...]
     #: the call sits inside a ``### BEGIN HIDDEN TESTS`` region
