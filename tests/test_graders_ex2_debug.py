@@ -107,6 +107,11 @@ RULE_BREAKS = {
         ["metric"], ["only rank 0 logs", 'printed "epoch 0 done"']),
     "every rank saves": (((_SAVE_GUARD, '    if True:  # every rank\n        torch.save({'),),
                          ["checkpoint"], ["also wrote the checkpoint: only rank 0 saves", "ckpt.pt", "`if rank == 0:`"]),
+    "the other ranks keep copies beside it": (
+        (("    dist.barrier()  # the other ranks", "    if rank != 0:  # a spare copy, just in case\n"
+          '        torch.save(ddp_model.module.state_dict(), f"{ckpt_path}.rank{rank}")\n'
+          "    dist.barrier()  # the other ranks"),),
+        ["checkpoint"], ["rank 1 also wrote a file: only rank 0 saves", "ckpt.pt.rank1"]),
     "every rank logs and saves": (((_LOG_CALL, '        log({"epoch": epoch, "accuracy": accuracy})\n'),
                                    (_SAVE_GUARD, '    if True:  # every rank\n        torch.save({')),
                                   ["metric", "checkpoint"], ["only rank 0 logs"]),
