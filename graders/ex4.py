@@ -21,6 +21,7 @@ restarted ``--standalone`` job failing in "Gloo connectFullMesh").
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 
@@ -83,10 +84,29 @@ def expected_weights(world_size: int, ranks: tuple[int, ...] | None = None) -> d
 # --------------------------------------------------------------------------- the checks
 
 
+def _top_level_stub(source: str) -> bool:
+    """Whether the script still holds nbgrader's stub at module level: the released cell's bare
+    ``raise NotImplementedError()`` where the student writes the whole script."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False  # require_written_source reports it
+    for node in tree.body:
+        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and not node.exc.args
+                and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "NotImplementedError"):
+            return True
+    return False
+
+
 def _run_script(script: str, scenario: torchrun.Scenario, check: str, **kwargs) -> torchrun.Run:
-    """:func:`torchrun.run_script`, once train.py is written (its ``main`` no longer nbgrader's stub)."""
+    """:func:`torchrun.run_script`, once train.py is written (no nbgrader stub left in it, nor in a ``main``)."""
     def vet(source: str) -> None:
         checks.require_written_source(check, source, "train.py", names=("main",))
+        if _top_level_stub(source):
+            raise CheckFailed(check, "train.py is not written yet: the script still runs nbgrader's "
+                              "`raise NotImplementedError()`",
+                              hint="write the script below `# ---- yours ----` to the specification (replace "
+                              "`raise NotImplementedError()`), run that cell, then this one")
 
     return torchrun.run_script(script, scenario, check, vet=vet, **kwargs)
 
@@ -119,7 +139,8 @@ def _check_reports(check: str, run: torchrun.Run, world_size: int) -> None:
             check,
             f"{rank_list([w.rank for w in missing])} wrote no report",
             ranks=[w.rank for w in missing],
-            hint="call report(args.out, rank, local_rank, world_size) on every rank, early in main()",
+            hint="every worker writes OUT/report-<its pid>.json early, before anything that could fail or wait on "
+            "the other workers",
         )
     if mistakes:
         first = mistakes[0]
@@ -221,7 +242,7 @@ def check_checkpoint_rank0(script: str = "train.py") -> None:
         + ("" if run.ckpt_exists else ", and there is no file at --ckpt at the end"),
         ranks=[0],
         expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {EPOCHS} writes)",
-        hint="call save_checkpoint(state, args.ckpt) at the end of each epoch, on rank 0",
+        hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
     )
     passed(check)
 
@@ -329,8 +350,9 @@ def check_ddp_training(script: str = "train.py") -> None:
         hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
                 "averaged. Wrap the model in DDP and call backward through ddp_model"
                 if alone is not None and alone <= ATOL else
-                "train as the given code does: DDP(model), SGD(lr=LR, momentum=MOMENTUM), get_batch(rank, "
-                "epoch, step) for every epoch and step, mse_loss, and no change to the given functions")
+                "train as the specification says: the given model in DDP, make_optimizer's optimizer, "
+                "get_batch(rank, epoch, step) for every epoch and step, loss_fn, one optimizer step per batch, "
+                "and no change to the given functions")
         raise CheckFailed(
             check,
             f"rank 0's final weights differ from an uninterrupted {world_size}-rank DDP run (max |diff| {diff:.3g})",

@@ -96,9 +96,13 @@ def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     stub.write_text(source[:main_at] + "def main():\n    # YOUR CODE HERE\n    raise NotImplementedError()\n")
     broken = tmp_path / "broken.py"
     broken.write_text(source.replace("def main():", "def main()", 1))
+    released = tmp_path / "released.py"  # the student's copy: the given part, then nbgrader's stub at module level
+    given = source[:source.index("# ---- yours ----\n") + len("# ---- yours ----\n")]
+    released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n")
     start = time.monotonic()
     for check in (ex4.check_standalone_ranks, ex4.check_restart_resume, ex4.check_destroy):
         fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()")
+        fails(check, str(released), "train.py is not written yet", "raise NotImplementedError()")
         fails(check, str(broken), "does not compile", "line")
         fails(check, str(tmp_path / "missing.py"), "there is no training script", "%%writefile")
     assert time.monotonic() - start < 5
@@ -168,7 +172,7 @@ def test_check_destroy_sees_the_default_group_left_not_a_call(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys):
-    script = write_script(tmp_path, ('start_epoch = ckpt["epoch"] + 1', 'start_epoch = ckpt["epoch"]'))
+    script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
     run = ex4.try_restart(script, crash_rank=0, crash_step=3)
     out = capsys.readouterr().out
     assert run.crash == (0, 3)
@@ -197,7 +201,7 @@ def test_check_atomic_checkpoint_wants_the_temporary_file_next_to_the_checkpoint
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
-    script = write_script(tmp_path, ('start_epoch = ckpt["epoch"] + 1', 'start_epoch = ckpt["epoch"]'))
+    script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
     fails(ex4.check_restart_resume, script, "final weights differ from an uninterrupted 2-rank run",
           "trained 6 steps, not 4", "off by one")
     ex4.check_standalone_ranks(script)
@@ -206,7 +210,7 @@ def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
-    script = write_script(tmp_path, ('        optimizer.load_state_dict(ckpt["optimizer"])\n', ""))
+    script = write_script(tmp_path, ('        optimizer.load_state_dict(saved["optimizer"])\n', ""))
     fails(ex4.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
 
 
@@ -409,3 +413,161 @@ def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
     report = submissions.grade_edited(A, tmp_path, *[(SCRIPT_CELL, old, new) for old, new in edits])
     submissions.assert_loses_exactly(report, A, failing, words)
 
+# ---- appended to tests/test_graders_ex4.py
+# --- right answers in other styles: full marks --------------------------------------------------
+
+#: pytorch/examples' ddp-tutorial-series (multigpu_torchrun.py) style: a Trainer class with a snapshot, the global
+#: rank from the process group, a NamedTemporaryFile renamed into place, the next epoch stored instead of the last
+TUTORIAL_TRAINER = '''
+import argparse
+import json
+import os
+import tempfile
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def ddp_setup():
+    dist.init_process_group(backend="gloo")
+
+
+class Trainer:
+    def __init__(self, snapshot_path, out_dir):
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.global_rank = dist.get_rank()
+        self.model = make_model()
+        self.optimizer = make_optimizer(self.model)
+        self.snapshot_path = snapshot_path
+        self.out_dir = out_dir
+        self.epochs_run = 0
+        if os.path.exists(snapshot_path):
+            self._load_snapshot()
+        self.model = DDP(self.model)
+
+    def _load_snapshot(self):
+        snapshot = torch.load(self.snapshot_path, map_location="cpu")
+        self.model.load_state_dict(snapshot["MODEL_STATE"])
+        self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+
+    def _save_snapshot(self, epoch):
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(),
+                    "OPTIMIZER_STATE": self.optimizer.state_dict(), "EPOCHS_RUN": epoch + 1}
+        folder = os.path.dirname(os.path.abspath(self.snapshot_path))
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
+            torch.save(snapshot, f)
+        os.replace(f.name, self.snapshot_path)
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        loss_fn(self.model(source), targets).backward()
+        self.optimizer.step()
+
+    def train(self):
+        for epoch in range(self.epochs_run, EPOCHS):
+            for step in range(STEPS_PER_EPOCH):
+                self._run_batch(*get_batch(self.global_rank, epoch, step))
+            if self.global_rank == 0:
+                self._save_snapshot(epoch)
+        if self.global_rank == 0:
+            torch.save(self.model.module.state_dict(), os.path.join(self.out_dir, "final.pt"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="ex4 in the tutorial's style")
+    parser.add_argument("--out")
+    parser.add_argument("--ckpt")
+    args = parser.parse_args()
+    ddp_setup()
+    trainer = Trainer(args.ckpt, args.out)
+    with open(os.path.join(args.out, "report-%d.json" % os.getpid()), "w") as f:
+        json.dump({"rank": trainer.global_rank, "local_rank": trainer.local_rank,
+                   "world_size": dist.get_world_size()}, f)
+    trainer.train()
+    dist.destroy_process_group()
+'''
+
+#: pathlib and a helper object: the state serialised in memory, written next to the checkpoint and moved with
+#: Path.replace; the count of finished epochs stored; the report written after joining the group
+PATHLIB_CHECKPOINTER = '''
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass
+class Checkpointer:
+    path: Path
+
+    def load(self, model, optimizer):
+        if not self.path.is_file():
+            return 0
+        blob = torch.load(self.path, map_location=torch.device("cpu"), weights_only=True)
+        model.load_state_dict(blob["weights"])
+        optimizer.load_state_dict(blob["optim"])
+        return blob["epochs_done"]
+
+    def save(self, model, optimizer, epochs_done):
+        buffer = io.BytesIO()
+        torch.save({"weights": model.state_dict(), "optim": optimizer.state_dict(), "epochs_done": epochs_done},
+                   buffer)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_bytes(buffer.getvalue())
+        partial.replace(self.path)
+
+
+def parse(argv):
+    opts = dict(zip(argv[::2], argv[1::2]))
+    return Path(opts["--out"]), Path(opts["--ckpt"])
+
+
+out, ckpt = parse(sys.argv[1:])
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+local_rank = int(os.environ["LOCAL_RANK"])
+(out / f"report-{os.getpid()}.json").write_text(
+    json.dumps({"rank": rank, "local_rank": local_rank, "world_size": world_size}))
+
+net = make_model()
+opt = make_optimizer(net)
+checkpointer = Checkpointer(ckpt)
+done = checkpointer.load(net, opt)
+ddp_net = DistributedDataParallel(net)
+net.train()
+while done < EPOCHS:
+    for step in range(STEPS_PER_EPOCH):
+        inputs, targets = get_batch(rank, done, step)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp_net(inputs), targets).backward()
+        opt.step()
+    done += 1
+    if rank == 0:
+        checkpointer.save(net, opt, done)
+if rank == 0:
+    torch.save(net.state_dict(), out / "final.pt")
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def other_style(body: str) -> str:
+    """The answer cell: the given part of train.py, then ``body`` as the student's part."""
+    source = script_source()
+    given = source[:source.index("# ---- yours ----\n") + len("# ---- yours ----\n")]
+    return "%%writefile train.py\n" + given + body.lstrip("\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("body", [TUTORIAL_TRAINER, PATHLIB_CHECKPOINTER], ids=["tutorial-trainer", "pathlib-checkpointer"])
+def test_a_right_script_in_another_style_scores_full_marks(tmp_path, body):
+    nb = submissions.replace_answer(submissions.load(A), SCRIPT_CELL, other_style(body))
+    report = submissions.grade(submissions.write(nb, tmp_path, A))
+    assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
