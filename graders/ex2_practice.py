@@ -55,6 +55,8 @@ from graders.ex2_practice_model import (
     _second_case,
     _uneven_harness,
     _uneven_reference,
+    loss_weights,
+    micro_count,
     save_from_gpu,
 )
 
@@ -214,11 +216,14 @@ def _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed
 
 def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
     """Each call of accumulate_step takes one optimizer step; afterwards the ranks hold bitwise the same
-    weights, equal (1e-6) to one process stepping on the mean loss over all ranks' micro-batches."""
+    weights, equal (1e-6) to one process stepping on the mean loss over all the samples of all ranks'
+    micro-batches. The micro-batches have unequal sizes and their number changes from call to call
+    (k, k + 1, ...): only a loss weighted by each micro-batch's share of the samples gives that step."""
     check = "check_accumulation"
     checks.require_written(check, accumulate_step=accumulate_step)
     obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
-    where = f"{world_size} ranks, {k} micro-batches per step, {steps} calls"
+    counts = [micro_count(k, step) for step in range(steps)]
+    where = f"{world_size} ranks, {' then '.join(map(str, counts))} micro-batches of unequal sizes, {steps} calls"
     stepped = [[c["steps"] for c in o["calls"]] for o in obs]
     off = [r for r, s in enumerate(stepped) if s != [1] * steps]
     if off:
@@ -226,7 +231,7 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
         raise CheckFailed(check, f"accumulate_step did not take exactly one optimizer step per call ({where})",
                           ranks=off, expected=f"optimizer.step() once per call: {[1] * steps}",
                           got=f"optimizer steps per call on rank {off[0]}: {stepped[off[0]]}",
-                          hint=(f"step once, after all {k} backward passes: the gradients of the micro-batches add up "
+                          hint=("step once, after all the backward passes: the gradients of the micro-batches add up "
                                 "in .grad until then" if many else
                                 "call optimizer.step() on the optimizer you were given, once, after the last backward"))
     states = [o["state"] for o in obs]
@@ -235,16 +240,22 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
                           "does DDP all-reduce the accumulated gradients (no_sync() skips it)")
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     if _diff(states[0], reference) > ATOL:
-        guesses = [(dict(scale=k), f"the step is {k} x too large: divide each micro-batch's loss by {k} (the number "
-                                   "of micro-batches), so the accumulated gradient is the mean, not the sum"),
+        guesses = [(dict(mode="count"), "each micro-batch counted as much as the others: dividing each loss by the "
+                                        "number of micro-batches is right only when they are equally large; here a "
+                                        "sample of a small micro-batch weighs more than one of a large one. Weight "
+                                        "each micro-batch's mean loss by its share of this rank's samples"),
+                   (dict(mode="none"), "the accumulated gradient is the sum of the micro-batches' mean gradients, "
+                                       "several times the mean over the samples: weight each micro-batch's mean "
+                                       "loss by its share of this rank's samples"),
                    (dict(zero_grad=False), "the gradients of the previous call were still in .grad: call "
                                            "optimizer.zero_grad() once per call (before the first backward or after "
                                            "the step)")]
         hint = next((h for kw, h in guesses if _diff(states[0],
                      _accumulate_reference(world_size, k, size, steps, lr, seed, **kw)) <= ATOL),
-                    f"for each of the {k} micro-batches: loss = F.mse_loss(ddp_model(x), y) / {k}; loss.backward(); "
-                    "then one optimizer.step() and optimizer.zero_grad()")
-        raise CheckFailed(check, f"the weights differ from one process's step on all the micro-batches ({where})",
+                    "the step must be the one a single process takes on the mean loss over all the samples of the "
+                    "call (every micro-batch of every rank): weight each micro-batch's loss by its size, step once, "
+                    "and leave no gradient behind")
+        raise CheckFailed(check, f"the weights differ from one process's step on all the samples ({where})",
                           ranks=range(world_size), expected="the same weights within 1e-6",
                           got=f"max difference {_diff(states[0], reference):.3g}", hint=hint)
     passed(check)
@@ -252,33 +263,34 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
 
 def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
     """Each call of accumulate_step all-reduces the gradients once, in the backward of the last micro-batch
-    (the first k-1 run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
+    (the others run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
     bucket the call issued, the grader's communication hook says in which backward, what that all-reduce
-    carried must be the sum of all k micro-batches' gradients, and no other collective may carry them."""
+    carried must be the accumulation of all the call's micro-batches' gradients (however each loss was
+    weighted: check_accumulation judges that), and no other collective may carry them."""
     check = "check_no_sync"
     checks.require_written(check, accumulate_step=accumulate_step)
     obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
-    where = f"{world_size} ranks, {k} micro-batches per step"
+    where = f"{world_size} ranks, {k} then {k + 1} micro-batches per step"
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     right = all(_diff(o["state"], reference) <= ATOL for o in obs)
     weights = ("the weights are right (check_accumulation judges them); only the communication is wasted"
                if right else "check_accumulation's message says what is wrong with the weights")
     for rank, o in enumerate(obs):
         for call, c in enumerate(o["calls"]):
-            synced, forwards = c["synced_at"], c["forwards"]
+            synced, forwards, m = c["synced_at"], c["forwards"], micro_count(k, call)
             # how many all-reduces of the gradients: what the process group issued, where the flight
             # recorder says (the hook's record, in the student's reach, only says in which backward)
             count = len(synced) if c["all_reduces"] is None else c["all_reduces"]
             if count == 1 and synced == [forwards] and forwards >= 1:
                 _judge_carried(check, rank, call, c, _accumulated(c, seed, rank, call, k, size), where,
-                               world_size, k, weights)
+                               world_size, weights)
                 continue
             got = (f"call {call + 1}: {count} all-reduce(s) of the gradients; DDP's hook saw them in the backward "
                    f"passes after forwards {synced} of {forwards}" if count else f"call {call + 1}: no gradient all-reduce in "
                    f"{forwards} forwards and their backward passes")
             if count > 1:
                 problem = f"DDP all-reduced the gradients {count} times in one accumulate_step ({where})"
-                hint = (f"run the first {k - 1} micro-batches (forward and backward) inside `with "
+                hint = (f"run every micro-batch but the last ({m - 1} of {m} here; forward and backward) inside `with "
                         f"ddp_model.no_sync():` and only the last outside it; {weights}")
             elif count == 0 or not synced:
                 problem = f"DDP never all-reduced the gradients in one accumulate_step ({where})"
@@ -288,26 +300,31 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                 problem = f"DDP all-reduced the gradients before the last micro-batch ({where})"
                 hint = _EARLY_SYNC
             raise CheckFailed(check, problem, ranks=[rank],
-                              expected=f"1 all-reduce per call, in the backward of micro-batch {k} of {k}",
+                              expected=f"1 all-reduce per call, in the backward of micro-batch {m} of {m}",
                               got=got, hint=hint)
     passed(check)
 
 
 _EARLY_SYNC = ("sync in the last micro-batch, not an earlier one: the gradients added after the all-reduce stay on "
-               "their rank; use no_sync() for the first k-1 micro-batches")
+               "their rank; use no_sync() for every micro-batch but the last")
 
 
-def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weights):
-    """The call's one gradient all-reduce carried what `.grad` held after all k backward passes (each
-    micro-batch's loss divided by k or not; averaged before the all-reduce or not), and no other
-    collective carried the gradients."""
-    held, sums = accumulated
+_MODES = ("share", "count", "none")  # how a micro-batch's loss may have been weighted (loss_weights)
 
-    def after(j, divided):  # what .grad holds after micro-batch j + 1, as one flat tensor
-        return torch.cat([(held[n] + sums[j][n] / (k if divided else 1)).reshape(-1) for n in held])
+
+def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights):
+    """The call's one gradient all-reduce carried what `.grad` held after all the call's backward passes (each
+    micro-batch's loss weighted by its share of the samples, by 1 / their number, or not at all; averaged
+    before the all-reduce or not), and no other collective carried the gradients."""
+    held, grads, sizes = accumulated
+    k = len(grads)
+
+    def after(j, mode):  # what .grad holds after micro-batch j + 1, as one flat tensor
+        w = loss_weights(sizes, mode)
+        return torch.cat([(held[n] + sum(w[i] * grads[i][n] for i in range(j + 1))).reshape(-1) for n in held])
 
     def carries(values, j):
-        return any(comm_spy.holds(values, after(j, d), (1.0, 1 / world_size), exactly=True) for d in (True, False))
+        return any(comm_spy.holds(values, after(j, m), (1.0, 1 / world_size), exactly=True) for m in _MODES)
 
     numel = sum(t.numel() for t in held.values())
     bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == numel]
@@ -326,10 +343,10 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weig
                           "micro-batches' gradients (this rank's), in the backward of the last one",
                           got=(f"it carried the gradients of micro-batches 1 to {early[0]} only" if early else
                                "it carried other values than this rank's accumulated gradients"),
-                          hint=_EARLY_SYNC if early else "accumulate the k micro-batches' gradients in .grad (no "
+                          hint=_EARLY_SYNC if early else "accumulate the micro-batches' gradients in .grad (no "
                           "zero_grad() between them, no change to .grad by hand) and let the last backward sync")
-    mine = [(held[n] + sums[j][n] / d).reshape(-1) for j in range(k) for n in held for d in (1, k)
-            if held[n].numel() >= 8]
+    mine = [(held[n] + sum(w[i] * grads[i][n] for i in range(j + 1))).reshape(-1) for j in range(k) for n in held
+            for w in (loss_weights(sizes, m) for m in _MODES) if held[n].numel() >= 8]
     others = Counter(r["op"] for r in c["carried"] if r is not bucket[0] and r["op"] in comm_spy.SENDS and any(
         comm_spy.holds(v, g, (1.0, 1 / world_size), exactly=False) for v in r["values"] for g in mine))
     if others:

@@ -264,51 +264,57 @@ def test_check_evaluate_catches_samples_evaluated_around_the_model():
 
 def accumulate_step(ddp_model, optimizer, micro_batches):
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         if i < k - 1:
             with ddp_model.no_sync():
-                (F.mse_loss(ddp_model(x), y) / k).backward()
+                (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
         else:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def accumulate_docs_style(ddp_model, optimizer, micro_batches):
     """Right, the idiom of DDP's no_sync() documentation: one `with` around the first k-1 micro-batches;
-    the gradients divided after the backward passes instead of the losses before; zero_grad first."""
+    summed losses, and the gradients divided once by the number of values after the backward passes;
+    zero_grad first."""
     optimizer.zero_grad(set_to_none=True)
     *first, last = micro_batches
     with ddp_model.no_sync():
         for x, y in first:
-            F.mse_loss(ddp_model(x), y).backward()  # no synchronization, accumulate grads
-    F.mse_loss(ddp_model(last[0]), last[1]).backward()  # synchronize grads
+            F.mse_loss(ddp_model(x), y, reduction="sum").backward()  # no synchronization, accumulate grads
+    F.mse_loss(ddp_model(last[0]), last[1], reduction="sum").backward()  # synchronize grads
+    values = sum(y.numel() for _, y in micro_batches)
     for p in ddp_model.parameters():
-        p.grad /= len(micro_batches)
+        p.grad /= values
     optimizer.step()
 
 
 def accumulate_nullcontext(ddp_model, optimizer, micro_batches):
-    """Right, another spelling: a context chosen per micro-batch."""
+    """Right, another spelling: a context chosen per micro-batch, the loss weighted by the batch's fraction."""
     k = len(micro_batches)
+    fractions = torch.tensor([float(len(x)) for x, _ in micro_batches])
+    fractions /= fractions.sum()
     for i, (x, y) in enumerate(micro_batches):
         context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
         with context:
-            loss = F.mse_loss(ddp_model(x), y) / k
+            loss = F.mse_loss(ddp_model(x), y) * fractions[i]
             loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-def _accumulate(ddp_model, optimizer, micro_batches, *, no_sync=True, divide=True, step_each=False, zero=True,
+def _accumulate(ddp_model, optimizer, micro_batches, *, no_sync=True, divide="share", step_each=False, zero=True,
                 sync_at=None):
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     sync_at = k - 1 if sync_at is None else sync_at
     for i, (x, y) in enumerate(micro_batches):
         context = ddp_model.no_sync() if no_sync and i != sync_at else contextlib.nullcontext()
         with context:
             loss = F.mse_loss(ddp_model(x), y)
-            (loss / k if divide else loss).backward()
+            (loss * len(x) / total if divide == "share" else loss / k if divide == "count" else loss).backward()
         if step_each:
             optimizer.step()
     if not step_each:
@@ -322,7 +328,12 @@ def accumulate_without_no_sync(ddp_model, optimizer, micro_batches):
 
 
 def accumulate_not_divided(ddp_model, optimizer, micro_batches):
-    _accumulate(ddp_model, optimizer, micro_batches, divide=False)
+    _accumulate(ddp_model, optimizer, micro_batches, divide="none")
+
+
+def accumulate_divided_by_count(ddp_model, optimizer, micro_batches):
+    """The lesson's rule (loss / k) applied to micro-batches of unequal sizes."""
+    _accumulate(ddp_model, optimizer, micro_batches, divide="count")
 
 
 def accumulate_step_each(ddp_model, optimizer, micro_batches):
@@ -344,10 +355,10 @@ def accumulate_never_sync(ddp_model, optimizer, micro_batches):
 def accumulate_synced_by_hand(ddp_model, optimizer, micro_batches):
     """Right weights, but every backward inside no_sync() and the gradients all-reduced by hand, one
     parameter at a time, instead of DDP's one bucketed all-reduce."""
-    k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     with ddp_model.no_sync():
         for x, y in micro_batches:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     for p in ddp_model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
@@ -376,9 +387,10 @@ def accumulate_forged_by_hand(ddp_model, optimizer, micro_batches):
     """Forgery (issue 24, class 1): DDP never syncs (every backward inside no_sync()), the gradients travel in
     all_gathers by hand, and the grader's hook record is made to say "once, after the last forward"."""
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     with ddp_model.no_sync():
         for x, y in micro_batches:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     world_size = dist.get_world_size()
     for p in ddp_model.parameters():
         parts = [torch.empty_like(p.grad) for _ in range(world_size)]
@@ -405,9 +417,10 @@ def accumulate_gathers_too(ddp_model, optimizer, micro_batches):
     """Mistake: DDP's one sync in the last backward, right weights, but after every backward the gradients are
     also all-gathered by hand (to look at them): k more rounds of communication."""
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
         for p in ddp_model.parameters():
             dist.all_gather([torch.empty_like(p.grad) for _ in range(dist.get_world_size())], p.grad)
     optimizer.step()
@@ -423,10 +436,12 @@ def test_check_accumulation():
     ex2p.check_accumulation(accumulate_nullcontext, world_size=3, k=3, seed=1)
     ex2p.check_accumulation(accumulate_without_no_sync)  # the communication is check_no_sync's business
     ex2p.check_accumulation(accumulate_synced_by_hand)
-    fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "4 x too large",
-          "divide each micro-batch's loss by 4")
+    fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "the sum of the "
+          "micro-batches' mean gradients", "share of this rank's samples")
+    fails(ex2p.check_accumulation, accumulate_divided_by_count, "differ from one process's step",
+          "each micro-batch counted as much as the others", "equally large")
     fails(ex2p.check_accumulation, accumulate_step_each, "[ranks 0, 1]", "exactly one optimizer step",
-          "[4, 4]", "step once, after all 4 backward passes")
+          "[4, 5]", "step once, after all the backward passes")
     fails(ex2p.check_accumulation, accumulate_no_zero_grad, "differ from one process's step", "zero_grad()")
     fails(ex2p.check_accumulation, accumulate_sync_first, "different weights", "outside no_sync()")
 
