@@ -314,8 +314,8 @@ _MODES = ("share", "count", "none")  # how a micro-batch's loss may have been we
 
 def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights):
     """The call's one gradient all-reduce carried what `.grad` held after all the call's backward passes (each
-    micro-batch's loss weighted by its share of the samples, by 1 / their number, or not at all; averaged
-    before the all-reduce or not), and no other collective carried the gradients."""
+    micro-batch's loss weighted by its share of the samples, by 1 / their number, or not at all; times any
+    overall factor, averaged before the all-reduce or not), and no other collective carried the gradients."""
     held, grads, sizes = accumulated
     k = len(grads)
 
@@ -324,7 +324,13 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights
         return torch.cat([(held[n] + sum(w[i] * grads[i][n] for i in range(j + 1))).reshape(-1) for n in held])
 
     def carries(values, j):
-        return any(comm_spy.holds(values, after(j, m), (1.0, 1 / world_size), exactly=True) for m in _MODES)
+        for m in _MODES:
+            target = after(j, m)
+            a, b = values.float().sort().values, target.float().sort().values  # a positive scale keeps the order
+            fitted = float(a @ b / (b @ b).clamp_min(1e-30))  # the loss's overall scale (a summed loss, ...)
+            if comm_spy.holds(values, target, (1.0, 1 / world_size, fitted), exactly=True):
+                return True
+        return False
 
     numel = sum(t.numel() for t in held.values())
     bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == numel]

@@ -106,6 +106,7 @@ def check_amp_step(amp_clip_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1,
                           got=f"linear layer outputs on rank {plain[0]}: {obs[plain[0]]['calls'][0]['linear_dtypes']}",
                           hint="run each micro-batch's forward (the model call and the loss) inside `with "
                           "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):`, its backward after it")
+    _judge_bf16(check, obs, k, size, seed, where)
     states = [o["state"] for o in obs]
     differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][n], states[r][n]) for n in states[0])]
     if differ:
@@ -128,6 +129,36 @@ def check_amp_step(amp_clip_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1,
                           expected=f"within {tol:.2g} of the reference (lr x 8 x 2**-8 x the gradients' size: "
                           "bf16 keeps 8 significant bits)", got=f"max difference {diff:.3g}", hint=hint)
     passed(check)
+
+
+def _residual(values: torch.Tensor, target: torch.Tensor) -> float:
+    """How far ``values`` is from the nearest multiple of ``target`` (a loss weighted otherwise is a multiple)."""
+    a = float(values @ target / (target @ target).clamp_min(1e-30))
+    return float((values - a * target).norm())
+
+
+def _judge_bf16(check, obs, k, size, seed, where):
+    """The gradients the optimizer used carry bf16's rounding: nearer (by half at least) to the all-reduced gradient
+    of a bf16-autocast forward than to a float32 forward's, recomputed here at the call's weights. This is the
+    effect of autocast, which the linear layers' recorded dtypes (in the student's reach) only report."""
+    world_size = len(obs)
+    model = make_net(0)
+    for call in range(len(obs[0]["calls"])):
+        c = obs[0]["calls"][call]
+        used = c["at_step"][0]["grads"]
+        used = torch.cat([(torch.zeros_like(p) if used[n] is None else used[n]).reshape(-1)
+                          for n, p in model.named_parameters()])
+        per_rank = [amp_batches(seed, rank, call, k, size) for rank in range(world_size)]
+        bf16, fp32 = (sum(g for batches in per_rank for g in micro_grads(c["start"], batches, k, bf16=b)) / world_size
+                      for b in (True, False))
+        near, far = _residual(used, bf16), _residual(used, fp32)
+        if near > 0.5 * far:
+            raise CheckFailed(check, f"the gradients do not carry bf16's rounding: the forward ran in float32 ({where})",
+                              ranks=range(world_size), expected=f"in call {call + 1}, the gradients of a forward under "
+                              "bf16 autocast (as the grader recomputes them at the call's weights)",
+                              got=f"{near:.3g} from the bf16 forward's gradients, {far:.3g} from a float32 forward's",
+                              hint="run each micro-batch's forward (the model call and the loss) inside `with "
+                              "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):`")
 
 
 def _unflatten(flat: torch.Tensor, params: list[str], order: list[str], shapes: dict) -> torch.Tensor:
@@ -160,7 +191,8 @@ def check_clip(amp_clip_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, max
     """The gradients the optimizer used are the all-reduced gradient (what DDP's all-reduce returned) times
     min(1, max_norm / (its norm + 1e-6)), on every rank (1e-4 relative: float32); what each rank sent to
     that all-reduce is its own unclipped accumulated gradient, a multiple of the sum of its micro-batches'
-    gradients within bf16 rounding (4 x 2**-8 x their sum of absolute values); the ranks end bitwise equal."""
+    gradients within bf16 rounding (4 x 2**-8 x their sum of absolute values); the ranks end bitwise equal, with
+    the weights of one process's clipped steps on the global batch within :func:`weight_tolerance`."""
     check = "check_clip"
     obs = [o["clipped"] for o in _job(check, amp_clip_step, world_size, k, size, steps, lr, max_norm, seed)]
     where = f"{world_size} ranks, {k} micro-batches per step, max_norm={max_norm:g}"
@@ -194,6 +226,15 @@ def check_clip(amp_clip_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, max
         raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
                           expected="bitwise the same weights on every rank: the same clip factor everywhere",
                           hint="clip after DDP's all-reduce, on every rank, with the norm of the synced gradients")
+    reference, scale = amp_reference(world_size, k, size, steps, lr, max_norm, seed)
+    tol = weight_tolerance(lr, scale)
+    diff = max((states[0][n].float() - reference[n]).abs().max().item() for n in reference)
+    if diff > tol:  # the gradients were clipped right, yet the weights are not the clipped steps'
+        raise CheckFailed(check, f"the weights differ from one process's clipped steps by more than bf16 rounding "
+                          f"explains ({where})", ranks=range(world_size),
+                          expected=f"within {tol:.2g} of the reference (lr x 8 x 2**-8 x the clipped gradients' size)",
+                          got=f"max difference {diff:.3g}",
+                          hint="clip, then take one optimizer step with the clipped gradients, and zero them after")
     passed(check)
 
 

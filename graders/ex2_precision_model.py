@@ -40,32 +40,20 @@ def _flat(grads: dict) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in grads.values()])
 
 
-def micro_grads(state: dict, batches: list, k: int, device_type: str = "cpu") -> list[torch.Tensor]:
+def micro_grads(state: dict, batches: list, k: int, bf16: bool = True) -> list[torch.Tensor]:
     """Each micro-batch's gradient (flat, parameter order) of its loss / k at the weights ``state``, with the
-    forward under bf16 autocast and float32 weights: what one rank's backward adds to ``.grad``."""
+    forward under bf16 autocast (or, ``bf16=False``, in float32) and float32 weights: what one rank's backward
+    adds to ``.grad``."""
     model = make_net(0)
     model.load_state_dict(state)
     found = []
     for x, y in batches:
         model.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(x)
         (F.mse_loss(out.float(), y) / k).backward()
         found.append(torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]))
     return found
-
-
-def global_grad(state: dict, per_rank: list[list], device_type: str = "cpu") -> torch.Tensor:
-    """The gradient (flat) of the mean loss over every rank's micro-batches at once, one process, bf16
-    autocast, float32 weights: what DDP's all-reduce should return."""
-    model = make_net(0)
-    model.load_state_dict(state)
-    x = torch.cat([x for batches in per_rank for x, _ in batches])
-    y = torch.cat([y for batches in per_rank for _, y in batches])
-    with torch.autocast(device_type, dtype=torch.bfloat16):
-        out = model(x)
-    F.mse_loss(out.float(), y).backward()
-    return torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()])
 
 
 def clip_factor(norm: float, max_norm: float) -> float:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import graders.ex2_practice as ex2p
 import graders.ex2_practice_model as ex2p_model
+import graders.ex2_precision as amp
 from course.checks import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.
@@ -777,6 +778,225 @@ def test_check_load_checkpoint_sees_loaders_bound_before_the_job():
     fails(ex2p.check_load_checkpoint, load_where_cuda0_exists_bound_early, "[ranks 0, 1]", "restored them on cuda:0")
 
 
+# --- part 5: amp_clip_step ---------------------------------------------------------------------------
+
+
+def _amp_loss(ddp_model, x, y, k):
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+        return F.mse_loss(ddp_model(x), y) / k
+
+
+def amp_clip_step(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            _amp_loss(ddp_model, x, y, k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_docs_style(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, the idiom of the AMP and DDP docs: torch.amp.autocast spelled out, one `with no_sync()` around the
+    first k - 1 micro-batches, clip_grad_norm_ with foreach, set_to_none first."""
+    optimizer.zero_grad(set_to_none=True)
+    *first, last = micro_batches
+    k = len(micro_batches)
+    with ddp_model.no_sync():
+        for x, y in first:
+            with torch.amp.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss / k).backward()
+    with torch.amp.autocast(last[0].device.type, dtype=torch.bfloat16):
+        loss = F.mse_loss(ddp_model(last[0]), last[1])
+    (loss / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=max_norm, foreach=True)
+    optimizer.step()
+
+
+class ClippedStepper:
+    """Right, a helper class: a hand-made global norm of the synced gradients (no communication: after DDP's
+    all-reduce they are the same on every rank), and the scale applied in place."""
+
+    def __init__(self, ddp_model, max_norm):
+        self.model, self.max_norm = ddp_model, max_norm
+
+    def clip(self):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor)
+
+
+def amp_helper_class(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    stepper = ClippedStepper(ddp_model, max_norm)
+    for i, (x, y) in enumerate(micro_batches):
+        context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
+        with context:
+            _amp_loss(ddp_model, x, y, k).backward()
+    stepper.clip()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_clip_inside_no_sync(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: clipped inside no_sync(), after the first k - 1 micro-batches: each rank's own norm."""
+    k = len(micro_batches)
+    *first, (x, y) = micro_batches
+    with ddp_model.no_sync():
+        for xi, yi in first:
+            _amp_loss(ddp_model, xi, yi, k).backward()
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    _amp_loss(ddp_model, x, y, k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_clip_each_micro_step(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: clipped after every backward, the micro-steps inside no_sync() too."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            _amp_loss(ddp_model, x, y, k).backward()
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_local_norm(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: a hand-made per-rank norm, taken before the last (synchronising) backward, applied after it."""
+    k = len(micro_batches)
+    *first, (x, y) = micro_batches
+    with ddp_model.no_sync():
+        for xi, yi in first:
+            _amp_loss(ddp_model, xi, yi, k).backward()
+    local = torch.sqrt(sum((p.grad ** 2).sum() for p in ddp_model.parameters()))
+    _amp_loss(ddp_model, x, y, k).backward()
+    for p in ddp_model.parameters():
+        p.grad.mul_(min(1.0, max_norm / (float(local) + 1e-6)))
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_weights_in_bf16(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: the model cast to bf16 (no master weights); DDP then stops syncing (torch 2.13, no error)."""
+    ddp_model.to(torch.bfloat16)
+    amp_clip_step(ddp_model, optimizer, micro_batches, max_norm)
+
+
+def amp_without_autocast(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_without_no_sync(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for x, y in micro_batches:
+        _amp_loss(ddp_model, x, y, k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _closure_lists(ddp_model):
+    for hook, _ in ddp_model._comm_hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            if isinstance(cell.cell_contents, list):
+                yield cell.cell_contents
+
+
+def amp_forged_sync(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: syncs every micro-batch, then keeps only the last of the grader's hook records."""
+    amp_without_no_sync(ddp_model, optimizer, micro_batches, max_norm)
+    for records in _closure_lists(ddp_model):
+        if records and isinstance(records[0], dict):
+            records[:] = records[-1:]
+
+
+def amp_forged_clip(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: clips inside no_sync(), then rewrites the grader's record of what the all-reduce returned as the
+    gradients the step used divided by the clip factor they would have (as if clipped after the sync)."""
+    amp_clip_inside_no_sync(ddp_model, optimizer, micro_batches, max_norm)
+    for records in _closure_lists(ddp_model):
+        for record in records:
+            if isinstance(record, dict) and "reduced" in record:
+                record["reduced"] = record["reduced"] * 3.0
+
+
+def amp_forged_dtypes(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: a float32 forward, then the linear layers' recorded output dtypes made to say bfloat16."""
+    amp_without_autocast(ddp_model, optimizer, micro_batches, max_norm)
+    for layer in ddp_model.module.modules():
+        for hook in layer._forward_hooks.values():
+            for cell in getattr(hook, "__closure__", None) or ():
+                if isinstance(cell.cell_contents, list):
+                    cell.cell_contents[:] = ["bfloat16"]
+
+
+def test_bf16_tolerance_is_derived_from_the_significand():
+    """8 significant bits: u = 2**-8; the reference's own spread between its micro-batches stays far inside it."""
+    assert amp.BF16_U == 2.0**-8 == torch.finfo(torch.bfloat16).eps / 2
+    state, scale = amp.amp_reference(2, 4, 3, 2, 0.1, 0.5, 0)
+    assert 0 < scale < 10 and amp.weight_tolerance(0.1, scale) == pytest.approx(0.1 * 8 * 2**-8 * scale + 1e-6)
+    free, _ = amp.amp_reference(2, 4, 3, 2, 0.1, amp.FREE, 0)
+    assert max((state[n] - free[n]).abs().max().item() for n in state) > 10 * amp.weight_tolerance(0.1, scale)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_accept_right_answers_in_several_styles():
+    for right, kwargs in [(amp_clip_step, {}), (amp_clip_step, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_docs_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1))]:
+        for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+            check(right, **kwargs)
+
+
+def _only(wrong, failing, *words, **kwargs):
+    """``wrong`` fails check ``failing`` (with ``words``) and passes the part's other checks."""
+    message = fails(failing, wrong, *words, **kwargs)
+    for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+        if check is not failing:
+            check(wrong, **kwargs)
+    return message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_name_each_mistake_and_only_it():
+    _only(amp_clip_inside_no_sync, amp.check_clip, "each rank clipped its own gradients before DDP's all-reduce",
+          "inside no_sync()")
+    _only(amp_clip_each_micro_step, amp.check_clip, "clipped at every micro-step", "clip once per optimizer step",
+          world_size=3, k=3, max_norm=0.4, seed=1)
+    _only(amp_local_norm, amp.check_clip, "the clip factor is not the one of the all-reduced gradient's norm",
+          "its own factor")
+    _only(amp_without_autocast, amp.check_amp_step, "did not compute in bfloat16", "torch.autocast")
+    _only(amp_without_no_sync, amp.check_amp_sync, "all-reduced 4 times in one call", "no_sync()")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_cast_to_bf16_lose_the_part_naming_the_cast():
+    """torch 2.13: a model cast after DDP wrapped it is not synchronised any more (no collective, no error), so
+    the cast costs the communication and the clipping too; every message names it."""
+    for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+        fails(check, amp_weights_in_bf16, "cast to bfloat16", "stops DDP's gradient all-reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_are_not_fooled_by_forged_records():
+    fails(amp.check_amp_sync, amp_forged_sync, "all-reduced 4 times in one call")
+    fails(amp.check_clip, amp_forged_clip, "each rank clipped its own gradients before DDP's all-reduce")
+    fails(amp.check_amp_step, amp_forged_dtypes, "do not carry bf16's rounding", "float32")
+
+
 # --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
 
 
@@ -811,17 +1031,19 @@ WRONG = {
         "ex2p_test_evaluate", ["changed when only the labels changed", "split the samples by their index"]),
     "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
                       "ex2p_test_evaluate", ["its own share"]),
-    "no no_sync": ("ex2p_accumulate_step", "        if i < k - 1:", "        if False:",
-                   "ex2p_test_no_sync", ["4 times in one accumulate_step", "the weights are right"]),
-    "loss not divided by k": ("ex2p_accumulate_step", " / k).backward()", ").backward()",
-                              "ex2p_test_accumulation", ["4 x too large"], 2),
-    "a step per micro-batch": ("ex2p_accumulate_step", "    optimizer.step()\n    optimizer.zero_grad()\n",
-                               "        optimizer.step()\n    optimizer.zero_grad()\n",
-                               "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 4]"]),
+    "no no_sync": ("ex2p_accumulate_step", "    with ddp_model.no_sync():  # accumulate locally, no communication\n",
+                   "    if True:\n", "ex2p_test_no_sync", ["4 times in one accumulate_step", "the weights are right"]),
+    "each loss divided by the number of micro-batches": (
+        "ex2p_accumulate_step", " * (len(x) / total)).backward()", " / len(micro_batches)).backward()",
+        "ex2p_test_accumulation", ["each micro-batch counted as much as the others"], 2),
+    "a step per micro-batch": (
+        "ex2p_accumulate_step", "  # weighted by its share of the samples\n",
+        "\n            optimizer.step()\n", "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 5]"]),
     "every backward in no_sync, the gradients synced by hand": (
-        "ex2p_accumulate_step", ("        if i < k - 1:", "    optimizer.step()\n"),
-        ("        if True:", "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n"
-         "        p.grad /= dist.get_world_size()\n    optimizer.step()\n"),
+        "ex2p_accumulate_step", "    x, y = last\n    (F.mse_loss(ddp_model(x), y) * (len(x) / total)).backward()  "
+        "# all-reduces the accumulated gradients\n",
+        "        x, y = last\n        (F.mse_loss(ddp_model(x), y) * (len(x) / total)).backward()\n"
+        "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n        p.grad /= dist.get_world_size()\n",
         "ex2p_test_no_sync", ["never all-reduced", "syncing by hand"]),
     "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
                      "    if True:\n", "ex2p_test_uneven",
@@ -839,6 +1061,21 @@ WRONG = {
                              "ex2p_test_load_checkpoint", ["Missing key(s)", "ddp_model.module.load_state_dict"]),
     "epoch not returned": ("ex2p_load_checkpoint", "    return checkpoint[\"epoch\"]\n", "",
                            "ex2p_test_load_checkpoint", ["did not return the saved epoch"]),
+    "clipped inside no_sync (per rank, before the all-reduce)": (
+        "ex2p_amp_clip_step", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
+                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
+                               "the global norm\n"),
+        ("            loss.backward()\n            if i == k - 2:\n"
+         "                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
+        "ex2p_test_clip", ["each rank clipped its own gradients before DDP's all-reduce"]),
+    "clipped at every micro-step": (
+        "ex2p_amp_clip_step", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
+                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
+                               "the global norm\n"),
+        ("            loss.backward()\n        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
+        "ex2p_test_clip", ["clipped at every micro-step"]),
+    "no autocast": ("ex2p_amp_clip_step", "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)",
+                    "contextlib.nullcontext()", "ex2p_test_amp_step", ["did not compute in bfloat16"]),
 }
 
 
@@ -852,3 +1089,15 @@ def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
         nb = submissions.patch_answer(nb, grade_id, before, after, *count)
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_cast_to_bf16_lose_part_5_saying_so(tmp_path):
+    """The cast stops DDP's all-reduce (torch 2.13): the part's three cells, each naming the cast."""
+    nb = submissions.patch_answer(submissions.load(A, NB), "ex2p_amp_clip_step", "    k = len(micro_batches)\n",
+                                  "    ddp_model.to(torch.bfloat16)\n    k = len(micro_batches)\n")
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, ["ex2p_test_amp_step", "ex2p_test_clip", "ex2p_test_amp_sync"],
+                                     ["cast to bfloat16"], notebook=NB)
+    assert all("cast to bfloat16" in m for m in submissions.messages(report).values() if m.startswith("FAILED"))
