@@ -367,14 +367,16 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights
 # --- part 3: uneven inputs ------------------------------------------------------------------------
 
 
-ACCEPTED = {"join": "Join", "join-active": "Join(divide_by_initial_world_size=False)",
-            "fewest": "a loop equalised to the fewest batches"}
+ACCEPTED = {"join-active": "each step averaged over the ranks that trained in it (all batches used)",
+            "fewest": "every rank training on the fewest batches (the extra ones left out)"}
 
 
 def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
     """With counts[r] batches on rank r, train_uneven finishes (within 15 s), every rank ends with bitwise
-    the same weights, and they are those of Join (either divide_by_initial_world_size) or of every rank
-    training on its first min(counts) batches, within 1e-6."""
+    the same weights, and each step's gradient is the mean over the ranks that trained in it: the weights of
+    every batch used, each step averaged over the ranks that still had one (Join with
+    divide_by_initial_world_size=False, or by hand), or of every rank training on its first min(counts)
+    batches, within 1e-6. Join's default (a finished rank's zeros counted in the mean) is named and fails."""
     check = "check_uneven"
     checks.require_written(check, train_uneven=train_uneven)
     counts = [int(c) for c in counts]
@@ -415,12 +417,21 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
     found = {mode: _diff(states[0], _uneven_reference(counts, size, lr, seed, mode)) for mode in ACCEPTED}
     if min(found.values()) > ATOL:
         recycled = _diff(states[0], _uneven_reference(counts, size, lr, seed, "recycled")) <= ATOL
-        hint = ("the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
-                "use Join, or train every rank on min(counts) batches" if recycled else
-                "each step: zero_grad(), F.mse_loss(ddp_model(x), y).backward(), step(), over all of your batches "
-                "inside `with ddp_model.join():`, or over the first min(counts) batches on every rank")
-        raise CheckFailed(check, f"the trained weights are neither Join's nor those of a loop equalised to the "
-                          f"fewest batches ({where})", ranks=range(world_size),
+        shrunk = _diff(states[0], _uneven_reference(counts, size, lr, seed, "join")) <= ATOL
+        hint = ("in the steps after a rank ran out, the gradient was divided by the full world size: the finished "
+                "ranks' zeros counted in the mean, so those steps were smaller by (ranks still training) / "
+                "world_size. Average over the ranks that trained in the step (Join can: see its "
+                "divide_by_initial_world_size), or train every rank on the fewest batches" if shrunk else
+                "the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
+                "average each step over the ranks that still have a batch, or train every rank on min(counts) "
+                "batches" if recycled else
+                "each step: zero_grad(), the mean squared error's backward, step(); over all of your batches with "
+                "each step averaged over the ranks that still have one, or over the first min(counts) batches on "
+                "every rank")
+        problem = ("the steps after a rank ran out were averaged over the full world size (Join's default), not "
+                   "over the ranks that trained in them" if shrunk else "the trained weights are neither those of "
+                   "steps averaged over the ranks that trained in them nor of a loop equalised to the fewest batches")
+        raise CheckFailed(check, f"{problem} ({where})", ranks=range(world_size),
                           expected=f"one of: {', '.join(ACCEPTED.values())} (within 1e-6)",
                           got=f"max difference {min(found.values()):.3g} from the nearest "
                           f"({ACCEPTED[min(found, key=found.get)]}); optimizer steps per rank: "

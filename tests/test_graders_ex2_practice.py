@@ -497,6 +497,12 @@ def _steps(ddp_model, optimizer, batches):
 
 
 def train_uneven(ddp_model, optimizer, batches):
+    with ddp_model.join(divide_by_initial_world_size=False):
+        _steps(ddp_model, optimizer, batches)
+
+
+def train_uneven_join_default(ddp_model, optimizer, batches):
+    """Mistake: lesson 2's Join as it comes: the finished ranks' zeros count in the mean."""
     with ddp_model.join():
         _steps(ddp_model, optimizer, batches)
 
@@ -517,14 +523,17 @@ def train_uneven_fewest(ddp_model, optimizer, batches):
 
 def train_uneven_dummy_steps(ddp_model, optimizer, batches):
     """Right, by hand: as many steps as the rank with the most batches; a rank without a batch contributes
-    a zero gradient (the same weights as Join's)."""
+    a zero gradient, and the loss is scaled so that DDP's mean is over the ranks that trained in the step."""
+    world_size = dist.get_world_size()
     steps = torch.tensor([len(batches)])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     for i in range(int(steps)):
+        active = torch.tensor([1.0 if i < len(batches) else 0.0])
+        dist.all_reduce(active)  # how many ranks train in this step
         optimizer.zero_grad()
         x, y = batches[min(i, len(batches) - 1)]
         loss = F.mse_loss(ddp_model(x), y)
-        (loss if i < len(batches) else 0.0 * loss).backward()
+        (loss * (world_size / active.item()) if i < len(batches) else 0.0 * loss).backward()
         optimizer.step()
 
 
@@ -573,6 +582,8 @@ def train_uneven_forged(ddp_model, optimizer, batches):
 def test_check_uneven_accepts_join_and_an_equalised_loop():
     ex2p.check_uneven(train_uneven)
     ex2p.check_uneven(train_uneven, counts=(4, 2, 5), seed=1)
+    fails(ex2p.check_uneven, train_uneven_join_default, "averaged over the full world size (Join's default)",
+          "divide_by_initial_world_size", counts=(4, 2, 5), seed=1)
     ex2p.check_uneven(train_uneven_join_active, counts=(4, 2, 5), seed=1)
     ex2p.check_uneven(train_uneven_fewest)
     ex2p.check_uneven(train_uneven_fewest, counts=(4, 2, 5), seed=1)
@@ -605,9 +616,9 @@ def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_uneven_rejects_other_weights():
-    fails(ex2p.check_uneven, train_uneven_recycled, "[ranks 0, 1]", "neither Join's nor", "trained on their first "
+    fails(ex2p.check_uneven, train_uneven_recycled, "[ranks 0, 1]", "neither those of", "trained on their first "
           "batches again")
-    fails(ex2p.check_uneven, train_uneven_forged, "neither Join's nor", counts=(4, 2, 5), seed=1)
+    fails(ex2p.check_uneven, train_uneven_forged, "neither those of", counts=(4, 2, 5), seed=1)
 
 
 # --- part 4: load_checkpoint -----------------------------------------------------------------------
@@ -1045,16 +1056,19 @@ WRONG = {
         "        x, y = last\n        (F.mse_loss(ddp_model(x), y) * (len(x) / total)).backward()\n"
         "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n        p.grad /= dist.get_world_size()\n",
         "ex2p_test_no_sync", ["never all-reduced", "syncing by hand"]),
-    "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
+    "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n",
                      "    if True:\n", "ex2p_test_uneven",
                      ["did not return on every rank", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)",
                       "join()"]),
     "ranks that run out start over": (
-        "ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n"
+        "ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n"
         "        for x, y in batches:\n",
         "    steps = torch.tensor([len(batches)])\n    dist.all_reduce(steps, op=dist.ReduceOp.MAX)\n"
         "    if True:\n        for x, y in (batches[i % len(batches)] for i in range(int(steps))):\n",
-        "ex2p_test_uneven", ["neither Join's nor", "trained on their first batches again"]),
+        "ex2p_test_uneven", ["neither those of", "trained on their first batches again"]),
+    "Join dividing by the full world size": (
+        "ex2p_train_uneven", "divide_by_initial_world_size=False", "", "ex2p_test_uneven",
+        ["averaged over the full world size (Join's default)"]),
     "no map_location": ("ex2p_load_checkpoint", ", map_location=device)", ")",
                         "ex2p_test_load_checkpoint", ["on cuda:0, where rank 0 saved them", "map_location=device"]),
     "into the DDP wrapper": ("ex2p_load_checkpoint", "ddp_model.module.load_state_dict", "ddp_model.load_state_dict",
