@@ -852,6 +852,33 @@ def amp_helper_class(ddp_model, optimizer, micro_batches, max_norm):
     optimizer.zero_grad()
 
 
+def amp_backward_inside_autocast(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, a common spelling: backward() inside the autocast block too (its ops follow the forward's dtypes)."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                (F.mse_loss(ddp_model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_one_backward(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, another way: every forward first (the first k - 1 under no_sync(), so only the last one arms DDP's
+    sync), then one backward of the summed losses."""
+    k = len(micro_batches)
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                losses.append(F.mse_loss(ddp_model(x), y))
+    torch.stack(losses).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def amp_clip_inside_no_sync(ddp_model, optimizer, micro_batches, max_norm):
     """Mistake: clipped inside no_sync(), after the first k - 1 micro-batches: each rank's own norm."""
     k = len(micro_batches)
@@ -964,7 +991,8 @@ def test_bf16_tolerance_is_derived_from_the_significand():
 @pytest.mark.timeout(300)
 def test_amp_checks_accept_right_answers_in_several_styles():
     for right, kwargs in [(amp_clip_step, {}), (amp_clip_step, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
-                          (amp_docs_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1))]:
+                          (amp_docs_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_backward_inside_autocast, {}), (amp_one_backward, {})]:
         for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
             check(right, **kwargs)
 
