@@ -10,18 +10,21 @@ process says about itself:
   all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
   second run on other labels, each rank's copy relabelled again outside its share, must evaluate the same
   split and return the new accuracy);
-* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
-  (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
-  together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
+* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over micro-batches of unequal
+  sizes, their number changing from call to call (:func:`check_accumulation`: the weights equal one process's
+  step on the mean loss over all ranks' samples together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
   the rank issued, one per step; a communication hook the grader registers on the DDP model sees in
   which backward; what that all-reduce carried (a spy on the collectives, :mod:`graders.comm_spy`)
   is the sum of all k micro-batches' gradients, and no other collective carried gradients);
 * ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
-  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and they are
-  what Join or a loop equalised to the fewest batches gives);
+  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and each step was
+  averaged over the ranks that trained in it: Join over the active ranks, or a loop equalised to the fewest
+  batches);
 * ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
+
+Part 5 (bf16 autocast and gradient clipping) is judged in :mod:`graders.ex2_precision`.
 
 The harnesses take torch.distributed's functions before the student's code runs, and build the
 observers (the model's forward, the communication hook, the optimizer's step hook, the restore
