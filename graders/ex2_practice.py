@@ -10,18 +10,21 @@ process says about itself:
   all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
   second run on other labels, each rank's copy relabelled again outside its share, must evaluate the same
   split and return the new accuracy);
-* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over k micro-batches
-  (:func:`check_accumulation`: the weights equal one process's step on all ranks' micro-batches
-  together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
+* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over micro-batches of unequal
+  sizes, their number changing from call to call (:func:`check_accumulation`: the weights equal one process's
+  step on the mean loss over all ranks' samples together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
   the rank issued, one per step; a communication hook the grader registers on the DDP model sees in
   which backward; what that all-reduce carried (a spy on the collectives, :mod:`graders.comm_spy`)
   is the sum of all k micro-batches' gradients, and no other collective carried gradients);
 * ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
-  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and they are
-  what Join or a loop equalised to the fewest batches gives);
+  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and each step was
+  averaged over the ranks that trained in it: Join over the active ranks, or a loop equalised to the fewest
+  batches);
 * ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
+
+Part 5 (bf16 autocast and gradient clipping) is judged in :mod:`graders.ex2_precision`.
 
 The harnesses take torch.distributed's functions before the student's code runs, and build the
 observers (the model's forward, the communication hook, the optimizer's step hook, the restore
@@ -55,6 +58,8 @@ from graders.ex2_practice_model import (
     _second_case,
     _uneven_harness,
     _uneven_reference,
+    loss_weights,
+    micro_count,
     save_from_gpu,
 )
 
@@ -214,11 +219,14 @@ def _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed
 
 def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
     """Each call of accumulate_step takes one optimizer step; afterwards the ranks hold bitwise the same
-    weights, equal (1e-6) to one process stepping on the mean loss over all ranks' micro-batches."""
+    weights, equal (1e-6) to one process stepping on the mean loss over all the samples of all ranks'
+    micro-batches. The micro-batches have unequal sizes and their number changes from call to call
+    (k, k + 1, ...): only a loss weighted by each micro-batch's share of the samples gives that step."""
     check = "check_accumulation"
     checks.require_written(check, accumulate_step=accumulate_step)
     obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
-    where = f"{world_size} ranks, {k} micro-batches per step, {steps} calls"
+    counts = [micro_count(k, step) for step in range(steps)]
+    where = f"{world_size} ranks, {' then '.join(map(str, counts))} micro-batches of unequal sizes, {steps} calls"
     stepped = [[c["steps"] for c in o["calls"]] for o in obs]
     off = [r for r, s in enumerate(stepped) if s != [1] * steps]
     if off:
@@ -226,7 +234,7 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
         raise CheckFailed(check, f"accumulate_step did not take exactly one optimizer step per call ({where})",
                           ranks=off, expected=f"optimizer.step() once per call: {[1] * steps}",
                           got=f"optimizer steps per call on rank {off[0]}: {stepped[off[0]]}",
-                          hint=(f"step once, after all {k} backward passes: the gradients of the micro-batches add up "
+                          hint=("step once, after all the backward passes: the gradients of the micro-batches add up "
                                 "in .grad until then" if many else
                                 "call optimizer.step() on the optimizer you were given, once, after the last backward"))
     states = [o["state"] for o in obs]
@@ -235,16 +243,22 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
                           "does DDP all-reduce the accumulated gradients (no_sync() skips it)")
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     if _diff(states[0], reference) > ATOL:
-        guesses = [(dict(scale=k), f"the step is {k} x too large: divide each micro-batch's loss by {k} (the number "
-                                   "of micro-batches), so the accumulated gradient is the mean, not the sum"),
+        guesses = [(dict(mode="count"), "each micro-batch counted as much as the others: dividing each loss by the "
+                                        "number of micro-batches is right only when they are equally large; here a "
+                                        "sample of a small micro-batch weighs more than one of a large one. Weight "
+                                        "each micro-batch's mean loss by its share of this rank's samples"),
+                   (dict(mode="none"), "the accumulated gradient is the sum of the micro-batches' mean gradients, "
+                                       "several times the mean over the samples: weight each micro-batch's mean "
+                                       "loss by its share of this rank's samples"),
                    (dict(zero_grad=False), "the gradients of the previous call were still in .grad: call "
                                            "optimizer.zero_grad() once per call (before the first backward or after "
                                            "the step)")]
         hint = next((h for kw, h in guesses if _diff(states[0],
                      _accumulate_reference(world_size, k, size, steps, lr, seed, **kw)) <= ATOL),
-                    f"for each of the {k} micro-batches: loss = F.mse_loss(ddp_model(x), y) / {k}; loss.backward(); "
-                    "then one optimizer.step() and optimizer.zero_grad()")
-        raise CheckFailed(check, f"the weights differ from one process's step on all the micro-batches ({where})",
+                    "the step must be the one a single process takes on the mean loss over all the samples of the "
+                    "call (every micro-batch of every rank): weight each micro-batch's loss by its size, step once, "
+                    "and leave no gradient behind")
+        raise CheckFailed(check, f"the weights differ from one process's step on all the samples ({where})",
                           ranks=range(world_size), expected="the same weights within 1e-6",
                           got=f"max difference {_diff(states[0], reference):.3g}", hint=hint)
     passed(check)
@@ -252,33 +266,34 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
 
 def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
     """Each call of accumulate_step all-reduces the gradients once, in the backward of the last micro-batch
-    (the first k-1 run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
+    (the others run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
     bucket the call issued, the grader's communication hook says in which backward, what that all-reduce
-    carried must be the sum of all k micro-batches' gradients, and no other collective may carry them."""
+    carried must be the accumulation of all the call's micro-batches' gradients (however each loss was
+    weighted: check_accumulation judges that), and no other collective may carry them."""
     check = "check_no_sync"
     checks.require_written(check, accumulate_step=accumulate_step)
     obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
-    where = f"{world_size} ranks, {k} micro-batches per step"
+    where = f"{world_size} ranks, {k} then {k + 1} micro-batches per step"
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     right = all(_diff(o["state"], reference) <= ATOL for o in obs)
     weights = ("the weights are right (check_accumulation judges them); only the communication is wasted"
                if right else "check_accumulation's message says what is wrong with the weights")
     for rank, o in enumerate(obs):
         for call, c in enumerate(o["calls"]):
-            synced, forwards = c["synced_at"], c["forwards"]
+            synced, forwards, m = c["synced_at"], c["forwards"], micro_count(k, call)
             # how many all-reduces of the gradients: what the process group issued, where the flight
             # recorder says (the hook's record, in the student's reach, only says in which backward)
             count = len(synced) if c["all_reduces"] is None else c["all_reduces"]
             if count == 1 and synced == [forwards] and forwards >= 1:
                 _judge_carried(check, rank, call, c, _accumulated(c, seed, rank, call, k, size), where,
-                               world_size, k, weights)
+                               world_size, weights)
                 continue
             got = (f"call {call + 1}: {count} all-reduce(s) of the gradients; DDP's hook saw them in the backward "
                    f"passes after forwards {synced} of {forwards}" if count else f"call {call + 1}: no gradient all-reduce in "
                    f"{forwards} forwards and their backward passes")
             if count > 1:
                 problem = f"DDP all-reduced the gradients {count} times in one accumulate_step ({where})"
-                hint = (f"run the first {k - 1} micro-batches (forward and backward) inside `with "
+                hint = (f"run every micro-batch but the last ({m - 1} of {m} here; forward and backward) inside `with "
                         f"ddp_model.no_sync():` and only the last outside it; {weights}")
             elif count == 0 or not synced:
                 problem = f"DDP never all-reduced the gradients in one accumulate_step ({where})"
@@ -288,26 +303,37 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                 problem = f"DDP all-reduced the gradients before the last micro-batch ({where})"
                 hint = _EARLY_SYNC
             raise CheckFailed(check, problem, ranks=[rank],
-                              expected=f"1 all-reduce per call, in the backward of micro-batch {k} of {k}",
+                              expected=f"1 all-reduce per call, in the backward of micro-batch {m} of {m}",
                               got=got, hint=hint)
     passed(check)
 
 
 _EARLY_SYNC = ("sync in the last micro-batch, not an earlier one: the gradients added after the all-reduce stay on "
-               "their rank; use no_sync() for the first k-1 micro-batches")
+               "their rank; use no_sync() for every micro-batch but the last")
 
 
-def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weights):
-    """The call's one gradient all-reduce carried what `.grad` held after all k backward passes (each
-    micro-batch's loss divided by k or not; averaged before the all-reduce or not), and no other
-    collective carried the gradients."""
-    held, sums = accumulated
+_MODES = ("share", "count", "none")  # how a micro-batch's loss may have been weighted (loss_weights)
 
-    def after(j, divided):  # what .grad holds after micro-batch j + 1, as one flat tensor
-        return torch.cat([(held[n] + sums[j][n] / (k if divided else 1)).reshape(-1) for n in held])
+
+def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights):
+    """The call's one gradient all-reduce carried what `.grad` held after all the call's backward passes (each
+    micro-batch's loss weighted by its share of the samples, by 1 / their number, or not at all; times any
+    overall factor, averaged before the all-reduce or not), and no other collective carried the gradients."""
+    held, grads, sizes = accumulated
+    k = len(grads)
+
+    def after(j, mode):  # what .grad holds after micro-batch j + 1, as one flat tensor
+        w = loss_weights(sizes, mode)
+        return torch.cat([(held[n] + sum(w[i] * grads[i][n] for i in range(j + 1))).reshape(-1) for n in held])
 
     def carries(values, j):
-        return any(comm_spy.holds(values, after(j, d), (1.0, 1 / world_size), exactly=True) for d in (True, False))
+        for m in _MODES:
+            target = after(j, m)
+            a, b = values.float().sort().values, target.float().sort().values  # a positive scale keeps the order
+            fitted = float(a @ b / (b @ b).clamp_min(1e-30))  # the loss's overall scale (a summed loss, ...)
+            if comm_spy.holds(values, target, (1.0, 1 / world_size, fitted), exactly=True):
+                return True
+        return False
 
     numel = sum(t.numel() for t in held.values())
     bucket = [r for r in c["carried"] if r["op"] == "all_reduce" and sum(v.numel() for v in r["values"]) == numel]
@@ -326,10 +352,10 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weig
                           "micro-batches' gradients (this rank's), in the backward of the last one",
                           got=(f"it carried the gradients of micro-batches 1 to {early[0]} only" if early else
                                "it carried other values than this rank's accumulated gradients"),
-                          hint=_EARLY_SYNC if early else "accumulate the k micro-batches' gradients in .grad (no "
+                          hint=_EARLY_SYNC if early else "accumulate the micro-batches' gradients in .grad (no "
                           "zero_grad() between them, no change to .grad by hand) and let the last backward sync")
-    mine = [(held[n] + sums[j][n] / d).reshape(-1) for j in range(k) for n in held for d in (1, k)
-            if held[n].numel() >= 8]
+    mine = [(held[n] + sum(w[i] * grads[i][n] for i in range(j + 1))).reshape(-1) for j in range(k) for n in held
+            for w in (loss_weights(sizes, m) for m in _MODES) if held[n].numel() >= 8]
     others = Counter(r["op"] for r in c["carried"] if r is not bucket[0] and r["op"] in comm_spy.SENDS and any(
         comm_spy.holds(v, g, (1.0, 1 / world_size), exactly=False) for v in r["values"] for g in mine))
     if others:
@@ -344,14 +370,16 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, k, weig
 # --- part 3: uneven inputs ------------------------------------------------------------------------
 
 
-ACCEPTED = {"join": "Join", "join-active": "Join(divide_by_initial_world_size=False)",
-            "fewest": "a loop equalised to the fewest batches"}
+ACCEPTED = {"join-active": "each step averaged over the ranks that trained in it (all batches used)",
+            "fewest": "every rank training on the fewest batches (the extra ones left out)"}
 
 
 def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
     """With counts[r] batches on rank r, train_uneven finishes (within 15 s), every rank ends with bitwise
-    the same weights, and they are those of Join (either divide_by_initial_world_size) or of every rank
-    training on its first min(counts) batches, within 1e-6."""
+    the same weights, and each step's gradient is the mean over the ranks that trained in it: the weights of
+    every batch used, each step averaged over the ranks that still had one (Join with
+    divide_by_initial_world_size=False, or by hand), or of every rank training on its first min(counts)
+    batches, within 1e-6. Join's default (a finished rank's zeros counted in the mean) is named and fails."""
     check = "check_uneven"
     checks.require_written(check, train_uneven=train_uneven)
     counts = [int(c) for c in counts]
@@ -392,12 +420,21 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
     found = {mode: _diff(states[0], _uneven_reference(counts, size, lr, seed, mode)) for mode in ACCEPTED}
     if min(found.values()) > ATOL:
         recycled = _diff(states[0], _uneven_reference(counts, size, lr, seed, "recycled")) <= ATOL
-        hint = ("the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
-                "use Join, or train every rank on min(counts) batches" if recycled else
-                "each step: zero_grad(), F.mse_loss(ddp_model(x), y).backward(), step(), over all of your batches "
-                "inside `with ddp_model.join():`, or over the first min(counts) batches on every rank")
-        raise CheckFailed(check, f"the trained weights are neither Join's nor those of a loop equalised to the "
-                          f"fewest batches ({where})", ranks=range(world_size),
+        shrunk = _diff(states[0], _uneven_reference(counts, size, lr, seed, "join")) <= ATOL
+        hint = ("in the steps after a rank ran out, the gradient was divided by the full world size: the finished "
+                "ranks' zeros counted in the mean, so those steps were smaller by (ranks still training) / "
+                "world_size. Average over the ranks that trained in the step (Join can: see its "
+                "divide_by_initial_world_size), or train every rank on the fewest batches" if shrunk else
+                "the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
+                "average each step over the ranks that still have a batch, or train every rank on min(counts) "
+                "batches" if recycled else
+                "each step: zero_grad(), the mean squared error's backward, step(); over all of your batches with "
+                "each step averaged over the ranks that still have one, or over the first min(counts) batches on "
+                "every rank")
+        problem = ("the steps after a rank ran out were averaged over the full world size (Join's default), not "
+                   "over the ranks that trained in them" if shrunk else "the trained weights are neither those of "
+                   "steps averaged over the ranks that trained in them nor of a loop equalised to the fewest batches")
+        raise CheckFailed(check, f"{problem} ({where})", ranks=range(world_size),
                           expected=f"one of: {', '.join(ACCEPTED.values())} (within 1e-6)",
                           got=f"max difference {min(found.values()):.3g} from the nearest "
                           f"({ACCEPTED[min(found, key=found.get)]}); optimizer steps per rank: "

@@ -161,9 +161,38 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     return {"accuracy": _number(returned), "seen": seen}
 
 
+def micro_count(k: int, step: int) -> int:
+    """How many micro-batches call ``step`` of check_accumulation gets: k, then k + 1, ... (the count varies)."""
+    return k + step % 2
+
+
+def micro_sizes(seed: int, rank: int, step: int, k: int, size: int) -> list[int]:
+    """The sizes of rank ``rank``'s micro-batches in call ``step``: micro_count(k, step) of them, unequal, adding
+    up to micro_count x size on every rank (so every rank holds as many samples, split differently)."""
+    count = micro_count(k, step)
+    gen = torch.Generator().manual_seed(40_000 + 1000 * seed + 100 * rank + step)
+    sizes = [size] * count
+    for _ in range(3 * count):
+        i, j = torch.randint(count, (2,), generator=gen).tolist()
+        if i != j and sizes[i] > 1:
+            sizes[i] -= 1
+            sizes[j] += 1
+    if len(set(sizes)) == 1:  # never equal: dividing each loss by the count must give another step
+        sizes[0], sizes[-1] = sizes[0] + 1, sizes[-1] - 1
+    return sizes
+
+
 def _micro_batches(seed: int, rank: int, step: int, k: int, size: int):
     gen = torch.Generator().manual_seed(10_000 * seed + 100 * rank + step)
-    return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(k)]
+    return [(torch.randn(n, 4, generator=gen), torch.randn(n, 2, generator=gen))
+            for n in micro_sizes(seed, rank, step, k, size)]
+
+
+def loss_weights(sizes: list[int], mode: str) -> list[float]:
+    """What each micro-batch's mean loss is multiplied by: ``share`` (its size / the rank's samples: right),
+    ``count`` (1 / the number of micro-batches: right only for equal sizes), ``none`` (the sum)."""
+    total = sum(sizes)
+    return [n / total if mode == "share" else 1 / len(sizes) if mode == "count" else 1.0 for n in sizes]
 
 
 def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
@@ -235,33 +264,39 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
 
 
-def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int) -> tuple[dict, list[dict]]:
-    """(held, sums): what `.grad` held at call ``step``'s first forward on this rank, and sums[j][name], the sum of
-    the gradients of its micro-batches 1..j+1, each at the weights its forward saw (``call["weights_at"]``,
-    read on the rank; the call's first weights for all when the forwards were not one per micro-batch)."""
+def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int) -> tuple[dict, list[dict], list[int]]:
+    """(held, grads, sizes): what `.grad` held at call ``step``'s first forward on this rank, grads[j][name], the
+    gradient of micro-batch j's mean loss at the weights its forward saw (``call["weights_at"]``, read on the rank;
+    the call's first weights for all when the forwards were not one per micro-batch), and the micro-batches' sizes."""
     model = make_net(0)
     weights = call["weights_at"]
     held = {n: torch.zeros_like(p) if call["held"].get(n) is None else call["held"][n] for n, p in model.named_parameters()}
-    sums = []
-    for j, (x, y) in enumerate(_micro_batches(seed, rank, step, k, size)):
-        if j == 0 or len(weights) == k:
-            model.load_state_dict(weights[j if len(weights) == k else 0])
+    batches = _micro_batches(seed, rank, step, k, size)
+    grads = []
+    for j, (x, y) in enumerate(batches):
+        if j == 0 or len(weights) == len(batches):
+            model.load_state_dict(weights[j if len(weights) == len(batches) else 0])
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
-        sums.append({n: (sums[-1][n] if sums else 0) + p.grad.detach() for n, p in model.named_parameters()})
-    return held, sums
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return held, grads, [len(x) for x, _ in batches]
 
 
-def _accumulate_reference(world_size, k, size, steps, lr, seed, *, scale=1.0, zero_grad=True):
-    """One process: ``steps`` SGD steps, each on the mean loss over every rank's k micro-batches."""
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", zero_grad=True):
+    """One process: ``steps`` SGD steps, each on every rank's micro-batches, each micro-batch's mean loss weighted
+    as ``mode`` says (:func:`loss_weights`) and averaged over the ranks as DDP does. ``share`` is the mean loss
+    over all the samples of the step (every rank holds as many)."""
     model = make_net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         if zero_grad:
             optimizer.zero_grad()
-        batches = [b for rank in range(world_size) for b in _micro_batches(seed, rank, step, k, size)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        (scale * F.mse_loss(model(x), y)).backward()
+        loss = 0
+        for rank in range(world_size):
+            batches = _micro_batches(seed, rank, step, k, size)
+            for w, (x, y) in zip(loss_weights([len(x) for x, _ in batches], mode), batches):
+                loss = loss + w * F.mse_loss(model(x), y)
+        (loss / world_size).backward()
         optimizer.step()
     return model.state_dict()
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import graders.ex2_practice as ex2p
 import graders.ex2_practice_model as ex2p_model
+import graders.ex2_precision as amp
 from course.checks import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.
@@ -264,51 +265,57 @@ def test_check_evaluate_catches_samples_evaluated_around_the_model():
 
 def accumulate_step(ddp_model, optimizer, micro_batches):
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         if i < k - 1:
             with ddp_model.no_sync():
-                (F.mse_loss(ddp_model(x), y) / k).backward()
+                (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
         else:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def accumulate_docs_style(ddp_model, optimizer, micro_batches):
     """Right, the idiom of DDP's no_sync() documentation: one `with` around the first k-1 micro-batches;
-    the gradients divided after the backward passes instead of the losses before; zero_grad first."""
+    summed losses, and the gradients divided once by the number of values after the backward passes;
+    zero_grad first."""
     optimizer.zero_grad(set_to_none=True)
     *first, last = micro_batches
     with ddp_model.no_sync():
         for x, y in first:
-            F.mse_loss(ddp_model(x), y).backward()  # no synchronization, accumulate grads
-    F.mse_loss(ddp_model(last[0]), last[1]).backward()  # synchronize grads
+            F.mse_loss(ddp_model(x), y, reduction="sum").backward()  # no synchronization, accumulate grads
+    F.mse_loss(ddp_model(last[0]), last[1], reduction="sum").backward()  # synchronize grads
+    values = sum(y.numel() for _, y in micro_batches)
     for p in ddp_model.parameters():
-        p.grad /= len(micro_batches)
+        p.grad /= values
     optimizer.step()
 
 
 def accumulate_nullcontext(ddp_model, optimizer, micro_batches):
-    """Right, another spelling: a context chosen per micro-batch."""
+    """Right, another spelling: a context chosen per micro-batch, the loss weighted by the batch's fraction."""
     k = len(micro_batches)
+    fractions = torch.tensor([float(len(x)) for x, _ in micro_batches])
+    fractions /= fractions.sum()
     for i, (x, y) in enumerate(micro_batches):
         context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
         with context:
-            loss = F.mse_loss(ddp_model(x), y) / k
+            loss = F.mse_loss(ddp_model(x), y) * fractions[i]
             loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-def _accumulate(ddp_model, optimizer, micro_batches, *, no_sync=True, divide=True, step_each=False, zero=True,
+def _accumulate(ddp_model, optimizer, micro_batches, *, no_sync=True, divide="share", step_each=False, zero=True,
                 sync_at=None):
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     sync_at = k - 1 if sync_at is None else sync_at
     for i, (x, y) in enumerate(micro_batches):
         context = ddp_model.no_sync() if no_sync and i != sync_at else contextlib.nullcontext()
         with context:
             loss = F.mse_loss(ddp_model(x), y)
-            (loss / k if divide else loss).backward()
+            (loss * len(x) / total if divide == "share" else loss / k if divide == "count" else loss).backward()
         if step_each:
             optimizer.step()
     if not step_each:
@@ -322,7 +329,12 @@ def accumulate_without_no_sync(ddp_model, optimizer, micro_batches):
 
 
 def accumulate_not_divided(ddp_model, optimizer, micro_batches):
-    _accumulate(ddp_model, optimizer, micro_batches, divide=False)
+    _accumulate(ddp_model, optimizer, micro_batches, divide="none")
+
+
+def accumulate_divided_by_count(ddp_model, optimizer, micro_batches):
+    """The lesson's rule (loss / k) applied to micro-batches of unequal sizes."""
+    _accumulate(ddp_model, optimizer, micro_batches, divide="count")
 
 
 def accumulate_step_each(ddp_model, optimizer, micro_batches):
@@ -344,10 +356,10 @@ def accumulate_never_sync(ddp_model, optimizer, micro_batches):
 def accumulate_synced_by_hand(ddp_model, optimizer, micro_batches):
     """Right weights, but every backward inside no_sync() and the gradients all-reduced by hand, one
     parameter at a time, instead of DDP's one bucketed all-reduce."""
-    k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     with ddp_model.no_sync():
         for x, y in micro_batches:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     for p in ddp_model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
@@ -376,9 +388,10 @@ def accumulate_forged_by_hand(ddp_model, optimizer, micro_batches):
     """Forgery (issue 24, class 1): DDP never syncs (every backward inside no_sync()), the gradients travel in
     all_gathers by hand, and the grader's hook record is made to say "once, after the last forward"."""
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     with ddp_model.no_sync():
         for x, y in micro_batches:
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
     world_size = dist.get_world_size()
     for p in ddp_model.parameters():
         parts = [torch.empty_like(p.grad) for _ in range(world_size)]
@@ -405,9 +418,10 @@ def accumulate_gathers_too(ddp_model, optimizer, micro_batches):
     """Mistake: DDP's one sync in the last backward, right weights, but after every backward the gradients are
     also all-gathered by hand (to look at them): k more rounds of communication."""
     k = len(micro_batches)
+    total = sum(len(x) for x, _ in micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            (F.mse_loss(ddp_model(x), y) / k).backward()
+            (F.mse_loss(ddp_model(x), y) * len(x) / total).backward()
         for p in ddp_model.parameters():
             dist.all_gather([torch.empty_like(p.grad) for _ in range(dist.get_world_size())], p.grad)
     optimizer.step()
@@ -423,10 +437,12 @@ def test_check_accumulation():
     ex2p.check_accumulation(accumulate_nullcontext, world_size=3, k=3, seed=1)
     ex2p.check_accumulation(accumulate_without_no_sync)  # the communication is check_no_sync's business
     ex2p.check_accumulation(accumulate_synced_by_hand)
-    fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "4 x too large",
-          "divide each micro-batch's loss by 4")
+    fails(ex2p.check_accumulation, accumulate_not_divided, "differ from one process's step", "the sum of the "
+          "micro-batches' mean gradients", "share of this rank's samples")
+    fails(ex2p.check_accumulation, accumulate_divided_by_count, "differ from one process's step",
+          "each micro-batch counted as much as the others", "equally large")
     fails(ex2p.check_accumulation, accumulate_step_each, "[ranks 0, 1]", "exactly one optimizer step",
-          "[4, 4]", "step once, after all 4 backward passes")
+          "[4, 5]", "step once, after all the backward passes")
     fails(ex2p.check_accumulation, accumulate_no_zero_grad, "differ from one process's step", "zero_grad()")
     fails(ex2p.check_accumulation, accumulate_sync_first, "different weights", "outside no_sync()")
 
@@ -481,6 +497,12 @@ def _steps(ddp_model, optimizer, batches):
 
 
 def train_uneven(ddp_model, optimizer, batches):
+    with ddp_model.join(divide_by_initial_world_size=False):
+        _steps(ddp_model, optimizer, batches)
+
+
+def train_uneven_join_default(ddp_model, optimizer, batches):
+    """Mistake: lesson 2's Join as it comes: the finished ranks' zeros count in the mean."""
     with ddp_model.join():
         _steps(ddp_model, optimizer, batches)
 
@@ -501,14 +523,17 @@ def train_uneven_fewest(ddp_model, optimizer, batches):
 
 def train_uneven_dummy_steps(ddp_model, optimizer, batches):
     """Right, by hand: as many steps as the rank with the most batches; a rank without a batch contributes
-    a zero gradient (the same weights as Join's)."""
+    a zero gradient, and the loss is scaled so that DDP's mean is over the ranks that trained in the step."""
+    world_size = dist.get_world_size()
     steps = torch.tensor([len(batches)])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     for i in range(int(steps)):
+        active = torch.tensor([1.0 if i < len(batches) else 0.0])
+        dist.all_reduce(active)  # how many ranks train in this step
         optimizer.zero_grad()
         x, y = batches[min(i, len(batches) - 1)]
         loss = F.mse_loss(ddp_model(x), y)
-        (loss if i < len(batches) else 0.0 * loss).backward()
+        (loss * (world_size / active.item()) if i < len(batches) else 0.0 * loss).backward()
         optimizer.step()
 
 
@@ -557,6 +582,8 @@ def train_uneven_forged(ddp_model, optimizer, batches):
 def test_check_uneven_accepts_join_and_an_equalised_loop():
     ex2p.check_uneven(train_uneven)
     ex2p.check_uneven(train_uneven, counts=(4, 2, 5), seed=1)
+    fails(ex2p.check_uneven, train_uneven_join_default, "averaged over the full world size (Join's default)",
+          "divide_by_initial_world_size", counts=(4, 2, 5), seed=1)
     ex2p.check_uneven(train_uneven_join_active, counts=(4, 2, 5), seed=1)
     ex2p.check_uneven(train_uneven_fewest)
     ex2p.check_uneven(train_uneven_fewest, counts=(4, 2, 5), seed=1)
@@ -589,9 +616,9 @@ def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_uneven_rejects_other_weights():
-    fails(ex2p.check_uneven, train_uneven_recycled, "[ranks 0, 1]", "neither Join's nor", "trained on their first "
+    fails(ex2p.check_uneven, train_uneven_recycled, "[ranks 0, 1]", "neither those of", "trained on their first "
           "batches again")
-    fails(ex2p.check_uneven, train_uneven_forged, "neither Join's nor", counts=(4, 2, 5), seed=1)
+    fails(ex2p.check_uneven, train_uneven_forged, "neither those of", counts=(4, 2, 5), seed=1)
 
 
 # --- part 4: load_checkpoint -----------------------------------------------------------------------
@@ -762,6 +789,253 @@ def test_check_load_checkpoint_sees_loaders_bound_before_the_job():
     fails(ex2p.check_load_checkpoint, load_where_cuda0_exists_bound_early, "[ranks 0, 1]", "restored them on cuda:0")
 
 
+# --- part 5: amp_clip_step ---------------------------------------------------------------------------
+
+
+def _amp_loss(ddp_model, x, y, k):
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+        return F.mse_loss(ddp_model(x), y) / k
+
+
+def amp_clip_step(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            _amp_loss(ddp_model, x, y, k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_docs_style(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, the idiom of the AMP and DDP docs: torch.amp.autocast spelled out, one `with no_sync()` around the
+    first k - 1 micro-batches, clip_grad_norm_ with foreach, set_to_none first."""
+    optimizer.zero_grad(set_to_none=True)
+    *first, last = micro_batches
+    k = len(micro_batches)
+    with ddp_model.no_sync():
+        for x, y in first:
+            with torch.amp.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss / k).backward()
+    with torch.amp.autocast(last[0].device.type, dtype=torch.bfloat16):
+        loss = F.mse_loss(ddp_model(last[0]), last[1])
+    (loss / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=max_norm, foreach=True)
+    optimizer.step()
+
+
+class ClippedStepper:
+    """Right, a helper class: a hand-made global norm of the synced gradients (no communication: after DDP's
+    all-reduce they are the same on every rank), and the scale applied in place."""
+
+    def __init__(self, ddp_model, max_norm):
+        self.model, self.max_norm = ddp_model, max_norm
+
+    def clip(self):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor)
+
+
+def amp_helper_class(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    stepper = ClippedStepper(ddp_model, max_norm)
+    for i, (x, y) in enumerate(micro_batches):
+        context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
+        with context:
+            _amp_loss(ddp_model, x, y, k).backward()
+    stepper.clip()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_backward_inside_autocast(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, a common spelling: backward() inside the autocast block too (its ops follow the forward's dtypes)."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                (F.mse_loss(ddp_model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_one_backward(ddp_model, optimizer, micro_batches, max_norm):
+    """Right, another way: every forward first (the first k - 1 under no_sync(), so only the last one arms DDP's
+    sync), then one backward of the summed losses."""
+    k = len(micro_batches)
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                losses.append(F.mse_loss(ddp_model(x), y))
+    torch.stack(losses).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_clip_inside_no_sync(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: clipped inside no_sync(), after the first k - 1 micro-batches: each rank's own norm."""
+    k = len(micro_batches)
+    *first, (x, y) = micro_batches
+    with ddp_model.no_sync():
+        for xi, yi in first:
+            _amp_loss(ddp_model, xi, yi, k).backward()
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    _amp_loss(ddp_model, x, y, k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_clip_each_micro_step(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: clipped after every backward, the micro-steps inside no_sync() too."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            _amp_loss(ddp_model, x, y, k).backward()
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_local_norm(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: a hand-made per-rank norm, taken before the last (synchronising) backward, applied after it."""
+    k = len(micro_batches)
+    *first, (x, y) = micro_batches
+    with ddp_model.no_sync():
+        for xi, yi in first:
+            _amp_loss(ddp_model, xi, yi, k).backward()
+    local = torch.sqrt(sum((p.grad ** 2).sum() for p in ddp_model.parameters()))
+    _amp_loss(ddp_model, x, y, k).backward()
+    for p in ddp_model.parameters():
+        p.grad.mul_(min(1.0, max_norm / (float(local) + 1e-6)))
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_weights_in_bf16(ddp_model, optimizer, micro_batches, max_norm):
+    """Mistake: the model cast to bf16 (no master weights); DDP then stops syncing (torch 2.13, no error)."""
+    ddp_model.to(torch.bfloat16)
+    amp_clip_step(ddp_model, optimizer, micro_batches, max_norm)
+
+
+def amp_without_autocast(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            (F.mse_loss(ddp_model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def amp_without_no_sync(ddp_model, optimizer, micro_batches, max_norm):
+    k = len(micro_batches)
+    for x, y in micro_batches:
+        _amp_loss(ddp_model, x, y, k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _closure_lists(ddp_model):
+    for hook, _ in ddp_model._comm_hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            if isinstance(cell.cell_contents, list):
+                yield cell.cell_contents
+
+
+def amp_forged_sync(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: syncs every micro-batch, then keeps only the last of the grader's hook records."""
+    amp_without_no_sync(ddp_model, optimizer, micro_batches, max_norm)
+    for records in _closure_lists(ddp_model):
+        if records and isinstance(records[0], dict):
+            records[:] = records[-1:]
+
+
+def amp_forged_clip(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: clips inside no_sync(), then rewrites the grader's record of what the all-reduce returned as the
+    gradients the step used divided by the clip factor they would have (as if clipped after the sync)."""
+    amp_clip_inside_no_sync(ddp_model, optimizer, micro_batches, max_norm)
+    for records in _closure_lists(ddp_model):
+        for record in records:
+            if isinstance(record, dict) and "reduced" in record:
+                record["reduced"] = record["reduced"] * 3.0
+
+
+def amp_forged_dtypes(ddp_model, optimizer, micro_batches, max_norm):
+    """Forgery: a float32 forward, then the linear layers' recorded output dtypes made to say bfloat16."""
+    amp_without_autocast(ddp_model, optimizer, micro_batches, max_norm)
+    for layer in ddp_model.module.modules():
+        for hook in layer._forward_hooks.values():
+            for cell in getattr(hook, "__closure__", None) or ():
+                if isinstance(cell.cell_contents, list):
+                    cell.cell_contents[:] = ["bfloat16"]
+
+
+def test_bf16_tolerance_is_derived_from_the_significand():
+    """8 significant bits: u = 2**-8; the reference's own spread between its micro-batches stays far inside it."""
+    assert amp.BF16_U == 2.0**-8 == torch.finfo(torch.bfloat16).eps / 2
+    state, scale = amp.amp_reference(2, 4, 3, 2, 0.1, 0.5, 0)
+    assert 0 < scale < 10 and amp.weight_tolerance(0.1, scale) == pytest.approx(0.1 * 8 * 2**-8 * scale + 1e-6)
+    free, _ = amp.amp_reference(2, 4, 3, 2, 0.1, amp.FREE, 0)
+    assert max((state[n] - free[n]).abs().max().item() for n in state) > 10 * amp.weight_tolerance(0.1, scale)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_accept_right_answers_in_several_styles():
+    for right, kwargs in [(amp_clip_step, {}), (amp_clip_step, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_docs_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_backward_inside_autocast, {}), (amp_one_backward, {})]:
+        for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+            check(right, **kwargs)
+
+
+def _only(wrong, failing, *words, **kwargs):
+    """``wrong`` fails check ``failing`` (with ``words``) and passes the part's other checks."""
+    message = fails(failing, wrong, *words, **kwargs)
+    for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+        if check is not failing:
+            check(wrong, **kwargs)
+    return message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_name_each_mistake_and_only_it():
+    _only(amp_clip_inside_no_sync, amp.check_clip, "each rank clipped its own gradients before DDP's all-reduce",
+          "inside no_sync()")
+    _only(amp_clip_each_micro_step, amp.check_clip, "clipped at every micro-step", "clip once per optimizer step",
+          world_size=3, k=3, max_norm=0.4, seed=1)
+    _only(amp_local_norm, amp.check_clip, "the clip factor is not the one of the all-reduced gradient's norm",
+          "its own factor")
+    _only(amp_without_autocast, amp.check_amp_step, "did not compute in bfloat16", "torch.autocast")
+    _only(amp_without_no_sync, amp.check_amp_sync, "all-reduced 4 times in one call", "no_sync()")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_cast_to_bf16_lose_the_part_naming_the_cast():
+    """torch 2.13: a model cast after DDP wrapped it is not synchronised any more (no collective, no error), so
+    the cast costs the communication and the clipping too; every message names it."""
+    for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
+        fails(check, amp_weights_in_bf16, "cast to bfloat16", "stops DDP's gradient all-reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_amp_checks_are_not_fooled_by_forged_records():
+    fails(amp.check_amp_sync, amp_forged_sync, "all-reduced 4 times in one call")
+    fails(amp.check_clip, amp_forged_clip, "each rank clipped its own gradients before DDP's all-reduce")
+    fails(amp.check_amp_step, amp_forged_dtypes, "do not carry bf16's rounding", "float32")
+
+
 # --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
 
 
@@ -796,34 +1070,54 @@ WRONG = {
         "ex2p_test_evaluate", ["changed when only the labels changed", "split the samples by their index"]),
     "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
                       "ex2p_test_evaluate", ["its own share"]),
-    "no no_sync": ("ex2p_accumulate_step", "        if i < k - 1:", "        if False:",
-                   "ex2p_test_no_sync", ["4 times in one accumulate_step", "the weights are right"]),
-    "loss not divided by k": ("ex2p_accumulate_step", " / k).backward()", ").backward()",
-                              "ex2p_test_accumulation", ["4 x too large"], 2),
-    "a step per micro-batch": ("ex2p_accumulate_step", "    optimizer.step()\n    optimizer.zero_grad()\n",
-                               "        optimizer.step()\n    optimizer.zero_grad()\n",
-                               "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 4]"]),
+    "no no_sync": ("ex2p_accumulate_step", "    with ddp_model.no_sync():  # accumulate locally, no communication\n",
+                   "    if True:\n", "ex2p_test_no_sync", ["4 times in one accumulate_step", "the weights are right"]),
+    "each loss divided by the number of micro-batches": (
+        "ex2p_accumulate_step", " * (len(x) / total)).backward()", " / len(micro_batches)).backward()",
+        "ex2p_test_accumulation", ["each micro-batch counted as much as the others"], 2),
+    "a step per micro-batch": (
+        "ex2p_accumulate_step", "  # weighted by its share of the samples\n",
+        "\n            optimizer.step()\n", "ex2p_test_accumulation", ["exactly one optimizer step", "[4, 5]"]),
     "every backward in no_sync, the gradients synced by hand": (
-        "ex2p_accumulate_step", ("        if i < k - 1:", "    optimizer.step()\n"),
-        ("        if True:", "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n"
-         "        p.grad /= dist.get_world_size()\n    optimizer.step()\n"),
+        "ex2p_accumulate_step", "    x, y = last\n    (F.mse_loss(ddp_model(x), y) * (len(x) / total)).backward()  "
+        "# all-reduces the accumulated gradients\n",
+        "        x, y = last\n        (F.mse_loss(ddp_model(x), y) * (len(x) / total)).backward()\n"
+        "    for p in ddp_model.parameters():\n        dist.all_reduce(p.grad)\n        p.grad /= dist.get_world_size()\n",
         "ex2p_test_no_sync", ["never all-reduced", "syncing by hand"]),
-    "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n",
+    "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n",
                      "    if True:\n", "ex2p_test_uneven",
                      ["did not return on every rank", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)",
                       "join()"]),
     "ranks that run out start over": (
-        "ex2p_train_uneven", "    with ddp_model.join():  # finished ranks shadow the others' all-reduces\n"
+        "ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n"
         "        for x, y in batches:\n",
         "    steps = torch.tensor([len(batches)])\n    dist.all_reduce(steps, op=dist.ReduceOp.MAX)\n"
         "    if True:\n        for x, y in (batches[i % len(batches)] for i in range(int(steps))):\n",
-        "ex2p_test_uneven", ["neither Join's nor", "trained on their first batches again"]),
+        "ex2p_test_uneven", ["neither those of", "trained on their first batches again"]),
+    "Join dividing by the full world size": (
+        "ex2p_train_uneven", "divide_by_initial_world_size=False", "", "ex2p_test_uneven",
+        ["averaged over the full world size (Join's default)"]),
     "no map_location": ("ex2p_load_checkpoint", ", map_location=device)", ")",
                         "ex2p_test_load_checkpoint", ["on cuda:0, where rank 0 saved them", "map_location=device"]),
     "into the DDP wrapper": ("ex2p_load_checkpoint", "ddp_model.module.load_state_dict", "ddp_model.load_state_dict",
                              "ex2p_test_load_checkpoint", ["Missing key(s)", "ddp_model.module.load_state_dict"]),
     "epoch not returned": ("ex2p_load_checkpoint", "    return checkpoint[\"epoch\"]\n", "",
                            "ex2p_test_load_checkpoint", ["did not return the saved epoch"]),
+    "clipped inside no_sync (per rank, before the all-reduce)": (
+        "ex2p_amp_clip_step", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
+                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
+                               "the global norm\n"),
+        ("            loss.backward()\n            if i == k - 2:\n"
+         "                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
+        "ex2p_test_clip", ["each rank clipped its own gradients before DDP's all-reduce"]),
+    "clipped at every micro-step": (
+        "ex2p_amp_clip_step", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
+                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
+                               "the global norm\n"),
+        ("            loss.backward()\n        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
+        "ex2p_test_clip", ["clipped at every micro-step"]),
+    "no autocast": ("ex2p_amp_clip_step", "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)",
+                    "contextlib.nullcontext()", "ex2p_test_amp_step", ["did not compute in bfloat16"]),
 }
 
 
@@ -837,3 +1131,15 @@ def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
         nb = submissions.patch_answer(nb, grade_id, before, after, *count)
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_cast_to_bf16_lose_part_5_saying_so(tmp_path):
+    """The cast stops DDP's all-reduce (torch 2.13): the part's three cells, each naming the cast."""
+    nb = submissions.patch_answer(submissions.load(A, NB), "ex2p_amp_clip_step", "    k = len(micro_batches)\n",
+                                  "    ddp_model.to(torch.bfloat16)\n    k = len(micro_batches)\n")
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, ["ex2p_test_amp_step", "ex2p_test_clip", "ex2p_test_amp_sync"],
+                                     ["cast to bfloat16"], notebook=NB)
+    assert all("cast to bfloat16" in m for m in submissions.messages(report).values() if m.startswith("FAILED"))

@@ -277,3 +277,44 @@ def test_predict_then_run_what_batch_size_means_per_rank(nb):
     assert stated in answer, (stated, answer)
     (full, last), = rows(r"the global batch\): (\d+); in the last step: (\d+)", text)
     assert f"{ws} x {sizes[0]} = {full} samples over all ranks" in answer and f"the last step only {last}" in answer
+
+
+def test_mixed_precision_dtypes_predicted_then_measured(nb):
+    """Section 12's predict-then-run answer (bfloat16 output; float32 loss, weight, gradient and bucket; a Float
+    all-reduce unless bf16_compress_hook sends BFloat16) is what the next cell measured live."""
+    answer = next(c.source for c in nb.cells if c.cell_type == "markdown" and "**Predict, then run.**" in c.source
+                  and "bf16_compress_hook" in c.source)
+    text = output_of(nb, "def amp_dtypes(rank, hook):")
+    assert world_sizes(text) == [2, 2]
+    default = ast.literal_eval(rows(r"^default: (\{.*\})$", text)[0])
+    compressed = ast.literal_eval(rows(r"^bf16_compress_hook: (\{.*\})$", text)[0])
+    want = {"first layer's output": "bfloat16", "loss": "float32", "weight": "float32", "weight.grad": "float32",
+            "bucket": "float32"}
+    assert default == compressed == want
+    for name, dtype in want.items():
+        assert f"<code>{dtype}</code>" in answer, (name, dtype)
+    assert rows(r"^default: all-reduced on the wire \(flight recorder\): (.*)$", text) == ['["all_reduce [\'Float\']"]']
+    assert rows(r"^bf16_compress_hook: all-reduced on the wire \(flight recorder\): (.*)$", text) == [
+        '["all_reduce [\'BFloat16\']"]']
+
+
+def test_casting_the_wrapped_model_stops_ddp(nb):
+    text = output_of(nb, "def cast_after_wrapping(rank):")
+    assert world_sizes(text) == [2]
+    assert rows(r"after ddp_model.to\(torch.bfloat16\): all-reduces in one backward: (\d+); same gradients on every "
+                r"rank: (\w+)", text) == [("0", "False")]
+
+
+def test_clipping_after_the_all_reduce_matches_one_process(nb):
+    text = output_of(nb, "def clip_under_ddp(rank, where")
+    assert world_sizes(text) == [2, 2]
+    found = {where: ([float(n) for n in norms.strip("[]").split(", ")], float(norm)) for where, norms, norm in
+             rows(r"^clipped (inside no_sync|after the all-reduce): norms the ranks clipped with (\[.*?\]); one "
+                  r"process's global norm (\S+)$", text)}
+    inside, after = found["inside no_sync"], found["after the all-reduce"]
+    assert inside[0][0] < 0.5 < inside[0][1], inside  # rank 0 left alone, rank 1 scaled: different factors
+    assert after[0][0] == after[0][1] == pytest.approx(after[1], rel=2**-6)  # the global norm on every rank
+    verdicts = dict((w, (same, bf16)) for w, same, bf16 in rows(
+        r"^clipped (inside no_sync|after the all-reduce): same gradients on every rank: (\w+); max .* = \S+; "
+        r"within bf16 rounding \(4 x 2\*\*-8 x the largest gradient\): (\w+)$", text))
+    assert verdicts == {"inside no_sync": ("True", "False"), "after the all-reduce": ("True", "True")}
