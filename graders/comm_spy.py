@@ -74,7 +74,8 @@ def _tensors(value) -> list:
 
 def spy():
     """(a dispatch mode, the list it fills): each collective dispatched while the mode is on, as
-    ``{"op": "all_reduce", "t": issued, "values": [what this rank sent, flat float32 copies]}``."""
+    ``{"op": "all_reduce", "t": issued, "values": [what this rank sent, flat float32 copies],
+    "dtypes": [the dtype each of those tensors had, e.g. "torch.bfloat16"]}``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops, clock, records = _OPS, _CLOCK, []
@@ -86,9 +87,10 @@ def spy():
             if found is not None and found[0] is func:
                 _, kind, at = found
                 sent = args[at] if len(args) > at else kwargs.get(func._schema.arguments[at].name)
-                records.append({"op": kind, "t": clock(),
+                tensors = _tensors(sent)
+                records.append({"op": kind, "t": clock(), "dtypes": [str(t.dtype) for t in tensors],
                                 "values": [t.detach().reshape(-1).to("cpu", torch.float32).clone()
-                                           for t in _tensors(sent)]})
+                                           for t in tensors]})
             return func(*args, **kwargs)
 
     return Spy(), records

@@ -94,7 +94,7 @@ PACKAGE_GRAPH = package_graph(GRAPH)
 
 #: the engine's layers, bottom first: a package imports only from its own layer and those below
 LAYERS = [
-    {"course.proc", "course.envnames", "course.errors", "course.paths"},
+    {"course.proc", "course.envnames", "course.errors", "course.paths", "course.costmodel"},
     {"course.sandbox"},
     {"course.launcher"},
     {"course.grading"},

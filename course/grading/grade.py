@@ -15,6 +15,7 @@ import click
 
 from course.errors import CourseError
 from course.grading.notebook import Timeouts, clear_outputs, read
+from course.grading.options import notebook_run_options
 from course.grading.restore import find_source, graded_cells, has_answer_cells, restore
 from course.grading.scoring import CellResult, GradeReport, score_notebook
 
@@ -117,14 +118,8 @@ def _escape(text: str) -> str:
 
 
 @click.command()
-@click.argument("notebook", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the scores) on stdout and nothing else.")
-@click.option("--exercises", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder of the source notebooks (default: the course's exercises/).")
-@click.option("--test-timeout", type=float, default=Timeouts.test, show_default=True,
-              help="Seconds each test cell may run (they run multi-rank jobs).")
-@click.option("--timeout", type=float, default=Timeouts.other, show_default=True,
-              help="Seconds every other cell may run.")
+@notebook_run_options(json_help="Print one JSON object (the scores) on stdout and nothing else.",
+                      exercises_help="Folder of the source notebooks (default: the course's exercises/).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the graded notebook (every output, test cells showing the grader's verdicts) here.")
 def command(notebook, as_json, exercises, test_timeout, timeout, output):

@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from course.grading.cells import Timeouts
+from course.grading.options import notebook_run_options
 
 
 @dataclass
@@ -131,14 +132,8 @@ def report_lines(report: CheckReport) -> list[str]:
 
 
 @click.command()
-@click.argument("notebook", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else.")
-@click.option("--exercises", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder of the course's exercises (default: the installed course's exercises/).")
-@click.option("--test-timeout", type=float, default=Timeouts.test, show_default=True,
-              help="Seconds each test cell may run (they run multi-rank jobs).")
-@click.option("--timeout", type=float, default=Timeouts.other, show_default=True,
-              help="Seconds every other cell may run.")
+@notebook_run_options(json_help="Print one JSON object on stdout and nothing else.",
+                      exercises_help="Folder of the course's exercises (default: the installed course's exercises/).")
 def command(notebook, as_json, exercises, test_timeout, timeout):
     """Run NOTEBOOK's visible checks as the grader will, and print what its feedback will say.
 

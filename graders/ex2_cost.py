@@ -1,0 +1,245 @@
+"""Checks for "what a step costs" (exercises/ex2-ddp-basics/ddp_from_scratch.ipynb, part 3; issue 28).
+
+The student predicts, without running anything, what one training step communicates:
+
+* ``plan_step(layers, world_size, strategy, bucket_cap_mb)`` -> the collectives one steady-state step
+  runs under ``"ddp"`` (DistributedDataParallel), ``"zero"`` (ZeroRedundancyOptimizer with Adam, under
+  DDP) or ``"fsdp"`` (``fully_shard`` on every layer, then the root), as ``(op, numel)`` pairs, ``numel``
+  the values of the whole tensor (the gathered result of an all-gather, the input of a reduce-scatter).
+  :func:`check_step_plan` compares them with what a real job of that model on that many ranks ran:
+  the grader's own job, no student code in it, with :mod:`graders.comm_spy` recording every collective
+  as torch ran it.
+* ``step_cost(plan, world_size, alpha, bandwidth)`` -> ``(bytes each rank sends, seconds)`` under the
+  ring alpha-beta model; :func:`check_step_cost` compares it with :mod:`course.costmodel` on the plans
+  real jobs ran, for links of real machines.
+
+The student's functions run in a rank of their own (they are the student's code), where the course's
+own cost model is replaced by a function that refuses: the answer must be the student's arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course import checks, costmodel
+from course.checks import CheckFailed, passed
+from graders import comm_spy
+
+STRATEGIES = ("ddp", "zero", "fsdp")
+RTOL = 1e-6  # float64 arithmetic of the same formulas differs by rounding only
+
+
+def layer_shapes(widths) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of ``Linear(widths[0], widths[1]), ..., Linear(widths[-2], widths[-1])``."""
+    return [[(b, a), (b,)] for a, b in zip(widths, widths[1:])]
+
+
+def _model(widths, seed):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _step_records(rank, widths, strategy, bucket_cap_mb, seed):
+    """The collectives of the third step of ``strategy`` (the first two build DDP's buckets), measured."""
+    model = _model(widths, seed)
+    x = torch.randn(4, widths[0], generator=torch.Generator().manual_seed(seed + rank))
+    if strategy in ("ddp", "zero"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        opt = (ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+               if strategy == "zero" else torch.optim.SGD(wrapped.parameters(), lr=1e-3))
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        wrapped = fully_shard(model)
+        opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+    world_size = dist.get_world_size()
+    for step in range(3):
+        mode, records = comm_spy.spy()
+        with mode:
+            wrapped(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    ran = []
+    for r in records:
+        numel = sum(v.numel() for v in r["values"])
+        ran.append((r["op"], numel * world_size if r["op"] == "all_gather" else numel))
+    return ran
+
+
+def _measure_harness(rank, widths, bucket_cap_mb, seed):
+    checks.join_job()
+    return {s: _step_records(rank, widths, s, bucket_cap_mb, seed) for s in STRATEGIES}
+
+
+def measured(check: str, widths, world_size: int, bucket_cap_mb: float, seed: int = 0) -> dict:
+    """What each strategy's step ran on rank 0 of a real job: ``{strategy: [(op, numel), ...]}``."""
+    key = ("ex2_cost.measured", tuple(widths), world_size, bucket_cap_mb, seed)
+    job = checks.memo(check, key, lambda: checks.run(check, _measure_harness, world_size,
+                                                     args=(list(widths), bucket_cap_mb, seed)))
+    return job.values[0]
+
+
+# --- the student's functions, run as student code -------------------------------------------------
+
+
+def _refuse(*args, **kwargs):
+    raise RuntimeError("course.costmodel is the grader's model: compute the cost from the formulas yourself")
+
+
+def _ask_harness(rank, fn, calls):
+    """Call the student's ``fn`` on each argument tuple; plain data back (or the error's text)."""
+    for name in ("collective_cost", "step_cost", "step_collectives", "ddp_buckets", "fsdp_padded_numel"):
+        setattr(costmodel, name, _refuse)
+    answers = []
+    for args in calls:
+        try:
+            answers.append(("ok", _plain(fn(*args))))
+        except Exception as err:  # noqa: BLE001 - the student's error is the answer to report
+            answers.append(("error", f"{type(err).__name__}: {err}"))
+    return answers
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def _ask(check, fn, calls):
+    return checks.run(check, _ask_harness, 1, args=(fn, list(calls))).values[0]
+
+
+# --- 1. the plan --------------------------------------------------------------------------------------
+
+
+def _as_plan(answer) -> Counter | None:
+    try:
+        return Counter((str(op), int(n)) for op, n in answer if float(n) == int(n))
+    except (TypeError, ValueError):
+        return None
+
+
+def _describe(counter: Counter) -> str:
+    return ", ".join(f"{k} x {op} of {n}" if k > 1 else f"{op} of {n}" for (op, n), k in sorted(counter.items()))
+
+
+def _plan_hint(strategy, want: Counter, got: Counter, world_size) -> str:
+    ops = lambda c, op: sum(k for (o, _), k in c.items() if o == op)  # noqa: E731
+    if strategy == "fsdp":
+        layers = ops(want, "reduce_scatter")
+        if ops(got, "all_gather") == layers:
+            return ("FSDP2 gathers each layer twice per step: before its forward, and again before its backward "
+                    "(it resharded the layer after forward to free the memory)")
+        if sorted(n for (o, n), k in got.items() for _ in range(k) if o == "reduce_scatter") != sorted(
+                n for (o, n), k in want.items() for _ in range(k) if o == "reduce_scatter"):
+            return (f"FSDP2 splits each parameter on dim 0 into {world_size} equal pieces, padding dim 0 up to a "
+                    f"multiple of {world_size}: a layer's collectives carry the padded size")
+    if strategy == "zero" and not ops(got, "broadcast"):
+        return "after its step, ZeRO sends every parameter from the rank that owns its optimizer state to the others"
+    if strategy in ("ddp", "zero") and ops(got, "all_reduce") != ops(want, "all_reduce"):
+        return ("DDP reduces buckets, not parameters: gradients in reverse parameter order, a bucket closes once "
+                "it holds at least bucket_cap_mb MiB (the tensor that crosses the cap stays in it)")
+    return "compare your plan with the collectives listed above, one strategy at a time"
+
+
+def check_step_plan(plan_step, widths=(12, 32, 20, 6), world_size=2, bucket_cap_mb=0.002, seed=0):
+    """``plan_step`` predicts exactly the collectives a real step of each strategy ran."""
+    check = "check_step_plan"
+    checks.require_written(check, plan_step=plan_step)
+    layers = layer_shapes(widths)
+    truth = measured(check, widths, world_size, bucket_cap_mb, seed)
+    answers = _ask(check, plan_step, [(layers, world_size, s, bucket_cap_mb) for s in STRATEGIES])
+    for strategy, (status, answer) in zip(STRATEGIES, answers):
+        where = (f"for strategy={strategy!r}, world_size={world_size}, bucket_cap_mb={bucket_cap_mb}, "
+                 f"layers={layers}")
+        if status == "error":
+            raise CheckFailed(check, f"plan_step raised {answer} {where}", expected="a list of (op, numel) pairs",
+                              got=answer, hint="run plan_step on this model by hand and read the traceback")
+        want, got = Counter(truth[strategy]), _as_plan(answer)
+        if got is None:
+            raise CheckFailed(check, f"plan_step did not return (op, numel) pairs {where}",
+                              expected="a list like [('all_reduce', 1234), ...]", got=repr(answer)[:300],
+                              hint="return one (op name, number of values) pair per collective")
+        if got != want:
+            missing, extra = want - got, got - want
+            raise CheckFailed(
+                check, f"the plan for {strategy} is not what a real {strategy} step ran {where}",
+                expected=f"what the job ran: {_describe(want)}",
+                got=f"your plan: {_describe(got)}" + (f"; never ran: {_describe(extra)}" if extra else "")
+                + (f"; missing: {_describe(missing)}" if missing else ""),
+                hint=_plan_hint(strategy, want, got, world_size))
+    passed(check)
+
+
+# --- 2. the cost ------------------------------------------------------------------------------------------
+
+
+def _close(a, b) -> bool:
+    return math.isclose(a, b, rel_tol=RTOL, abs_tol=1e-12)
+
+
+def _cost_hint(plan, world_size, link, got) -> str:
+    n = world_size
+    raw = costmodel.step_cost(plan, n, link)
+    sizes = sum(numel * costmodel.FLOAT32 for _, numel in plan)
+    if _close(got[0], raw.bytes_sent) and not _close(got[1], raw.seconds):
+        without_alpha = sum(costmodel.collective_cost(op, k * 4, n, link._replace(alpha=0.0)).seconds
+                            for op, k in plan)
+        if _close(got[1], without_alpha):
+            return "every step of a ring pays the latency alpha: 2 (N - 1) steps for an all-reduce, N - 1 otherwise"
+        return ("the time of a collective is its steps x alpha + the bytes its busiest rank sends / bandwidth "
+                "(a broadcast's root sends the whole tensor)")
+    if _close(got[0], sizes) or _close(got[0], 2 * sizes):
+        return ("a rank sends only (N - 1) / N of a tensor in a ring all-gather or reduce-scatter, 2 (N - 1) / N "
+                "in an all-reduce: the rest it receives")
+    return "bytes: 2 (N - 1) / N x n for an all-reduce, (N - 1) / N x n for the others (n: the whole tensor, 4 bytes a value)"
+
+
+def check_step_cost(step_cost, widths=(12, 32, 20, 6), world_size=2, bucket_cap_mb=0.002,
+                    machines=("DGX H100 (NVLink 4)", "Ethernet 10 Gb/s"), seed=0):
+    """``step_cost`` gives the ring alpha-beta model's bytes and seconds for what real steps ran."""
+    check = "check_step_cost"
+    checks.require_written(check, step_cost=step_cost)
+    truth = measured(check, widths, world_size, bucket_cap_mb, seed)
+    calls, cases = [], []
+    for name in machines:
+        link = costmodel.MACHINES[name]
+        for strategy in STRATEGIES:
+            calls.append((list(truth[strategy]), world_size, link.alpha, link.bandwidth))
+            cases.append((name, strategy, link))
+    answers = _ask(check, step_cost, calls)
+    for (name, strategy, link), (plan, *_), (status, answer) in zip(cases, calls, answers):
+        want = costmodel.step_cost(plan, world_size, link)
+        where = f"for the {strategy} step at world_size={world_size} on {name} (alpha={link.alpha:g} s, " \
+                f"bandwidth={link.bandwidth:g} B/s)"
+        if status == "error":
+            raise CheckFailed(check, f"step_cost raised {answer} {where}", got=answer,
+                              expected="(bytes each rank sends, seconds)", hint="run step_cost by hand on this plan")
+        try:
+            got = (float(answer[0]), float(answer[1]))
+        except (TypeError, ValueError, IndexError):
+            raise CheckFailed(check, f"step_cost did not return (bytes, seconds) {where}", got=repr(answer)[:200],
+                              expected="a pair of numbers", hint="return (bytes each rank sends, seconds)") from None
+        if not (_close(got[0], want.bytes_sent) and _close(got[1], want.seconds)):
+            raise CheckFailed(check, f"step_cost's figures are not the ring model's {where}",
+                              expected=f"{want.bytes_sent:.6g} bytes, {want.seconds:.6g} s (plan: {_describe(Counter(plan))})",
+                              got=f"{got[0]:.6g} bytes, {got[1]:.6g} s", hint=_cost_hint(plan, world_size, link, got))
+    passed(check)
