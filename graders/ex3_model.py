@@ -37,89 +37,12 @@ def _init_pg() -> None:
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
 
 
-class _Block(nn.Module):
-    """A residual-style block: BatchNorms nested one level down."""
-
-    def __init__(self, bn: nn.Module):
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 1)
-        self.norm = bn
-        self.branch = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=0.05))
-
-    def forward(self, x):
-        return self.norm(self.conv(x)) + self.branch(x)
-
-
-def _convert_model(case: str) -> nn.Module:
-    """The models a conversion is tried on, with non-default weights and running statistics."""
-    torch.manual_seed(1)
-    if case == "nested":
-        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), _Block(nn.BatchNorm2d(4, eps=1e-3)))
-    elif case == "top-level":
-        model = nn.BatchNorm1d(5, momentum=0.2)
-    elif case == "mixed":
-        model = nn.ModuleDict({
-            "stem": nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, affine=False)),
-            "blocks": nn.ModuleList([
-                nn.Sequential(nn.Conv3d(2, 2, 1), nn.BatchNorm3d(2, eps=1e-4)),
-                nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None))),
-            ]),
-        })
-    else:
-        raise ValueError(case)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                n = module.num_features
-                module.running_mean.copy_(torch.linspace(-1, 1, n))
-                module.running_var.copy_(torch.linspace(0.5, 2, n))
-                module.num_batches_tracked.fill_(7)
-                if module.affine:
-                    module.weight.copy_(torch.linspace(0.5, 1.5, n))
-                    module.bias.copy_(torch.linspace(-0.3, 0.3, n))
-    return model
-
-
-# torch's own classes, taken when the grader is imported (before any student code runs in a rank): a
-# student's convert_model that assigns `nn.SyncBatchNorm = nn.BatchNorm2d` must not make BatchNorms look converted
-_SYNC_BATCHNORM = nn.SyncBatchNorm
-_BATCHNORM = nn.modules.batchnorm._BatchNorm
-_IS_INSTANCE = isinstance
-
-
-def _describe_modules(model: nn.Module) -> dict:
-    return {
-        name: {
-            "cls": type(m).__name__,
-            "sync": _IS_INSTANCE(m, _SYNC_BATCHNORM),
-            "bn": _IS_INSTANCE(m, _BATCHNORM),
-            "config": (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats)
-            if _IS_INSTANCE(m, _BATCHNORM) else None,
-        }
-        for name, m in model.named_modules()
-    }
-
-
-def _convert_harness(rank: int, convert_model, cases: tuple[str, ...]) -> list[dict]:
-    _init_pg()
-    return [_convert_case(convert_model, case) for case in cases]
-
-
-def _convert_case(convert_model, case: str) -> dict:
-    model = _convert_model(case)
-    before = {"modules": _describe_modules(model),
-              "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    converted = convert_model(model)
-    if not isinstance(converted, nn.Module):
-        return {"before": before, "returned": type(converted).__name__}
-    return {"before": before, "returned": None, "modules": _describe_modules(converted),
-            "state": {k: v.detach().clone() for k, v in converted.state_dict().items()}}
-
-
-def _bn_input(rank: int, sizes, tail, step: int) -> torch.Tensor:
+def _bn_input(rank: int, sizes, tail, step: int, offset: float = 0.0) -> torch.Tensor:
+    """Rank ``rank``'s float32 input: its own mean and spread, plus a common ``offset`` (a large offset is
+    where E[x^2] - E[x]^2 cancels in float32)."""
     g = torch.Generator().manual_seed(100 * step + rank + 7)
     x = torch.randn((sizes[rank], C, *tail), generator=g)
-    return x * (1.0 + rank) + 2.0 * rank - step  # each rank's data has its own mean and spread
+    return x * (1.0 + rank) + 2.0 * rank - step + offset
 
 
 def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
@@ -130,10 +53,10 @@ def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
 def _bn_harness(rank: int, bn_cls, cases) -> list[dict]:
     """Every case in one job (a job costs more than a case): a fresh layer per case."""
     _init_pg()
-    return [_bn_case(rank, bn_cls, sizes, tail) for sizes, tail in cases]
+    return [_bn_case(rank, bn_cls, sizes, tail, offset) for sizes, tail, offset in cases]
 
 
-def _bn_case(rank: int, bn_cls, sizes, tail) -> dict:
+def _bn_case(rank: int, bn_cls, sizes, tail, offset) -> dict:
     """BN_STEPS training forwards, each followed by a backward (whose error, if any, is recorded, not raised:
     the forward's observations still serve the output and running-statistics checks)."""
     bn = bn_cls(C, eps=EPS, momentum=MOMENTUM)
@@ -145,7 +68,7 @@ def _bn_case(rank: int, bn_cls, sizes, tail) -> dict:
     bn.train()
     record = []
     for step in range(BN_STEPS):
-        x = _bn_input(rank, sizes, tail, step).requires_grad_()
+        x = _bn_input(rank, sizes, tail, step, offset).requires_grad_()
         y = bn(x)
         if not isinstance(y, torch.Tensor):
             return {"error": f"forward returned {type(y).__name__}, not a tensor"}
@@ -158,7 +81,9 @@ def _bn_case(rank: int, bn_cls, sizes, tail) -> dict:
             except RuntimeError as exc:
                 obs["backward_error"] = f"{type(exc).__name__}: {exc}"
             else:
-                obs.update(x_grad=x.grad, weight_grad=_clone(bn.weight.grad), bias_grad=_clone(bn.bias.grad))
+                # an empty batch's input gradient is empty: None (nothing reached it) is the same thing
+                x_grad = x.grad if x.grad is not None or x.numel() else torch.zeros_like(x)
+                obs.update(x_grad=_clone(x_grad), weight_grad=_clone(bn.weight.grad), bias_grad=_clone(bn.bias.grad))
         record.append(obs)
     return {"steps": record}
 
@@ -167,52 +92,91 @@ def _clone(t):
     return None if t is None else t.detach().clone()
 
 
-def _bn_reference(sizes, tail, steps: int) -> list[dict]:
-    """nn.BatchNorm's own functional form on the global batch (all ranks' inputs concatenated)."""
+@checks.reference
+def _bn_reference(sizes, tail, steps: int, offset: float = 0.0) -> list[dict]:
+    """nn.BatchNorm's own functional form on the global batch (all ranks' float32 inputs concatenated),
+    computed in float64: the truth a float32 recipe is measured against."""
     ws = len(sizes)
-    running_mean, running_var = torch.tensor(RUNNING_MEAN), torch.tensor(RUNNING_VAR)
-    weight = torch.tensor(WEIGHT, requires_grad=True)
-    bias = torch.tensor(BIAS, requires_grad=True)
+    running_mean = torch.tensor(RUNNING_MEAN, dtype=torch.float64)
+    running_var = torch.tensor(RUNNING_VAR, dtype=torch.float64)
+    weight = torch.tensor(WEIGHT, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(BIAS, dtype=torch.float64, requires_grad=True)
     out = []
     for step in range(steps):
-        xs = [_bn_input(r, sizes, tail, step) for r in range(ws)]
-        x = torch.cat(xs).requires_grad_()
+        xs = [_bn_input(r, sizes, tail, step, offset) for r in range(ws)]
+        x = torch.cat(xs).double().requires_grad_()
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, MOMENTUM, EPS)
-        ys = list(y.split(sizes))
-        losses = [(ys[r] * _bn_coef(r, sizes, tail, step)).sum() for r in range(ws)]
+        ys = list(y.split(list(sizes)))
+        losses = [(ys[r] * _bn_coef(r, sizes, tail, step).double()).sum() for r in range(ws)]
         x_grad = torch.autograd.grad(sum(losses), x, retain_graph=True)[0]
         per_rank = [torch.autograd.grad(loss, (weight, bias), retain_graph=True) for loss in losses]
-        out.append({"xs": xs, "y": [t.detach() for t in ys], "x_grad": list(x_grad.split(sizes)),
-                    "weight_grad": [g[0] for g in per_rank], "bias_grad": [g[1] for g in per_rank],
-                    "running_mean": running_mean.clone(), "running_var": running_var.clone()})
+        out.append({"xs": xs, "y": [t.detach().float() for t in ys],
+                    "x_grad": [g.float() for g in x_grad.split(list(sizes))],
+                    "weight_grad": [g[0].float() for g in per_rank], "bias_grad": [g[1].float() for g in per_rank],
+                    "running_mean": running_mean.float(), "running_var": running_var.float()})
     return out
+
+
+def _channel_stats(x: torch.Tensor):
+    """(count, mean, biased variance) per channel of one rank's input, in float64; mean and variance are NaN
+    for an empty input, as a naive x.mean() gives."""
+    dims = [0] + list(range(2, x.dim()))
+    x = x.double()
+    n = x.numel() // x.shape[1]
+    if n == 0:
+        nan = torch.full((x.shape[1],), float("nan"), dtype=torch.float64)
+        return 0, nan, nan
+    return n, x.mean(dims), x.var(dims, unbiased=False)
 
 
 def _bn_variant(xs: list[torch.Tensor], rank: int, running: tuple, variant: str):
     """What rank ``rank`` computes with a given (right or wrong) recipe: (output, running_mean, running_var).
 
-    variants: global (right), local (no all_reduce), local_count (global sums / local count),
+    variants: global (right), local (no communication), local_count (global sums / this rank's count),
+    unweighted (the plain average of the ranks' means and variances, as if every count were equal),
+    within_only (the count-weighted average of the ranks' variances, without the spread of their means),
     biased (biased variance in running_var), unbiased_norm (unbiased variance to normalise),
     swapped (momentum weighing the old running value instead of the new batch value).
     """
-    x = xs[rank]
-    dims = [0] + list(range(2, x.dim()))
-    parts = [xs[rank]] if variant == "local" else xs
-    total = sum(p.sum(dims) for p in parts)
-    squares = sum((p * p).sum(dims) for p in parts)
-    n = x.numel() / x.shape[1] if variant in ("local", "local_count") else sum(p.numel() / p.shape[1] for p in parts)
-    mean = total / n
-    var = squares / n - mean * mean
-    unbiased = var * n / max(n - 1, 1)
+    x = xs[rank].double()
+    stats = [_channel_stats(p) for p in xs]
+    full = [(n, m, v) for n, m, v in stats if n > 0]
+    n = sum(k for k, _, _ in full)
+    mean = sum(k * m for k, m, _ in full) / n
+    var = sum(k * (v + (m - mean) ** 2) for k, m, v in full) / n
+    if variant == "local":
+        n, mean, var = stats[rank]
+    elif variant == "local_count":
+        squares = sum(k * (v + m * m) for k, m, v in full)
+        n = stats[rank][0] or float("nan")
+        mean = mean * sum(k for k, _, _ in full) / n
+        var = squares / n - mean * mean
+    elif variant == "unweighted":
+        mean = sum(m for _, m, _ in full) / len(full)
+        var = sum(v for _, _, v in full) / len(full)
+    elif variant == "within_only":
+        var = sum(k * v for k, _, v in full) / n
+    unbiased = var * n / (n - 1) if n > 1 else var * float("nan")
     shape = [1, C] + [1] * (x.dim() - 2)
     norm_var = unbiased if variant == "unbiased_norm" else var
-    y = (x - mean.view(shape)) / torch.sqrt(norm_var.view(shape) + EPS) * torch.tensor(WEIGHT).view(shape) \
-        + torch.tensor(BIAS).view(shape)
-    running_mean, running_var = running
+    y = (x - mean.view(shape)) / torch.sqrt(norm_var.view(shape) + EPS) \
+        * torch.tensor(WEIGHT, dtype=torch.float64).view(shape) + torch.tensor(BIAS, dtype=torch.float64).view(shape)
+    running_mean, running_var = (t.double() for t in running)
     keep = MOMENTUM if variant == "swapped" else 1 - MOMENTUM
     new_mean = keep * running_mean + (1 - keep) * mean
     new_var = keep * running_var + (1 - keep) * (var if variant == "biased" else unbiased)
-    return y, new_mean, new_var
+    return y.float(), new_mean.float(), new_var.float()
+
+
+def _bn_sums(xs: list[torch.Tensor]):
+    """The global (mean, biased variance) from float32 (sum, sum of squares, count) all-reduced: lesson 3's
+    recipe, which cancels catastrophically when the mean is large against the spread."""
+    dims = [0] + list(range(2, xs[0].dim()))
+    total = sum(x.sum(dims) for x in xs)
+    squares = sum((x * x).sum(dims) for x in xs)
+    n = sum(x.numel() // x.shape[1] for x in xs)
+    mean = total / n
+    return mean, squares / n - mean * mean
 
 
 def _zero_model() -> nn.Module:
@@ -250,30 +214,6 @@ def _zero_reference(world_size: int):
             loss.backward()
         optimizer.step()
     return optimizer.state_dict(), [p.detach().clone() for p in model.parameters()]
-
-
-def _zero_optimizer_harness(rank: int, make_zero_optimizer) -> dict:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    _init_pg()
-    model = _zero_model()
-    ddp_model = DDP(model)
-    optimizer = make_zero_optimizer(ddp_model.parameters(), ZERO_LR)
-    obs = {"type": type(optimizer).__name__, "zero": isinstance(optimizer, ZeroRedundancyOptimizer)}
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return obs
-    _zero_train(ddp_model, optimizer, rank)
-    local = optimizer.optim if obs["zero"] else optimizer
-    obs["local_type"] = type(local).__name__
-    obs["local"] = [i for i, p in enumerate(model.parameters()) if local.state.get(p)]
-    obs["params"] = [p.detach().clone() for p in model.parameters()]
-    if obs["zero"]:
-        optimizer.consolidate_state_dict(to=0)
-        obs["state_dict"] = optimizer.state_dict() if rank == 0 else None
-    else:
-        obs["state_dict"] = optimizer.state_dict()
-    return obs
 
 
 def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> dict:
