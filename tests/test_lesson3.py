@@ -169,3 +169,21 @@ def test_two_forwards_before_one_backward_are_run_live_on_this_torch(nb):
     version = tuple(int(v) for v in re.findall(r"\d+", match.group(1))[:2])
     if version >= (2, 13):  # has pytorch/pytorch#175851: the lesson says so
         assert match.group(2) == "ran cleanly", text
+
+
+def test_fsdp2_mixed_precision_and_clipping_by_the_global_norm(nb):
+    """Section 7 (issue 28 part 2): float32 shards, bfloat16 compute and all-gathers, float32 reduce-scatters; the
+    global norm is the root of the sum of the ranks' squares, and clip_grad_norm_ returns it on every rank."""
+    text = output_of(nb, "_ = course.run_ranks(mixed_demo, 2)")
+    assert "the shard this rank stores: torch.float32" in text
+    assert re.search(r"as forward uses it: +torch.bfloat16 +its input: torch.bfloat16", text), text
+    assert re.search(r"gradient shard: +torch.float32", text), text
+    assert re.search(r"\d+ x _allgather_base_ +sends bfloat16", text), text
+    assert re.search(r"\d+ x _reduce_scatter_base_ +sends float32", text), text
+    assert "sends float32" not in re.sub(r".*_reduce_scatter_base_.*", "", text), text  # gathers never float32
+    text = output_of(nb, "clipped = course.run_ranks(clip_demo, 2)")
+    own = [float(v) for v in re.search(r"shard norm n_r: \[([\d.]+), ([\d.]+)\]", text).groups()]
+    root = float(re.search(r"sqrt\(n_0\^2 \+ n_1\^2\) = ([\d.]+)", text).group(1))
+    returned = [float(v) for v in re.search(r"holding ([\d.]+) on rank 0, ([\d.]+) on rank 1", text).groups()]
+    assert abs(root - (own[0] ** 2 + own[1] ** 2) ** 0.5) < 1e-4 and returned == [root, root], text
+    assert "returned a DTensor" in text and "after clipping: 0.01000" in text
