@@ -192,7 +192,8 @@ def check_tensor_parallel(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, di
         for k in range(rounds):
             want = _unsplit(seed, tuple(dims), k)
             checks.on_every_rank([obs["rounds"][k] for obs in job],
-                                 lambda rank, got: _judge_values(check, rank, got, want, world_size, dims, where))
+                                 lambda rank, got, want=want, ws=world_size, where=where: _judge_values(
+                                     check, rank, got, want, ws, dims, where))
     passed(check)
 
 
@@ -321,7 +322,8 @@ def check_tensor_parallel_collectives(tensor_parallel_mlp, *, world_sizes=(2, 3)
         for k in range(rounds):
             want = _unsplit(seed, tuple(dims), k)
             checks.on_every_rank([obs["rounds"][k] for obs in job],
-                                 lambda rank, got: _judge_collectives(check, rank, got, want, world_size, dims, where))
+                                 lambda rank, got, want=want, ws=world_size, where=where: _judge_collectives(
+                                     check, rank, got, want, ws, dims, where))
     passed(check)
 
 
