@@ -134,7 +134,8 @@ def test_cli_scores_cells_after_a_dead_kernel_zero(tmp_path):
     assert code == 0, stderr
     report = json.loads(stdout)
     assert submissions.scores(report) == submissions.losing("ex1-parallelism", "ex1_test_average_gradients",
-                                                           "ex1_test_two_stage")
+                                                           "ex1_test_two_stage", "ex1_test_tensor_parallel",
+                                                           "ex1_test_tensor_parallel_collectives")
     index = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells].index("ex1_average_gradients")
     assert submissions.messages(report)["ex1_test_two_stage"].startswith(
         f"not run: the kernel died while running cell {index} (ex1_average_gradients)")
