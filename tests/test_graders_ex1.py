@@ -7,6 +7,7 @@ process; each must lose exactly the intended test cell's points.
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import time
@@ -475,3 +476,52 @@ def test_tensor_parallel_mistakes_lose_exactly_their_checks():
 def test_tensor_parallel_forged_collectives_lose_the_collectives_check():
     VALUES(tp_forged_sum)  # the numbers are right ...
     fails(COMM, tp_forged_sum, "all_gather")  # ... but the sum was not an all-reduce of the partial outputs
+
+
+class _Whole(torch.autograd.Function):
+    """A forgery with no communication at all: every rank runs the whole MLP (a copy outside the module's
+    parameters) and writes its shards' gradients from the whole model's by hand."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.holder = holder
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return holder["whole"](x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        holder = ctx.holder
+        whole, shards, rank, ws = holder["whole"], holder["shards"], holder["rank"], holder["ws"]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            grads = torch.autograd.grad(whole(x), [x, *whole.parameters()], grad)
+        g1, gb1, g2, gb2 = grads[1:]
+        for p, g in zip(shards, (g1.chunk(ws)[rank], gb1.chunk(ws)[rank], g2.chunk(ws, dim=1)[rank], gb2)):
+            p.grad = g.clone() if p.grad is None else p.grad + g
+        return grads[0], None
+
+
+class _ForgedLocal(torch.nn.Module):
+    def __init__(self, mlp, rank, world_size):
+        super().__init__()
+        model = _TPMLP(mlp, rank, world_size)
+        self.w1, self.b1, self.w2, self.b2 = model.w1, model.b1, model.w2, model.b2
+        self.holder = {"whole": copy.deepcopy(mlp), "shards": [self.w1, self.b1, self.w2, self.b2], "rank": rank,
+                       "ws": world_size}
+
+    def forward(self, x):
+        return _Whole.apply(x, self.holder)
+
+
+def tp_forged_local(mlp, rank, world_size):
+    return _ForgedLocal(mlp, rank, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_without_communication_loses_the_collectives_check():
+    """Right numbers everywhere, but no rank split any work: the collectives check says so."""
+    VALUES(tp_forged_local)
+    fails(COMM, tp_forged_local, "the forward ran no all-reduce of the output", "never summed")
