@@ -275,10 +275,14 @@ def _judge_params(check, rank, params, want, world_size, blk, where):
         used.add(found)
         got = params[found][1]
         if got is None or isinstance(got, str):
+            bias_elsewhere = value is b2 and rank > 0
             raise CheckFailed(check, f"{name} got no gradient on rank {rank} ({where})", ranks=[rank],
                               expected="its slice of the unsplit MLP's gradient",
-                              hint="use the shard parameters themselves in forward (not copies or .data), so "
-                              "backward reaches them")
+                              hint=("the second bias is replicated: every rank adds its own copy once, after the sum, "
+                                    "so every copy gets the whole gradient (a bias added on rank 0 only leaves the "
+                                    "other ranks' copies without one, and an optimizer lets the copies drift apart)"
+                                    if bias_elsewhere else "use the shard parameters themselves in forward (not "
+                                    "copies or .data), so backward reaches them"))
         if not _close(got, grad):
             scaled = _close(got, grad * world_size, ATOL * world_size)
             raise CheckFailed(

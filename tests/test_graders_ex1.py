@@ -387,6 +387,16 @@ def tp_dtensor(mlp, rank, world_size):  # torch's own API: DTensor parameters, f
     return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+class _BiasOnRankZero(_TPMLP):
+    def forward(self, x):
+        partial = F.linear(self.act(F.linear(self.copy_in.apply(x), self.w1, self.b1)), self.w2)
+        return _SumOut.apply(partial + self.b2 if dist.get_rank() == 0 else partial)
+
+
+def tp_bias_on_rank_zero(mlp, rank, world_size):  # right output, but rank 1's copy of the bias never learns
+    return _BiasOnRankZero(mlp, rank, world_size)
+
+
 def tp_bias_on_every_rank(mlp, rank, world_size):
     return _TPMLP(mlp, rank, world_size, bias_before_sum=True)
 
@@ -457,6 +467,7 @@ def test_tensor_parallel_mistakes_lose_exactly_their_checks():
     fails(VALUES, tp_bias_on_every_rank, "bias was added on every rank", "2 times", "[ranks 0, 1]")
     COMM(tp_bias_on_every_rank)
     fails(VALUES, tp_keeps_whole_layer, "holds more than its shards", "(5, 12)")
+    fails(VALUES, tp_bias_on_rank_zero, "second layer's bias, whole got no gradient on rank 1", "rank 0 only")
     COMM(tp_keeps_whole_layer)
     # collectives only: right numbers, an all-reduce too many
     VALUES(tp_both_ways_divided)
