@@ -4,10 +4,12 @@ The student writes three functions; each check runs one of them as real ranks:
 
 * ``shard_batch(batch, rank, world_size)`` -> this rank's rows of ``batch``
   (:func:`check_shards`: disjoint and covering; :func:`check_shard_sizes`: balanced);
-* ``average_gradients(model, world_size)`` -> all-reduce and average every gradient in place
-  (:func:`check_average_gradients`);
+* ``average_gradients(model, n_local)`` -> every gradient becomes the whole batch's, in place, though the
+  ranks hold different numbers of rows (:func:`check_average_gradients`);
 * ``two_stage_step(rank, stage, x, y, hidden_shape)`` -> one forward and backward pass of a model
   split across two ranks with send/recv; returns the loss on rank 1 (:func:`check_two_stage`).
+
+Part 4, tensor parallelism, is :mod:`graders.ex1_tp`.
 """
 
 from __future__ import annotations
@@ -155,22 +157,29 @@ def _balanced(n, world_size):
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
-# --- 2. averaging gradients --------------------------------------------------------------------
+# --- 2. averaging gradients over unequal shards ----------------------------------------------------
+
+
+def _local_batch(seed, n, rank, world_size):
+    """This rank's rows of the global batch (balanced, first ranks one more): made here and returned alone, so
+    no frame of the rank's process ever holds the other ranks' rows."""
+    x, y = _data(seed, n)
+    return x.tensor_split(world_size)[rank].clone(), y.tensor_split(world_size)[rank].clone()
 
 
 def _average_harness(rank, average_gradients, seed, n):
     dev = checks.join_job()
-    world_size = dist.get_world_size()
+    world_size = checks.REAL.get_world_size()
     model = _mlp(seed).to(dev)
-    x, y = _data(seed, n)
-    x_local, y_local = x.tensor_split(world_size)[rank].to(dev), y.tensor_split(world_size)[rank].to(dev)
+    x_local, y_local = (t.to(dev) for t in _local_batch(seed, n, rank, world_size))
     F.mse_loss(model(x_local), y_local).backward()
     local = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    average_gradients(model, world_size)
+    average_gradients(model, len(x_local))
     after = {name: (None if p.grad is None else p.grad) for name, p in model.named_parameters()}
-    return checks.to_cpu({"local": local, "after": after})
+    return checks.to_cpu({"local": local, "after": after, "rows": len(x_local)})
 
 
+@checks.reference
 def _full_gradients(seed, n):
     model = _mlp(seed)
     x, y = _data(seed, n)
@@ -179,7 +188,7 @@ def _full_gradients(seed, n):
 
 
 def _close(a, b, atol=ATOL):
-    return all(torch.allclose(a[k], b[k], rtol=0, atol=atol) for k in b)
+    return all(a[k] is not None and torch.allclose(a[k], b[k], rtol=0, atol=atol) for k in b)
 
 
 def _max_diff(a, b):
@@ -193,15 +202,20 @@ def _scale(after, full):
     return num / den if den else float("nan")
 
 
-def check_average_gradients(average_gradients, *, world_sizes=(2, 3), seed=0, n=12):
-    """After average_gradients, every rank holds the full-batch gradient: all-reduced (SUM) and divided by world_size."""
+def check_average_gradients(average_gradients, *, world_sizes=(2, 3), seed=0, n=11):
+    """After average_gradients, every rank holds the gradient of the whole batch, exactly, though the ranks hold
+    different numbers of rows."""
     check = "check_average_gradients"
     checks.require_written(check, average_gradients=average_gradients)
-    hints = [("timeout", "every rank must call all_reduce for every parameter, in the same order; "
-                         "check your loop ends and no rank skips a parameter")]
+    hints = [("timeout", "every rank must run the same collectives, in the same order, with tensors of the same "
+                         "shape; check your loop ends and no rank skips a parameter")]
     for world_size in world_sizes:
+        if n % world_size == 0:
+            raise ValueError(f"n={n} divides by world_size={world_size}: the shards must be unequal")
         full = _full_gradients(seed, n)
         job = checks.run(check, _average_harness, world_size, args=(average_gradients, seed, n), hints=hints)
+        locals_ = [obs["local"] for obs in job.values]
+        rows = [obs["rows"] for obs in job.values]
         for rank, obs in enumerate(job.values):
             local, after = obs["local"], obs["after"]
             if _close(local, full):  # cannot happen with these shards; guards the check itself
@@ -210,38 +224,53 @@ def check_average_gradients(average_gradients, *, world_sizes=(2, 3), seed=0, n=
             if empty:
                 raise CheckFailed(check, f"parameters {empty} have no gradient after average_gradients "
                                   f"(world_size={world_size})", ranks=[rank],
-                                  hint="average p.grad in place; do not set it to None")
+                                  hint="change p.grad in place; do not set it to None")
             if _close(after, full):
                 continue
-            _explain_gradients(check, rank, world_size, local, after, full)
+            _explain_gradients(check, rank, world_size, rows, local, locals_, after, full)
     passed(check)
 
 
-def _explain_gradients(check, rank, world_size, local, after, full):
-    where = f"world_size={world_size}"
-    expected = "the full-batch gradient (the average over ranks), within 1e-6"
+def _explain_gradients(check, rank, world_size, rows, local, locals_, after, full):
+    n = sum(rows)
+    where = f"world_size={world_size}, {n} rows split {rows}"
+    expected = "the gradient of the mean loss over the whole batch, within 1e-6"
+    plain = {k: sum(g[k] for g in locals_) / world_size for k in full}
+    summed = {k: sum(g[k] for g in locals_) for k in full}
+    weighted_sum = {k: sum(r * g[k] for r, g in zip(rows, locals_)) for k in full}
     if _close(after, local):
         raise CheckFailed(check, f"the gradients are unchanged: still this rank's own gradient ({where})",
                           ranks=[rank], expected=expected, got=f"max difference {_max_diff(after, full):.3g}",
-                          hint="all_reduce every p.grad (dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)), "
-                          "then divide it by world_size")
-    if _close(after, {k: v * world_size for k, v in full.items()}, atol=ATOL * world_size):
-        raise CheckFailed(check, f"the gradients are the SUM over ranks, world_size times the average ({where})",
-                          ranks=[rank], expected=expected, got=f"{world_size} x the average",
-                          hint="after the SUM all_reduce, divide each gradient by world_size")
+                          hint="every rank needs the other ranks' contributions: that takes collectives")
+    if _close(after, plain):
+        raise CheckFailed(check, f"the gradients are the plain mean of the ranks' gradients, which weighs every rank "
+                          f"the same though their shards hold {rows} rows ({where})", ranks=[rank], expected=expected,
+                          got=f"max difference {_max_diff(after, full):.3g}",
+                          hint="a rank's gradient is the mean over ITS rows: weigh each rank by its number of rows, "
+                          "and divide by the number of rows of the whole batch (which no rank knows alone)")
+    if _close(after, summed, ATOL * world_size):
+        raise CheckFailed(check, f"the gradients are the SUM of the ranks' gradients ({where})", ranks=[rank],
+                          expected=expected, got=f"about {world_size} x the full-batch gradient",
+                          hint="a sum over ranks needs a division: weigh each rank by its rows, then divide by the "
+                          "total number of rows")
+    if _close(after, weighted_sum, ATOL * n):
+        raise CheckFailed(check, f"the gradients are the row-weighted SUM: {n} x the full-batch gradient ({where})",
+                          ranks=[rank], expected=expected, got=f"{n} x the full-batch gradient",
+                          hint="divide the row-weighted sum by the total number of rows")
     if _close(after, {k: v / world_size for k, v in local.items()}):
         raise CheckFailed(check, f"the gradients are this rank's own gradient divided by world_size: "
                           f"they were never all-reduced ({where})", ranks=[rank], expected=expected,
-                          hint="dist.all_reduce(p.grad, op=dist.ReduceOp.SUM) before dividing")
+                          hint="all-reduce the gradients (summed over the ranks) before dividing")
     scale = _scale(after, full)
     if scale == scale and _close(after, {k: v * scale for k, v in full.items()}, atol=ATOL * max(1.0, abs(scale))):
-        raise CheckFailed(check, f"the gradients are {scale:.3g} x the average ({where})", ranks=[rank],
+        raise CheckFailed(check, f"the gradients are {scale:.3g} x the full-batch gradient ({where})", ranks=[rank],
                           expected=expected, got=f"{scale:.3g} x the full-batch gradient",
-                          hint=f"divide the summed gradient by world_size (here {world_size}) exactly once; "
-                          "do not hard-code the number of ranks")
+                          hint=f"the divisor must be the number of rows of the whole batch (here {n}), found with a "
+                          "collective, never hard-coded")
     raise CheckFailed(check, f"the averaged gradients differ from the full-batch gradient ({where})", ranks=[rank],
                       expected=expected, got=f"max difference {_max_diff(after, full):.3g}",
-                      hint="for every parameter: all_reduce(p.grad, SUM) then p.grad /= world_size; change nothing else")
+                      hint="every parameter's gradient must become sum over ranks (rows_r x gradient_r) / total rows; "
+                      "change nothing else")
 
 
 # --- 3. model parallelism: two stages ------------------------------------------------------------

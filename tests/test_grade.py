@@ -134,7 +134,8 @@ def test_cli_scores_cells_after_a_dead_kernel_zero(tmp_path):
     assert code == 0, stderr
     report = json.loads(stdout)
     assert submissions.scores(report) == submissions.losing("ex1-parallelism", "ex1_test_average_gradients",
-                                                           "ex1_test_two_stage")
+                                                           "ex1_test_two_stage", "ex1_test_tensor_parallel",
+                                                           "ex1_test_tensor_parallel_collectives")
     index = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells].index("ex1_average_gradients")
     assert submissions.messages(report)["ex1_test_two_stage"].startswith(
         f"not run: the kernel died while running cell {index} (ex1_average_gradients)")
@@ -253,7 +254,7 @@ def test_find_source_matches_by_folder_name_then_by_grade_ids(tmp_path):
 def test_tampered_tests_cannot_raise_the_score(tmp_path):
     """A wrong answer whose test cells the student emptied, re-pointed and duplicated still loses those points."""
     nb = submissions.patch_answer(submissions.load("ex1-parallelism"), "ex1_average_gradients",
-                                  "p.grad /= world_size", "pass")
+                                  "p.grad /= rows", "pass")
     for cell in nb.cells:
         if cell.metadata["nbgrader"].get("grade"):
             cell.source = "1.0  # full marks, please"
@@ -312,15 +313,15 @@ def test_a_rank_traceback_shows_the_students_cells_and_lines_not_the_graders(tmp
     """The student's error two calls deep: the message shows their cell and lines as IPython names them
     ("Cell In[N], line L" and the source line), and no frame of the grader's harness (graders/ex1.py)."""
     nb = submissions.patch_answer(submissions.load("ex1-parallelism"), "ex1_average_gradients",
-                                  "            p.grad /= world_size", "            p.grad /= world_size\n"
+                                  "            p.grad /= rows", "            p.grad /= rows\n"
                                   "            helper(p)")
-    nb = submissions.patch_answer(nb, "ex1_average_gradients", "def average_gradients(model, world_size):",
+    nb = submissions.patch_answer(nb, "ex1_average_gradients", "def average_gradients(model, n_local):",
                                   "def helper(p):\n    raise ValueError('boom: ' + str(tuple(p.shape)))\n\n\n"
-                                  "def average_gradients(model, world_size):")
+                                  "def average_gradients(model, n_local):")
     report = submissions.grade(submissions.write(nb, tmp_path, "ex1-parallelism"), in_process=in_process)
     message = submissions.messages(report)["ex1_test_average_gradients"]
     assert "your code raised ValueError: boom: (7, 5)" in message, message
-    assert re.search(r"Cell In\[\d+\], line 12, in average_gradients\n\s*\|\s+helper\(p\)", message), message
+    assert re.search(r"Cell In\[\d+\], line 17, in average_gradients\n\s*\|\s+helper\(p\)", message), message
     assert re.search(r"Cell In\[\d+\], line 2, in helper\n\s*\|\s+raise ValueError", message), message
     assert "graders" not in message and "_average_harness" not in message and "ipykernel_" not in message, message
     assert submissions.scores(report)["ex1_test_shards"] == 2.0

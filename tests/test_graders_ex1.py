@@ -7,6 +7,7 @@ process; each must lose exactly the intended test cell's points.
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import time
@@ -62,32 +63,50 @@ def shard_stub(batch, rank, world_size):
     raise NotImplementedError()
 
 
-def average_gradients(model, world_size):
+def average_gradients(model, n_local):
+    rows = torch.tensor(float(n_local))
+    dist.all_reduce(rows)
+    for p in model.parameters():
+        p.grad *= n_local
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= rows
+
+
+def average_weights_first(model, n_local):  # another correct style: weights all-gathered, one flat all-reduce
+    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([float(n_local)]))
+    share = n_local / float(sum(counts))
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads]) * share
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def average_plain_mean(model, n_local):  # the equal-shard recipe: wrong when the shards differ
+    world_size = dist.get_world_size()
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad /= world_size
 
 
-def average_no_divide(model, world_size):
+def average_no_divide(model, n_local):
     for p in model.parameters():
+        p.grad *= n_local
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
-def average_no_all_reduce(model, world_size):
+def average_no_all_reduce(model, n_local):
     for p in model.parameters():
-        p.grad /= world_size
+        p.grad /= dist.get_world_size()
 
 
-def average_by_two(model, world_size):
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad /= 2
-
-
-def average_params_not_grads(model, world_size):
+def average_params_not_grads(model, n_local):
     for p in model.parameters():
         dist.all_reduce(p.data, op=dist.ReduceOp.SUM)
-        p.data /= world_size
+        p.data /= dist.get_world_size()
 
 
 def two_stage_step(rank, stage, x, y, hidden_shape):
@@ -170,11 +189,11 @@ def test_check_shard_sizes():
 @pytest.mark.timeout(300)
 def test_check_average_gradients():
     ex1.check_average_gradients(average_gradients)
-    ex1.check_average_gradients(average_gradients, world_sizes=(4,), seed=1, n=16)
-    fails(ex1.check_average_gradients, average_no_divide, "SUM", "divide each gradient by world_size", "[rank 0]")
+    ex1.check_average_gradients(average_weights_first, world_sizes=(4,), seed=1, n=13)
+    fails(ex1.check_average_gradients, average_plain_mean, "plain mean", "weigh each rank by its number of rows")
+    fails(ex1.check_average_gradients, average_no_divide, "row-weighted SUM", "divide", "[rank 0]")
     fails(ex1.check_average_gradients, average_no_all_reduce, "never all-reduced")
-    fails(ex1.check_average_gradients, average_params_not_grads, "unchanged", "all_reduce every p.grad")
-    fails(ex1.check_average_gradients, average_by_two, "1.5 x the average", "world_size=3", "hard-code")
+    fails(ex1.check_average_gradients, average_params_not_grads, "unchanged")
 
 
 @pytest.mark.slow
@@ -196,17 +215,26 @@ def grade_with(tmp_path, grade_id, old, new):
 
 WRONG = {
     # name: (answer cell, old text, new text, the test cell that must fail, words its message must contain)
-    "no division by world_size": ("ex1_average_gradients", "            p.grad /= world_size\n", "",
-                                  "ex1_test_average_gradients", ["SUM", "divide"]),
-    "no all_reduce": ("ex1_average_gradients", "dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)", "pass",
-                      "ex1_test_average_gradients", ["never all-reduced"]),
+    "no division by the total rows": ("ex1_average_gradients", "            p.grad /= rows\n", "",
+                                      "ex1_test_average_gradients", ["SUM", "divide"]),
     "overlapping shards": ("ex1_shard_batch", "start = rank * base + min(rank, extra)", "start = rank",
                            "ex1_test_shards", ["overlap"]),
     "shards drop the remainder": ("ex1_shard_batch", "size = base + (1 if rank < extra else 0)", "size = base",
                                   "ex1_test_shards", ["on no rank", "remainder"]),
     "tensor.chunk (unbalanced)": ("ex1_shard_batch", "return batch[start:start + size]",
                                   "return batch.chunk(world_size)[rank]", "ex1_test_shard_sizes", ["unbalanced"]),
-    "stage output detached": ("ex1_two_stage_step", "act = stage(x)\n", "act = stage(x).detach()\n",
+    "TP: bias added before the sum": ("ex1_tensor_parallel", "SumOverRanks.apply(h @ self.weight.T) + self.bias",
+                                      "SumOverRanks.apply(h @ self.weight.T + self.bias)", "ex1_test_tensor_parallel",
+                                      ["bias was added on every rank"]),
+    "TP: the sum all-reduces its gradient too, divided": (
+        "ex1_tensor_parallel", "        return grad\n",
+        "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad / dist.get_world_size()\n",
+        "ex1_test_tensor_parallel_collectives", ["backward also all-reduced the output's gradient"]),
+    "TP: no all-reduce of the input's gradient": (
+        "ex1_tensor_parallel", "F.linear(CopyToParallel.apply(x), self.weight, self.bias)",
+        "F.linear(x, self.weight, self.bias)", ["ex1_test_tensor_parallel", "ex1_test_tensor_parallel_collectives"],
+        ["only this rank's part"]),
+    "stage output detached": ("ex1_two_stage_step", "hidden = stage(x)\n", "hidden = stage(x).detach()\n",
                               "ex1_test_two_stage", ["detached"]),
 }
 
@@ -216,7 +244,8 @@ WRONG = {
 @pytest.mark.parametrize("name", list(WRONG))
 def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
     grade_id, old, new, failing, words = WRONG[name]
-    submissions.assert_loses_exactly(grade_with(tmp_path, grade_id, old, new), A, [failing], words)
+    failing = failing if isinstance(failing, list) else [failing]
+    submissions.assert_loses_exactly(grade_with(tmp_path, grade_id, old, new), A, failing, words)
 
 
 @pytest.mark.slow
@@ -226,12 +255,12 @@ def test_send_recv_deadlock_is_graded_within_the_check_timeout(tmp_path, monkeyp
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     start = time.monotonic()
     report = grade_with(tmp_path, "ex1_two_stage_step",
-                        "        dist.send(act.detach(), dst=1)  # activations forward\n"
-                        "        grad = torch.empty_like(act)\n"
-                        "        dist.recv(grad, src=1)  # their gradient comes back\n",
-                        "        grad = torch.empty_like(act)\n"
-                        "        dist.recv(grad, src=1)  # waits for rank 1, which waits for us\n"
-                        "        dist.send(act.detach(), dst=1)\n")
+                        "        dist.send(hidden.detach(), dst=1)  # the activations go forward ...\n"
+                        "        upstream = torch.empty_like(hidden)\n"
+                        "        dist.recv(upstream, src=1)  # ... and their gradient comes back\n",
+                        "        upstream = torch.empty_like(hidden)\n"
+                        "        dist.recv(upstream, src=1)  # waits for rank 1, which waits for us\n"
+                        "        dist.send(hidden.detach(), dst=1)\n")
     seconds = time.monotonic() - start
     assert submissions.scores(report) == submissions.losing(A, "ex1_test_two_stage")
     message = submissions.messages(report)["ex1_test_two_stage"]
@@ -246,12 +275,12 @@ def test_endless_loop_is_graded_within_the_check_timeout(tmp_path, monkeypatch):
     """average_gradients loops forever (all ranks in step): stopped at the check's deadline."""
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     nb = submissions.replace_answer(submissions.load(A), "ex1_average_gradients", '''
-def average_gradients(model, world_size):
+def average_gradients(model, n_local):
     params = list(model.parameters())
     i = 0
     while i < len(params):  # forgot i += 1
         dist.all_reduce(params[i].grad, op=dist.ReduceOp.SUM)
-        params[i].grad /= world_size
+        params[i].grad /= n_local
 ''')
     start = time.monotonic()
     report = submissions.grade(submissions.write(nb, tmp_path, A))
@@ -263,3 +292,247 @@ def average_gradients(model, world_size):
     assert re.search(r"Cell In\[\d+\], line \d+ in average_gradients", message), message
     assert not any(p in message for p in ("/course/", "graders/", "<frozen", "zygote", "verifier")), message
     assert seconds < HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"
+
+
+# --- part 4: tensor parallelism --------------------------------------------------------------------------
+
+import graders.ex1_tp as tp  # noqa: E402
+
+
+class _CopyIn(torch.autograd.Function):
+    """Identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _SumOut(torch.autograd.Function):
+    """All-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _BothWays(torch.autograd.Function):
+    """All-reduce forward AND backward (torch.distributed.nn.functional.all_reduce's semantics)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _BothWaysDivided(_BothWays):
+    """The same, with the backward's sum divided by the world size: right numbers, a needless all-reduce."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class _TPMLP(torch.nn.Module):
+    """One module holding the four shards, in a tutorial's functional style."""
+
+    def __init__(self, mlp, rank, world_size, copy_in=_CopyIn, sum_out=_SumOut, bias_before_sum=False,
+                 keep_whole=False):
+        super().__init__()
+        first, self.act, second = mlp
+        self.w1 = torch.nn.Parameter(first.weight.detach().chunk(world_size, dim=0)[rank].clone())
+        self.b1 = torch.nn.Parameter(first.bias.detach().chunk(world_size)[rank].clone())
+        self.w2 = torch.nn.Parameter(second.weight.detach().chunk(world_size, dim=1)[rank].clone())
+        self.b2 = torch.nn.Parameter(second.bias.detach().clone())
+        self.copy_in, self.sum_out, self.bias_before_sum = copy_in, sum_out, bias_before_sum
+        if keep_whole:
+            self.whole = second  # the whole layer kept as a submodule: its weight stays on every rank
+
+    def forward(self, x):
+        h = self.act(F.linear(self.copy_in.apply(x) if self.copy_in else x, self.w1, self.b1))
+        if self.bias_before_sum:
+            return self.sum_out.apply(F.linear(h, self.w2, self.b2))
+        return self.sum_out.apply(F.linear(h, self.w2)) + self.b2
+
+
+def tp_functional(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size)
+
+
+def tp_dtensor(mlp, rank, world_size):  # torch's own API: DTensor parameters, functional collectives
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+class _BiasOnRankZero(_TPMLP):
+    def forward(self, x):
+        partial = F.linear(self.act(F.linear(self.copy_in.apply(x), self.w1, self.b1)), self.w2)
+        return _SumOut.apply(partial + self.b2 if dist.get_rank() == 0 else partial)
+
+
+def tp_bias_on_rank_zero(mlp, rank, world_size):  # right output, but rank 1's copy of the bias never learns
+    return _BiasOnRankZero(mlp, rank, world_size)
+
+
+def tp_bias_on_every_rank(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, bias_before_sum=True)
+
+
+def tp_no_backward_all_reduce(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, copy_in=None)
+
+
+def tp_all_reduce_both_ways(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, sum_out=_BothWays)
+
+
+def tp_both_ways_divided(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, sum_out=_BothWaysDivided)
+
+
+def tp_keeps_whole_layer(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, keep_whole=True)
+
+
+def tp_wrong_dimension(mlp, rank, world_size):
+    model = _TPMLP(mlp, rank, world_size)
+    model.w2 = torch.nn.Parameter(mlp[2].weight.detach().chunk(world_size, dim=0)[rank].clone())  # rows, not columns
+    return model
+
+
+class _Gathered(torch.autograd.Function):
+    """A forgery: the sum done with all_gather, plus a decoy all-reduce of zeros of the output's size."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        dist.all_reduce(torch.zeros_like(x))  # the decoy the flight recorder would count
+        return sum(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def tp_forged_sum(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, sum_out=_Gathered)
+
+
+def tp_stub(mlp, rank, world_size):
+    """As nbgrader releases it."""
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+VALUES, COMM = tp.check_tensor_parallel, tp.check_tensor_parallel_collectives
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_right_answers_in_other_styles_pass_both_checks():
+    for answer in (tp_functional, tp_dtensor):
+        for kwargs in ({}, {"world_sizes": (4,), "seed": 1, "dims": (3, 5, 8, 7)}):
+            VALUES(answer, **kwargs)
+            COMM(answer, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_mistakes_lose_exactly_their_checks():
+    # values only: the same collectives, a wrong output
+    fails(VALUES, tp_bias_on_every_rank, "bias was added on every rank", "2 times", "[ranks 0, 1]")
+    COMM(tp_bias_on_every_rank)
+    fails(VALUES, tp_keeps_whole_layer, "holds more than its shards", "(5, 12)")
+    fails(VALUES, tp_bias_on_rank_zero, "second layer's bias, whole got no gradient on rank 1", "rank 0 only")
+    COMM(tp_keeps_whole_layer)
+    # collectives only: right numbers, an all-reduce too many
+    VALUES(tp_both_ways_divided)
+    fails(COMM, tp_both_ways_divided, "backward also all-reduced the output's gradient", "dividing")
+    # both: the property each check judges is broken
+    fails(VALUES, tp_no_backward_all_reduce, "only this rank's part", "all-reduce the gradient in backward")
+    fails(COMM, tp_no_backward_all_reduce, "backward ran no all-reduce of the input gradient")
+    fails(VALUES, tp_all_reduce_both_ways, "2 x the unsplit one")
+    fails(COMM, tp_all_reduce_both_ways, "backward also all-reduced")
+    fails(VALUES, tp_wrong_dimension, "wrong dimension", "(out_features, in_features)")
+    fails(VALUES, tp_stub, "not written yet")
+    fails(COMM, tp_stub, "not written yet")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_forged_collectives_lose_the_collectives_check():
+    VALUES(tp_forged_sum)  # the numbers are right ...
+    fails(COMM, tp_forged_sum, "all_gather")  # ... but the sum was not an all-reduce of the partial outputs
+
+
+class _Whole(torch.autograd.Function):
+    """A forgery with no communication at all: every rank runs the whole MLP (a copy outside the module's
+    parameters) and writes its shards' gradients from the whole model's by hand."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.holder = holder
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return holder["whole"](x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        holder = ctx.holder
+        whole, shards, rank, ws = holder["whole"], holder["shards"], holder["rank"], holder["ws"]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            grads = torch.autograd.grad(whole(x), [x, *whole.parameters()], grad)
+        g1, gb1, g2, gb2 = grads[1:]
+        for p, g in zip(shards, (g1.chunk(ws)[rank], gb1.chunk(ws)[rank], g2.chunk(ws, dim=1)[rank], gb2)):
+            p.grad = g.clone() if p.grad is None else p.grad + g
+        return grads[0], None
+
+
+class _ForgedLocal(torch.nn.Module):
+    def __init__(self, mlp, rank, world_size):
+        super().__init__()
+        model = _TPMLP(mlp, rank, world_size)
+        self.w1, self.b1, self.w2, self.b2 = model.w1, model.b1, model.w2, model.b2
+        self.holder = {"whole": copy.deepcopy(mlp), "shards": [self.w1, self.b1, self.w2, self.b2], "rank": rank,
+                       "ws": world_size}
+
+    def forward(self, x):
+        return _Whole.apply(x, self.holder)
+
+
+def tp_forged_local(mlp, rank, world_size):
+    return _ForgedLocal(mlp, rank, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_without_communication_loses_the_collectives_check():
+    """Right numbers everywhere, but no rank split any work: the collectives check says so."""
+    VALUES(tp_forged_local)
+    fails(COMM, tp_forged_local, "the forward ran no all-reduce of the output", "never summed")

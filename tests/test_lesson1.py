@@ -24,7 +24,7 @@ def number(pattern: str, text: str) -> float:
 
 def test_clean_run_with_plots_summary_and_quick_check(nb):
     assert_clean_run(nb, images=5)
-    assert_summary_and_quick_check(nb, answers=3)
+    assert_summary_and_quick_check(nb, answers=8)
 
 
 def test_each_rank_is_its_own_process(nb):
@@ -175,3 +175,50 @@ def test_all_reduce_is_timed_against_message_size_on_two_ranks(nb):
     assert all(ms > 0 for _, ms in rows)
     assert rows[-1][1] > rows[0][1], f"16 MB should take longer than 256 bytes: {rows}"
     assert has_plot(cell)
+
+
+def test_one_layer_split_both_ways_equals_the_unsplit_layer(nb):
+    text = output_of(nb, "run_ranks(split_one_layer")
+    assert world_sizes(text) == [4]
+    assert number(r"all_gather: max difference (\S+)", text) < 1e-5
+    assert number(r"all_reduce: +max difference (\S+)", text) < 1e-5
+    assert number(r"partial output alone: +max difference (\S+)", text) > 0.1  # a part alone is not the output
+
+
+def test_predict_then_run_a_sum_that_all_reduces_in_backward_gives_world_size_times_the_gradient(nb):
+    """Quick check: the answer (in <details>) says 4, the world size; the next cell computes it live."""
+    question = next(c for c in nb.cells if c.cell_type == "markdown" and "What is the ratio, on 4 ranks?" in c.source)
+    assert "<details>" in question.source and "4, the world size" in question.source
+    following = nb.cells[nb.cells.index(question) + 1]
+    assert "run_ranks(gradient_through_the_sum" in following.source
+    text = stdout_of(following)
+    [ws] = world_sizes(text)
+    ratios = ast.literal_eval(re.search(r"the unsplit gradient's block: (\[.*?\])", text).group(1))
+    assert ws == 4 and ratios == [pytest.approx(ws, abs=1e-3)] * ws, ratios
+
+
+def test_predict_then_run_no_rank_holds_the_input_gradient_but_their_sum_does(nb):
+    question = next(c for c in nb.cells if c.cell_type == "markdown" and "add up to?" in c.source)
+    assert "<details>" in question.source and "No rank holds the unsplit gradient; the sum of the four equals it" \
+        in question.source
+    following = nb.cells[nb.cells.index(question) + 1]
+    text = stdout_of(following)
+    assert world_sizes(text) == [4] and "run_ranks(input_gradient_by_output_split" in following.source
+    assert "rank r's x.grad equals the unsplit x.grad: [False, False, False, False]" in text
+    assert "the sum over ranks equals the unsplit x.grad: True" in text
+
+
+def test_torch_tensor_parallel_runs_on_gloo_with_the_collectives_the_lesson_names(nb):
+    text = output_of(nb, "run_ranks(torch_tensor_parallel")
+    assert world_sizes(text) == [4]
+    col = re.search(r"ColwiseParallel: weight (\S+), local shard (\(.*?\)), max difference (\S+); forward ran "
+                    r"(\[.*?\]), backward ran (\[.*?\])$", text, re.M)
+    row = re.search(r"RowwiseParallel: weight (\S+), local shard (\(.*?\)), max difference (\S+); forward ran "
+                    r"(\[.*?\]), backward ran (\[.*?\])$", text, re.M)
+    assert col and row, text
+    assert col.group(1) == "S(0)" and float(col.group(3)) < 1e-5
+    assert [op for op, _ in ast.literal_eval(col.group(4))] == ["all_gather"]
+    assert [op for op, _ in ast.literal_eval(col.group(5))] == ["all_reduce"]  # the input's gradient
+    assert row.group(1) == "S(1)" and float(row.group(3)) < 1e-5
+    assert [op for op, _ in ast.literal_eval(row.group(4))] == ["all_reduce"]
+    assert ast.literal_eval(row.group(5)) == []

@@ -36,11 +36,11 @@ def _students(tmp_path: Path) -> dict[str, Path]:
     source = submissions.load(A)
     made = {
         "reference": source,
-        "wrong_sum": submissions.patch_answer(source, "ex1_average_gradients", "            p.grad /= world_size\n", ""),
+        "wrong_sum": submissions.patch_answer(source, "ex1_average_gradients", "            p.grad /= rows\n", ""),
         "wrong_overlap": submissions.patch_answer(source, "ex1_shard_batch", "start = rank * base + min(rank, extra)",
                                                   "start = rank"),
         "hostile": submissions.replace_answer(
-            submissions.patch_answer(source, "ex1_average_gradients", "            p.grad /= world_size\n", ""),
+            submissions.patch_answer(source, "ex1_average_gradients", "            p.grad /= rows\n", ""),
             "ex1_shard_batch", submissions.answer(source, "ex1_shard_batch") + "\n" + HOSTILE),
     }
     paths = {}
