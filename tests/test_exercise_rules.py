@@ -67,3 +67,35 @@ def test_the_rule_catches_a_hidden_only_cell():
     visible, hidden = _split(f"graders.ex1.check_shards(f)\n### {HIDDEN_BEGIN}\ngraders.ex1.check_shard_sizes(f)\n"
                              f"### {HIDDEN_END}\n")
     assert _checks_called(hidden) - _checks_called(visible) == {"graders.ex1.check_shard_sizes"}
+
+
+# -- issue 27: an exercise asks for a result, it never shows the code of its answer ---------------------------
+
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("transcription", ROOT / "benchmarks" / "transcription.py")
+transcription = sys.modules.setdefault("transcription", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(transcription)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_the_instructions_give_no_line_of_the_solution(path):
+    """No code span or code block of the notebook's markdown holds a substantial line of its reference
+    solution, nor most of one (a call to copy): `python benchmarks/transcription.py -v` shows them."""
+    given = transcription.measure(path).in_instructions
+    assert not given, f"{path.name}: the instructions give away solution lines:\n" + "\n".join(
+        f"  solution line {line!r} <- instructions `{span}`" for line, span in given)
+
+
+def test_the_transcription_rule_catches_a_given_call():
+    spans = [transcription.normalise("DistributedSampler(dataset, num_replicas=world_size, rank=rank)")]
+    line = transcription.normalise("sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)")
+    assert transcription.given_by(line, spans)
+    assert not transcription.given_by(transcription.normalise("loader = DataLoader(dataset, sampler=sampler)"), spans)
+    # a short span (a name the instructions must say) gives nothing away
+    assert not transcription.given_by(line, [transcription.normalise("DistributedSampler")])
+    # shape: local names, numbers and strings are placeholders, attributes are kept
+    assert transcription.shape("dist.all_reduce(grad, op=dist.ReduceOp.SUM)") == transcription.shape(
+        "dist.all_reduce(p, op=dist.ReduceOp.SUM)")
+    assert transcription.shape("dist.all_reduce(p)") != transcription.shape("dist.broadcast(p)")
