@@ -41,7 +41,8 @@ with torch 2.13 on gloo by ``tests/test_costmodel.py`` against :func:`step_colle
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 FLOAT32 = 4
 

@@ -25,7 +25,6 @@ Clipping is judged in float32 at :data:`FP32_TOL`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
