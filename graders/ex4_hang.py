@@ -297,6 +297,8 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
         shutil.rmtree(folder, ignore_errors=True)
     obs = job.values
     _same_collectives(check, obs)
+    if part == "early":
+        _judge_order(check, obs)
     train_set, val_set = _data(s)
     if part == "uneven":
         _judge_uneven(check, s, obs, train_set)
@@ -318,6 +320,21 @@ def _same_collectives(check, obs):
                               got=f"collective #{n + 1}: rank 0 issued {theirs}, rank {rank} issued {mine}",
                               hint="a timeout or a caught exception let a rank go on past a collective that never "
                               "completed: that hides the hang, it does not remove its cause")
+
+
+def _judge_order(check, obs):
+    """Rank 0 read the prediction files only once every rank had written its own: each other rank's write was held
+    until rank 0 waited in a collective (what makes it wait), so a rank 0 that returned first did not wait for it."""
+    early = [rank for rank, o in enumerate(obs) if rank and o["held"] and o["held"][0] != "waiting"]
+    if early:
+        how = {o["held"][0] for o in (obs[r] for r in early)}
+        raise CheckFailed(check, f"rank 0 read the prediction files before {checks.rank_list(early)} had written "
+                          "theirs", ranks=early, expected="rank 0 waits until every rank has written its file",
+                          got=("rank 0 had already returned when the file was written (the grader's disk is slow: "
+                               "a file appears only once rank 0 waits for it)" if how == {"returned"} else
+                               f"rank 0 neither waited in a collective nor returned for {HOLD_LIMIT:g} s"),
+                          hint="rank 0 must wait for the other ranks' files with something every rank calls once its "
+                          "file is written (a sleep is not: no fixed time is long enough on every disk)")
 
 
 def _judge_weights(check, s, obs):
@@ -368,13 +385,9 @@ def _judge_logs(check, part, s, obs, val_set):
             right = int((hm.predictions(state, val_set, s["classes"]) == val_set.y).sum())
             want = right / s["n_val"]
             if not isinstance(got, (int, float)) or abs(got - want) > ATOL:
-                held = [o["held"] for o in obs[1:]]
-                early = any(h == [False] for h in held)
                 raise CheckFailed(check, "rank 0 logged a validation accuracy the model does not have", ranks=[0],
                                   expected=f"{want:.6f} ({right} right of {s['n_val']})", got=repr(got),
-                                  hint=("rank 0 read the prediction files before the other ranks had written them: "
-                                        "nothing made it wait for them" if early else
-                                        "merge every rank's predictions, over the whole validation set"))
+                                  hint="merge every rank's predictions, over the whole validation set")
         else:
             preds = hm.predictions(state, val_set, s["classes"])
             want = [float(((preds == val_set.y) & (val_set.y == c)).sum() / (val_set.y == c).sum())

@@ -223,9 +223,9 @@ def read_journals(folder: str, world_size: int) -> list[dict]:
     return out
 
 
-def wait_for_rank0(folder: str, rank: int, limit: float) -> bool:
+def wait_for_rank0(folder: str, rank: int, limit: float) -> str:
     """On a rank other than 0: wait until rank 0 waits in torch.distributed or has returned (it says so once asked,
-    :func:`report_rank0`); False if it did neither within ``limit`` seconds."""
+    :func:`report_rank0`): "waiting", "returned", or "neither" when it did neither within ``limit`` seconds."""
     path, request = os.path.join(folder, "rank0.state"), os.path.join(folder, f"ask{rank}")
     with checks.grader_writes():
         open(request, "w").close()
@@ -239,15 +239,15 @@ def wait_for_rank0(folder: str, rank: int, limit: float) -> bool:
             except OSError:
                 state = ""
             if state == "returned":
-                return True
+                return state
             if state == "waiting":
                 steady = steady or time.monotonic()
                 if time.monotonic() - steady >= 0.3:  # not merely passing through a collective
-                    return True
+                    return state
             else:
                 steady = None
             time.sleep(0.005)
-        return False
+        return "neither"
     finally:
         with checks.grader_writes():
             os.unlink(request)
