@@ -351,7 +351,7 @@ def test_wrong_answers_lose_exactly_their_cells(tmp_path):
     nb = submissions.load(A, NB)
     nb = submissions.patch_answer(nb, "ex4h_metric_diagnosis", '"line": 34', '"line": 23')  # the symptom line
     nb = submissions.patch_answer(nb, "ex4h_uneven_fix", "sampler=sampler)", "sampler=sampler, drop_last=True)")
-    nb = submissions.patch_answer(nb, "ex4h_early_fix", "    dist.barrier()\n", "")
+    nb = submissions.patch_answer(nb, "ex4h_early_fix", EARLY_BARRIER, "")
     nb = submissions.patch_answer(nb, "ex4h_shapes_fix", "    dist.all_reduce(seen)\n    dist.all_reduce(right)\n", "")
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     got = submissions.messages(report)
