@@ -378,8 +378,8 @@ def _judge_logs(check, part, s, obs, val_set):
                 local = abs(got - hm.val_loss(state, mine, s["classes"])) <= ATOL if isinstance(got, (int, float)) else False
                 raise CheckFailed(check, f"rank {logger} logged a validation loss the model does not have", ranks=[logger],
                                   expected=f"{want:.6f} (over all {s['n_val']} validation samples)", got=repr(got),
-                                  hint=("it is the loss of rank {0}'s own share only: the other ranks' totals never "
-                                        "reached it (the collective was removed, not fixed)".format(logger) if local else
+                                  hint=(f"it is the loss of rank {logger}'s own share only: the other ranks' totals never "
+                                        "reached it (the collective was removed, not fixed)" if local else
                                         "sum every rank's totals (all ranks must take part), then divide"))
         elif part == "early":
             right = int((hm.predictions(state, val_set, s["classes"]) == val_set.y).sum())

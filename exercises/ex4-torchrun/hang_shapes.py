@@ -14,7 +14,7 @@ def train_shapes(rank, world_size, model, train_set, val_set, log, epochs=2, bat
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
-    for epoch in range(epochs):
+    for _ in range(epochs):
         model.train()
         for x, y in loader:
             optimizer.zero_grad()
