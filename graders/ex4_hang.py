@@ -1,0 +1,488 @@
+"""Checks for exercise 4's drill, find the hang (exercises/ex4-torchrun/find_the_hang.ipynb).
+
+The student gets four training functions that hang (``exercises/ex4-torchrun/hang_*.py``): a collective
+under a rank condition (``metric``), ranks that run different numbers of steps (``uneven``), a barrier
+after an early return (``early``), a collective whose tensor's shape depends on the rank's data
+(``shapes``). Each part is graded twice:
+
+* :func:`check_diagnosis` (through ``check_diagnosis_<part>``): the student's ``diagnose(job)`` returns,
+  for the job's settings, which ranks, which collective and which line of the script. The check runs the
+  script itself, unchanged, with those settings, and derives the truth from what its ranks did
+  (:mod:`graders.ex4_hang_model`: each rank's flight recorder with the issuing lines, and where the
+  function returned); hidden variants change the world size, the data and the logging rank, and the
+  truth with them.
+* :func:`check_fix` (through ``check_fix_<part>``): the student's fixed function runs as a real job: it
+  finishes, every rank issued the same collectives (a timeout or a caught exception that lets a rank go
+  on does not), and it trains and logs what the script's docstring promises (the weights against a
+  single-process reference, every sample trained on, the logged metric against the one computed here
+  from the weights the model held when it was logged).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+
+from course import checks
+from course.checks import CheckFailed, passed
+from course.launcher import launch
+from graders import ex4_hang_model as hm
+
+EPOCHS, BATCH, LR = 2, 4, 0.1
+JOB_TIMEOUT = 20.0
+HOLD_LIMIT = 4.0  # seconds a rank's prediction file waits for rank 0 to wait for it (part "early")
+ATOL = 1e-5
+
+_REAL = checks.REAL
+
+#: what each part's diagnosis asks, for the messages
+QUESTION = {
+    "metric": "the rank(s) that call a collective which the other ranks never call",
+    "uneven": "the rank(s) left waiting: they run more steps than another rank",
+    "early": "the rank(s) that leave the function early, without the collective the others wait in",
+    "shapes": "the rank(s) whose tensor is smaller than the other ranks' in the collective",
+}
+LINE = {
+    "metric": "the line that calls that collective",
+    "uneven": "the line at which the waiting ranks wait",
+    "early": "the line at which those ranks leave (the cause), not where the others wait",
+    "shapes": "the line of the collective whose shapes differ",
+}
+
+
+def _settings(part, world_size, n_train, n_val, seed, classes=3, log_rank=0):
+    s = {"part": part, "world_size": int(world_size), "n_train": int(n_train), "n_val": int(n_val), "seed": int(seed),
+         "classes": int(classes), "epochs": EPOCHS, "batch_size": BATCH, "lr": LR}
+    if part == "metric":
+        s["log_rank"] = int(log_rank)
+    if part == "uneven":
+        s["batch_size"] = 5 if world_size == 2 else 3
+    return s
+
+
+def _kwargs(s: dict, out_dir: str | None) -> dict:
+    kw = {"epochs": s["epochs"], "batch_size": s["batch_size"], "lr": s["lr"]}
+    if s["part"] == "metric":
+        kw["log_rank"] = s["log_rank"]
+    if s["part"] == "early":
+        kw["out_dir"] = out_dir
+    return kw
+
+
+def _data(s: dict):
+    return hm.Samples(s["n_train"], s["seed"], s["classes"]), hm.Samples(s["n_val"], s["seed"] + 1, s["classes"])
+
+
+def job_settings(s: dict) -> dict:
+    """What the student's diagnose(job) is given: the job's settings (and, for "shapes", the validation labels)."""
+    job = {k: s[k] for k in ("world_size", "n_train", "n_val", "batch_size", "epochs", "classes")}
+    if s["part"] == "metric":
+        job["log_rank"] = s["log_rank"]
+    if s["part"] == "shapes":
+        job["val_labels"] = _data(s)[1].y.tolist()
+    return job
+
+
+# --- the buggy run: the truth ------------------------------------------------------------------------------
+
+
+def _buggy_harness(rank, fn, folder, s):
+    dev = checks.join_job()
+    world_size = _REAL.get_world_size()
+    model = hm.make_model(s["seed"], s["classes"]).to(dev)
+    train_set, val_set = _data(s)
+    journal = hm.Journal(folder, rank, hm.SCRIPTS[s["part"]][0])
+    journal.start()
+    out_dir = os.path.join(folder, "out")
+    journal.call(fn, rank, world_size, model, train_set, val_set, lambda *a, **k: None, **_kwargs(s, out_dir))
+    return True
+
+
+@checks.reference
+def truth(s_items: tuple) -> dict:
+    """Run the part's script, unchanged, with settings ``s``; what its ranks did, and the diagnosis it shows."""
+    s = dict(s_items)
+    check = f"check_diagnosis_{s['part']}"
+    folder = tempfile.mkdtemp(prefix="ddp-course-hang-")
+    try:
+        os.makedirs(os.path.join(folder, "out"))
+        try:
+            checks.run(check, _buggy_harness, s["world_size"], args=(hm.load_script(s["part"]), folder, s),
+                       timeout=min(checks.check_timeout(), JOB_TIMEOUT))
+            finished = True
+        except CheckFailed:
+            finished = False
+        journals = hm.read_journals(folder, s["world_size"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if finished:
+        raise CheckFailed(check, f"the grader's own run of {hm.SCRIPTS[s['part']][0]} did not hang with these "
+                          f"settings ({job_settings(s)}), so there is nothing to diagnose",
+                          hint="this is a problem of the exercise, not of your answer: tell your instructor")
+    return derive(s["part"], journals)
+
+
+def _key(entry):
+    return None if entry is None else (entry["op"], str(entry["sizes"]), entry["line"])
+
+
+def derive(part: str, journals: list[dict]) -> dict:
+    """The diagnosis the ranks' journals show: {"ranks", "collective", "line", "symptom_lines"}."""
+    seqs = [[e for e in j["entries"]] for j in journals]
+    size = max(len(s) for s in seqs)
+    at = lambda r, i: seqs[r][i] if i < len(seqs[r]) else None  # noqa: E731
+    i = next((i for i in range(size) if len({_key(at(r, i)) for r in range(len(seqs))}) > 1), None)
+    if i is None:
+        raise ValueError("the ranks issued the same collectives: no divergence to diagnose")
+    here = {r: at(r, i) for r in range(len(seqs))}
+    if part == "metric":
+        lines = [{e["line"] for e in s} for s in seqs]
+        alone = [line for line in set().union(*lines) if line is not None and not all(line in ls for ls in lines)]
+        line = min(alone)
+        ranks = [r for r, ls in enumerate(lines) if line in ls]
+        op = next(e["op"] for s in seqs for e in s if e["line"] == line)
+        symptom = {e["line"] for r, e in here.items() if e is not None and r not in ranks}
+    elif part == "uneven":
+        ranks = [r for r, e in here.items() if e is not None]
+        line, op = here[ranks[0]]["line"], here[ranks[0]]["op"]
+        symptom = set()
+    elif part == "early":
+        ranks = [r for r, e in here.items() if e is None]
+        line = journals[ranks[0]]["returned_at"]
+        waiting = [e for e in here.values() if e is not None]
+        op = waiting[0]["op"]
+        symptom = {e["line"] for e in waiting}
+    else:
+        numel = {r: math.prod(sum((list(x) for x in (e["sizes"] or [])), [])) for r, e in here.items()}
+        ranks = [r for r, n in numel.items() if n < max(numel.values())]
+        line, op = here[0]["line"], here[0]["op"]
+        symptom = set()
+    return {"ranks": sorted(ranks), "collective": op, "line": line, "symptom_lines": sorted(x for x in symptom if x)}
+
+
+# --- the diagnosis -----------------------------------------------------------------------------------------
+
+
+def _ask(rank, diagnose, job):
+    return diagnose(dict(job))
+
+
+def _collective_name(value) -> str:
+    text = str(value).strip().lower().replace("torch.distributed.", "").replace("dist.", "")
+    return text.split("(")[0].replace("_", "").replace(" ", "")
+
+
+def _line_matches(value, line: int, lines: list[str]) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value == line
+    if isinstance(value, str):
+        code = " ".join(value.split())
+        if code.isdigit():
+            return int(code) == line
+        return bool(code) and 0 < line <= len(lines) and " ".join(lines[line - 1].split()).split("#")[0].strip() == code.split("#")[0].strip()
+    return False
+
+
+def check_diagnosis(part: str, diagnose, *, world_size: int, n_train: int, n_val: int, seed: int, classes: int = 3,
+                    log_rank: int = 0):
+    check = f"check_diagnosis_{part}"
+    checks.require_written(check, **{f"diagnose_{part}": diagnose})
+    s = _settings(part, world_size, n_train, n_val, seed, classes, log_rank)
+    want = truth(tuple(sorted(s.items())))
+    job = job_settings(s)
+    answer = checks.run(check, _ask, 1, args=(diagnose, job), timeout=min(checks.check_timeout(), JOB_TIMEOUT),
+                        expected=f"diagnose_{part}(job) returns a dict with 'ranks', 'collective' and 'line'").values[0]
+    if not isinstance(answer, dict) or not {"ranks", "collective", "line"} <= set(answer):
+        raise CheckFailed(check, "the diagnosis is not a dict with the keys 'ranks', 'collective' and 'line'",
+                          expected="{'ranks': [...], 'collective': '...', 'line': <line number>}",
+                          got=repr(answer)[:200], hint=f"return a dict from diagnose_{part}(job)")
+    script = hm.SCRIPTS[part][0]
+    lines = hm.script_lines(part)
+    try:
+        ranks = sorted({int(r) for r in (answer["ranks"] if isinstance(answer["ranks"], (list, tuple, set))
+                                          else [answer["ranks"]])})
+    except (TypeError, ValueError):
+        ranks = None
+    shown = f"the job: {job if part != 'shapes' else {k: v for k, v in job.items() if k != 'val_labels'}}"
+    if ranks != want["ranks"]:
+        others = sorted(set(range(s["world_size"])) - set(want["ranks"]))
+        why = ("those are the other side of the deadlock" if ranks == others else
+               "read the stall report of this job again, and work out who does what with these settings")
+        raise CheckFailed(check, f"wrong ranks: the question is {QUESTION[part]}",
+                          expected=f"ranks {want['ranks']} ({shown})", got=f"ranks {answer['ranks']!r}",
+                          hint=f"{why}; your diagnose_{part}(job) must work out the ranks from the job's settings "
+                          "(the hidden tests change them)")
+    if _collective_name(answer["collective"]) != _collective_name(want["collective"]):
+        raise CheckFailed(check, "wrong collective", expected=f"{want['collective']!r} (the collective the job cannot "
+                          "complete)", got=repr(answer["collective"]),
+                          hint="the stall report names, for each rank, the collective it waits in; a DDP backward's "
+                          "collective is an all_reduce")
+    if not _line_matches(answer["line"], want["line"], lines):
+        symptom = any(_line_matches(answer["line"], x, lines) for x in want["symptom_lines"])
+        raise CheckFailed(check, f"wrong line of {script}: the question is {LINE[part]}",
+                          expected=f"line {want['line']}: {lines[want['line'] - 1].strip()}",
+                          got=f"{answer['line']!r}",
+                          hint=("that is where the other ranks wait: the symptom, not the cause"
+                                if symptom else "give the line number in the file (as the stall report shows it)"))
+    passed(check)
+
+
+# --- the fix -----------------------------------------------------------------------------------------------
+
+
+def _fix_harness(rank, fn, folder, s):
+    dev = checks.join_job()
+    world_size = _REAL.get_world_size()
+    model = hm.make_model(s["seed"], s["classes"]).to(dev)
+    train_set, val_set = _data(s)
+    logs, forwards = [], []
+
+    def on_forward(module, args):
+        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            forwards.extend(train_set.indices_of(args[0]))
+
+    model.register_forward_pre_hook(on_forward)
+
+    def log(metrics, *args, **kwargs):
+        values = {}
+        for key, value in (metrics.items() if isinstance(metrics, dict) else []):
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu().tolist()
+            if isinstance(value, (int, float)) or (isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)):
+                values[str(key)] = value
+        logs.append({"values": values, "state": checks.to_cpu(model.state_dict())})
+
+    out_dir = os.path.join(folder, "out")
+    held = []
+    if s["part"] == "early" and rank == 0:
+        returned = hm.report_rank0(folder)
+    else:
+        returned = None
+
+    def before(event):  # a rank other than 0 about to write a file in out_dir: only once rank 0 waits for it
+        if rank != 0 and os.path.dirname(os.path.abspath(event["path"])) == out_dir and not held:
+            held.append(hm.wait_for_rank0(folder, rank, HOLD_LIMIT))
+
+    try:
+        with checks.record_writes(before if s["part"] == "early" else None):
+            fn(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir))
+    finally:
+        if returned is not None:
+            returned()
+    # collectives only: point-to-point ops pair by peer (monitored_barrier's sends and receives differ by rank)
+    issued = [(c["op"], str(c["sizes"])) for c in _REAL.collectives() if not c["p2p"]]
+    return {"state": checks.to_cpu(model.state_dict()), "logs": logs, "forwards": forwards, "issued": issued,
+            "held": held}
+
+
+def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed: int, classes: int = 3,
+              log_rank: int = 0):
+    check = f"check_fix_{part}"
+    name = hm.SCRIPTS[part][1]
+    checks.require_written(check, **{name: fn})
+    s = _settings(part, world_size, n_train, n_val, seed, classes, log_rank)
+    folder = tempfile.mkdtemp(prefix="ddp-course-hang-fix-")
+    try:
+        os.makedirs(os.path.join(folder, "out"))
+        job = checks.run(check, _fix_harness, s["world_size"], args=(fn, folder, s),
+                         timeout=min(checks.check_timeout(), JOB_TIMEOUT),
+                         hints=[("timeout", "your fixed function still hangs: a timeout, a try/except or a sleep "
+                                 "does not make the ranks call the same collectives; remove the cause")])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    obs = job.values
+    _same_collectives(check, obs)
+    if part == "early":
+        _judge_order(check, obs)
+    train_set, val_set = _data(s)
+    if part == "uneven":
+        _judge_uneven(check, s, obs, train_set)
+    else:
+        _judge_weights(check, s, obs)
+        _judge_logs(check, part, s, obs, val_set)
+    passed(check)
+
+
+def _same_collectives(check, obs):
+    base = obs[0]["issued"]
+    for rank, o in enumerate(obs):
+        if o["issued"] != base:
+            n = next((i for i, (a, b) in enumerate(zip(o["issued"], base)) if a != b), min(len(o["issued"]), len(base)))
+            mine = o["issued"][n] if n < len(o["issued"]) else "nothing (it had returned)"
+            theirs = base[n] if n < len(base) else "nothing (it had returned)"
+            raise CheckFailed(check, f"the job finished, but rank {rank} did not issue the same collectives as rank 0",
+                              ranks=[rank], expected="every rank issues the same collectives, in the same order",
+                              got=f"collective #{n + 1}: rank 0 issued {theirs}, rank {rank} issued {mine}",
+                              hint="a timeout or a caught exception let a rank go on past a collective that never "
+                              "completed: that hides the hang, it does not remove its cause")
+
+
+def _judge_order(check, obs):
+    """Rank 0 read the prediction files only once every rank had written its own: each other rank's write was held
+    until rank 0 waited in a collective (what makes it wait), so a rank 0 that returned first did not wait for it."""
+    early = [rank for rank, o in enumerate(obs) if rank and o["held"] and o["held"][0] != "waiting"]
+    if early:
+        how = {o["held"][0] for o in (obs[r] for r in early)}
+        raise CheckFailed(check, f"rank 0 read the prediction files before {checks.rank_list(early)} had written "
+                          "theirs", ranks=early, expected="rank 0 waits until every rank has written its file",
+                          got=("rank 0 had already returned when the file was written (the grader's disk is slow: "
+                               "a file appears only once rank 0 waits for it)" if how == {"returned"} else
+                               f"rank 0 neither waited in a collective nor returned for {HOLD_LIMIT:g} s"),
+                          hint="rank 0 must wait for the other ranks' files with something every rank calls once its "
+                          "file is written (a sleep is not: no fixed time is long enough on every disk)")
+
+
+def _judge_weights(check, s, obs):
+    want = hm.reference(s["seed"], s["classes"], s["n_train"], s["world_size"], s["batch_size"], s["epochs"], s["lr"])
+    for rank, o in enumerate(obs):
+        got = o["state"]
+        bad = [k for k in want if k not in got or got[k].shape != want[k].shape
+               or not torch.allclose(got[k].float(), want[k], atol=ATOL)]
+        if bad:
+            raise CheckFailed(check, f"rank {rank}'s weights at the end are not those of the training the docstring "
+                              "describes", ranks=[rank],
+                              expected="DDP training with the script's sampler, batch size and learning rate "
+                              "(computed here in one process)", got=f"{len(bad)} tensors differ, e.g. `{bad[0]}`",
+                              hint="fix the hang and nothing else: the training itself was right")
+
+
+def _logs_of(obs, key):
+    return [(rank, e) for rank, o in enumerate(obs) for e in o["logs"] if key in e["values"]]
+
+
+def _judge_logs(check, part, s, obs, val_set):
+    key, logger = {"metric": ("val_loss", s.get("log_rank", 0)), "early": ("val_accuracy", 0),
+                   "shapes": ("class_accuracy", 0)}[part]
+    logs = _logs_of(obs, key)
+    want_n = s["epochs"] if part == "metric" else 1
+    others = sorted({r for r, _ in logs if r != logger})
+    if others:
+        raise CheckFailed(check, f"{checks.rank_list(others)} logged {key!r} too", ranks=others,
+                          expected=f"only rank {logger} logs", hint=f"log only when rank == {logger}")
+    if len(logs) != want_n:
+        raise CheckFailed(check, f"rank {logger} logged {key!r} {len(logs)} times", ranks=[logger],
+                          expected=f"{want_n} time(s)", hint="log as the function's docstring says")
+    for _, entry in logs:
+        got, state = entry["values"][key], entry["state"]
+        if part == "metric":
+            want = hm.val_loss(state, val_set, s["classes"])
+            if not isinstance(got, (int, float)) or abs(got - want) > ATOL:
+                mine = hm.Samples(0, 0)
+                share = list(range(logger, s["n_val"], s["world_size"]))
+                mine.x, mine.y = val_set.x[share], val_set.y[share]
+                local = abs(got - hm.val_loss(state, mine, s["classes"])) <= ATOL if isinstance(got, (int, float)) else False
+                raise CheckFailed(check, f"rank {logger} logged a validation loss the model does not have", ranks=[logger],
+                                  expected=f"{want:.6f} (over all {s['n_val']} validation samples)", got=repr(got),
+                                  hint=(f"it is the loss of rank {logger}'s own share only: the other ranks' totals never "
+                                        "reached it (the collective was removed, not fixed)" if local else
+                                        "sum every rank's totals (all ranks must take part), then divide"))
+        elif part == "early":
+            right = int((hm.predictions(state, val_set, s["classes"]) == val_set.y).sum())
+            want = right / s["n_val"]
+            if not isinstance(got, (int, float)) or abs(got - want) > ATOL:
+                raise CheckFailed(check, "rank 0 logged a validation accuracy the model does not have", ranks=[0],
+                                  expected=f"{want:.6f} ({right} right of {s['n_val']})", got=repr(got),
+                                  hint="merge every rank's predictions, over the whole validation set")
+        else:
+            preds = hm.predictions(state, val_set, s["classes"])
+            want = [float(((preds == val_set.y) & (val_set.y == c)).sum() / (val_set.y == c).sum())
+                    for c in range(s["classes"])]
+            ok = isinstance(got, list) and len(got) == len(want) and all(abs(a - b) <= ATOL for a, b in zip(got, want))
+            if not ok:
+                raise CheckFailed(check, "rank 0 logged per-class accuracies the model does not have", ranks=[0],
+                                  expected=f"{[round(w, 4) for w in want]} (one per class, over the whole validation set)",
+                                  got=repr(got)[:200],
+                                  hint=("a number for every class the model has, even one a rank never saw"
+                                        if isinstance(got, list) and len(got) != len(want) else
+                                        "every rank's counts must be summed (all ranks take part), per class"))
+
+
+def _judge_uneven(check, s, obs, train_set):
+    counts = [0] * s["n_train"]
+    for o in obs:
+        for i in o["forwards"]:
+            if 0 <= i < len(counts):
+                counts[i] += 1
+    missing = [i for i, c in enumerate(counts) if c < s["epochs"]]
+    if missing:
+        raise CheckFailed(check, f"{len(missing)} training samples were trained on fewer than {s['epochs']} times in "
+                          f"{s['epochs']} epochs", ranks=list(range(s["world_size"])),
+                          expected="every sample trained on in every epoch (by some rank)",
+                          got=f"samples {missing[:8]} trained on {[counts[i] for i in missing[:8]]} times",
+                          hint="the ranks no longer hang because the extra batches are dropped: the docstring says "
+                          "every sample counts. Give the ranks the same number of steps without dropping samples")
+    base = obs[0]["state"]
+    for rank, o in enumerate(obs[1:], start=1):
+        bad = [k for k in base if not torch.allclose(o["state"][k].float(), base[k].float(), atol=1e-6)]
+        if bad:
+            raise CheckFailed(check, f"rank {rank}'s weights differ from rank 0's at the end", ranks=[rank],
+                              expected="the same weights on every rank (each step's gradients averaged over the ranks)",
+                              got=f"{len(bad)} tensors differ, e.g. `{bad[0]}`",
+                              hint="some steps were not synchronised: every rank must take part in every step's "
+                              "gradient all-reduce")
+    init = hm.make_model(s["seed"], s["classes"]).state_dict()
+    if all(torch.equal(base[k], init[k]) for k in init):
+        raise CheckFailed(check, "the model was not trained", expected="weights that changed", got="the initial weights",
+                          hint="train as the docstring says")
+
+
+# --- the notebook's names ------------------------------------------------------------------------------------
+
+_DEFAULTS = {
+    "metric": {"world_size": 2, "n_train": 24, "n_val": 11, "seed": 0, "log_rank": 0},
+    "uneven": {"world_size": 2, "n_train": 21, "n_val": 11, "seed": 0},
+    "early": {"world_size": 3, "n_train": 24, "n_val": 4, "seed": 0},
+    "shapes": {"world_size": 2, "n_train": 24, "n_val": 7, "seed": 3},
+}
+
+
+def _named(part):
+    def diagnosis(diagnose, **kw):
+        check_diagnosis(part, diagnose, **{**_DEFAULTS[part], **kw})
+
+    def fix(fn, **kw):
+        check_fix(part, fn, **{**_DEFAULTS[part], **kw})
+
+    diagnosis.__name__, fix.__name__ = f"check_diagnosis_{part}", f"check_fix_{part}"
+    diagnosis.__doc__ = f"The diagnosis of {hm.SCRIPTS[part][0]}: {QUESTION[part]}, the collective, {LINE[part]}."
+    fix.__doc__ = f"The fixed {hm.SCRIPTS[part][1]} finishes, every rank issues the same collectives, and it trains and logs as its docstring says."
+    return diagnosis, fix
+
+
+check_diagnosis_metric, check_fix_metric = _named("metric")
+check_diagnosis_uneven, check_fix_uneven = _named("uneven")
+check_diagnosis_early, check_fix_early = _named("early")
+check_diagnosis_shapes, check_fix_shapes = _named("shapes")
+
+
+def try_it(part: str, fn=None, **settings) -> None:
+    """Run ``part``'s script (or ``fn``, your fixed function) as the checks run it, and print what happened: what
+    each rank logged, or why the job did not finish (the launcher's stall report for a deadlock)."""
+    from course.envnames import GRADING_ENV
+    from course.errors import LaunchError
+
+    if os.environ.get(GRADING_ENV) == "1":
+        print("(try_it runs nothing while the notebook is graded: the checks run the jobs)")
+        return
+    s = _settings(part, **{**_DEFAULTS[part], **settings})
+    folder = tempfile.mkdtemp(prefix="ddp-course-hang-try-")
+    try:
+        os.makedirs(os.path.join(folder, "out"))
+        try:
+            job = launch(_fix_harness, s["world_size"], args=(fn or hm.load_script(part), folder, s),
+                         timeout=JOB_TIMEOUT, echo=True)
+        except LaunchError as err:
+            print(err)
+            return
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for rank, o in enumerate(job.values):
+        for entry in o["logs"]:
+            print(f"rank {rank} logged {entry['values']}")
+    print(f"the {s['world_size']}-rank job finished in {job.elapsed:.1f} s")

@@ -1,0 +1,297 @@
+"""What the checks of find_the_hang.ipynb share: the data, the model, the four scripts, a journal of what
+every rank issued, and the single-process reference of the training.
+
+The four buggy scripts are ``graders/ex4_hang_<part>.py``; the student reads the same files, copied
+into the exercise's folder (``exercises/ex4-torchrun/hang_<part>.py``, a test keeps them identical): the
+exercise sources are hidden from the sandbox the checks run in. A diagnosis check runs the script itself, unchanged, on real ranks
+(:func:`run_buggy`), and derives the truth from what the ranks really did: each rank's harness keeps a
+journal of its flight recorder (every collective the rank issued: op, sequence number, shapes, and the
+script line that issued it, from the recorder's stack traces), and of the line at which the script's
+function returned, if it did. The job deadlocks; the launcher's stall report ends it within seconds, and
+the journals say who issued what where. Nothing about the answer is written down here: another world
+size, data size or logging rank gives another truth.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import sys
+import threading
+import time
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from course import checks
+
+FEATURES = 4
+#: the scripts, by part: (the student's copy in the exercise's folder, the function the student fixes)
+SCRIPTS = {
+    "metric": ("hang_metric.py", "train_metric"),
+    "uneven": ("hang_uneven.py", "train_uneven"),
+    "early": ("hang_early.py", "train_early"),
+    "shapes": ("hang_shapes.py", "train_shapes"),
+}
+JOURNAL_EVERY = 0.05  # seconds between two looks at the rank's flight recorder
+
+
+# --- data and model ----------------------------------------------------------------------------------
+
+
+class Samples(Dataset):
+    """n labelled points of ``classes`` classes; every row of x is distinct, so a batch tells which samples it holds."""
+
+    def __init__(self, n: int, seed: int, classes: int = 3):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=gen)
+        teacher = torch.randn(FEATURES, classes, generator=gen)
+        self.y = (self.x @ teacher + 0.8 * torch.randn(n, classes, generator=gen)).argmax(dim=1)
+        self.rows = {tuple(row.tolist()): i for i, row in enumerate(self.x)}
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def indices_of(self, x: torch.Tensor) -> list[int]:
+        return [self.rows.get(tuple(row), -1) for row in x.detach().to("cpu", torch.float32).reshape(-1, FEATURES).tolist()]
+
+
+def make_model(seed: int, classes: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, classes))
+
+
+def val_loss(state: dict, dataset: Samples, classes: int) -> float:
+    """The mean cross-entropy of the weights ``state`` over the whole ``dataset``, in one process."""
+    model = make_model(0, classes)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return float(F.cross_entropy(model(dataset.x), dataset.y))
+
+
+def predictions(state: dict, dataset: Samples, classes: int) -> torch.Tensor:
+    model = make_model(0, classes)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(dataset.x).argmax(dim=1)
+
+
+@checks.reference
+def reference(seed: int, classes: int, n_train: int, world_size: int, batch_size: int, epochs: int, lr: float) -> dict:
+    """The weights DDP reaches with a DistributedSampler (no shuffle) and SGD, computed in one process:
+    each step averages the ranks' mean-loss gradients, as DDP does."""
+    data = Samples(n_train, seed, classes)
+    model = make_model(seed, classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    per_rank = math.ceil(n_train / world_size)
+    padded = list(range(n_train)) + list(range(per_rank * world_size - n_train))  # as DistributedSampler pads
+    shares = [padded[r::world_size] for r in range(world_size)]
+    for _ in range(epochs):
+        for start in range(0, per_rank, batch_size):
+            optimizer.zero_grad()
+            loss = sum(F.cross_entropy(model(data.x[s[start:start + batch_size]]), data.y[s[start:start + batch_size]])
+                       for s in shares) / world_size
+            loss.backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --- the scripts ----------------------------------------------------------------------------------------
+
+
+def script_path(part: str) -> str:
+    """The grader's copy of ``part``'s script (the student's is ``exercises/ex4-torchrun/hang_<part>.py``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"ex4_hang_{part}.py")
+
+
+def script_lines(part: str) -> list[str]:
+    with open(script_path(part)) as fh:
+        return fh.read().splitlines()
+
+
+def load_script(part: str):
+    """The buggy function of ``part``, compiled from the grader's copy under the name the student knows
+    (``hang_<part>.py``: the stall report and tracebacks show the student's file and its lines, and it is no
+    grader frame to hide), in a module of its own that is not in sys.modules: it travels to the ranks by value."""
+    with open(script_path(part)) as fh:
+        source = fh.read()
+    module = types.ModuleType(f"_ddp_course_{SCRIPTS[part][1]}")
+    module.__file__ = SCRIPTS[part][0]
+    exec(compile(source, SCRIPTS[part][0], "exec"), module.__dict__)  # noqa: S102 - the course's own file
+    return getattr(module, SCRIPTS[part][1])
+
+
+# --- the journal of a rank (harness side) ----------------------------------------------------------------
+
+
+def _dump_fr():
+    """torch's flight recorder dump with stack traces, taken when this module is imported (before student code)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:
+        return None
+    loads = pickle.loads
+    return lambda: loads(_dump_fr_trace(True, True, False)).get("entries", [])
+
+
+_DUMP = _dump_fr()
+
+
+class Journal:
+    """A rank's record, kept in ``<folder>/rank<r>.json`` as the job runs: every collective the rank issued (op,
+    sequence number, shapes, the line of ``script`` that issued it) and where ``fn`` returned. A thread rewrites it
+    whenever the flight recorder grows, so what a rank did before it got stuck survives the job being stopped."""
+
+    def __init__(self, folder: str, rank: int, script: str):
+        self.path = os.path.join(folder, f"rank{rank}.json")
+        self.script = script  # the name the script was compiled under (:func:`load_script`)
+        self.count = -1
+        self.returned_at = None
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def _entries(self) -> list[dict]:
+        found = []
+        for e in _DUMP() if _DUMP is not None else []:
+            lines = [f.get("line") for f in e.get("frames") or [] if f.get("filename") == self.script]
+            found.append({"op": str(e.get("profiling_name", "")).split(":")[-1], "seq": e.get("collective_seq_id"),
+                          "sizes": e.get("input_sizes"), "line": lines[0] if lines else None})
+        return found
+
+    def write(self, force: bool = False) -> None:
+        with self.lock, checks.grader_writes():
+            entries = self._entries()
+            if len(entries) == self.count and not force:
+                return
+            self.count = len(entries)
+            with open(self.path + ".tmp", "w") as fh:
+                json.dump({"entries": entries, "returned_at": self.returned_at}, fh)
+            os.replace(self.path + ".tmp", self.path)
+
+    def start(self) -> None:
+        def loop():
+            while not self.stop.wait(JOURNAL_EVERY):
+                try:
+                    self.write()
+                except Exception:  # noqa: BLE001 - a missed look: the next one writes it
+                    pass
+
+        threading.Thread(target=loop, name="ddp-course-hang-journal", daemon=True).start()
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, noting the line of ``fn`` at which it returns (a ``return`` statement, or its end)."""
+        code = getattr(fn, "__code__", None)
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not code:
+                return None
+            frame.f_trace_lines = False
+
+            def local(frame, event, arg):
+                if event == "return":
+                    self.returned_at = frame.f_lineno
+                return local
+
+            return local
+
+        old = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.settrace(old)
+            self.stop.set()
+            self.write(force=True)
+
+
+def read_journals(folder: str, world_size: int) -> list[dict]:
+    out = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(folder, f"rank{rank}.json")) as fh:
+                out.append(json.load(fh))
+        except (OSError, ValueError):
+            out.append({"entries": [], "returned_at": None})
+    return out
+
+
+def wait_for_rank0(folder: str, rank: int, limit: float) -> str:
+    """On a rank other than 0: wait until rank 0 waits in torch.distributed or has returned (it says so once asked,
+    :func:`report_rank0`): "waiting", "returned", or "neither" when it did neither within ``limit`` seconds."""
+    path, request = os.path.join(folder, "rank0.state"), os.path.join(folder, f"ask{rank}")
+    with checks.grader_writes():
+        open(request, "w").close()
+    end = time.monotonic() + limit
+    steady = None
+    try:
+        while time.monotonic() < end:
+            try:
+                with open(path) as fh:
+                    state = fh.read().strip()
+            except OSError:
+                state = ""
+            if state == "returned":
+                return state
+            if state == "waiting":
+                steady = steady or time.monotonic()
+                if time.monotonic() - steady >= 0.3:  # not merely passing through a collective
+                    return state
+            else:
+                steady = None
+            time.sleep(0.005)
+        return "neither"
+    finally:
+        with checks.grader_writes():
+            os.unlink(request)
+
+
+def report_rank0(folder: str):
+    """On rank 0: a thread that, while another rank asks (:func:`wait_for_rank0`), keeps ``rank0.state`` saying
+    whether the main thread waits in torch.distributed's collective code ("waiting") or runs ("running"); idle
+    otherwise, so that a deadlock is still seen as one. The returned function marks it "returned"."""
+    import glob
+    import traceback
+
+    from course.launcher.rank import COLLECTIVE_CODE, JOINING
+
+    path = os.path.join(folder, "rank0.state")
+    main = threading.main_thread().ident
+    done = threading.Event()
+
+    def state() -> str:
+        frame = sys._current_frames().get(main)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        inside = any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
+        return "waiting" if inside and not any(f.name in JOINING for f in stack) else "running"
+
+    def put(text: str) -> None:
+        with checks.grader_writes():
+            with open(path + ".tmp", "w") as fh:
+                fh.write(text)
+            os.replace(path + ".tmp", path)
+
+    def loop():
+        asked = False
+        while not done.wait(0.005 if asked else 0.05):
+            try:
+                asked = bool(glob.glob(os.path.join(folder, "ask*")))
+                if asked:
+                    put(state())
+            except Exception:  # noqa: BLE001 - the next look writes it
+                pass
+
+    threading.Thread(target=loop, name="ddp-course-hang-rank0", daemon=True).start()
+
+    def returned():
+        done.set()
+        put("returned")
+
+    return returned

@@ -1,0 +1,372 @@
+"""Exercise 4's drill, find the hang: the diagnosis is judged against the grader's own run of each script, the fix
+by running it.
+
+The four scripts given to students (exercises/ex4-torchrun/hang_*.py) are the source of every fix here: the
+reference's, fixes in other styles that must pass, and realistic wrong ones that must fail their check with a
+message naming the mistake. Diagnoses are small functions of the job's settings, right and wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import cloudpickle
+import pytest
+import submissions
+
+import graders.ex4_hang as hang
+from graders import ex4_hang_model as hm
+
+A = "ex4-torchrun"
+NB = "find_the_hang"
+fails = submissions.fails
+FOLDER = submissions.EXERCISES / A
+
+#: each part's hidden variant, as in the notebook
+HIDDEN = {
+    "metric": {"world_size": 3, "n_train": 36, "n_val": 13, "seed": 1, "log_rank": 2},
+    "uneven": {"world_size": 3, "n_train": 20, "n_val": 9, "seed": 1},
+    "early": {"world_size": 4, "n_train": 24, "n_val": 6, "seed": 1},
+    "shapes": {"world_size": 3, "n_train": 24, "n_val": 10, "seed": 2, "classes": 4},
+}
+DIAGNOSIS = {part: getattr(hang, f"check_diagnosis_{part}") for part in hm.SCRIPTS}
+FIX = {part: getattr(hang, f"check_fix_{part}") for part in hm.SCRIPTS}
+
+
+def _module(source: str, name: str) -> types.ModuleType:
+    """``source`` as a module the ranks get by value."""
+    module = types.ModuleType(f"hang_variant_{name}")
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)  # noqa: S102 - our own test code
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def _buggy(part: str) -> str:
+    return (FOLDER / hm.SCRIPTS[part][0]).read_text()
+
+
+def _edit(source: str, *edits) -> str:
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
+def _fn(part: str, *edits, name: str = "fix"):
+    """The part's script with ``edits`` applied: its function."""
+    return getattr(_module(_edit(_buggy(part), *edits), f"{part}_{name}"), hm.SCRIPTS[part][1])
+
+
+def _reference_answer(grade_id: str) -> str:
+    return "\n".join(line for line in submissions.answer(submissions.load(A, NB), grade_id).splitlines()
+                     if "### " not in line)
+
+
+def _reference(part: str, kind: str):
+    """The notebook's reference ``diagnose_<part>`` or fixed function."""
+    name = f"diagnose_{part}" if kind == "diagnosis" else hm.SCRIPTS[part][1]
+    source = "import math\n" + _reference_answer(f"ex4h_{part}_{kind}")
+    return getattr(_module(source, f"{part}_ref_{kind}"), name)
+
+
+def _diagnose(body: str, part: str, name: str):
+    source = f"import math\n\ndef diagnose_{part}(job):\n" + "\n".join("    " + line for line in body.strip().splitlines())
+    return getattr(_module(source, f"{part}_diag_{name}"), f"diagnose_{part}")
+
+
+# --- the scripts --------------------------------------------------------------------------------------------
+
+
+def test_the_students_scripts_are_the_graders():
+    """The grader runs its own copy of each script (the exercise folder is hidden from its sandbox): the student's
+    copy must be the same file, or the lines of a diagnosis would not match."""
+    for part, (name, _) in hm.SCRIPTS.items():
+        assert (FOLDER / name).read_bytes() == open(hm.script_path(part), "rb").read(), name
+
+
+def test_derive_reads_each_kind_of_divergence():
+    """The truth is read off the journals, whatever the ranks and lines (no run needed)."""
+    def e(op, line, sizes=((2,),)):
+        return {"op": op, "seq": 0, "sizes": [list(s) for s in sizes], "line": line}
+
+    common = [e("broadcast", 5), e("all_reduce", 9)]
+    metric = [{"entries": common + [e("all_reduce", 9)], "returned_at": None},
+              {"entries": common + [e("reduce", 12)], "returned_at": None},
+              {"entries": common + [e("all_reduce", 9)], "returned_at": None}]
+    assert hang.derive("metric", metric) == {"ranks": [1], "collective": "reduce", "line": 12, "symptom_lines": [9]}
+    early = [{"entries": common + [e("barrier", 20, ())], "returned_at": None},
+             {"entries": common, "returned_at": 17}]
+    assert hang.derive("early", early) == {"ranks": [1], "collective": "barrier", "line": 17, "symptom_lines": [20]}
+    uneven = [{"entries": common, "returned_at": 30}, {"entries": common + [e("all_reduce", 9)], "returned_at": None}]
+    assert hang.derive("uneven", uneven)["ranks"] == [1]
+    shapes = [{"entries": common + [e("all_reduce", 40, ((3,),))], "returned_at": None},
+              {"entries": common + [e("all_reduce", 40, ((2,),))], "returned_at": None}]
+    assert hang.derive("shapes", shapes) == {"ranks": [1], "collective": "all_reduce", "line": 40, "symptom_lines": []}
+
+
+# --- diagnoses ---------------------------------------------------------------------------------------------
+
+#: per part: name -> None (the reference: it must pass), or (a diagnosis body, the words its failure names or None if it
+#: must pass, the settings under which it fails: "visible" or "hidden")
+DIAGNOSES = {
+    "metric": {
+        "reference": None,
+        "the line as code, the collective as torch names it": (
+            'return {"ranks": [job["log_rank"]], "collective": "dist.reduce", '
+            '"line": "dist.reduce(totals, dst=log_rank)"}', None, None),
+        "the other side": ('return {"ranks": [r for r in range(job["world_size"]) if r != job["log_rank"]], '
+                           '"collective": "reduce", "line": 34}', ["wrong ranks", "the other side of the deadlock"], "visible"),
+        "the symptom line": ('return {"ranks": [job["log_rank"]], "collective": "reduce", "line": 23}',
+                             ["wrong line", "the symptom, not the cause"], "visible"),
+        "the ranks of the notebook's run, hard-coded": ('return {"ranks": [0], "collective": "reduce", "line": 34}',
+                                                        ["wrong ranks", "ranks [2]"], "hidden"),
+    },
+    "uneven": {
+        "reference": None,
+        "the ranks that returned": (
+            'ws, n, b = job["world_size"], job["n_train"], job["batch_size"]\n'
+            'steps = [math.ceil(len(range(r, n, ws)) / b) for r in range(ws)]\n'
+            'return {"ranks": [r for r in range(ws) if steps[r] == min(steps)], "collective": "all_reduce", "line": 23}',
+            ["wrong ranks", "the other side of the deadlock"], "visible"),
+        "the last rank, a guess": ('return {"ranks": [job["world_size"] - 1], "collective": "all_reduce", "line": 23}',
+                                   ["wrong ranks", "ranks [0]"], "visible"),
+        "a barrier named": ('return {"ranks": [0], "collective": "barrier", "line": 23}', ["wrong collective"], "visible"),
+    },
+    "early": {
+        "reference": None,
+        "the waiting ranks": (
+            'ws, n = job["world_size"], job["n_val"]\nchunk = math.ceil(n / ws)\n'
+            'return {"ranks": [r for r in range(ws) if r * chunk < n], "collective": "barrier", "line": 30}',
+            ["wrong ranks"], "visible"),
+        "the barrier's line (the symptom)": (
+            'ws, n = job["world_size"], job["n_val"]\nchunk = math.ceil(n / ws)\n'
+            'return {"ranks": [r for r in range(ws) if r * chunk >= n], "collective": "barrier", "line": 36}',
+            ["wrong line", "the symptom, not the cause", "line 30: return"], "visible"),
+    },
+    "shapes": {
+        "reference": None,
+        "the line as a string of digits": (
+            'ws, labels = job["world_size"], job["val_labels"]\n'
+            'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
+            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "allreduce", "line": "32"}',
+            None, None),
+        "the bincount line": (
+            'ws, labels = job["world_size"], job["val_labels"]\n'
+            'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
+            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "all_reduce", "line": 30}',
+            ["wrong line", "line 32"], "visible"),
+        "the ranks with the larger tensor": (
+            'ws, labels = job["world_size"], job["val_labels"]\n'
+            'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
+            'return {"ranks": [r for r in range(ws) if sizes[r] == max(sizes)], "collective": "all_reduce", "line": 32}',
+            ["wrong ranks"], "visible"),
+        "not a dict": ('return ([1], "all_reduce", 32)', ["not a dict"], "visible"),
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("part", list(hm.SCRIPTS))
+def test_diagnoses(part):
+    """The reference's and other right diagnoses pass with the notebook's and the hidden settings; each wrong one
+    fails, naming what is wrong (a hard-coded answer is right for the notebook's run and wrong for the hidden one).
+    The script runs once per settings (the truth is cached)."""
+    check = DIAGNOSIS[part]
+    for name, case in DIAGNOSES[part].items():
+        if case is None:
+            diagnose, words, where = _reference(part, "diagnosis"), None, None
+        else:
+            body, words, where = case
+            diagnose = _diagnose(body, part, name.replace(" ", "_").replace("'", "").replace(",", ""))
+        if words is None:
+            check(diagnose)
+            check(diagnose, **HIDDEN[part])
+        elif where == "hidden":
+            check(diagnose)
+            fails(check, diagnose, *words, **HIDDEN[part])
+        else:
+            fails(check, diagnose, *words)
+
+
+# --- fixes -------------------------------------------------------------------------------------------------
+
+METRIC_IF = ("        if rank == log_rank:\n            dist.reduce(totals, dst=log_rank)  # the totals of all ranks, "
+             "summed on the logging rank\n")
+UNEVEN_SHARE = ("    share = Subset(train_set, range(rank, len(train_set), world_size))  # each sample on exactly one rank\n"
+                "    loader = DataLoader(share, batch_size=batch_size)\n")
+EARLY_PREDICT = ("    if len(mine) == 0:\n        return  # nothing to predict on this rank\n    model.eval()\n"
+                 "    with torch.no_grad():\n        x = torch.stack([val_set[i][0] for i in mine]).to(device)\n"
+                 "        preds = model(x).argmax(dim=1).cpu()\n")
+EARLY_BARRIER = "    dist.barrier()  # every rank's file is complete before rank 0 reads them\n"
+SHAPES_COUNTS = ("    seen = torch.bincount(y).float()  # per class: this rank's samples\n"
+                 "    right = torch.bincount(y, weights=hits)  # per class: those predicted right\n")
+
+#: per part: name -> (edits of the given script, None if it must pass, else the words its failure names)
+FIXES = {
+    "metric": {
+        "every rank all-reduces, the logging rank logs": (
+            [(METRIC_IF, "        dist.all_reduce(totals)\n        if rank == log_rank:\n")], None),
+        "all_gather_object of the totals": (
+            [(METRIC_IF, "        everyone = [None] * world_size\n"
+                         "        dist.all_gather_object(everyone, totals.tolist())\n"
+                         "        totals = torch.tensor([sum(t[0] for t in everyone), sum(t[1] for t in everyone)])\n"
+                         "        if rank == log_rank:\n")], None),
+        "the reduce removed": ([(METRIC_IF, "        if rank == log_rank:\n")],
+                               ["logged a validation loss the model does not have", "own share only",
+                                "the collective was removed"]),
+        "every rank logs": ([(METRIC_IF, "        dist.reduce(totals, dst=log_rank)\n        if True:\n")],
+                            ["logged 'val_loss' too", "only rank"]),
+        "a timeout caught on the logging rank": (
+            [("import torch\n", "from datetime import timedelta\n\nimport torch\n"),
+             (METRIC_IF, "        if rank == log_rank:\n"
+                         "            work = dist.reduce(totals, dst=log_rank, async_op=True)\n"
+                         "            try:\n                work.wait(timeout=timedelta(seconds=1))\n"
+                         "            except RuntimeError:\n                pass\n")],
+            []),
+    },
+    "uneven": {
+        "Join": ([("from torch.utils.data import DataLoader, Subset\n",
+                   "from torch.distributed.algorithms.join import Join\nfrom torch.utils.data import DataLoader, Subset\n"),
+                  ("        for x, y in loader:\n", "        with Join([ddp_model]):\n          for x, y in loader:\n")],
+                 None),
+        "each share padded with its own first samples": (
+            [(UNEVEN_SHARE, "    ids = list(range(rank, len(train_set), world_size))\n"
+                            "    longest = -(-len(train_set) // world_size)\n"
+                            "    share = Subset(train_set, ids + ids[:longest - len(ids)])\n"
+                            "    loader = DataLoader(share, batch_size=batch_size)\n")], None),
+        "drop_last": ([("    loader = DataLoader(share, batch_size=batch_size)\n",
+                        "    loader = DataLoader(share, batch_size=batch_size, drop_last=True)\n")],
+                      ["trained on fewer than", "dropped", "every sample counts"]),
+        "the steps cut to the fewest": (
+            [("import torch\n", "import torch\nimport torch.distributed as dist\n"),
+             ("    for epoch in range(epochs):\n", "    steps = torch.tensor(len(loader))\n"
+                                                  "    dist.all_reduce(steps, op=dist.ReduceOp.MIN)\n"
+                                                  "    for epoch in range(epochs):\n"),
+             ("        for x, y in loader:\n", "        for step, (x, y) in enumerate(loader):\n"
+                                              "            if step == steps:\n                break\n")],
+            ["trained on fewer than", "every sample counts"]),
+        "a try/except around the step": (
+            [("            loss.backward()\n", "            try:\n                loss.backward()\n"
+                                              "            except RuntimeError:\n                continue\n")],
+            ["deadlocked", "still hangs"]),
+        "no DDP at all": ([("    ddp_model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None)\n",
+                            "    ddp_model = model\n")],
+                          ["weights differ from rank 0's"]),
+    },
+    "early": {
+        "every rank writes a file, an empty one too": (
+            [(EARLY_PREDICT, "    model.eval()\n    with torch.no_grad():\n        preds = torch.tensor("
+                             "[int(model(val_set[i][0][None].to(device)).argmax()) for i in mine], dtype=torch.long)\n")],
+            None),
+        "an all_reduce instead of the barrier, the return made a skip": (
+            [(EARLY_PREDICT, "    if len(mine) > 0:\n" + "".join("    " + line + "\n" for line in EARLY_PREDICT.splitlines()[2:])
+              + "        torch.save({'indices': list(mine), 'preds': preds}, os.path.join(out_dir, f'preds{rank}.pt'))\n"),
+             ('    torch.save({"indices": list(mine), "preds": preds}, os.path.join(out_dir, f"preds{rank}.pt"))\n', ""),
+             (EARLY_BARRIER, "    flag = torch.ones(1, device=device)\n    dist.all_reduce(flag)  # everyone has written\n")],
+            None),
+        "every rank writes a file, then a monitored_barrier": (
+            [(EARLY_PREDICT, "    model.eval()\n    with torch.no_grad():\n        preds = torch.tensor("
+                             "[int(model(val_set[i][0][None].to(device)).argmax()) for i in mine], dtype=torch.long)\n"),
+             (EARLY_BARRIER, "    dist.monitored_barrier()\n")], None),
+        "the barrier removed": ([(EARLY_BARRIER, "")],
+                                ["rank 0 read the prediction files before rank 1 had written", "already returned"]),
+        "a sleep instead of the barrier": ([("import torch\n", "import time\n\nimport torch\n"),
+                                            (EARLY_BARRIER, "    time.sleep(1)  # long enough for the others to write?\n")],
+                                           ["rank 0 read the prediction files before", "a sleep is not"]),
+        "a barrier with a timeout, its error caught": (
+            [("import torch\n", "from datetime import timedelta\n\nimport torch\n"),
+             (EARLY_BARRIER, "    try:\n        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=1))\n"
+                             "    except RuntimeError:\n        pass\n")],
+            ["did not issue the same collectives", "hides the hang"]),
+    },
+    "shapes": {
+        "one_hot sums": ([(SHAPES_COUNTS, "    onehot = F.one_hot(y, ddp_model.module[-1].out_features).float()\n"
+                                          "    seen = onehot.sum(dim=0)\n    right = (onehot * hits[:, None]).sum(dim=0)\n")],
+                         None),
+        "padded to the longest over the ranks": (
+            [(SHAPES_COUNTS, SHAPES_COUNTS + "    size = torch.tensor(len(seen))\n"
+                                             "    dist.all_reduce(size, op=dist.ReduceOp.MAX)\n"
+                                             "    seen = F.pad(seen, (0, int(size) - len(seen)))\n"
+                                             "    right = F.pad(right, (0, int(size) - len(right)))\n")], None),
+        "the all-reduces removed": ([("    dist.all_reduce(seen)\n    dist.all_reduce(right)\n", "")],
+                                    ["per-class accuracies the model does not have", "every rank's counts"]),
+        "minlength=3 written in": ([(SHAPES_COUNTS, "    seen = torch.bincount(y, minlength=3).float()\n"
+                                                    "    right = torch.bincount(y, weights=hits, minlength=3)\n")],
+                                   []),
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("part", list(hm.SCRIPTS))
+def test_fixes(part):
+    """The reference's fix and fixes in other styles pass with the notebook's and the hidden settings; each wrong fix
+    fails (with either settings), naming what the job did."""
+    check = FIX[part]
+    check(_reference(part, "fix"))
+    check(_reference(part, "fix"), **HIDDEN[part])
+    for name, (edits, words) in FIXES[part].items():
+        fn = _fn(part, *edits, name=name.replace(" ", "_").replace("/", "_").replace("'", ""))
+        if words is None:
+            check(fn)
+            check(fn, **HIDDEN[part])
+            continue
+        try:
+            check(fn)
+        except Exception:  # noqa: BLE001 - judged below with its message
+            fails(check, fn, *words)
+        else:
+            fails(check, fn, *words, **HIDDEN[part])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_given_scripts_fail_their_fix_checks():
+    """Unchanged, each script hangs, and its fix check says so in a few seconds (the stall report, not the deadline)."""
+    for part in ("metric", "shapes"):  # (the others' given scripts hang the same way: see test_fixes' wrong fixes)
+        message = fails(FIX[part], hm.load_script(part), "deadlocked", "still hangs")
+        assert hm.SCRIPTS[part][0] in message, message
+
+
+# --- the notebook ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    submissions.assert_reference_full_marks(A, NB)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    submissions.assert_untouched_scores_zero(A, tmp_path, NB)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_wrong_answers_lose_exactly_their_cells(tmp_path):
+    """Four realistic mistakes in one submission: exactly their four cells lose their points, each naming it."""
+    nb = submissions.load(A, NB)
+    nb = submissions.patch_answer(nb, "ex4h_metric_diagnosis", '"line": 34', '"line": 23')  # the symptom line
+    nb = submissions.patch_answer(nb, "ex4h_uneven_fix", "sampler=sampler)", "sampler=sampler, drop_last=True)")
+    nb = submissions.patch_answer(nb, "ex4h_early_fix", EARLY_BARRIER, "")
+    nb = submissions.patch_answer(nb, "ex4h_shapes_fix", "    dist.all_reduce(seen)\n    dist.all_reduce(right)\n", "")
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    got = submissions.messages(report)
+    failing = ["ex4h_test_metric_diagnosis", "ex4h_test_uneven_fix", "ex4h_test_early_fix", "ex4h_test_shapes_fix"]
+    assert submissions.scores(report) == submissions.losing(A, *failing, notebook=NB), got
+    assert "the symptom, not the cause" in got["ex4h_test_metric_diagnosis"]
+    assert "every sample counts" in got["ex4h_test_uneven_fix"]
+    assert "read the prediction files before" in got["ex4h_test_early_fix"]  # whatever the accuracy happened to be
+    assert "every rank's counts" in got["ex4h_test_shapes_fix"]
+
+
+def test_the_points_add_up():
+    assert sum(submissions.full_marks(A, NB).values()) == 12
+    assert math.isclose(sum(v for k, v in submissions.full_marks(A, NB).items() if "diagnosis" in k), 4)
