@@ -181,9 +181,8 @@ def _where(world_size, dims, seed) -> str:
 # --- the values --------------------------------------------------------------------------------------
 
 
-def check_tensor_parallel(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, dims=DIMS, rounds=ROUNDS):
-    """The split MLP gives the unsplit model's output, input gradient and parameter gradients on every rank."""
-    check = "check_tensor_parallel"
+def _judge_every_round(check, judge, tensor_parallel_mlp, world_sizes, seed, dims, rounds):
+    """``judge(check, rank, got, want, world_size, dims, where)`` on every rank of every round of each world size's job."""
     for world_size in world_sizes:
         if dims[2] % world_size:
             raise ValueError(f"hidden={dims[2]} is not divisible by world_size={world_size}")
@@ -192,9 +191,14 @@ def check_tensor_parallel(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, di
         for k in range(rounds):
             want = _unsplit(seed, tuple(dims), k)
             checks.on_every_rank([obs["rounds"][k] for obs in job],
-                                 lambda rank, got, want=want, ws=world_size, where=where: _judge_values(
+                                 lambda rank, got, want=want, ws=world_size, where=where: judge(
                                      check, rank, got, want, ws, dims, where))
     passed(check)
+
+
+def check_tensor_parallel(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, dims=DIMS, rounds=ROUNDS):
+    """The split MLP gives the unsplit model's output, input gradient and parameter gradients on every rank."""
+    _judge_every_round("check_tensor_parallel", _judge_values, tensor_parallel_mlp, world_sizes, seed, dims, rounds)
 
 
 def _judge_values(check, rank, got, want, world_size, dims, where):
@@ -317,18 +321,8 @@ def _diff(a, b) -> str:
 def check_tensor_parallel_collectives(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, dims=DIMS, rounds=ROUNDS):
     """Each forward runs one all-reduce of the output (this rank's partial output), each backward one of the
     input's gradient (its partial gradient), and nothing else."""
-    check = "check_tensor_parallel_collectives"
-    for world_size in world_sizes:
-        if dims[2] % world_size:
-            raise ValueError(f"hidden={dims[2]} is not divisible by world_size={world_size}")
-        job = _observe(check, tensor_parallel_mlp, world_size, seed, dims, rounds)
-        where = _where(world_size, dims, seed)
-        for k in range(rounds):
-            want = _unsplit(seed, tuple(dims), k)
-            checks.on_every_rank([obs["rounds"][k] for obs in job],
-                                 lambda rank, got, want=want, ws=world_size, where=where: _judge_collectives(
-                                     check, rank, got, want, ws, dims, where))
-    passed(check)
+    _judge_every_round("check_tensor_parallel_collectives", _judge_collectives, tensor_parallel_mlp, world_sizes, seed,
+                       dims, rounds)
 
 
 def _judge_collectives(check, rank, got, want, world_size, dims, where):
