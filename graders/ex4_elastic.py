@@ -79,6 +79,8 @@ class Round:
     batches: list[list[list[int]]]  # per step, per rank: the sample indices that reached the model
     loaded: dict[int, str | None]  # rank -> sha256 of the checkpoint it loaded (None: it loaded none)
     commits: list[tuple[str, int]]  # rank 0's checkpoint writes: (sha256, steps of this round done by then)
+    starts: dict[int, list[list]]  # rank -> per step (one more if it began another): the first layer's
+    # [weight, bias] its forward met, flattened
 
     @property
     def world_size(self) -> int:
@@ -115,8 +117,21 @@ def _worker_batches(w: torchrun.Worker) -> list[list[int]]:
     return batches
 
 
+def _worker_starts(w: torchrun.Worker) -> list[list]:
+    """The first layer's [weight, bias] at the first forward after each optimizer step (and before the first)."""
+    starts, fresh = [], True
+    for e in w.events:
+        if e["event"] == "input" and fresh:
+            starts.append(e.get("weights") or [])
+            fresh = False
+        elif e["event"] == "step":
+            fresh = True
+    return starts
+
+
 def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
     per_rank = [_worker_batches(w) for w in workers]
+    starts = {w.rank: _worker_starts(w) for w in workers}
     steps = min((len(b) for b in per_rank), default=0)
     loaded = {}
     for w in workers:
@@ -133,7 +148,7 @@ def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
             elif (e["event"] == "rename" and e.get("dst") == ckpt) or (e["event"] == "saved" and e.get("path") == ckpt):
                 if e.get("sha"):
                     commits.append((e["sha"], done))
-    return Round(number, workers, [[b[i] for b in per_rank] for i in range(steps)], loaded, commits)
+    return Round(number, workers, [[b[i] for b in per_rank] for i in range(steps)], loaded, commits, starts)
 
 
 def _story(run: torchrun.Run) -> Story:
@@ -305,6 +320,24 @@ def _require_steps(check: str, story: Story, r: Round) -> None:
                       "continue the epoch where the checkpoint left it: the same order of samples in every job of "
                       "that epoch (an order that depends on the epoch only), starting after the steps done"),
                 detail=table)
+    states = _replay_states(before + r.batches)
+    for rank, starts in sorted(r.starts.items()):
+        for i, got in enumerate(starts[:len(r.batches) + 1]):
+            want = states[len(before) + i]
+            diff = _diff_first_layer(got, want)
+            if diff is None or diff <= ATOL:
+                continue
+            first = i == 0
+            raise CheckFailed(
+                check, (f"{r.name()} started from weights that are not the checkpoint's" if first else
+                        f"step {i + 1} of {r.name()} started from other weights than the steps before it lead to")
+                + f" (rank {rank}, first layer, max |diff| {diff:.3g})",
+                ranks=[rank], expected=f"the weights of a replay of the {len(before) + i} steps before it, within {ATOL:g}",
+                got=f"max |diff| = {diff:.3g}",
+                hint=("restore the model's state dict from CKPT on every rank before wrapping it in DDP" if first else
+                      "restore the optimizer's state dict too (SGD's momentum lives there) on every rank, and keep "
+                      "the learning rate LR at every world size"),
+                detail=table)
 
 
 def _launch_story(check: str, script: str) -> Story:
@@ -330,12 +363,14 @@ def check_elastic_shrink(script: str = "elastic.py") -> None:
     passed(check)
 
 
-def _replay(steps: list[list[list[int]]]) -> dict:
-    """The weights after ``steps`` in one process: per step DDP's average of each rank's mean loss, SGD with momentum."""
+def _replay_states(steps: list[list[list[int]]]) -> list[dict]:
+    """The weights before each of ``steps`` and after the last, in one process: per step DDP's average of each
+    rank's mean loss, SGD with momentum."""
     x, y = make_dataset().tensors
     model = make_model()
     params = list(model.parameters())
     momentum = [None] * len(params)
+    states = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
     for per_rank in steps:
         parts = [p for p in per_rank if p]
         loss = sum(nn.functional.mse_loss(model(x[p]), y[p]) for p in parts) / len(per_rank)
@@ -344,7 +379,21 @@ def _replay(steps: list[list[list[int]]]) -> dict:
             for i, (p, g) in enumerate(zip(params, grads)):
                 momentum[i] = g.clone() if momentum[i] is None else momentum[i].mul_(MOMENTUM).add_(g)
                 p.sub_(LR * momentum[i])
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _replay(steps: list[list[list[int]]]) -> dict:
+    """The weights after ``steps`` (see :func:`_replay_states`)."""
+    return _replay_states(steps)[-1]
+
+
+def _diff_first_layer(got: list, want: dict) -> float | None:
+    """Max |diff| between the first layer's [weight, bias] a forward met and a replay's state; None: other shapes."""
+    ref = [want["0.weight"].reshape(-1), want["0.bias"].reshape(-1)]
+    if len(got) != 2 or any(len(g) != r.numel() for g, r in zip(got, ref)):
+        return None
+    return max(float((torch.tensor(g) - r).abs().max()) for g, r in zip(got, ref))
 
 
 def check_elastic_grow(script: str = "elastic.py") -> None:

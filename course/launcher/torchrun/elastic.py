@@ -32,11 +32,24 @@ import time
 import uuid
 from collections.abc import Callable
 
-from course.launcher.torchrun.runner import PROBE_SCRIPT, Run, Worker, _free_port, _job_env, _observe, _read, _script, _stop
+from course.launcher.torchrun.runner import (
+    PROBE_SCRIPT,
+    Run,
+    Worker,
+    _free_port,
+    _job_env,
+    _observe,
+    _read,
+    _script,
+    _stop,
+)
 
 NODE_WORKERS = {"A": 2, "B": 1, "C": 1}
 LEAVE_STEP = 2  # B leaves after its 2nd optimizer step of the 3-worker job
 ELASTIC_TIMEOUT = 150.0
+#: seconds with no worker on any agent after which the run is over: an agent whose workers finished waits
+#: up to 300 s in its exit barrier for agents whose workers failed (a job that cannot end right)
+IDLE_LIMIT = 15.0
 INPUT_FEATURES = 4  # the given model's first layer: the probe logs the rows it receives
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
 DESCRIPTION = ("the elastic run (three torchrun agents, --nnodes=1:2, c10d rendezvous: nodes A (2 workers) and B "
@@ -73,6 +86,19 @@ def node(w: Worker) -> str:
     return w.of("start")[0]["env"].get("DDP_COURSE_PROBE_NODE") or "?"
 
 
+def _working(agents) -> bool:
+    """Whether any agent has a worker process now."""
+    import psutil
+
+    for proc in agents:
+        try:
+            if proc.poll() is None and psutil.Process(proc.pid).children():
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
 def _held(probe_dir: str) -> bool:
     for path in glob.glob(os.path.join(probe_dir, "events-*.jsonl")):
         with open(path, "rb") as fh:
@@ -107,19 +133,25 @@ def _launch(script: str, leave_step: int) -> Run:
                                            start_new_session=True)
 
         started = time.monotonic()
-        timed_out = False
+        timed_out = idle = False
         try:
             agent("A")
             agent("B")
             deadline = started + ELASTIC_TIMEOUT
+            busy = None  # the last moment an agent had a worker (None: none yet, the agents are starting)
             while time.monotonic() < deadline and procs["A"].poll() is None:
                 time.sleep(0.1)
                 if "C" not in procs and _held(probe_dir):
                     agent("C")
+                if _working(procs.values()):
+                    busy = time.monotonic()
+                elif busy is not None and time.monotonic() - busy > IDLE_LIMIT:
+                    idle = True
+                    break  # no worker left anywhere, and none started again: the agents only wait for each other
             last = min(deadline, time.monotonic() + 20)  # C's agent ends once A's has
-            while "C" in procs and procs["C"].poll() is None and time.monotonic() < last:
+            while not idle and "C" in procs and procs["C"].poll() is None and time.monotonic() < last:
                 time.sleep(0.1)
-            timed_out = procs["A"].poll() is None
+            timed_out = not idle and procs["A"].poll() is None
         finally:
             _stop(list(procs.values()), dump_stacks=timed_out)
             for fh in logs:

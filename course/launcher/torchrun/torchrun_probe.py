@@ -20,7 +20,8 @@ worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP`` makes that node leave a 3-w
 step (its worker SIGKILLs its own agent, then exits: a machine that dies), ``DDP_COURSE_PROBE_HOLD=1`` holds
 the workers of the smaller job that follows before their second optimizer step until torchrun restarts them
 (so the grader's new node finds the job still running), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
-rows every ``nn.Linear`` with N input features receives (which samples reached the model). Checkpoint
+rows every ``nn.Linear`` with N input features receives (which samples reached the model) with that layer's
+weight and bias at that moment (which weights the step started from). Checkpoint
 saves, renames and loads inside the watched folders carry the file's sha256, so a check can tell which
 written checkpoint a restarted worker read.
 """
@@ -73,11 +74,12 @@ def _log(kind: str, **fields) -> None:
 
 def _path(f) -> str | None:
     """The file name behind a path or an open file object, absolute."""
-    name = getattr(f, "name", f)
-    if isinstance(name, bytes):
-        name = os.fsdecode(name)
+    # a path first: a pathlib.Path has a .name too, its last part only
+    name = f if isinstance(f, (str, bytes, os.PathLike)) else getattr(f, "name", None)
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
     return os.path.abspath(name) if isinstance(name, str) else None
 
 
@@ -215,7 +217,9 @@ def _log_inputs(features: int) -> None:
         try:
             if type(module) is linear and module.in_features == features and inputs:
                 rows = inputs[0].detach().float().cpu().reshape(-1, features).tolist()
-                _log("input", rows=rows)
+                weights = [p.detach().float().cpu().reshape(-1).tolist() for p in (module.weight, module.bias)
+                           if p is not None]
+                _log("input", rows=rows, weights=weights)  # the samples, and the layer they met
         except Exception:  # noqa: BLE001 - never fail the student's code
             pass
 
