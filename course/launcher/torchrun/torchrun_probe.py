@@ -19,7 +19,8 @@ The elastic launch (:mod:`course.launcher.torchrun.elastic`) sets more: ``DDP_CO
 worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP`` makes that node leave a 3-worker job after that optimizer
 step (its worker SIGKILLs its own agent, then exits: a machine that dies), ``DDP_COURSE_PROBE_HOLD=1`` holds
 the workers of the smaller job that follows before their second optimizer step until torchrun restarts them
-(so the grader's new node finds the job still running), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
+(so the grader's new node finds the job still running), and those of a 2-worker job before B joined at their
+first step (so the job starts at 3 whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
 rows every ``nn.Linear`` with N input features receives (which samples reached the model) with that layer's
 weight and bias at that moment (which weights the step started from). Checkpoint
 saves, renames and loads inside the watched folders carry the file's sha256, so a check can tell which
@@ -191,9 +192,11 @@ def _patch_torch() -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def before_step(optimizer, args, kwargs) -> None:
-            # the smaller job after the departure: one step, then wait here for torchrun to restart it bigger
-            if _steps == 1 and os.path.exists(os.path.join(_probe_dir, "left")):
-                _log("hold")
+            # the smaller job after the departure: one step, then wait here for torchrun to restart it bigger;
+            # a 2-worker job before the departure (node A met the rendezvous before B): wait for B to join
+            left = os.path.exists(os.path.join(_probe_dir, "left"))
+            if (left and _steps == 1) or (not left and _steps == 0):
+                _log("hold" if left else "wait")
                 until = time.time() + HOLD_LIMIT
                 while time.time() < until:
                     time.sleep(0.05)
