@@ -41,7 +41,7 @@ from course.checks import CheckFailed, expect, passed
 from course.errors import rank_list
 from course.launcher import torchrun
 from course.launcher.torchrun import elastic
-from graders.ex4 import _top_level_stub, make_model
+from graders.ex4 import _compare, _top_level_stub, make_model
 
 # The script's given parts (the notebook's elastic.py): tests keep the two in step.
 EPOCHS = 2
@@ -432,10 +432,10 @@ def check_elastic_grow(script: str = "elastic.py") -> None:
                           + (f" ({final})" if final else ""), ranks=[0],
                           hint="at the end, on rank 0: torch.save(model.state_dict(), os.path.join(args.out, 'final.pt'))")
     reference = _replay(steps)
-    if set(final) != set(reference) or any(final[k].shape != reference[k].shape for k in reference):
+    diff = _compare(final, reference)
+    if diff is None:
         raise CheckFailed(check, "final.pt does not hold this model's weights", expected=sorted(reference),
                           got=sorted(final), ranks=[0], hint="save the model's state_dict (without DDP's module.)")
-    diff = max(float((final[k].float() - reference[k]).abs().max()) for k in reference)
     expect(diff <= ATOL, check,
            f"the final weights differ from a replay of the steps that led to them (max |diff| {diff:.3g})",
            ranks=[0], expected=f"equal within {ATOL:g}: DDP's average of the ranks' mean losses, SGD with momentum "
@@ -453,10 +453,8 @@ def try_elastic(script: str = "elastic.py") -> torchrun.Run:
     print(_table(story))
     if isinstance(run.final, dict) and story.grown is not None:
         steps = chain(story, story.grown)
-        reference = _replay(steps)
-        diff = max(float((run.final[k].float() - reference[k]).abs().max()) for k in reference
-                   if k in run.final and run.final[k].shape == reference[k].shape) if set(run.final) == set(reference) else None
-        print(f"final.pt: from {len(steps)} steps; " + ("different keys than the model's" if diff is None else
+        diff = _compare(run.final, _replay(steps))
+        print(f"final.pt: from {len(steps)} steps; " + ("not this model's keys and shapes" if diff is None else
                                                        f"max |diff| to their replay {diff:.3g}"))
     if not run.ok:
         print(torchrun.failure("try_elastic", run))
