@@ -80,7 +80,8 @@ def executed_lesson():
 
 
 #: the longest files (seconds on this 2-core machine, measured with --durations) start first
-LONGEST_FIRST = ("test_graders_ex4.py", "test_instructor.py", "adversarial/", "test_rootless.py", "test_slurm.py",
+LONGEST_FIRST = ("test_graders_ex4.py", "test_instructor.py", "test_graders_ex4_elastic.py", "adversarial/",
+                 "test_rootless.py", "test_slurm.py",
                  "test_graders_ex2_debug.py", "test_graders_ex2.py", "test_launch.py", "test_graders_ex3_fsdp.py",
                  "test_pipeline.py", "test_grade.py", "test_graders_ex2_practice.py", "test_lesson4.py")
 

@@ -14,12 +14,24 @@ The script needs no grading code of its own.
 With ``DDP_COURSE_PROBE_CRASH_RANK``/``_STEP`` set, the worker of that rank
 dies (``os._exit``) right after that optimizer step, in the first attempt
 only: an injected node failure for torchrun's ``--max-restarts`` to recover.
+
+The elastic launch (:mod:`course.launcher.torchrun.elastic`) sets more: ``DDP_COURSE_PROBE_NODE`` names the
+worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP`` makes that node leave a 3-worker job after that optimizer
+step (its worker SIGKILLs its own agent, then exits: a machine that dies), ``DDP_COURSE_PROBE_HOLD=1`` holds
+the workers of the smaller job that follows before their second optimizer step until torchrun restarts them
+(so the grader's new node finds the job still running), and those of a 2-worker job before B joined at their
+first step (so the job starts at 3 whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
+rows every ``nn.Linear`` with N input features receives (which samples reached the model) with that layer's
+weight and bias at that moment (which weights the step started from). Checkpoint
+saves, renames and loads inside the watched folders carry the file's sha256, so a check can tell which
+written checkpoint a restarted worker read.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import hashlib
 import json
 import os
 import runpy
@@ -33,12 +45,19 @@ PROBE_DIR = "DDP_COURSE_PROBE_DIR"
 CRASH_RANK = "DDP_COURSE_PROBE_CRASH_RANK"
 CRASH_STEP = "DDP_COURSE_PROBE_CRASH_STEP"
 CRASH_EXIT_CODE = 17
+NODE = "DDP_COURSE_PROBE_NODE"
+LEAVE = "DDP_COURSE_PROBE_LEAVE"
+HOLD = "DDP_COURSE_PROBE_HOLD"
+INPUT_FEATURES = "DDP_COURSE_PROBE_INPUT_FEATURES"
+LEAVE_EXIT_CODE = 18
+HOLD_LIMIT = 90.0  # seconds a held worker waits for torchrun's restart before it goes on
 
 _log_fd: int | None = None
 _in_hook = False
 _watched: tuple[str, ...] = ()
 _unwatched: tuple[str, ...] = ("/dev/", "/proc/", "/sys/")
 _steps = 0
+_probe_dir = ""
 
 
 def _log(kind: str, **fields) -> None:
@@ -56,12 +75,28 @@ def _log(kind: str, **fields) -> None:
 
 def _path(f) -> str | None:
     """The file name behind a path or an open file object, absolute."""
-    name = getattr(f, "name", f)
-    if isinstance(name, bytes):
-        name = os.fsdecode(name)
+    # a path first: a pathlib.Path has a .name too, its last part only
+    name = f if isinstance(f, (str, bytes, os.PathLike)) else getattr(f, "name", None)
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
     return os.path.abspath(name) if isinstance(name, str) else None
+
+
+def _digest(path: str | None) -> str | None:
+    """sha256 of a file in the watched folders (a checkpoint's identity), None elsewhere or unreadable."""
+    global _in_hook
+    if not path or not path.startswith(_watched) or not os.path.isfile(path):
+        return None
+    was, _in_hook = _in_hook, True
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return None
+    finally:
+        _in_hook = was
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -72,7 +107,8 @@ def _audit(event: str, args: tuple) -> None:
         if event == "os.rename":
             dst = _path(args[1])
             if not (dst or "").startswith(_unwatched):  # the probe's own answers aside
-                _log("rename", src=_path(args[0]), dst=dst)
+                src = _path(args[0])
+                _log("rename", src=src, dst=dst, sha=_digest(src))
             return
         path = _path(args[0])
         if path is None:
@@ -99,11 +135,16 @@ def _patch_torch() -> None:
     real_save, real_load = torch.serialization.save, torch.serialization.load
 
     def save(obj, f, *args, **kwargs):
-        _log("save", path=_path(f))
-        return real_save(obj, f, *args, **kwargs)
+        path = _path(f)
+        _log("save", path=path)
+        result = real_save(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)) and _digest(path):
+            _log("saved", path=path, sha=_digest(path))
+        return result
 
     def load(f, *args, **kwargs):
-        _log("load", path=_path(f))
+        path = _path(f)
+        _log("load", path=path, sha=_digest(path))
         return real_load(f, *args, **kwargs)
 
     for fn, real in ((save, real_save), (load, real_load)):
@@ -129,6 +170,8 @@ def _patch_torch() -> None:
     crash_here = crash_rank == os.environ.get("RANK") and first_attempt and crash_step > 0
 
     record_collectives = _collectives_recorder(real_initialized)
+    leave_node, _, leave_step = os.environ.get(LEAVE, "").partition(":")
+    leave_here = bool(leave_node) and leave_node == os.environ.get(NODE) and os.environ.get("WORLD_SIZE") == "3"
 
     def after_step(optimizer, args, kwargs) -> None:
         global _steps
@@ -138,9 +181,52 @@ def _patch_torch() -> None:
         if crash_here and _steps == crash_step:
             _log("crash", step=_steps)
             os._exit(CRASH_EXIT_CODE)
+        if leave_here and str(_steps) == leave_step:
+            _log("leave", step=_steps)
+            open(os.path.join(_probe_dir, "left"), "w").close()  # noqa: SIM115 - a marker for the grader
+            os.kill(os.getppid(), signal.SIGKILL)  # the node's agent dies first, then its worker
+            os._exit(LEAVE_EXIT_CODE)
 
     register_optimizer_step_post_hook(after_step)
+    if os.environ.get(HOLD) == "1" and os.environ.get("WORLD_SIZE") == "2":
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def before_step(optimizer, args, kwargs) -> None:
+            # the smaller job after the departure: one step, then wait here for torchrun to restart it bigger;
+            # a 2-worker job before the departure (node A met the rendezvous before B): wait for B to join
+            left = os.path.exists(os.path.join(_probe_dir, "left"))
+            if (left and _steps == 1) or (not left and _steps == 0):
+                _log("hold" if left else "wait")
+                until = time.time() + HOLD_LIMIT
+                while time.time() < until:
+                    time.sleep(0.05)
+                _log("released")
+
+        register_optimizer_step_pre_hook(before_step)
+    features = int(os.environ.get(INPUT_FEATURES, "0") or 0)
+    if features:
+        _log_inputs(features)
     atexit.register(record_collectives)
+
+
+def _log_inputs(features: int) -> None:
+    """Log the rows every nn.Linear with ``features`` inputs receives: which samples reached the model."""
+    import torch.nn as nn
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    linear = nn.Linear
+
+    def seen(module, inputs) -> None:
+        try:
+            if type(module) is linear and module.in_features == features and inputs:
+                rows = inputs[0].detach().float().cpu().reshape(-1, features).tolist()
+                weights = [p.detach().float().cpu().reshape(-1).tolist() for p in (module.weight, module.bias)
+                           if p is not None]
+                _log("input", rows=rows, weights=weights)  # the samples, and the layer they met
+        except Exception:  # noqa: BLE001 - never fail the student's code
+            pass
+
+    register_module_forward_pre_hook(seen)
 
 
 def _collectives_recorder(real_initialized):
@@ -180,14 +266,16 @@ def _numel(size) -> int:
 
 def install(probe_dir: str, watched: list[str]) -> None:
     """Start this worker's event log and install every probe."""
-    global _log_fd, _watched, _unwatched
+    global _log_fd, _watched, _unwatched, _probe_dir
     os.makedirs(probe_dir, exist_ok=True)
+    _probe_dir = probe_dir
     pid = os.getpid()
     _log_fd = os.open(os.path.join(probe_dir, f"events-{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     _watched = tuple(os.path.abspath(w).rstrip(os.sep) + os.sep for w in watched)
     _unwatched += (os.path.abspath(probe_dir).rstrip(os.sep) + os.sep,)
     env = {k: os.environ.get(k) for k in (
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
+        "MASTER_PORT", NODE)}
     _log("start", pid=pid, env=env)
     # The worker's own output goes to a file per process: the grader shows it rank by rank.
     out = os.open(os.path.join(probe_dir, f"output-{pid}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
