@@ -64,6 +64,10 @@ _BN_CASES = {
     3: [((2, 5, 3), (), 0.0), ((3, 0, 2), (2, 2), 0.0), ((4, 1, 1), (), 0.0),
         ((1, 7, 0), (16,), ACCURACY_OFFSET), ((5, 2, 9), (16,), ACCURACY_OFFSET)],
 }
+#: the hidden tests' cases (``hidden=True``): four ranks, other batch sizes and shapes, so other data
+_BN_HIDDEN_CASES = {
+    4: [((3, 1, 6, 2), (3,), 0.0), ((0, 5, 2, 4), (), 0.0), ((2, 9, 1, 6), (16,), ACCURACY_OFFSET)],
+}
 
 _BN_MISTAKES = {
     "local": "the statistics of rank {rank}'s own batch only: the ranks' statistics were never combined",
@@ -100,9 +104,9 @@ def _diagnose(xs, rank, running, key: str, got: torch.Tensor) -> str | None:
     return None
 
 
-def _run_bn(check: str, bn_cls, accuracy: bool = False):
-    """(ws, sizes, tail, offset, observations per rank, reference) for every case: world sizes 2 and 3; the
-    large-offset cases when ``accuracy``, else the others."""
+def _run_bn(check: str, bn_cls, accuracy: bool = False, hidden: bool = False):
+    """(ws, sizes, tail, offset, observations per rank, reference) for every case: world sizes 2 and 3 (``hidden``:
+    the hidden tests' 4); the large-offset cases when ``accuracy``, else the others."""
     checks.require_written(check, CPUSyncBatchNorm=bn_cls)
     mistakes = [
         Mistake(lambda rank, text: "in-place operation" in text,
@@ -113,7 +117,7 @@ def _run_bn(check: str, bn_cls, accuracy: bool = False):
                 "every rank, even one with an empty batch, must call the same collectives in the same order "
                 "with the same tensor sizes"),
     ]
-    for ws, cases in _BN_CASES.items():
+    for ws, cases in (_BN_HIDDEN_CASES if hidden else _BN_CASES).items():
         job = checks.memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: checks.run(
             check, _bn_harness, ws, args=(bn_cls, cases), mistakes=mistakes))
         for index, (sizes, tail, offset) in enumerate(cases):
@@ -157,10 +161,10 @@ def _sanity(reference: list[dict]) -> None:
                     raise AssertionError(f"grader data cannot tell {variant} from right on rank {rank}")
 
 
-def check_syncbn_output(bn_cls) -> None:
+def check_syncbn_output(bn_cls, hidden: bool = False) -> None:
     """In training mode every rank's output is normalised with the GLOBAL batch's mean and variance."""
     check = "check_syncbn_output"
-    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls):
+    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls, hidden=hidden):
         ref = reference[0]
         for rank, obs in enumerate(values):
             y = obs["steps"][0]["y"]
@@ -185,10 +189,10 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{float((a.float() - b.float()).abs().max()):.3g}" if a.shape == b.shape and a.numel() else "(shapes differ)"
 
 
-def check_syncbn_running_stats(bn_cls) -> None:
+def check_syncbn_running_stats(bn_cls, hidden: bool = False) -> None:
     """running_mean/running_var follow nn.BatchNorm's update with global statistics (unbiased variance, momentum)."""
     check = "check_syncbn_running_stats"
-    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls):
+    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls, hidden=hidden):
         for step, ref in enumerate(reference):
             before = ((torch.tensor(RUNNING_MEAN), torch.tensor(RUNNING_VAR)) if step == 0 else
                       (reference[step - 1]["running_mean"], reference[step - 1]["running_var"]))
@@ -221,10 +225,10 @@ def _fmt(t: torch.Tensor) -> str:
     return "[" + ", ".join(f"{v:.4f}" for v in t.flatten().tolist()[:6]) + "]"
 
 
-def check_syncbn_backward(bn_cls) -> None:
+def check_syncbn_backward(bn_cls, hidden: bool = False) -> None:
     """Gradients flow back through the communication: input and weight gradients equal global-batch BatchNorm's."""
     check = "check_syncbn_backward"
-    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls):
+    for ws, sizes, tail, _, values, reference in _run_bn(check, bn_cls, hidden=hidden):
         ref = reference[0]
         for rank, obs in enumerate(values):
             got = obs["steps"][0]
@@ -254,11 +258,11 @@ def check_syncbn_backward(bn_cls) -> None:
     passed(check)
 
 
-def check_syncbn_accuracy(bn_cls) -> None:
+def check_syncbn_accuracy(bn_cls, hidden: bool = False) -> None:
     """float32 inputs far from zero (values around ACCURACY_OFFSET, spread about 1): the output and running
     statistics stay as accurate as one process's float32 BatchNorm, within ACCURACY_ATOL of the float64 truth."""
     check = "check_syncbn_accuracy"
-    for ws, sizes, tail, offset, values, reference in _run_bn(check, bn_cls, accuracy=True):
+    for ws, sizes, tail, offset, values, reference in _run_bn(check, bn_cls, accuracy=True, hidden=hidden):
         for step, ref in enumerate(reference):
             for rank, obs in enumerate(values):
                 got = obs["steps"][step]

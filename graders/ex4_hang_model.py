@@ -132,6 +132,37 @@ def load_script(part: str):
 # --- the journal of a rank (harness side) ----------------------------------------------------------------
 
 
+#: (method, error) for every barrier of this process that raised: read after the student's function returned, so
+#: an error the function caught (a timeout that let the rank go on) is still seen
+FAILED_BARRIERS: list[tuple[str, str]] = []
+
+
+def _watch_barriers() -> None:
+    """Wrap the process group's own barrier methods (what ``dist.barrier`` and ``dist.monitored_barrier`` call),
+    at import, before any student object exists, so that a barrier that failed is recorded even if it was caught.
+    ``monitored_barrier`` talks point to point, which the flight recorder's list of collectives leaves out."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for name in ("monitored_barrier", "barrier"):
+        real = getattr(ProcessGroup, name, None)
+        if real is None or getattr(real, "_ddp_course_watched", False):
+            continue
+
+        def watched(self, *args, _real=real, _name=name, **kwargs):
+            try:
+                work = _real(self, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - recorded, then raised as it was
+                FAILED_BARRIERS.append((_name, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+                raise
+            return work
+
+        watched._ddp_course_watched = True
+        setattr(ProcessGroup, name, watched)
+
+
+_watch_barriers()
+
+
 def _dump_fr():
     """torch's flight recorder dump with stack traces, taken when this module is imported (before student code)."""
     try:
@@ -273,10 +304,11 @@ def report_rank0(folder: str):
         return "waiting" if inside and not any(f.name in JOINING for f in stack) else "running"
 
     def put(text: str) -> None:
+        tmp = f"{path}.{threading.get_ident()}.tmp"  # each writer its own: the thread and returned() may overlap
         with checks.grader_writes():
-            with open(path + ".tmp", "w") as fh:
+            with open(tmp, "w") as fh:
                 fh.write(text)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
 
     def loop():
         asked = False
@@ -288,10 +320,12 @@ def report_rank0(folder: str):
             except Exception:  # noqa: BLE001 - the next look writes it
                 pass
 
-    threading.Thread(target=loop, name="ddp-course-hang-rank0", daemon=True).start()
+    reporter = threading.Thread(target=loop, name="ddp-course-hang-rank0", daemon=True)
+    reporter.start()
 
     def returned():
         done.set()
+        reporter.join(timeout=1.0)  # its last write first, so "returned" is the last word
         put("returned")
 
     return returned

@@ -248,12 +248,15 @@ def save_with_pickle_and_rank_from_dist(optimizer, rank, ckpt_path):
 # --- unit tests of the checks ---------------------------------------------------------------------
 
 
+ALL_BN_CASES = [*ex3._BN_CASES.values(), *ex3._BN_HIDDEN_CASES.values()]  # the visible tests' and the hidden ones'
+
+
 @pytest.mark.timeout(60)
 def test_the_data_tells_every_wrong_batchnorm_recipe_from_the_right_one():
     """Uneven, rank-dependent batches (one sample, none): every named wrong recipe differs from the right one."""
-    every = [sizes for cases in ex3._BN_CASES.values() for sizes, _, offset in cases if not offset]
+    every = [sizes for cases in ALL_BN_CASES for sizes, _, offset in cases if not offset]
     assert any(0 in sizes for sizes in every) and any(1 in sizes for sizes in every)  # a rank with none, with one
-    for cases in ex3._BN_CASES.values():
+    for cases in ALL_BN_CASES:
         for sizes, tail, offset in cases:
             assert len(set(sizes)) > 1, "batch sizes must differ across ranks, or the count does not matter"
             if not offset:
@@ -262,7 +265,7 @@ def test_the_data_tells_every_wrong_batchnorm_recipe_from_the_right_one():
 
 @pytest.mark.timeout(60)
 def test_the_right_recipe_is_what_nn_batchnorm_computes():
-    for cases in ex3._BN_CASES.values():
+    for cases in ALL_BN_CASES:
         for sizes, tail, offset in cases:
             ref = ex3._bn_reference(sizes, tail, 1, offset)[0]
             running = (torch.tensor(ex3.RUNNING_MEAN), torch.tensor(ex3.RUNNING_VAR))
@@ -276,7 +279,7 @@ def test_the_right_recipe_is_what_nn_batchnorm_computes():
 def test_the_accuracy_cases_fail_the_sums_recipe_and_pass_float32_batchnorm():
     """The property judged is accuracy: at the check's offset, the float32 sums recipe misses the tolerance by
     at least 5x on some rank of every case, while one process's float32 F.batch_norm meets it on every rank."""
-    cases = [(sizes, tail, offset) for cs in ex3._BN_CASES.values() for sizes, tail, offset in cs if offset]
+    cases = [(sizes, tail, offset) for cs in ALL_BN_CASES for sizes, tail, offset in cs if offset]
     assert len(cases) >= 2
     for sizes, tail, offset in cases:
         for step in ex3._bn_reference(sizes, tail, ex3_model.BN_STEPS, offset):
@@ -303,6 +306,17 @@ def test_the_lessons_sums_recipe_loses_exactly_the_accuracy_check():
     for check in BN_CHECKS[:3]:
         check(BN_SUMS)
     fails(ex3.check_syncbn_accuracy, BN_SUMS, "values around 1000", "E[x^2] - E[x]^2", "check_syncbn_output passes")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_hidden_cases_judge_the_same_way():
+    """hidden=True: four ranks, other sizes and shapes; right answers pass, the same mistakes fail the same checks."""
+    for check in BN_CHECKS:
+        check(SyncBN, hidden=True)
+        check(BN_GATHER, hidden=True)
+    fails(ex3.check_syncbn_accuracy, BN_SUMS, "4 ranks", "values around 1000", hidden=True)
+    fails(ex3.check_syncbn_output, BN_UNWEIGHTED, "4 ranks", "plain average", hidden=True)
 
 
 @pytest.mark.slow

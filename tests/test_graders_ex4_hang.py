@@ -282,6 +282,11 @@ FIXES = {
              (EARLY_BARRIER, "    try:\n        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=1))\n"
                              "    except RuntimeError:\n        pass\n")],
             ["did not issue the same collectives", "hides the hang"]),
+        "the early return kept, a monitored_barrier with a timeout, its error caught": (
+            [("import torch\n", "from datetime import timedelta\n\nimport torch\n"),
+             (EARLY_BARRIER, "    try:\n        dist.monitored_barrier(timeout=timedelta(seconds=1))\n"
+                             "    except RuntimeError:\n        pass\n")],
+            ["monitored_barrier failed and the rank went on", "hides the hang"]),
     },
     "shapes": {
         "one_hot sums": ([(SHAPES_COUNTS, "    onehot = F.one_hot(y, ddp_model.module[-1].out_features).float()\n"

@@ -40,6 +40,6 @@ def train_early(rank, world_size, model, train_set, val_set, log, out_dir, epoch
         for r in range(world_size):
             path = os.path.join(out_dir, f"preds{r}.pt")
             if os.path.exists(path):
-                part = torch.load(path)
+                part = torch.load(path, weights_only=True)
                 right += sum(int(p) == int(val_set[i][1]) for i, p in zip(part["indices"], part["preds"]))
         log({"val_accuracy": right / len(val_set)})
