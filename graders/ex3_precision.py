@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from course import checks
 from course.checks import CheckFailed, passed
 from graders import comm_spy
+from graders.ex3_fsdp_model import _shard_of  # rank r's rows of a tensor as FSDP2 shards dim 0
 
 INPUTS, OUTPUTS, BATCH = 6, 3, 5
 BF16_TOL = 2.0**-12
@@ -74,12 +75,6 @@ def batch(rank: int, step: int, seed: int):
 
 def _local(t) -> torch.Tensor:
     return _TO_LOCAL(t) if isinstance(t, _DTENSOR) else t
-
-
-def _shard_rows(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``t`` as FSDP2 shards it: dim 0 cut in ``ceil(rows / N)`` rows, unpadded."""
-    rows = -(-t.shape[0] // world_size)
-    return t[rank * rows:(rank + 1) * rows]
 
 
 def _where(world_size, width, depth, seed) -> str:
@@ -161,7 +156,7 @@ def check_mixed_precision(shard_mixed, world_size=2, width=8, depth=2, seed=0):
                       hint="set the policy's reduce_dtype to torch.float32: a sum over ranks in bfloat16 rounds "
                            "every partial sum to 8 bits")
         for name, p in params.items():
-            shard = _shard_rows(want[name], world_size, rank)
+            shard = _shard_of(want[name], world_size, rank)
             got = p["grad"]
             scale = max(want[name].abs().max().item(), 1e-12)
             ok = got is not None and got.shape == shard.shape and (got - shard).abs().max().item() <= BF16_TOL * scale
@@ -226,7 +221,7 @@ def _clipping_reference(world_size, width, depth, seed, factors=FACTORS):
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         total = _norm(grads.values())
         base = total if base is None else base  # the first step's norm sets the scale of every max_norm
-        local = [_norm(_shard_rows(g, world_size, r) for g in grads.values()) for r in range(world_size)]
+        local = [_norm(_shard_of(g, world_size, r) for g in grads.values()) for r in range(world_size)]
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), factor * base).item()
         optimizer.step()
         steps.append({"before": before, "grads": grads, "norm": norm, "local": local, "max_norm": factor * base,
@@ -270,7 +265,7 @@ def _close_weights(got: dict, want: dict, world_size: int, rank: int) -> float |
     """The largest difference between a rank's shards and the same rows of ``want`` (None: shapes differ)."""
     worst = 0.0
     for name, w in got.items():
-        shard = _shard_rows(want[name], world_size, rank)
+        shard = _shard_of(want[name], world_size, rank)
         if w.shape != shard.shape:
             return None
         worst = max(worst, (w - shard).abs().max().item())
