@@ -107,6 +107,20 @@ def stubborn_loop(rank):
         pass
 
 
+def raises_when_stopped(rank):
+    """Loops until the launcher's deadline, then (rank 1) raises as a rank does whose peer the launcher killed
+    first (gloo's "connection closed"): what it reports after the deadline must not hide that it was running."""
+    import signal
+
+    def lost_peer(*_):
+        raise RuntimeError("Connection closed by peer")
+
+    if rank == 1:
+        signal.signal(signal.SIGUSR1, lost_peer)
+    while True:
+        time.sleep(0.01)
+
+
 def exit_hard(rank):
     if rank == 1:
         os._exit(3)
@@ -217,6 +231,16 @@ def test_sigint_ignoring_loop_and_its_child_are_killed_at_the_deadline():
     time.sleep(0.2)
     assert not any(_alive(pid) for pid in child_pids), "a rank's child survived the job"
     assert _descendants() <= before
+
+
+def test_a_rank_that_raises_after_the_deadline_was_still_running_at_it():
+    """The race seen under load: the launcher kills rank 0, rank 1 sees its peer gone and reports an error
+    before it is killed too. Both ranks were running at the deadline; the error says so."""
+    with pytest.raises(course.RankTimeoutError) as info:
+        course.run_ranks(raises_when_stopped, 2, echo=False, timeout=8, detect_stalls=False)
+    err = info.value
+    assert err.running == [0, 1] and err.failures[1].kind == "timeout"
+    assert "ranks 0, 1 were still running" in str(err)
 
 
 def test_rank_that_dies_without_traceback():

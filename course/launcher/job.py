@@ -187,7 +187,7 @@ def launch(
                 detect_stalls = os.environ.get(STALLS_ENV, "1") != "0"
             watch = StallWatch([p.pid for p in processes], [s.probe_path for s in specs],
                                [s.result_path for s in specs]) if detect_stalls else None
-            outcome = _wait(processes, tails, started + timeout, watch)
+            outcome = _wait(processes, tails, started + timeout, watch, [s.error_path for s in specs])
         finally:
             for process in processes:
                 kill_group(process.pid)
@@ -309,8 +309,12 @@ def _remove(path: str | None) -> None:
             pass
 
 
-def _wait(processes, tails, deadline: float, watch: StallWatch | None = None) -> dict:
-    """Wait for all ranks, the first failure (plus a short grace), a deadlock (``watch``) or the deadline."""
+def _wait(processes, tails, deadline: float, watch: StallWatch | None = None, error_paths=()) -> dict:
+    """Wait for all ranks, the first failure (plus a short grace), a deadlock (``watch``) or the deadline.
+
+    At the deadline, a rank that had already written its error report (``error_paths``) but had not yet
+    exited is a rank that raised, not one still running; the others are ``running``. What they report after
+    that (a peer the launcher killed first makes them raise "connection closed") is not theirs."""
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     failed_at: dict[int, float] = {}
     grace_end = None
@@ -324,7 +328,8 @@ def _wait(processes, tails, deadline: float, watch: StallWatch | None = None) ->
         if now >= deadline or stall is not None:
             if failed_at:
                 break
-            running = sorted(pending.values())
+            running = [r for r in sorted(pending.values())
+                       if not (r < len(error_paths) and os.path.exists(error_paths[r]))]
             for tail in tails:
                 tail.pump()
                 tail.echo = False  # the stack dumps go into the error, not the live output
@@ -371,6 +376,10 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
                 0, last,
             )
             outcome["failed_at"].setdefault(rank, time.monotonic())
+        elif outcome["timeout"] and rank in outcome["running"]:  # running at the deadline, whatever it wrote after
+            failures[rank] = RankFailure(rank, "timeout", exitcode=None,
+                                         last_output=_user_frames(last, specs[rank].cell_names,
+                                                                  specs[rank].grader_dirs))
         elif error is not None:
             exc = None
             if error.get("exception") and not safe:
@@ -382,10 +391,6 @@ def _report(outcome, processes, specs, tails, world_size, timeout, backend_name,
                 rank, "raised", str(error.get("traceback", "")), str(error.get("type", "")),
                 str(error.get("message", "")), processes[rank].exitcode, last, exc,
             )
-        elif outcome["timeout"] and rank in outcome["running"]:
-            failures[rank] = RankFailure(rank, "timeout", exitcode=None,
-                                         last_output=_user_frames(last, specs[rank].cell_names,
-                                                                  specs[rank].grader_dirs))
         elif rank in outcome["failed_at"]:
             code = processes[rank].exitcode
             failures[rank] = RankFailure(rank, "exited", exitcode=code, last_output=last,
