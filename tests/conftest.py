@@ -15,8 +15,10 @@ never for every process or folder on the machine. ``-n 0`` runs everything in th
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -33,6 +35,29 @@ _timings: dict[str, float] = {}
 # attacks take the upper part (tests/adversarial/runs.py), so their "no process left behind" checks see
 # their own sandboxes only, whatever the other worker is grading meanwhile.
 os.environ.setdefault("DDP_COURSE_SANDBOX_UIDS", "61000-61399")
+
+
+#: signals whose disposition a child process inherits when it is ignored or blocked: a test that leaves one ignored
+#: in this worker (code run in-process by IPython, a library's handler) would make every later test's
+#: ``ddp-course autograde`` deaf to Ctrl-C
+_INHERITED = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def _signals_restored(request):
+    """Each test leaves SIGINT and SIGTERM as it found them, neither ignored nor blocked (restored and reported
+    as a warning naming the test otherwise)."""
+    before = {sig: signal.getsignal(sig) for sig in _INHERITED}
+    yield
+    changed = [sig.name for sig in _INHERITED
+               if signal.getsignal(sig) is not before[sig] and signal.getsignal(sig) == signal.SIG_IGN]
+    blocked = [sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []) if sig in _INHERITED]
+    for sig in _INHERITED:
+        signal.signal(sig, before[sig])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _INHERITED)
+    if changed or blocked:
+        warnings.warn(f"{request.node.nodeid} left {', '.join(changed + blocked)} ignored or blocked (restored)",
+                      stacklevel=1)
 
 
 def lesson_path(key: str) -> Path:
