@@ -119,8 +119,16 @@ def ddp_buckets(numels: Sequence[int], bucket_cap_mb: float, element_size: int =
     return buckets
 
 
+def fsdp_shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows rank ``rank`` holds of a parameter of ``rows`` rows that FSDP2 shards on dim 0: ``torch.chunk``'s
+    split, ``ceil(rows / N)`` each, the last ranks fewer or none (the padding lives only in the all-gather)."""
+    chunk = math.ceil(rows / world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
 def fsdp_padded_numel(shape: Sequence[int], world_size: int) -> int:
-    """Values of one parameter once FSDP2 pads it for ``world_size`` shards: ``ceil(dim0 / N) x N`` rows."""
+    """Values of one parameter once FSDP2 pads it for ``world_size`` shards: ``ceil(dim0 / N) x N`` rows (each
+    rank's part of the all-gather is this divided by ``N``)."""
     rows = math.ceil(shape[0] / world_size) * world_size if shape else world_size
     return rows * math.prod(shape[1:])
 

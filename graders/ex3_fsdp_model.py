@@ -19,6 +19,7 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor, Shard
 
 from course import checks
+from course.costmodel import fsdp_padded_numel, fsdp_shard_rows
 
 PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
 INPUTS, OUTPUTS = 6, 2
@@ -145,17 +146,12 @@ def _gathers_so_far() -> list[int] | None:
 
 def _chunk_rows(rows: int, world_size: int, rank: int) -> int:
     """How many rows rank ``rank`` holds of a tensor of ``rows`` rows sharded on dim 0 (torch.chunk's split)."""
-    chunks = torch.arange(rows).chunk(world_size)
-    return len(chunks[rank]) if rank < len(chunks) else 0
+    return fsdp_shard_rows(rows, world_size, rank)
 
 
 def _padded(shape: tuple, world_size: int) -> int:
     """Values per rank FSDP2 all-gathers for one parameter: its rows padded to a multiple of the world size."""
-    rows = -(-shape[0] // world_size)
-    n = rows
-    for d in shape[1:]:
-        n *= d
-    return n
+    return fsdp_padded_numel(shape, world_size) // world_size
 
 
 def _shard_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
