@@ -14,10 +14,10 @@ Each part is graded twice:
   function returned); hidden variants change the world size, the data and the logging rank, and the
   truth with them.
 * :func:`check_fix` (through ``check_fix_<part>``): the student's fixed small function runs as a real job,
-  called by the script's given training in place of the buggy one: it finishes, every rank issued the same collectives (a timeout or a caught exception that lets a rank go
-  on does not), and it trains and logs what the script's docstring promises (the weights against a
-  single-process reference, every sample trained on, the logged metric against the one computed here
-  from the weights the model held when it was logged).
+  called by the script's given training in place of the buggy one: it finishes, every rank issued the same
+  collectives (a timeout or a caught exception that lets a rank go on does not), and it trains and logs what the
+  script's docstrings promise (the weights against a single-process reference, every sample trained on, the
+  logged metric against the one computed here from the weights the model held when it was logged).
 """
 
 from __future__ import annotations
@@ -276,7 +276,8 @@ def _fix_harness(rank, train, fn, folder, s):
 
     try:
         with checks.record_writes(before if s["part"] == "early" else None):
-            train(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir), **{hm.SCRIPTS[s["part"]][2]: fn})
+            train(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir),
+                  **{hm.SCRIPTS[s["part"]][2]: fn})
     finally:
         if returned is not None:
             returned()
@@ -296,8 +297,8 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
         os.makedirs(os.path.join(folder, "out"))
         job = checks.run(check, _fix_harness, s["world_size"], args=(hm.load_script(part), fn, folder, s),
                          timeout=min(checks.check_timeout(), JOB_TIMEOUT),
-                         hints=[("timeout", "the training still hangs with your function: a timeout, a try/except or a sleep "
-                                 "does not make the ranks call the same collectives; remove the cause")])
+                         hints=[("timeout", "the training still hangs with your function: a timeout, a try/except or "
+                                 "a sleep does not make the ranks call the same collectives; remove the cause")])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     obs = job.values
@@ -384,7 +385,8 @@ def _judge_logs(check, part, s, obs, val_set):
                           expected=f"only rank {logger} logs", hint=f"log only when rank == {logger}")
     if len(logs) != want_n:
         raise CheckFailed(check, f"rank {logger} logged {key!r} {len(logs)} times", ranks=[logger],
-                          expected=f"{want_n} time(s)", hint="log as the function's docstring says: once per call, on that rank only")
+                          expected=f"{want_n} time(s)",
+                          hint="log as the function's docstring says: once per call, on that rank only")
     for _, entry in logs:
         got, state = entry["values"][key], entry["state"]
         if part == "metric":
@@ -433,9 +435,9 @@ def _judge_uneven(check, s, obs, train_set):
                           f"{s['epochs']} epochs", ranks=list(range(s["world_size"])),
                           expected="every sample trained on in every epoch (by some rank)",
                           got=f"samples {missing[:8]} trained on {[counts[i] for i in missing[:8]]} times",
-                          hint="the ranks no longer hang because samples were left out of the shares: the docstring says "
-                          "every sample counts. Give every rank as many samples (so as many steps) without leaving one "
-                          "out (a sample in two shares is fine)")
+                          hint="the ranks no longer hang because samples were left out of the shares: the "
+                          "docstring says every sample counts. Give every rank as many samples (so as many steps) "
+                          "without leaving one out (a sample in two shares is fine)")
     base = obs[0]["state"]
     for rank, o in enumerate(obs[1:], start=1):
         bad = [k for k in base if not torch.allclose(o["state"][k].float(), base[k].float(), atol=1e-6)]
@@ -528,7 +530,8 @@ def try_it(part: str, fn=None, **settings) -> None:
     try:
         os.makedirs(os.path.join(folder, "out"))
         try:
-            job = launch(_fix_harness, s["world_size"], args=(hm.load_script(part), fn or hm.buggy_function(part), folder, s),
+            job = launch(_fix_harness, s["world_size"],
+                         args=(hm.load_script(part), fn or hm.buggy_function(part), folder, s),
                          timeout=JOB_TIMEOUT, echo=True)
         except LaunchError as err:
             print(err)

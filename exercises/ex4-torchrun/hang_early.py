@@ -18,7 +18,8 @@ def predict_and_merge(rank, world_size, model, val_set, log, out_dir):
     mine = range(rank * chunk, min(len(val_set), (rank + 1) * chunk))
     if len(mine) == 0:
         return  # nothing to predict on this rank
-    torch.save({"indices": list(mine), "preds": predict(model, val_set, mine)}, os.path.join(out_dir, f"preds{rank}.pt"))
+    preds = predict(model, val_set, mine)
+    torch.save({"indices": list(mine), "preds": preds}, os.path.join(out_dir, f"preds{rank}.pt"))
     dist.barrier()  # every rank's file is complete before rank 0 reads them
     if rank == 0:
         log({"val_accuracy": merged_accuracy(world_size, val_set, out_dir)})
