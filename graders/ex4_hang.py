@@ -3,7 +3,9 @@
 The student gets four training functions that hang (``exercises/ex4-torchrun/hang_*.py``): a collective
 under a rank condition (``metric``), ranks that run different numbers of steps (``uneven``), a barrier
 after an early return (``early``), a collective whose tensor's shape depends on the rank's data
-(``shapes``). Each part is graded twice:
+(``shapes``). Each script is a given, right training function and the small function it calls, where the bug
+is (``hm.SCRIPTS``: the metric's logging, the ranks' shares, the predict-write-merge tail, the per-class counts).
+Each part is graded twice:
 
 * :func:`check_diagnosis` (through ``check_diagnosis_<part>``): the student's ``diagnose(job)`` returns,
   for the job's settings, which ranks, which collective and which line of the script. The check runs the
@@ -11,11 +13,11 @@ after an early return (``early``), a collective whose tensor's shape depends on 
   (:mod:`graders.ex4_hang_model`: each rank's flight recorder with the issuing lines, and where the
   function returned); hidden variants change the world size, the data and the logging rank, and the
   truth with them.
-* :func:`check_fix` (through ``check_fix_<part>``): the student's fixed function runs as a real job: it
-  finishes, every rank issued the same collectives (a timeout or a caught exception that lets a rank go
-  on does not), and it trains and logs what the script's docstring promises (the weights against a
-  single-process reference, every sample trained on, the logged metric against the one computed here
-  from the weights the model held when it was logged).
+* :func:`check_fix` (through ``check_fix_<part>``): the student's fixed small function runs as a real job,
+  called by the script's given training in place of the buggy one: it finishes, every rank issued the same
+  collectives (a timeout or a caught exception that lets a rank go on does not), and it trains and logs what the
+  script's docstrings promise (the weights against a single-process reference, every sample trained on, the
+  logged metric against the one computed here from the weights the model held when it was logged).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def job_settings(s: dict) -> dict:
 # --- the buggy run: the truth ------------------------------------------------------------------------------
 
 
-def _buggy_harness(rank, fn, folder, s):
+def _buggy_harness(rank, train, buggy, folder, s):
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
     model = hm.make_model(s["seed"], s["classes"]).to(dev)
@@ -98,7 +100,8 @@ def _buggy_harness(rank, fn, folder, s):
     journal = hm.Journal(folder, rank, hm.SCRIPTS[s["part"]][0])
     journal.start()
     out_dir = os.path.join(folder, "out")
-    journal.call(fn, rank, world_size, model, train_set, val_set, lambda *a, **k: None, **_kwargs(s, out_dir))
+    journal.call(train, rank, world_size, model, train_set, val_set, lambda *a, **k: None, watch=buggy,
+                 **_kwargs(s, out_dir), **{hm.SCRIPTS[s["part"]][2]: buggy})
     return True
 
 
@@ -111,7 +114,8 @@ def truth(s_items: tuple) -> dict:
     try:
         os.makedirs(os.path.join(folder, "out"))
         try:
-            checks.run(check, _buggy_harness, s["world_size"], args=(hm.load_script(s["part"]), folder, s),
+            checks.run(check, _buggy_harness, s["world_size"],
+                       args=(hm.load_script(s["part"]), hm.buggy_function(s["part"]), folder, s),
                        timeout=min(checks.check_timeout(), JOB_TIMEOUT))
             finished = True
         except CheckFailed:
@@ -236,7 +240,7 @@ def check_diagnosis(part: str, diagnose, *, world_size: int, n_train: int, n_val
 # --- the fix -----------------------------------------------------------------------------------------------
 
 
-def _fix_harness(rank, fn, folder, s):
+def _fix_harness(rank, train, fn, folder, s):
     hm.FAILED_BARRIERS.clear()  # this job's barriers only
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
@@ -272,7 +276,8 @@ def _fix_harness(rank, fn, folder, s):
 
     try:
         with checks.record_writes(before if s["part"] == "early" else None):
-            fn(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir))
+            train(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir),
+                  **{hm.SCRIPTS[s["part"]][2]: fn})
     finally:
         if returned is not None:
             returned()
@@ -285,16 +290,15 @@ def _fix_harness(rank, fn, folder, s):
 def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed: int, classes: int = 3,
               log_rank: int = 0):
     check = f"check_fix_{part}"
-    name = hm.SCRIPTS[part][1]
-    checks.require_written(check, **{name: fn})
+    checks.require_written(check, **{hm.SCRIPTS[part][2]: fn})
     s = _settings(part, world_size, n_train, n_val, seed, classes, log_rank)
     folder = tempfile.mkdtemp(prefix="ddp-course-hang-fix-")
     try:
         os.makedirs(os.path.join(folder, "out"))
-        job = checks.run(check, _fix_harness, s["world_size"], args=(fn, folder, s),
+        job = checks.run(check, _fix_harness, s["world_size"], args=(hm.load_script(part), fn, folder, s),
                          timeout=min(checks.check_timeout(), JOB_TIMEOUT),
-                         hints=[("timeout", "your fixed function still hangs: a timeout, a try/except or a sleep "
-                                 "does not make the ranks call the same collectives; remove the cause")])
+                         hints=[("timeout", "the training still hangs with your function: a timeout, a try/except or "
+                                 "a sleep does not make the ranks call the same collectives; remove the cause")])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     obs = job.values
@@ -359,11 +363,11 @@ def _judge_weights(check, s, obs):
         bad = [k for k in want if k not in got or got[k].shape != want[k].shape
                or not torch.allclose(got[k].float(), want[k], atol=ATOL)]
         if bad:
-            raise CheckFailed(check, f"rank {rank}'s weights at the end are not those of the training the docstring "
-                              "describes", ranks=[rank],
+            raise CheckFailed(check, f"rank {rank}'s weights at the end are not those of the given "
+                              "training", ranks=[rank],
                               expected="DDP training with the script's sampler, batch size and learning rate "
                               "(computed here in one process)", got=f"{len(bad)} tensors differ, e.g. `{bad[0]}`",
-                              hint="fix the hang and nothing else: the training itself was right")
+                              hint="fix the hang and nothing else: leave the model's weights alone")
 
 
 def _logs_of(obs, key):
@@ -381,7 +385,8 @@ def _judge_logs(check, part, s, obs, val_set):
                           expected=f"only rank {logger} logs", hint=f"log only when rank == {logger}")
     if len(logs) != want_n:
         raise CheckFailed(check, f"rank {logger} logged {key!r} {len(logs)} times", ranks=[logger],
-                          expected=f"{want_n} time(s)", hint="log as the function's docstring says")
+                          expected=f"{want_n} time(s)",
+                          hint="log as the function's docstring says: once per call, on that rank only")
     for _, entry in logs:
         got, state = entry["values"][key], entry["state"]
         if part == "metric":
@@ -414,7 +419,8 @@ def _judge_logs(check, part, s, obs, val_set):
                                   got=repr(got)[:200],
                                   hint=("a number for every class the model has, even one a rank never saw"
                                         if isinstance(got, list) and len(got) != len(want) else
-                                        "every rank's counts must be summed (all ranks take part), per class"))
+                                        "count, per class, the rank's samples of that class (its labels) and those "
+                                        "of them predicted right: the given code sums every rank's counts"))
 
 
 def _judge_uneven(check, s, obs, train_set):
@@ -429,8 +435,9 @@ def _judge_uneven(check, s, obs, train_set):
                           f"{s['epochs']} epochs", ranks=list(range(s["world_size"])),
                           expected="every sample trained on in every epoch (by some rank)",
                           got=f"samples {missing[:8]} trained on {[counts[i] for i in missing[:8]]} times",
-                          hint="the ranks no longer hang because the extra batches are dropped: the docstring says "
-                          "every sample counts. Give the ranks the same number of steps without dropping samples")
+                          hint="the ranks no longer hang because samples were left out of the shares: the "
+                          "docstring says every sample counts. Give every rank as many samples (so as many steps) "
+                          "without leaving one out (a sample in two shares is fine)")
     base = obs[0]["state"]
     for rank, o in enumerate(obs[1:], start=1):
         bad = [k for k in base if not torch.allclose(o["state"][k].float(), base[k].float(), atol=1e-6)]
@@ -443,7 +450,7 @@ def _judge_uneven(check, s, obs, train_set):
     init = hm.make_model(s["seed"], s["classes"]).state_dict()
     if all(torch.equal(base[k], init[k]) for k in init):
         raise CheckFailed(check, "the model was not trained", expected="weights that changed", got="the initial weights",
-                          hint="train as the docstring says")
+                          hint="give every rank a share to train on")
 
 
 # --- the notebook's names ------------------------------------------------------------------------------------
@@ -467,8 +474,8 @@ def check_diagnosis_metric(diagnose, **settings):
 
 
 def check_fix_metric(fn, **settings):
-    """The fixed train_metric finishes, every rank issues the same collectives, and it trains and logs as its
-    docstring says."""
+    """train_metric with the fixed log_val_loss finishes, every rank issues the same collectives, and only log_rank
+    logs the validation loss over every validation sample."""
     check_fix("metric", fn, **{**_DEFAULTS["metric"], **settings})
 
 
@@ -479,8 +486,8 @@ def check_diagnosis_uneven(diagnose, **settings):
 
 
 def check_fix_uneven(fn, **settings):
-    """The fixed train_uneven finishes, every rank issues the same collectives, and every epoch trains on every
-    sample."""
+    """train_uneven with the fixed share_of finishes, every rank issues the same collectives (as many synchronised
+    steps), and every epoch trains on every sample."""
     check_fix("uneven", fn, **{**_DEFAULTS["uneven"], **settings})
 
 
@@ -491,8 +498,8 @@ def check_diagnosis_early(diagnose, **settings):
 
 
 def check_fix_early(fn, **settings):
-    """The fixed train_early finishes, every rank issues the same collectives, rank 0 reads the predictions only
-    once every rank has written them, and it trains and logs as its docstring says."""
+    """train_early with the fixed predict_and_merge finishes, every rank issues the same collectives, rank 0 reads the
+    predictions only once every rank has written them, and logs the accuracy over every validation sample."""
     check_fix("early", fn, **{**_DEFAULTS["early"], **settings})
 
 
@@ -503,14 +510,15 @@ def check_diagnosis_shapes(diagnose, **settings):
 
 
 def check_fix_shapes(fn, **settings):
-    """The fixed train_shapes finishes, every rank issues the same collectives, and it trains and logs as its
-    docstring says."""
+    """train_shapes with the fixed class_counts finishes, every rank issues the same collectives, and rank 0 logs one
+    accuracy per class over the whole validation set."""
     check_fix("shapes", fn, **{**_DEFAULTS["shapes"], **settings})
 
 
 def try_it(part: str, fn=None, **settings) -> None:
-    """Run ``part``'s script (or ``fn``, your fixed function) as the checks run it, and print what happened: what
-    each rank logged, or why the job did not finish (the launcher's stall report for a deadlock)."""
+    """Run ``part``'s script (with ``fn``, your fixed function, in place of the one its training calls) as the checks
+    run it, and print what happened: what each rank logged, or why the job did not finish (the launcher's stall
+    report for a deadlock)."""
     from course.envnames import GRADING_ENV
     from course.errors import LaunchError
 
@@ -522,7 +530,8 @@ def try_it(part: str, fn=None, **settings) -> None:
     try:
         os.makedirs(os.path.join(folder, "out"))
         try:
-            job = launch(_fix_harness, s["world_size"], args=(fn or hm.load_script(part), folder, s),
+            job = launch(_fix_harness, s["world_size"],
+                         args=(hm.load_script(part), fn or hm.buggy_function(part), folder, s),
                          timeout=JOB_TIMEOUT, echo=True)
         except LaunchError as err:
             print(err)

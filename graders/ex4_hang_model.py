@@ -31,12 +31,13 @@ from torch.utils.data import Dataset
 from course import checks
 
 FEATURES = 4
-#: the scripts, by part: (the student's copy in the exercise's folder, the function the student fixes)
+#: the scripts, by part: (the student's copy in the exercise's folder, its given training function, the small
+#: function that training calls and the student fixes: a keyword argument of the training, of the same name)
 SCRIPTS = {
-    "metric": ("hang_metric.py", "train_metric"),
-    "uneven": ("hang_uneven.py", "train_uneven"),
-    "early": ("hang_early.py", "train_early"),
-    "shapes": ("hang_shapes.py", "train_shapes"),
+    "metric": ("hang_metric.py", "train_metric", "log_val_loss"),
+    "uneven": ("hang_uneven.py", "train_uneven", "share_of"),
+    "early": ("hang_early.py", "train_early", "predict_and_merge"),
+    "shapes": ("hang_shapes.py", "train_shapes", "class_counts"),
 }
 JOURNAL_EVERY = 0.05  # seconds between two looks at the rank's flight recorder
 
@@ -118,15 +119,25 @@ def script_lines(part: str) -> list[str]:
 
 
 def load_script(part: str):
-    """The buggy function of ``part``, compiled from the grader's copy under the name the student knows
-    (``hang_<part>.py``: the stall report and tracebacks show the student's file and its lines, and it is no
-    grader frame to hide), in a module of its own that is not in sys.modules: it travels to the ranks by value."""
+    """The script of ``part``, compiled from the grader's copy under the name the student knows (``hang_<part>.py``:
+    the stall report and tracebacks show the student's file and its lines, and it is no grader frame to hide), in a
+    module of its own that is not in sys.modules: its functions travel to the ranks by value. Returns its given
+    training function; the buggy function it calls by default is :func:`buggy_function`."""
+    return getattr(_script_module(part), SCRIPTS[part][1])
+
+
+def buggy_function(part: str):
+    """The small function of ``part``'s script that the student fixes, as given (it hangs)."""
+    return getattr(_script_module(part), SCRIPTS[part][2])
+
+
+def _script_module(part: str) -> types.ModuleType:
     with open(script_path(part)) as fh:
         source = fh.read()
     module = types.ModuleType(f"_ddp_course_{SCRIPTS[part][1]}")
     module.__file__ = SCRIPTS[part][0]
     exec(compile(source, SCRIPTS[part][0], "exec"), module.__dict__)  # noqa: S102 - the course's own file
-    return getattr(module, SCRIPTS[part][1])
+    return module
 
 
 # --- the journal of a rank (harness side) ----------------------------------------------------------------
@@ -217,9 +228,10 @@ class Journal:
 
         threading.Thread(target=loop, name="ddp-course-hang-journal", daemon=True).start()
 
-    def call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, noting the line of ``fn`` at which it returns (a ``return`` statement, or its end)."""
-        code = getattr(fn, "__code__", None)
+    def call(self, fn, *args, watch=None, **kwargs):
+        """``fn(*args, **kwargs)``, noting the line of ``watch`` (a function ``fn`` calls; ``fn`` itself by default) at
+        which it last returned (a ``return`` statement, or its end)."""
+        code = getattr(watch if watch is not None else fn, "__code__", None)
 
         def tracer(frame, event, arg):
             if frame.f_code is not code:

@@ -1,9 +1,10 @@
 """Exercise 4's drill, find the hang: the diagnosis is judged against the grader's own run of each script, the fix
 by running it.
 
-The four scripts given to students (exercises/ex4-torchrun/hang_*.py) are the source of every fix here: the
-reference's, fixes in other styles that must pass, and realistic wrong ones that must fail their check with a
-message naming the mistake. Diagnoses are small functions of the job's settings, right and wrong.
+The four scripts given to students (exercises/ex4-torchrun/hang_*.py) are the source of every fix here: each is a
+given training function and the small function it calls, where the bug is, and a fix is that small function edited
+(the reference's, fixes in other styles that must pass, and realistic wrong ones that must fail their check with a
+message naming the mistake). Diagnoses are small functions of the job's settings, right and wrong.
 """
 
 from __future__ import annotations
@@ -56,8 +57,12 @@ def _edit(source: str, *edits) -> str:
 
 
 def _fn(part: str, *edits, name: str = "fix"):
-    """The part's script with ``edits`` applied: its function."""
-    return getattr(_module(_edit(_buggy(part), *edits), f"{part}_{name}"), hm.SCRIPTS[part][1])
+    """The part's script with ``edits`` applied: its small function (the one the student fixes)."""
+    return getattr(_module(_edit(_buggy(part), *edits), f"{part}_{name}"), hm.SCRIPTS[part][2])
+
+
+#: what the notebook's imports cell gives the answer cells
+IMPORTS = "import math\n\nfrom graders.ex4_hang_early import merged_accuracy, predict\n"
 
 
 def _reference_answer(grade_id: str) -> str:
@@ -67,8 +72,8 @@ def _reference_answer(grade_id: str) -> str:
 
 def _reference(part: str, kind: str):
     """The notebook's reference ``diagnose_<part>`` or fixed function."""
-    name = f"diagnose_{part}" if kind == "diagnosis" else hm.SCRIPTS[part][1]
-    source = "import math\n" + _reference_answer(f"ex4h_{part}_{kind}")
+    name = f"diagnose_{part}" if kind == "diagnosis" else hm.SCRIPTS[part][2]
+    source = IMPORTS + _reference_answer(f"ex4h_{part}_{kind}")
     return getattr(_module(source, f"{part}_ref_{kind}"), name)
 
 
@@ -83,7 +88,7 @@ def _diagnose(body: str, part: str, name: str):
 def test_the_students_scripts_are_the_graders():
     """The grader runs its own copy of each script (the exercise folder is hidden from its sandbox): the student's
     copy must be the same file, or the lines of a diagnosis would not match."""
-    for part, (name, _) in hm.SCRIPTS.items():
+    for part, (name, *_) in hm.SCRIPTS.items():
         assert (FOLDER / name).read_bytes() == open(hm.script_path(part), "rb").read(), name
 
 
@@ -118,10 +123,10 @@ DIAGNOSES = {
             'return {"ranks": [job["log_rank"]], "collective": "dist.reduce", '
             '"line": "dist.reduce(totals, dst=log_rank)"}', None, None),
         "the other side": ('return {"ranks": [r for r in range(job["world_size"]) if r != job["log_rank"]], '
-                           '"collective": "reduce", "line": 34}', ["wrong ranks", "the other side of the deadlock"], "visible"),
-        "the symptom line": ('return {"ranks": [job["log_rank"]], "collective": "reduce", "line": 23}',
+                           '"collective": "reduce", "line": 14}', ["wrong ranks", "the other side of the deadlock"], "visible"),
+        "the symptom line": ('return {"ranks": [job["log_rank"]], "collective": "reduce", "line": 33}',
                              ["wrong line", "the symptom, not the cause"], "visible"),
-        "the ranks of the notebook's run, hard-coded": ('return {"ranks": [0], "collective": "reduce", "line": 34}',
+        "the ranks of the notebook's run, hard-coded": ('return {"ranks": [0], "collective": "reduce", "line": 14}',
                                                         ["wrong ranks", "ranks [2]"], "hidden"),
     },
     "uneven": {
@@ -129,41 +134,41 @@ DIAGNOSES = {
         "the ranks that returned": (
             'ws, n, b = job["world_size"], job["n_train"], job["batch_size"]\n'
             'steps = [math.ceil(len(range(r, n, ws)) / b) for r in range(ws)]\n'
-            'return {"ranks": [r for r in range(ws) if steps[r] == min(steps)], "collective": "all_reduce", "line": 23}',
+            'return {"ranks": [r for r in range(ws) if steps[r] == min(steps)], "collective": "all_reduce", "line": 29}',
             ["wrong ranks", "the other side of the deadlock"], "visible"),
-        "the last rank, a guess": ('return {"ranks": [job["world_size"] - 1], "collective": "all_reduce", "line": 23}',
+        "the last rank, a guess": ('return {"ranks": [job["world_size"] - 1], "collective": "all_reduce", "line": 29}',
                                    ["wrong ranks", "ranks [0]"], "visible"),
-        "a barrier named": ('return {"ranks": [0], "collective": "barrier", "line": 23}', ["wrong collective"], "visible"),
+        "a barrier named": ('return {"ranks": [0], "collective": "barrier", "line": 29}', ["wrong collective"], "visible"),
     },
     "early": {
         "reference": None,
         "the waiting ranks": (
             'ws, n = job["world_size"], job["n_val"]\nchunk = math.ceil(n / ws)\n'
-            'return {"ranks": [r for r in range(ws) if r * chunk < n], "collective": "barrier", "line": 30}',
+            'return {"ranks": [r for r in range(ws) if r * chunk < n], "collective": "barrier", "line": 20}',
             ["wrong ranks"], "visible"),
         "the barrier's line (the symptom)": (
             'ws, n = job["world_size"], job["n_val"]\nchunk = math.ceil(n / ws)\n'
-            'return {"ranks": [r for r in range(ws) if r * chunk >= n], "collective": "barrier", "line": 36}',
-            ["wrong line", "the symptom, not the cause", "line 30: return"], "visible"),
+            'return {"ranks": [r for r in range(ws) if r * chunk >= n], "collective": "barrier", "line": 23}',
+            ["wrong line", "the symptom, not the cause", "line 20: return"], "visible"),
     },
     "shapes": {
         "reference": None,
         "the line as a string of digits": (
             'ws, labels = job["world_size"], job["val_labels"]\n'
             'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
-            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "allreduce", "line": "32"}',
+            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "allreduce", "line": "42"}',
             None, None),
         "the bincount line": (
             'ws, labels = job["world_size"], job["val_labels"]\n'
             'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
-            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "all_reduce", "line": 30}',
-            ["wrong line", "line 32"], "visible"),
+            'return {"ranks": [r for r in range(ws) if sizes[r] < max(sizes)], "collective": "all_reduce", "line": 15}',
+            ["wrong line", "line 42"], "visible"),
         "the ranks with the larger tensor": (
             'ws, labels = job["world_size"], job["val_labels"]\n'
             'sizes = [max(labels[r::ws]) + 1 for r in range(ws)]\n'
-            'return {"ranks": [r for r in range(ws) if sizes[r] == max(sizes)], "collective": "all_reduce", "line": 32}',
+            'return {"ranks": [r for r in range(ws) if sizes[r] == max(sizes)], "collective": "all_reduce", "line": 42}',
             ["wrong ranks"], "visible"),
-        "not a dict": ('return ([1], "all_reduce", 32)', ["not a dict"], "visible"),
+        "not a dict": ('return ([1], "all_reduce", 42)', ["not a dict"], "visible"),
     },
 }
 
@@ -194,84 +199,71 @@ def test_diagnoses(part):
 
 # --- fixes -------------------------------------------------------------------------------------------------
 
-METRIC_IF = ("        if rank == log_rank:\n            dist.reduce(totals, dst=log_rank)  # the totals of all ranks, "
+METRIC_IF = ("    if rank == log_rank:\n        dist.reduce(totals, dst=log_rank)  # the totals of all ranks, "
              "summed on the logging rank\n")
-UNEVEN_SHARE = ("    share = Subset(train_set, range(rank, len(train_set), world_size))  # each sample on exactly one rank\n"
-                "    loader = DataLoader(share, batch_size=batch_size)\n")
-EARLY_PREDICT = ("    if len(mine) == 0:\n        return  # nothing to predict on this rank\n    model.eval()\n"
-                 "    with torch.no_grad():\n        x = torch.stack([val_set[i][0] for i in mine]).to(device)\n"
-                 "        preds = model(x).argmax(dim=1).cpu()\n")
+UNEVEN_SHARE = "    return list(range(rank, n, world_size))  # each sample on exactly one rank\n"
+EARLY_RETURN = "    if len(mine) == 0:\n        return  # nothing to predict on this rank\n"
+EARLY_SAVE = ('    preds = predict(model, val_set, mine)\n'
+              '    torch.save({"indices": list(mine), "preds": preds}, os.path.join(out_dir, f"preds{rank}.pt"))\n')
+EARLY_PREDICT = "    preds = predict(model, val_set, mine)\n"
+EVERY_RANK_WRITES = [(EARLY_RETURN, ""), (EARLY_PREDICT, "    preds = predict(model, val_set, mine) if len(mine) else "
+                                                         "torch.zeros(0, dtype=torch.long)\n")]
 EARLY_BARRIER = "    dist.barrier()  # every rank's file is complete before rank 0 reads them\n"
 SHAPES_COUNTS = ("    seen = torch.bincount(y).float()  # per class: this rank's samples\n"
                  "    right = torch.bincount(y, weights=hits)  # per class: those predicted right\n")
 
-#: per part: name -> (edits of the given script, None if it must pass, else the words its failure names)
+#: per part: name -> (edits of the given script's small function, None if it must pass, else the words its failure
+#: names)
 FIXES = {
     "metric": {
         "every rank all-reduces, the logging rank logs": (
-            [(METRIC_IF, "        dist.all_reduce(totals)\n        if rank == log_rank:\n")], None),
+            [(METRIC_IF, "    dist.all_reduce(totals)\n    if rank == log_rank:\n")], None),
         "all_gather_object of the totals": (
-            [(METRIC_IF, "        everyone = [None] * world_size\n"
-                         "        dist.all_gather_object(everyone, totals.tolist())\n"
-                         "        totals = torch.tensor([sum(t[0] for t in everyone), sum(t[1] for t in everyone)])\n"
-                         "        if rank == log_rank:\n")], None),
-        "the reduce removed": ([(METRIC_IF, "        if rank == log_rank:\n")],
+            [(METRIC_IF, "    everyone = [None] * world_size\n"
+                         "    dist.all_gather_object(everyone, totals.tolist())\n"
+                         "    totals = torch.tensor([sum(t[0] for t in everyone), sum(t[1] for t in everyone)])\n"
+                         "    if rank == log_rank:\n")], None),
+        "the reduce removed": ([(METRIC_IF, "    if rank == log_rank:\n")],
                                ["logged a validation loss the model does not have", "own share only",
                                 "the collective was removed"]),
-        "every rank logs": ([(METRIC_IF, "        dist.reduce(totals, dst=log_rank)\n        if True:\n")],
+        "every rank logs": ([(METRIC_IF, "    dist.reduce(totals, dst=log_rank)\n    if True:\n")],
                             ["logged 'val_loss' too", "only rank"]),
         "a timeout caught on the logging rank": (
             [("import torch\n", "from datetime import timedelta\n\nimport torch\n"),
-             (METRIC_IF, "        if rank == log_rank:\n"
-                         "            work = dist.reduce(totals, dst=log_rank, async_op=True)\n"
-                         "            try:\n                work.wait(timeout=timedelta(seconds=1))\n"
-                         "            except RuntimeError:\n                pass\n")],
+             (METRIC_IF, "    if rank == log_rank:\n"
+                         "        work = dist.reduce(totals, dst=log_rank, async_op=True)\n"
+                         "        try:\n            work.wait(timeout=timedelta(seconds=1))\n"
+                         "        except RuntimeError:\n            pass\n")],
             []),
     },
     "uneven": {
-        "Join": ([("from torch.utils.data import DataLoader, Subset\n",
-                   "from torch.distributed.algorithms.join import Join\nfrom torch.utils.data import DataLoader, Subset\n"),
-                  ("        for x, y in loader:\n", "        with Join([ddp_model]):\n          for x, y in loader:\n")],
-                 None),
         "each share padded with its own first samples": (
-            [(UNEVEN_SHARE, "    ids = list(range(rank, len(train_set), world_size))\n"
-                            "    longest = -(-len(train_set) // world_size)\n"
-                            "    share = Subset(train_set, ids + ids[:longest - len(ids)])\n"
-                            "    loader = DataLoader(share, batch_size=batch_size)\n")], None),
-        "drop_last": ([("    loader = DataLoader(share, batch_size=batch_size)\n",
-                        "    loader = DataLoader(share, batch_size=batch_size, drop_last=True)\n")],
-                      ["trained on fewer than", "dropped", "every sample counts"]),
-        "the steps cut to the fewest": (
-            [("import torch\n", "import torch\nimport torch.distributed as dist\n"),
-             ("    for epoch in range(epochs):\n", "    steps = torch.tensor(len(loader))\n"
-                                                  "    dist.all_reduce(steps, op=dist.ReduceOp.MIN)\n"
-                                                  "    for epoch in range(epochs):\n"),
-             ("        for x, y in loader:\n", "        for step, (x, y) in enumerate(loader):\n"
-                                              "            if step == steps:\n                break\n")],
-            ["trained on fewer than", "every sample counts"]),
-        "a try/except around the step": (
-            [("            loss.backward()\n", "            try:\n                loss.backward()\n"
-                                              "            except RuntimeError:\n                continue\n")],
+            [(UNEVEN_SHARE, "    ids = list(range(rank, n, world_size))\n"
+                            "    longest = -(-n // world_size)\n"
+                            "    return ids + ids[:longest - len(ids)]\n")], None),
+        "a DistributedSampler's indices": (
+            [("from torch.utils.data import DataLoader, Subset\n",
+              "from torch.utils.data import DataLoader, DistributedSampler, Subset\n"),
+             (UNEVEN_SHARE, "    return list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, "
+                            "shuffle=False))\n")], None),
+        "the shares cut to the shortest (what drop_last does to batches)": (
+            [(UNEVEN_SHARE, "    return list(range(rank, n, world_size))[:n // world_size]\n")],
+            ["trained on fewer than", "left out of the shares", "every sample counts"]),
+        "contiguous chunks, the last one shorter": (
+            [(UNEVEN_SHARE, "    chunk = -(-n // world_size)\n"
+                            "    return list(range(rank * chunk, min(n, (rank + 1) * chunk)))\n")],
             ["deadlocked", "still hangs"]),
-        "no DDP at all": ([("    ddp_model = DDP(model, device_ids=[device.index] if device.type == \"cuda\" else None)\n",
-                            "    ddp_model = model\n")],
-                          ["weights differ from rank 0's"]),
     },
     "early": {
-        "every rank writes a file, an empty one too": (
-            [(EARLY_PREDICT, "    model.eval()\n    with torch.no_grad():\n        preds = torch.tensor("
-                             "[int(model(val_set[i][0][None].to(device)).argmax()) for i in mine], dtype=torch.long)\n")],
-            None),
+        "every rank writes a file, an empty one too": (EVERY_RANK_WRITES, None),
         "an all_reduce instead of the barrier, the return made a skip": (
-            [(EARLY_PREDICT, "    if len(mine) > 0:\n" + "".join("    " + line + "\n" for line in EARLY_PREDICT.splitlines()[2:])
-              + "        torch.save({'indices': list(mine), 'preds': preds}, os.path.join(out_dir, f'preds{rank}.pt'))\n"),
-             ('    torch.save({"indices": list(mine), "preds": preds}, os.path.join(out_dir, f"preds{rank}.pt"))\n', ""),
-             (EARLY_BARRIER, "    flag = torch.ones(1, device=device)\n    dist.all_reduce(flag)  # everyone has written\n")],
+            [(EARLY_RETURN + EARLY_SAVE,
+              "    if len(mine) > 0:\n" + "".join("    " + line + "\n" for line in EARLY_SAVE.splitlines())),
+             (EARLY_BARRIER, "    flag = torch.ones(1, device=next(model.parameters()).device)\n"
+                             "    dist.all_reduce(flag)  # everyone has written\n")],
             None),
         "every rank writes a file, then a monitored_barrier": (
-            [(EARLY_PREDICT, "    model.eval()\n    with torch.no_grad():\n        preds = torch.tensor("
-                             "[int(model(val_set[i][0][None].to(device)).argmax()) for i in mine], dtype=torch.long)\n"),
-             (EARLY_BARRIER, "    dist.monitored_barrier()\n")], None),
+            EVERY_RANK_WRITES + [(EARLY_BARRIER, "    dist.monitored_barrier()\n")], None),
         "the barrier removed": ([(EARLY_BARRIER, "")],
                                 ["rank 0 read the prediction files before rank 1 had written", "already returned"]),
         "a sleep instead of the barrier": ([("import torch\n", "import time\n\nimport torch\n"),
@@ -289,7 +281,7 @@ FIXES = {
             ["monitored_barrier failed and the rank went on", "hides the hang"]),
     },
     "shapes": {
-        "one_hot sums": ([(SHAPES_COUNTS, "    onehot = F.one_hot(y, ddp_model.module[-1].out_features).float()\n"
+        "one_hot sums": ([(SHAPES_COUNTS, "    onehot = F.one_hot(y, logits.shape[1]).float()\n"
                                           "    seen = onehot.sum(dim=0)\n    right = (onehot * hits[:, None]).sum(dim=0)\n")],
                          None),
         "padded to the longest over the ranks": (
@@ -297,8 +289,11 @@ FIXES = {
                                              "    dist.all_reduce(size, op=dist.ReduceOp.MAX)\n"
                                              "    seen = F.pad(seen, (0, int(size) - len(seen)))\n"
                                              "    right = F.pad(right, (0, int(size) - len(right)))\n")], None),
-        "the all-reduces removed": ([("    dist.all_reduce(seen)\n    dist.all_reduce(right)\n", "")],
-                                    ["per-class accuracies the model does not have", "every rank's counts"]),
+        "counted per predicted class, not per label": (
+            [(SHAPES_COUNTS, "    preds = logits.argmax(dim=1)\n"
+                             "    seen = torch.bincount(preds, minlength=logits.shape[1]).float()\n"
+                             "    right = torch.bincount(preds, weights=hits, minlength=logits.shape[1])\n")],
+            ["per-class accuracies the model does not have", "labels"]),
         "minlength=3 written in": ([(SHAPES_COUNTS, "    seen = torch.bincount(y, minlength=3).float()\n"
                                                     "    right = torch.bincount(y, weights=hits, minlength=3)\n")],
                                    []),
@@ -334,7 +329,7 @@ def test_fixes(part):
 def test_the_given_scripts_fail_their_fix_checks():
     """Unchanged, each script hangs, and its fix check says so in a few seconds (the stall report, not the deadline)."""
     for part in ("metric", "shapes"):  # (the others' given scripts hang the same way: see test_fixes' wrong fixes)
-        message = fails(FIX[part], hm.load_script(part), "deadlocked", "still hangs")
+        message = fails(FIX[part], hm.buggy_function(part), "deadlocked", "still hangs")
         assert hm.SCRIPTS[part][0] in message, message
 
 
@@ -358,10 +353,12 @@ def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
 def test_wrong_answers_lose_exactly_their_cells(tmp_path):
     """Four realistic mistakes in one submission: exactly their four cells lose their points, each naming it."""
     nb = submissions.load(A, NB)
-    nb = submissions.patch_answer(nb, "ex4h_metric_diagnosis", '"line": 34', '"line": 23')  # the symptom line
-    nb = submissions.patch_answer(nb, "ex4h_uneven_fix", "sampler=sampler)", "sampler=sampler, drop_last=True)")
+    nb = submissions.patch_answer(nb, "ex4h_metric_diagnosis", '"line": 14', '"line": 33')  # the symptom line
+    nb = submissions.patch_answer(nb, "ex4h_uneven_fix", "return padded[rank::world_size]",
+                                  "return padded[rank::world_size][:n // world_size]")  # the padding cut off again
     nb = submissions.patch_answer(nb, "ex4h_early_fix", EARLY_BARRIER, "")
-    nb = submissions.patch_answer(nb, "ex4h_shapes_fix", "    dist.all_reduce(seen)\n    dist.all_reduce(right)\n", "")
+    nb = submissions.patch_answer(nb, "ex4h_shapes_fix", "torch.bincount(y, ", "torch.bincount(logits.argmax(dim=1), ",
+                                  count=2)  # counted per predicted class
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     got = submissions.messages(report)
     failing = ["ex4h_test_metric_diagnosis", "ex4h_test_uneven_fix", "ex4h_test_early_fix", "ex4h_test_shapes_fix"]
@@ -369,7 +366,7 @@ def test_wrong_answers_lose_exactly_their_cells(tmp_path):
     assert "the symptom, not the cause" in got["ex4h_test_metric_diagnosis"]
     assert "every sample counts" in got["ex4h_test_uneven_fix"]
     assert "read the prediction files before" in got["ex4h_test_early_fix"]  # whatever the accuracy happened to be
-    assert "every rank's counts" in got["ex4h_test_shapes_fix"]
+    assert "per-class accuracies the model does not have" in got["ex4h_test_shapes_fix"]
 
 
 def test_the_points_add_up():

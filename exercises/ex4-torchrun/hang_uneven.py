@@ -1,18 +1,24 @@
 # Part 2 of find_the_hang.ipynb: a training function that hangs. Run it, find why, then fix it in the notebook.
+# train_uneven is given and right; the hang comes from share_of, the function you fix (same name and signature).
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 
-def train_uneven(rank, world_size, model, train_set, val_set, log, epochs=2, batch_size=4, lr=0.1):
-    """Train `model` with DDP for `epochs` epochs. Every training sample counts: in every epoch each sample is
-    trained on (by some rank); rank 0 logs the epoch's mean training loss."""
+def share_of(rank, world_size, n):
+    """The indices (of the n training samples) that rank `rank` trains on in every epoch. Every training sample
+    counts: each one must be in some rank's share."""
+    return list(range(rank, n, world_size))  # each sample on exactly one rank
+
+
+def train_uneven(rank, world_size, model, train_set, val_set, log, epochs=2, batch_size=4, lr=0.1, share_of=share_of):
+    """Train `model` with DDP for `epochs` epochs, each rank on its share of the training set (`share_of`); rank 0
+    logs the epoch's mean training loss."""
     device = next(model.parameters()).device
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    share = Subset(train_set, range(rank, len(train_set), world_size))  # each sample on exactly one rank
-    loader = DataLoader(share, batch_size=batch_size)
+    loader = DataLoader(Subset(train_set, share_of(rank, world_size, len(train_set))), batch_size=batch_size)
 
     for epoch in range(epochs):
         model.train()
