@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from course import checks
-from course.costmodel import fsdp_shard_rows
 from course.checks import CheckFailed, passed
+from course.costmodel import fsdp_shard_rows
 from graders.ex3_model import _init_pg
 
 KEYS = ("params", "grads", "optimizer")
