@@ -171,10 +171,15 @@ def _report_hint(key: str, got, w: torchrun.Worker) -> str | None:
     return None
 
 
-def check_standalone_ranks(script: str = "train.py") -> None:
-    """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size."""
+def check_standalone_ranks(script: str = "train.py", *, crash_rank: int = torchrun.CRASH_RANK,
+                           crash_step: int = torchrun.CRASH_STEP) -> None:
+    """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size.
+
+    It reads the restart run with the crash at (``crash_rank``, ``crash_step``), the launch
+    :func:`check_restart_resume` makes for the same crash: the workers torchrun restarted report too."""
     check = "check_standalone_ranks"
-    _check_reports(check, _run_script(script, "restart", check), world_size=2)
+    crash = _valid_crash(crash_rank, crash_step)
+    _check_reports(check, _run_script(script, "restart", check, crash=crash), world_size=2)
     passed(check)
 
 
@@ -327,8 +332,9 @@ def _require_all_reduced(check: str, run: torchrun.Run) -> None:
             ranks=list(short),
             expected=f"at least {n_params} all-reduced gradient values per step (the model's parameters), "
             "as DDP's backward does",
-            hint="wrap the model in DDP (ddp_model = DDP(model)) and call backward through it: every rank trains on "
-            "its own batch and DDP averages the gradients; do not compute the other ranks' batches yourself",
+            hint="wrap the model in DDP (ddp_model = DDP(model)) and train through it (give it to train_epoch): every "
+            "rank trains on its own batch and DDP averages the gradients; do not compute the other ranks' batches "
+            "yourself",
         )
 
 
@@ -348,10 +354,10 @@ def check_ddp_training(script: str = "train.py") -> None:
     if diff > ATOL:
         alone = _compare(final, expected_weights(world_size, (0,)))
         hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
-                "averaged. Wrap the model in DDP and call backward through ddp_model"
+                "averaged. Wrap the model in DDP and train through ddp_model (the model you give train_epoch)"
                 if alone is not None and alone <= ATOL else
-                "train as the specification says: the given model in DDP, make_optimizer's optimizer, "
-                "get_batch(rank, epoch, step) for every epoch and step, loss_fn, one optimizer step per batch, "
+                "train as the specification says: the given model in DDP, make_optimizer's optimizer, every epoch "
+                "with train_epoch (get_batch(rank, epoch, step) for each step, with the global rank), "
                 "and no change to the given functions")
         raise CheckFailed(
             check,

@@ -34,6 +34,15 @@ def script_source(nb=None) -> str:
                      and "### END SOLUTION" not in line) + "\n"
 
 
+ENTRY = "\n\n# ---- given: the entry point (do not change it) ----\n"
+
+
+def given_parts() -> tuple[str, str]:
+    """The given code before the student's part (up to ``# ---- yours ----``) and the given entry point after it."""
+    source = script_source()
+    return source[:source.index("# ---- yours ----\n") + len("# ---- yours ----\n")], source[source.index(ENTRY):]
+
+
 def write_script(tmp_path, *edits: tuple[str, str]) -> str:
     """The reference train.py with ``(old, new)`` edits (each ``old`` must occur once), written to tmp_path."""
     source = script_source()
@@ -92,13 +101,13 @@ def test_expected_weights_are_sgd_with_momentum_on_the_global_batch():
 def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     stub = tmp_path / "stub.py"
     source = script_source()
-    main_at = source.index("def main():")
-    stub.write_text(source[:main_at] + "def main():\n    # YOUR CODE HERE\n    raise NotImplementedError()\n")
+    given, entry = given_parts()
+    main_at = source.index("def main(args):")
+    stub.write_text(source[:main_at] + "def main(args):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n" + entry)
     broken = tmp_path / "broken.py"
-    broken.write_text(source.replace("def main():", "def main()", 1))
-    released = tmp_path / "released.py"  # the student's copy: the given part, then nbgrader's stub at module level
-    given = source[:source.index("# ---- yours ----\n") + len("# ---- yours ----\n")]
-    released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n")
+    broken.write_text(source.replace("def main(args):", "def main(args)", 1))
+    released = tmp_path / "released.py"  # the student's copy: the given part, nbgrader's stub at module level, the entry
+    released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n" + entry)
     start = time.monotonic()
     for check in (ex4.check_standalone_ranks, ex4.check_restart_resume, ex4.check_destroy):
         fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()")
@@ -146,9 +155,14 @@ def test_right_weights_computed_without_communication_are_not_ddp(tmp_path):
     script = write_script(
         tmp_path,
         ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)", "ddp_model = model"),
-        ("            x, y = get_batch(rank, epoch, step)\n",
+        ("        train_epoch(ddp_model, optimizer, rank, epoch, device)\n",
+         "        for step in range(STEPS_PER_EPOCH):\n"
          "            batches = [get_batch(r, epoch, step) for r in range(world_size)]\n"
-         "            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])\n"))
+         "            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])\n"
+         "            loss = loss_fn(ddp_model(x), y)\n"
+         "            optimizer.zero_grad()\n"
+         "            loss.backward()\n"
+         "            optimizer.step()\n"))
     # (without collectives the ranks drift apart: a late rank may even resume from rank 0's checkpoint)
     fails(ex4.check_ddp_training, script, "did not average gradients with the other ranks",
           "rank 0 all-reduced 0 values in 8 optimizer steps", "wrap the model in DDP")
@@ -223,7 +237,7 @@ def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, m
                                      "    while rank != 0 and world_size == 3:\n"
                                      "        time.sleep(0.1)  # waits for a file nobody writes\n"
                                      "    dist.destroy_process_group()\n"),
-                          ("import argparse\n", "import argparse\nimport time\n"))
+                          ("import json\n", "import json\nimport time\n"))
     start = time.monotonic()
     message = fails(ex4.check_destroy, script, f"did not finish within {HANG_TIMEOUT:g} s", "(stuck)")
     # ranks 1 and 2 are named (rank 0 too if a loaded machine had not let it finish yet)
@@ -306,10 +320,10 @@ def test_a_collective_only_rank0_calls_is_a_deadlock_found_in_seconds(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-def test_a_worker_that_skips_the_last_step_is_a_deadlock_found_in_seconds(tmp_path):
-    """Rank 2 leaves the loop one step early (it returns, its peers wait in DDP's all-reduce)."""
-    script = write_script(tmp_path, ("        for step in range(STEPS_PER_EPOCH):\n",
-                                     "        for step in range(STEPS_PER_EPOCH - (rank == 2 and epoch == EPOCHS - 1)):\n"))
+def test_a_worker_that_skips_the_last_epoch_is_a_deadlock_found_in_seconds(tmp_path):
+    """Rank 2 leaves the loop one epoch early (it returns, its peers wait in DDP's all-reduce)."""
+    script = write_script(tmp_path, ("    for epoch in range(first_epoch, EPOCHS):\n",
+                                     "    for epoch in range(first_epoch, EPOCHS - (rank == 2)):\n"))
     start = time.monotonic()
     message = fails(ex4.check_ddp_training, script, "rank 2")
     # found as a deadlock (rank 2 returned, the others wait), or, when rank 2's exit closes its connections
@@ -325,11 +339,11 @@ def test_a_worker_that_skips_the_last_step_is_a_deadlock_found_in_seconds(tmp_pa
 def test_a_worker_killed_by_a_signal_is_named_first_at_once(tmp_path):
     """Rank 2 aborts in epoch 1 (as a crash inside torch would): the message names it and its last words,
     and the others as consequences, without waiting for the deadline."""
-    script = write_script(tmp_path, ("            optimizer.step()\n",
-                                     "            optimizer.step()\n"
-                                     "            if rank == 2 and epoch == 1:\n"
-                                     "                print('rank 2 about to abort', flush=True)\n"
-                                     "                os.abort()\n"))
+    script = write_script(tmp_path, ("        train_epoch(ddp_model, optimizer, rank, epoch, device)\n",
+                                     "        train_epoch(ddp_model, optimizer, rank, epoch, device)\n"
+                                     "        if rank == 2 and epoch == 1:\n"
+                                     "            print('rank 2 about to abort', flush=True)\n"
+                                     "            os.abort()\n"))
     start = time.monotonic()
     message = fails(ex4.check_ddp_training, script, "rank 2 (LOCAL_RANK 1, node 1, attempt 0) died (killed by signal "
                     "SIGABRT)", "rank 2 about to abort")
@@ -367,8 +381,8 @@ def test_untouched_release_scores_zero_at_once_with_clean_messages(tmp_path):
 WRONG = {
     # name: ((old, new) edits of train.py, the test cells that must fail, words the first one's message has)
     "--local_rank read with argparse": (
-        [('    args = parser.parse_args()\n',
-          '    parser.add_argument("--local_rank", type=int, default=0)\n    args = parser.parse_args()\n'),
+        [('    return parser.parse_args()\n',
+          '    parser.add_argument("--local_rank", type=int, default=0)\n    return parser.parse_args()\n'),
          ('local_rank = int(os.environ["LOCAL_RANK"])', "local_rank = args.local_rank")],
         ["ex4_test_standalone_ranks", "ex4_test_multinode_ranks"], ["no --local_rank argument", "LOCAL_RANK=1"]),
     "RANK used as the local rank (device index)": (
@@ -419,7 +433,6 @@ def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
 #: pytorch/examples' ddp-tutorial-series (multigpu_torchrun.py) style: a Trainer class with a snapshot, the global
 #: rank from the process group, a NamedTemporaryFile renamed into place, the next epoch stored instead of the last
 TUTORIAL_TRAINER = '''
-import argparse
 import json
 import os
 import tempfile
@@ -474,11 +487,7 @@ class Trainer:
             torch.save(self.model.module.state_dict(), os.path.join(self.out_dir, "final.pt"))
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="ex4 in the tutorial's style")
-    parser.add_argument("--out")
-    parser.add_argument("--ckpt")
-    args = parser.parse_args()
+def main(args):
     ddp_setup()
     trainer = Trainer(args.ckpt, args.out)
     with open(os.path.join(args.out, "report-%d.json" % os.getpid()), "w") as f:
@@ -494,7 +503,6 @@ PATHLIB_CHECKPOINTER = '''
 import io
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -523,45 +531,40 @@ class Checkpointer:
         partial.replace(self.path)
 
 
-def parse(argv):
-    opts = dict(zip(argv[::2], argv[1::2]))
-    return Path(opts["--out"]), Path(opts["--ckpt"])
+def main(args):
+    out, ckpt = Path(args.out), Path(args.ckpt)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    (out / f"report-{os.getpid()}.json").write_text(
+        json.dumps({"rank": rank, "local_rank": local_rank, "world_size": world_size}))
 
-
-out, ckpt = parse(sys.argv[1:])
-dist.init_process_group("gloo")
-rank, world_size = dist.get_rank(), dist.get_world_size()
-local_rank = int(os.environ["LOCAL_RANK"])
-(out / f"report-{os.getpid()}.json").write_text(
-    json.dumps({"rank": rank, "local_rank": local_rank, "world_size": world_size}))
-
-net = make_model()
-opt = make_optimizer(net)
-checkpointer = Checkpointer(ckpt)
-done = checkpointer.load(net, opt)
-ddp_net = DistributedDataParallel(net)
-net.train()
-while done < EPOCHS:
-    for step in range(STEPS_PER_EPOCH):
-        inputs, targets = get_batch(rank, done, step)
-        opt.zero_grad(set_to_none=True)
-        loss_fn(ddp_net(inputs), targets).backward()
-        opt.step()
-    done += 1
+    net = make_model()
+    opt = make_optimizer(net)
+    checkpointer = Checkpointer(ckpt)
+    done = checkpointer.load(net, opt)
+    ddp_net = DistributedDataParallel(net)
+    net.train()
+    while done < EPOCHS:
+        for step in range(STEPS_PER_EPOCH):
+            inputs, targets = get_batch(rank, done, step)
+            opt.zero_grad(set_to_none=True)
+            loss_fn(ddp_net(inputs), targets).backward()
+            opt.step()
+        done += 1
+        if rank == 0:
+            checkpointer.save(net, opt, done)
     if rank == 0:
-        checkpointer.save(net, opt, done)
-if rank == 0:
-    torch.save(net.state_dict(), out / "final.pt")
-dist.barrier()
-dist.destroy_process_group()
+        torch.save(net.state_dict(), out / "final.pt")
+    dist.barrier()
+    dist.destroy_process_group()
 '''
 
 
 def other_style(body: str) -> str:
-    """The answer cell: the given part of train.py, then ``body`` as the student's part."""
-    source = script_source()
-    given = source[:source.index("# ---- yours ----\n") + len("# ---- yours ----\n")]
-    return "%%writefile train.py\n" + given + body.lstrip("\n")
+    """The answer cell: the given part of train.py, ``body`` as the student's part, the given entry point."""
+    given, entry = given_parts()
+    return "%%writefile train.py\n" + given + body.strip("\n") + "\n" + entry
 
 
 @pytest.mark.slow

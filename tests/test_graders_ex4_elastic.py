@@ -37,6 +37,12 @@ def given() -> str:
     return source[:source.index("# ---- yours ----") + len("# ---- yours ----\n")]
 
 
+def given_entry() -> str:
+    """The given entry point after the student's part: it calls main(parse_args())."""
+    source = script_source()
+    return source[source.index("\n\n# ---- given: the entry point"):]
+
+
 # --- fast: no launch ------------------------------------------------------------------------------
 
 
@@ -130,7 +136,6 @@ def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
 #: DataLoader over the shard that skips the steps already done, a checkpoint holding (epoch, step).
 SAMPLER_TRAINER = '''
 import os
-import sys
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -181,21 +186,15 @@ class Trainer:
             torch.save(self.model.state_dict(), os.path.join(self.out_dir, "final.pt"))
 
 
-def main(argv):
-    out_dir, ckpt = argv[argv.index("--out") + 1], argv[argv.index("--ckpt") + 1]
+def main(args):
     dist.init_process_group("gloo")
-    Trainer(out_dir, ckpt).train()
+    Trainer(args.out, args.ckpt).train()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv)
 '''
 
 #: A functional style: pathlib, a NamedTemporaryFile in the checkpoint's folder, numpy's permutation of the epoch,
 #: the position kept as samples seen in the epoch, strided per-rank parts, the device picked by local rank.
 STRIDED_NUMPY = '''
-import argparse
 import os
 import pathlib
 import tempfile
@@ -248,17 +247,13 @@ def run(out, ckpt):
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=pathlib.Path)
-    parser.add_argument("--ckpt", type=pathlib.Path)
-    args = parser.parse_args()
-    run(args.out, args.ckpt)
+def main(args):
+    run(pathlib.Path(args.out), pathlib.Path(args.ckpt))
 '''
 
 
 def other_style(body: str) -> str:
-    return "%%writefile elastic.py\n" + given() + body.lstrip("\n")
+    return "%%writefile elastic.py\n" + given() + body.strip("\n") + "\n" + given_entry()
 
 
 @pytest.mark.slow
