@@ -195,8 +195,9 @@ def loss_weights(sizes: list[int], mode: str) -> list[float]:
     return [n / total if mode == "share" else 1 / len(sizes) if mode == "count" else 1.0 for n in sizes]
 
 
-def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
-    """Run ``steps`` calls of accumulate_step; record, per call, the optimizer steps and when DDP synced.
+def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
+    """Run ``steps`` calls of accumulate_grads, each followed by the given optimizer step and zero_grad; record,
+    per call, when DDP synced and what the collectives carried.
 
     The grader registers the DDP model's communication hook (DDP allows one): it does what DDP does
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
@@ -204,14 +205,13 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
     bucket the call really issued, whatever the student's code does to the hook; a spy on the
     collectives (graders.comm_spy) keeps what each collective of the call sent, and the weights the
-    call started with let the checker recompute the gradients. A forward pre-hook counts forwards;
-    the optimizer's step hook counts steps."""
+    call started with let the checker recompute the gradients. A forward pre-hook counts forwards."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
     ddp_model = _wrap(model, dev)
-    forwards, optimizer_steps, synced = [0], [0], []
+    forwards, synced = [0], []
     weights_at: list[dict] = []  # the weights at each forward of a call: what each backward differentiated at
 
     held: dict = {}  # what .grad held at a call's first forward: what its backward passes add to
@@ -232,7 +232,6 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     model.register_forward_pre_hook(on_forward)
     ddp_model.register_comm_hook(None, average)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
     numel = sum(p.numel() for p in model.parameters())  # a tiny model: one bucket holds every gradient
 
     def issued():
@@ -245,21 +244,23 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     calls = []
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
-        forwards[0], optimizer_steps[0] = 0, 0
+        forwards[0] = 0
         synced.clear()
         weights_at.clear()
         held.clear()
         before = issued()
         spy, carried = comm_spy.spy()  # what each collective of the call sent (DDP's and the student's)
         with spy:
-            accumulate_step(ddp_model, optimizer, batches)
+            accumulate_grads(ddp_model, batches)
         after = issued()
+        optimizer.step()  # the exercise's given code: one step with what .grad holds, then the gradients zeroed
+        optimizer.zero_grad()
         reduced = None
         if before is not None and after is not None:
             last = max([e["seq"] or 0 for e in before], default=0)
             reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
                           and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
-        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
+        calls.append({"synced_at": list(synced), "forwards": forwards[0],
                       "all_reduces": reduced, "weights_at": list(weights_at), "held": dict(held), "carried": carried})
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
 
@@ -282,20 +283,22 @@ def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int)
     return held, grads, [len(x) for x, _ in batches]
 
 
-def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", zero_grad=True):
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", last_only=False):
     """One process: ``steps`` SGD steps, each on every rank's micro-batches, each micro-batch's mean loss weighted
     as ``mode`` says (:func:`loss_weights`) and averaged over the ranks as DDP does. ``share`` is the mean loss
-    over all the samples of the step (every rank holds as many)."""
+    over all the samples of the step (every rank holds as many). ``last_only``: a mistake, the gradients zeroed
+    before each micro-batch, so only the last one's (weighted) gradient reaches the step."""
     model = make_net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        if zero_grad:
-            optimizer.zero_grad()
+        optimizer.zero_grad()
         loss = 0
         for rank in range(world_size):
             batches = _micro_batches(seed, rank, step, k, size)
-            for w, (x, y) in zip(loss_weights([len(x) for x, _ in batches], mode), batches):
-                loss = loss + w * F.mse_loss(model(x), y)
+            weights = loss_weights([len(x) for x, _ in batches], mode)
+            for j, (w, (x, y)) in enumerate(zip(weights, batches)):
+                if not last_only or j == len(batches) - 1:
+                    loss = loss + w * F.mse_loss(model(x), y)
         (loss / world_size).backward()
         optimizer.step()
     return model.state_dict()
@@ -306,6 +309,15 @@ def _uneven_batches(seed: int, rank: int, count: int, size: int):
     return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(count)]
 
 
+def train_steps(ddp_model, optimizer, batches):
+    """The exercise's given training loop (part 3): for each (x, y) of ``batches``, one SGD step on the mean
+    squared error of ``ddp_model(x)`` against ``y`` (zero_grad, backward, step)."""
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(ddp_model(x), y).backward()
+        optimizer.step()
+
+
 def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
     dev = checks.join_job()
     model = make_net(seed + 17 * rank).to(dev)
@@ -314,7 +326,7 @@ def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
     steps = [0]
     optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
     batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, counts[rank], size)]
-    train_uneven(ddp_model, optimizer, batches)
+    train_uneven(ddp_model, optimizer, batches, train_steps)
     return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0]}
 
 
