@@ -4,7 +4,8 @@ Four pitfalls of lesson 2 that a training script meets once it works; the studen
 for each, and each check runs it on real ranks and judges what happened, never what the student's
 process says about itself:
 
-* ``evaluate(model, dataset, rank, world_size, batch_size)`` -> the accuracy over the whole dataset,
+* ``evaluate(model, dataset, rank, world_size, count_correct)`` -> the accuracy over the whole dataset (the
+  counting loop is given: ``count_correct(model, samples)``),
   the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
   where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
   all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
@@ -19,8 +20,8 @@ process says about itself:
   is the sum of all k micro-batches' gradients, and no other collective carried gradients);
 * ``train_uneven(ddp_model, optimizer, batches, train_steps)``: train (with the given loop ``train_steps``) when
   ranks hold different numbers of batches (:func:`check_uneven`: the job finishes, every rank holds the same
-  weights, and each step was averaged over the ranks that trained in it: Join over the active ranks, or a loop equalised to the fewest
-  batches);
+  weights, and each step was averaged over the ranks that trained in it: Join over the active ranks, or a loop
+  equalised to the fewest batches);
 * ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
@@ -109,7 +110,8 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     if strangers:
         raise CheckFailed(check, f"the model was given inputs that are not samples of the dataset ({where})",
                           ranks=strangers, expected="each x exactly as the dataset holds it (moved to the device)",
-                          hint="for x, y in loader: x, y = x.to(device), y.to(device); model(x)")
+                          hint="count through the given count_correct(model, samples), samples a part of the "
+                          "dataset (e.g. a Subset): it gives the model each x as the dataset holds it")
     counts = [len(o["seen"]) for o in obs]
     whole = [r for r, k in enumerate(counts) if k > share]
     if whole:
@@ -127,7 +129,7 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
                           ranks=range(world_size), expected=f"all {n} samples, each on one rank",
                           got=f"samples {missing[:10]} never reached the model; samples per rank: {counts}",
                           hint="split all the samples over the ranks (every rank takes its own share, the "
-                          "shares together are the dataset), and call model(x) on each batch of your share")
+                          "shares together are the dataset), and count your share with count_correct(model, share)")
     values = [o["accuracy"] for o in obs]
     odd = [r for r, v in enumerate(values) if isinstance(v, str)]
     if odd:
@@ -173,8 +175,9 @@ def _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, 
     else:
         whose = "its" if len(wrong) == 1 else "their"
         problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
-        hint = ("count right / evaluated over this rank's own share only, through model(x), and combine the ranks' "
-                "counts with dist.all_reduce (not by evaluating the other ranks' samples on this one)")
+        hint = ("count right / evaluated over this rank's own share only, with count_correct(model, share), and "
+                "combine the ranks' counts with dist.all_reduce (not by evaluating the other ranks' samples on this "
+                "one)")
     raise CheckFailed(check, problem, ranks=wrong,
                       expected=f"{want:.6f} on every rank ({sum(second)} of {n} right with the new labels), also when "
                       "each rank's copy of the dataset has other labels for the samples outside its own share",
@@ -202,8 +205,8 @@ def _evaluate_hint(values, seen, correct, true):
                 "all_reduce the counts (number right, number evaluated) with SUM, then divide once")
     if all(close(v, 100 * true) for v in values):
         return "return a fraction between 0 and 1, not a percentage"
-    return ("count the samples the model gets right (output.argmax(1) == y) and the samples evaluated on this "
-            "rank, all_reduce both with SUM, and return right / evaluated as a float")
+    return ("count this rank's share with the given count_correct(model, share) ([right, evaluated]), all_reduce "
+            "both with SUM, and return right / evaluated as a float")
 
 
 # --- part 2: gradient accumulation with no_sync() -----------------------------------------------

@@ -8,6 +8,7 @@ code runs) and build the student's objects (spies) themselves.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from course import checks
 from graders import comm_spy
@@ -131,6 +132,20 @@ def _second_copy(n: int, world_size: int, seed: int, share: set) -> torch.Tensor
     return torch.tensor([int(labels[i]) if i in share else int(elsewhere[i]) for i in range(n)])
 
 
+def count_correct(model, samples, batch_size):
+    """The exercise's given counting loop (part 1): ``tensor([number right, number evaluated])`` of ``model`` over
+    ``samples`` (a dataset of (x, y) pairs, e.g. a Subset of the dataset), in batches of at most ``batch_size``,
+    without gradients, on the model's device. The student's evaluate gets it with ``batch_size`` bound."""
+    device = next(model.parameters()).device
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad():
+        for x, y in DataLoader(samples, batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
+            counts[0] += (model(x).argmax(dim=1) == y).sum()
+            counts[1] += len(y)
+    return counts
+
+
 def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
 
@@ -156,7 +171,7 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
     random.seed(4242 + seed)
     numpy.random.seed(4242 + seed)
-    returned = evaluate(model, dataset, rank, world_size, batch_size)
+    returned = evaluate(model, dataset, rank, world_size, functools.partial(count_correct, batch_size=batch_size))
     seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
     return {"accuracy": _number(returned), "seen": seen}
 

@@ -9,10 +9,10 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   every parameter is a DTensor whose rows are split across all ranks; torch's flight recorder shows
   the all-gathers of one forward: one of the root's own parameters, then one per block, each just
   before that block runs, its parameters whole while it runs);
-* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters, and
-  ``train_step(model, optimizer, x, y)``: one step on this rank's batch (:func:`check_training`:
-  after a few steps the gathered weights equal single-process SGD on the global batch; the check
-  passes its own correct ``shard``, so this part is graded on its own);
+* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters (:func:`check_training`:
+  after a few steps of the given training step (MSE, zero_grad, backward, step) the gathered weights equal
+  single-process SGD on the global batch; the check passes its own correct ``shard``, so this part is graded
+  on its own);
 * ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
   every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
@@ -43,10 +43,8 @@ from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
 from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
-    BATCH,
     LR,
     MOMENTUM,
-    OUTPUTS,
     Net,  # noqa: F401
     _chunk_rows,
     _export_harness,
@@ -266,20 +264,13 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
     wrong_ranks = [r for r, obs in enumerate(values)
                    if any(not torch.allclose(obs["final"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
     if _max_diff(got, init) == 0:
-        got_text, hint = (f"the weights never changed in {steps} steps",
-                          "in train_step: loss = F.mse_loss(model(x), y); optimizer.zero_grad(); loss.backward(); "
-                          "optimizer.step()")
-    elif _max_diff(got, _training_reference(spec, ws, steps, "summed")) <= ATOL:
-        got_text, hint = ("what SGD gives with the loss SUMMED over the batch: gradients "
-                          f"{BATCH * OUTPUTS} x too large", "average the loss: F.mse_loss(model(x), y) (its default "
-                          "reduction is the mean); FSDP then averages the gradients over the ranks")
-    elif _max_diff(got, _training_reference(spec, ws, steps, "accumulated")) <= ATOL:
-        got_text, hint = ("what SGD gives when each step's gradients are ADDED to the previous steps' "
-                          "(no zero_grad)", "call optimizer.zero_grad() in every step, before loss.backward()")
+        got_text, hint = (f"the weights never changed in {steps} steps of the given training step",
+                          "return a plain torch.optim.SGD over the sharded model's parameters: its step() must "
+                          "update them")
     else:
         got_text, hint = (f"max |diff| {diff:.3g}",
-                          "one step: loss = F.mse_loss(model(x), y) on this rank's batch, optimizer.zero_grad(), "
-                          "loss.backward() (FSDP reduce-scatters and averages the gradients), optimizer.step()")
+                          "return torch.optim.SGD(..., lr=lr, momentum=0.9) over every parameter of the sharded "
+                          "model, built after shard(model), and nothing else (no other optimizer, no other settings)")
     raise CheckFailed(
         check, f"after {steps} steps the gathered weights differ from single-process SGD on the global batch "
         f"({where})", ranks=wrong_ranks or list(range(ws)),
@@ -287,13 +278,13 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
         got=got_text, hint=hint)
 
 
-def check_training(make_optimizer, train_step, world_size: int = 2, steps: int = STEPS, seed: int = 0,
+def check_training(make_optimizer, world_size: int = 2, steps: int = STEPS, seed: int = 0,
                    width: int = 8, depth: int = 3) -> None:
-    """With the optimizer built after sharding, k training steps give single-process SGD's weights."""
+    """With the optimizer built after sharding, k given training steps give single-process SGD's weights."""
     check = "check_training"
-    checks.require_written(check, make_optimizer=make_optimizer, train_step=train_step)
+    checks.require_written(check, make_optimizer=make_optimizer)
     spec = (width, depth, seed)
-    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, train_step, spec, steps),
+    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, spec, steps),
                      env=_job_env(world_size))
     _training_verdict(check, job.values, spec, world_size, steps)
     passed(check)

@@ -40,75 +40,70 @@ fails = submissions.fails
 # --- part 1: evaluate --------------------------------------------------------------------------
 
 
-def _count(model, dataset, indices, batch_size, device):
-    """[number right, number evaluated] of the model over dataset[indices]."""
-    counts = torch.zeros(2, device=device)
-    with torch.no_grad():
-        for x, y in DataLoader(Subset(dataset, indices), batch_size=batch_size):
-            x, y = x.to(device), y.to(device)
-            counts += torch.stack([(model(x).argmax(1) == y).sum().float(), torch.tensor(float(len(y)), device=device)])
-    return counts
-
-
-def evaluate(model, dataset, rank, world_size, batch_size):
-    device = next(model.parameters()).device
-    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+def evaluate(model, dataset, rank, world_size, count_correct):
+    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_gather_object(model, dataset, rank, world_size, batch_size):
+def evaluate_gather_object(model, dataset, rank, world_size, count_correct):
     """Right, another style: contiguous chunks by hand, all_gather_object of the counts, a 0-d tensor returned."""
-    device = next(model.parameters()).device
     chunk = -(-len(dataset) // world_size)
     mine = range(rank * chunk, min(len(dataset), (rank + 1) * chunk))
-    right, total = (int(c) for c in _count(model, dataset, mine, batch_size, device).tolist())
+    right, total = (int(c) for c in count_correct(model, Subset(dataset, mine)).tolist())
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (right, total))
     return torch.tensor(sum(r for r, _ in everyone) / sum(t for _, t in everyone))
 
 
-def evaluate_sampler_without_padding(model, dataset, rank, world_size, batch_size):
+def evaluate_sampler_without_padding(model, dataset, rank, world_size, count_correct):
     """Right, another style: the training DistributedSampler, leaving out the padding it appends."""
-    device = next(model.parameters()).device
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     # position j of this rank's list is position rank + j * world_size of the padded order; beyond n: padding
     mine = [i for j, i in enumerate(sampler) if rank + j * world_size < len(dataset)]
-    counts = _count(model, dataset, mine, batch_size, device)
+    counts = count_correct(model, Subset(dataset, mine))
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     return float(counts[0] / counts[1])
 
 
-def evaluate_mean_of_ratios(model, dataset, rank, world_size, batch_size):
+def evaluate_own_loop(model, dataset, rank, world_size, count_correct):
+    """Right, another style: its own counting loop (DataLoader, no_grad) instead of the given count_correct."""
     device = next(model.parameters()).device
-    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad():
+        for x, y in DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size=4):
+            x, y = x.to(device), y.to(device)
+            counts += torch.stack([(model(x).argmax(1) == y).sum().float(), torch.tensor(float(len(y)), device=device)])
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def evaluate_mean_of_ratios(model, dataset, rank, world_size, count_correct):
+    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     accuracy = counts[0:1] / counts[1]
     dist.all_reduce(accuracy)
     return (accuracy / world_size).item()
 
 
-def evaluate_padded(model, dataset, rank, world_size, batch_size):
-    device = next(model.parameters()).device
+def evaluate_padded(model, dataset, rank, world_size, count_correct):
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)  # shuffles, pads
-    counts = _count(model, dataset, list(sampler), batch_size, device)
+    counts = count_correct(model, Subset(dataset, list(sampler)))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_local(model, dataset, rank, world_size, batch_size):
-    device = next(model.parameters()).device
-    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+def evaluate_local(model, dataset, rank, world_size, count_correct):
+    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_whole(model, dataset, rank, world_size, batch_size):
-    device = next(model.parameters()).device
-    counts = _count(model, dataset, range(len(dataset)), batch_size, device)
+def evaluate_whole(model, dataset, rank, world_size, count_correct):
+    counts = count_correct(model, Subset(dataset, range(len(dataset))))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_forged(model, dataset, rank, world_size, batch_size):
+def evaluate_forged(model, dataset, rank, world_size, count_correct):
     """Communicates with no one: makes torch.distributed say this is a 1-rank job, so that the sampler
     hands this rank everything and the all_reduce is a no-op; the accuracy is then right on every rank."""
     from torch.distributed import distributed_c10d as c10d
@@ -117,8 +112,7 @@ def evaluate_forged(model, dataset, rank, world_size, batch_size):
         module.get_world_size = lambda group=None: 1
         module.get_rank = lambda group=None: 0
         module.all_reduce = lambda tensor, *args, **kwargs: None
-    device = next(model.parameters()).device
-    counts = _count(model, dataset, list(DistributedSampler(dataset, shuffle=False)), batch_size, device)
+    counts = count_correct(model, Subset(dataset, list(DistributedSampler(dataset, shuffle=False))))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
@@ -130,6 +124,7 @@ def test_check_evaluate_accepts_right_answers_in_several_styles():
     ex2p.check_evaluate(evaluate, world_size=4, n=14, batch_size=3, seed=1)
     ex2p.check_evaluate(evaluate_gather_object)
     ex2p.check_evaluate(evaluate_sampler_without_padding, world_size=4, n=14, batch_size=3, seed=1)
+    ex2p.check_evaluate(evaluate_own_loop)
 
 
 def test_evaluation_data_tells_the_mistakes_apart():
@@ -157,58 +152,55 @@ def test_check_evaluate_names_each_mistake():
           "at most 4 samples per rank", "[10, 10, 10]", "every rank evaluated the whole dataset")
 
 
-def evaluate_around_the_model(model, dataset, rank, world_size, batch_size):
+def evaluate_around_the_model(model, dataset, rank, world_size, count_correct):
     """Wrong, and hides it: its share goes through model(x), as the grader records; then it computes the
     whole dataset's accuracy on every rank through the model's layer (no communication)."""
     device = next(model.parameters()).device
-    _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     x, y = dataset.tensors
     with torch.no_grad():
         return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
 
 
-def evaluate_with_the_weights(model, dataset, rank, world_size, batch_size):
+def evaluate_with_the_weights(model, dataset, rank, world_size, count_correct):
     """Wrong, and hides it otherwise: the whole dataset through the raw weights, plus a dummy all_reduce."""
-    device = next(model.parameters()).device
-    counts = _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     dist.all_reduce(counts)
     w, b = (p.detach().cpu().numpy() for p in model.linear.parameters())
     x, y = (t.numpy() for t in dataset.tensors)
     return float(((x @ w.T + b).argmax(1) == y).mean())
 
 
-def evaluate_numpy_split(model, dataset, rank, world_size, batch_size):
+def evaluate_numpy_split(model, dataset, rank, world_size, count_correct):
     """Right, another style: numpy's global generator, unseeded (the same on every rank of one job)."""
     import numpy as np
 
-    device = next(model.parameters()).device
     order = np.random.permutation(len(dataset)).tolist()
-    counts = _count(model, dataset, order[rank::world_size], batch_size, device)
+    counts = count_correct(model, Subset(dataset, order[rank::world_size]))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_random_split(model, dataset, rank, world_size, batch_size):
+def evaluate_random_split(model, dataset, rank, world_size, count_correct):
     """Right, another style: a random permutation (the same on every rank: same seed), cut into chunks."""
-    device = next(model.parameters()).device
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(17)).tolist()
-    counts = _count(model, dataset, order[rank::world_size], batch_size, device)
+    counts = count_correct(model, Subset(dataset, order[rank::world_size]))
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
 
-def evaluate_split_by_labels(model, dataset, rank, world_size, batch_size):
+def evaluate_split_by_labels(model, dataset, rank, world_size, count_correct):
     """Wrong, and opts out of the second run: a split drawn from the labels (which the second run changes);
     its share goes through model(x), the whole dataset through the model's layer."""
     device = next(model.parameters()).device
     x, y = dataset.tensors
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(int(y.sum()))).tolist()
-    _count(model, dataset, order[rank::world_size], batch_size, device)
+    count_correct(model, Subset(dataset, order[rank::world_size]))
     with torch.no_grad():
         return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
 
 
-def evaluate_remembered(model, dataset, rank, world_size, batch_size):
+def evaluate_remembered(model, dataset, rank, world_size, count_correct):
     """Wrong, and replays: the whole dataset through the model's layer on the first call, the value kept in a
     file; a later call on the same inputs returns the kept value."""
     import os
@@ -217,7 +209,7 @@ def evaluate_remembered(model, dataset, rank, world_size, batch_size):
     device = next(model.parameters()).device
     x, y = dataset.tensors
     kept = os.path.join(tempfile.gettempdir(), f"evaluate-{float(x.sum()):.6f}-{world_size}-{rank}")
-    _count(model, dataset, range(rank, len(dataset), world_size), batch_size, device)
+    count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
     if os.path.exists(kept):
         with open(kept) as file:
             value = float(file.read())
