@@ -69,34 +69,58 @@ def test_a_gloo_job_hides_the_gpus(monkeypatch):
 
 
 def shard_model(model):
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])  # two consecutive blocks: one all-gather
+    fully_shard(model)
+    return model
+
+
+def shard_with_a_mesh(model):
+    """Right, another style: an explicit 1-D mesh, the pairs zipped, nothing returned (fully_shard works in place)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = list(model.blocks)
+    for pair in zip(blocks[::2], blocks[1::2]):
+        fully_shard(list(pair), mesh=mesh, reshard_after_forward=True)
+    if len(blocks) % 2:
+        fully_shard(blocks[-1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_keep_unsharded(model):
+    """Right, another style: the units keep their gathered weights from forward to backward (ZeRO-2 like)."""
+    for i in range(0, len(model.blocks), 2):
+        fully_shard([model.blocks[j] for j in range(i, min(i + 2, len(model.blocks)))], reshard_after_forward=False)
+    fully_shard(model)
+    return model
+
+
+def shard_lone_first(model):
+    """Right, another grouping with as few all-gathers: an odd depth's lone block first, then pairs."""
+    blocks = list(model.blocks)
+    start = len(blocks) % 2
+    if start:
+        fully_shard(blocks[0])
+    for i in range(start, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
+    return fully_shard(model)
+
+
+def shard_per_block(model):
+    """Lesson 3's choice: every block its own unit (one all-gather per block)."""
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     return model
 
 
-def shard_with_a_mesh(model):
-    """Right, another style: an explicit 1-D mesh, nothing returned (fully_shard works in place)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh)
-
-
-def shard_keep_unsharded(model):
-    """Right, another style: the blocks keep their gathered weights from forward to backward (ZeRO-2 like)."""
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
+def shard_triples(model):
+    """Over the budget: three blocks per unit."""
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 3):
+        fully_shard(blocks[i:i + 3])
     fully_shard(model)
     return model
-
-
-def shard_by_type(model):
-    """Right, another style: the blocks found by their class, the root's result returned."""
-    for module in model.modules():
-        if type(module).__name__ == "Block":
-            fully_shard(module)
-    return fully_shard(model)
 
 
 def shard_root_only(model):
@@ -105,8 +129,9 @@ def shard_root_only(model):
 
 
 def shard_blocks_only(model):
-    for block in model.blocks:
-        fully_shard(block)
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
     return model
 
 
@@ -116,8 +141,9 @@ def shard_nothing(model):
 
 def shard_root_first(model):
     fully_shard(model)
-    for block in model.blocks:
-        fully_shard(block)
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
     return model
 
 
@@ -154,16 +180,20 @@ def test_check_shard():
     fsdp.check_shard(shard_model)
     fsdp.check_shard(shard_model, world_size=3, width=10, depth=4, seed=1)
     fsdp.check_shard(shard_with_a_mesh)
-    fsdp.check_shard(shard_by_type, world_size=3)
+    fsdp.check_shard(shard_with_a_mesh, world_size=3, depth=4)
+    fsdp.check_shard(shard_lone_first, world_size=3)
     fsdp.check_shard(shard_keep_unsharded)
+    fails(fsdp.check_shard, shard_per_block, "ran 3 all-gathers for the 3 blocks where 2 fit the memory budget",
+          "[37, 140, 140, 140]", "lesson 3's choice", "fully_shard accepts a list")
+    fails(fsdp.check_shard, shard_triples, "more than 2 blocks' parameters whole at once", "420 > 280", depth=4)
     fails(fsdp.check_shard, shard_root_only, "the whole model is ONE FSDP unit", "ONE all-gather of 457 values",
-          "fully_shard(block) on EACH block")
+          "over the memory budget")
     fails(fsdp.check_shard, shard_root_only, "ONE FSDP unit", world_size=3, depth=4)
     fails(fsdp.check_shard, shard_blocks_only, "the root's own parameters are not sharded", "embed.weight",
           "fully_shard(model) too")
     fails(fsdp.check_shard, shard_nothing, "nothing is sharded", "[ranks 0, 1]")
-    fails(fsdp.check_shard, shard_root_first, "fully_shard(block) for each block FIRST")
-    fails(fsdp.check_shard, shard_every_linear, "model.blocks[0] is not an FSDP unit of its own")
+    fails(fsdp.check_shard, shard_root_first, "the blocks' units FIRST")
+    fails(fsdp.check_shard, shard_every_linear, "model.blocks[0] is not in a unit of whole blocks")
     fails(fsdp.check_shard, shard_forged, "nothing is sharded")
     fails(fsdp.check_shard, shard_stub, "not written yet")
 
@@ -580,9 +610,13 @@ def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
 WRONG = {
     # name: ((answer cell, old text, new text), ...), the test cell that must fail, words its message must contain
     "only the root sharded": (
-        [("ex3f_shard_model", "    for block in model.blocks:\n        fully_shard(block)  # each block: one all-gather "
-          "just before it runs\n", "")],
+        [("ex3f_shard_model", "    for i in range(0, len(blocks), 2):\n        fully_shard(blocks[i:i + 2])  # two "
+          "consecutive blocks: one all-gather just before the first runs\n", "")],
         "ex3f_test_shard", ["the whole model is ONE FSDP unit"]),
+    "every block its own unit (lesson 3's choice)": (
+        [("ex3f_shard_model", "range(0, len(blocks), 2)", "range(len(blocks))"),
+         ("ex3f_shard_model", "fully_shard(blocks[i:i + 2])", "fully_shard(blocks[i])")],
+        "ex3f_test_shard", ["where 2 fit the memory budget", "lesson 3's choice"]),
     "the root not sharded": (
         [("ex3f_shard_model", "    fully_shard(model)  # the root unit: embed and head\n", "")],
         "ex3f_test_shard", ["the root's own parameters are not sharded", "embed.weight"]),
