@@ -4,22 +4,24 @@ Four pitfalls of lesson 2 that a training script meets once it works; the studen
 for each, and each check runs it on real ranks and judges what happened, never what the student's
 process says about itself:
 
-* ``evaluate(model, dataset, rank, world_size, batch_size)`` -> the accuracy over the whole dataset,
+* ``evaluate(model, dataset, rank, world_size, count_correct)`` -> the accuracy over the whole dataset (the
+  counting loop is given: ``count_correct(model, samples)``),
   the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
   where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
   all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
   second run on other labels, each rank's copy relabelled again outside its share, must evaluate the same
   split and return the new accuracy);
-* ``accumulate_step(ddp_model, optimizer, micro_batches)``: one optimizer step over micro-batches of unequal
-  sizes, their number changing from call to call (:func:`check_accumulation`: the weights equal one process's
-  step on the mean loss over all ranks' samples together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
+* ``accumulate_grads(ddp_model, micro_batches)``: the forward and backward passes of micro-batches of unequal
+  sizes, their number changing from call to call, after which the given code takes one optimizer step
+  (:func:`check_accumulation`: the weights equal one process's step on the mean loss over all ranks' samples
+  together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
   the rank issued, one per step; a communication hook the grader registers on the DDP model sees in
   which backward; what that all-reduce carried (a spy on the collectives, :mod:`graders.comm_spy`)
   is the sum of all k micro-batches' gradients, and no other collective carried gradients);
-* ``train_uneven(ddp_model, optimizer, batches)``: train when ranks hold different numbers of
-  batches (:func:`check_uneven`: the job finishes, every rank holds the same weights, and each step was
-  averaged over the ranks that trained in it: Join over the active ranks, or a loop equalised to the fewest
-  batches);
+* ``train_uneven(ddp_model, optimizer, batches, train_steps)``: train (with the given loop ``train_steps``) when
+  ranks hold different numbers of batches (:func:`check_uneven`: the job finishes, every rank holds the same
+  weights, and each step was averaged over the ranks that trained in it: Join over the active ranks, or a loop
+  equalised to the fewest batches);
 * ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
@@ -108,7 +110,8 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     if strangers:
         raise CheckFailed(check, f"the model was given inputs that are not samples of the dataset ({where})",
                           ranks=strangers, expected="each x exactly as the dataset holds it (moved to the device)",
-                          hint="for x, y in loader: x, y = x.to(device), y.to(device); model(x)")
+                          hint="count through the given count_correct(model, samples), samples a part of the "
+                          "dataset (e.g. a Subset): it gives the model each x as the dataset holds it")
     counts = [len(o["seen"]) for o in obs]
     whole = [r for r, k in enumerate(counts) if k > share]
     if whole:
@@ -126,7 +129,7 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
                           ranks=range(world_size), expected=f"all {n} samples, each on one rank",
                           got=f"samples {missing[:10]} never reached the model; samples per rank: {counts}",
                           hint="split all the samples over the ranks (every rank takes its own share, the "
-                          "shares together are the dataset), and call model(x) on each batch of your share")
+                          "shares together are the dataset), and count your share with count_correct(model, share)")
     values = [o["accuracy"] for o in obs]
     odd = [r for r, v in enumerate(values) if isinstance(v, str)]
     if odd:
@@ -172,8 +175,9 @@ def _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, 
     else:
         whose = "its" if len(wrong) == 1 else "their"
         problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
-        hint = ("count right / evaluated over this rank's own share only, through model(x), and combine the ranks' "
-                "counts with dist.all_reduce (not by evaluating the other ranks' samples on this one)")
+        hint = ("count right / evaluated over this rank's own share only, with count_correct(model, share), and "
+                "combine the ranks' counts with dist.all_reduce (not by evaluating the other ranks' samples on this "
+                "one)")
     raise CheckFailed(check, problem, ranks=wrong,
                       expected=f"{want:.6f} on every rank ({sum(second)} of {n} right with the new labels), also when "
                       "each rank's copy of the dataset has other labels for the samples outside its own share",
@@ -201,42 +205,33 @@ def _evaluate_hint(values, seen, correct, true):
                 "all_reduce the counts (number right, number evaluated) with SUM, then divide once")
     if all(close(v, 100 * true) for v in values):
         return "return a fraction between 0 and 1, not a percentage"
-    return ("count the samples the model gets right (output.argmax(1) == y) and the samples evaluated on this "
-            "rank, all_reduce both with SUM, and return right / evaluated as a float")
+    return ("count this rank's share with the given count_correct(model, share) ([right, evaluated]), all_reduce "
+            "both with SUM, and return right / evaluated as a float")
 
 
 # --- part 2: gradient accumulation with no_sync() -----------------------------------------------
 
 
-def _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed):
+def _run_accumulate(check, accumulate_grads, world_size, k, size, steps, lr, seed):
     hints = [("can only be called once", "the grader has registered the DDP model's communication hook: do not "
                                          "register one yourself"),
              ("timeout", "every rank must run the same backward passes with the same no_sync() pattern: a rank "
                          "that syncs when the others do not waits for them forever")]
-    return checks.run(check, _accumulate_harness, world_size, args=(accumulate_step, k, size, steps, lr, seed),
-                      expected="accumulate_step returns on every rank, after one optimizer step", hints=hints).values
+    return checks.run(check, _accumulate_harness, world_size, args=(accumulate_grads, k, size, steps, lr, seed),
+                      expected="accumulate_grads returns on every rank, the gradients accumulated in .grad",
+                      hints=hints).values
 
 
-def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
-    """Each call of accumulate_step takes one optimizer step; afterwards the ranks hold bitwise the same
-    weights, equal (1e-6) to one process stepping on the mean loss over all the samples of all ranks'
+def check_accumulation(accumulate_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
+    """Each call of accumulate_grads is followed by the given optimizer step; afterwards the ranks hold bitwise the
+    same weights, equal (1e-6) to one process stepping on the mean loss over all the samples of all ranks'
     micro-batches. The micro-batches have unequal sizes and their number changes from call to call
     (k, k + 1, ...): only a loss weighted by each micro-batch's share of the samples gives that step."""
     check = "check_accumulation"
-    checks.require_written(check, accumulate_step=accumulate_step)
-    obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
+    checks.require_written(check, accumulate_grads=accumulate_grads)
+    obs = _run_accumulate(check, accumulate_grads, world_size, k, size, steps, lr, seed)
     counts = [micro_count(k, step) for step in range(steps)]
     where = f"{world_size} ranks, {' then '.join(map(str, counts))} micro-batches of unequal sizes, {steps} calls"
-    stepped = [[c["steps"] for c in o["calls"]] for o in obs]
-    off = [r for r, s in enumerate(stepped) if s != [1] * steps]
-    if off:
-        many = max(max(s) for s in stepped) > 1
-        raise CheckFailed(check, f"accumulate_step did not take exactly one optimizer step per call ({where})",
-                          ranks=off, expected=f"optimizer.step() once per call: {[1] * steps}",
-                          got=f"optimizer steps per call on rank {off[0]}: {stepped[off[0]]}",
-                          hint=("step once, after all the backward passes: the gradients of the micro-batches add up "
-                                "in .grad until then" if many else
-                                "call optimizer.step() on the optimizer you were given, once, after the last backward"))
     states = [o["state"] for o in obs]
     _require_same_weights(check, states, where,
                           "the last micro-batch's forward and backward must run outside no_sync(): only then "
@@ -250,29 +245,29 @@ def check_accumulation(accumulate_step, *, world_size=2, k=4, size=3, steps=2, l
                    (dict(mode="none"), "the accumulated gradient is the sum of the micro-batches' mean gradients, "
                                        "several times the mean over the samples: weight each micro-batch's mean "
                                        "loss by its share of this rank's samples"),
-                   (dict(zero_grad=False), "the gradients of the previous call were still in .grad: call "
-                                           "optimizer.zero_grad() once per call (before the first backward or after "
-                                           "the step)")]
+                   (dict(last_only=True), "only the last micro-batch's gradient reached the step: the gradients "
+                                          "were zeroed between the micro-batches. Let them add up in .grad: no "
+                                          "zero_grad() inside accumulate_grads (the given step zeroes them after)")]
         hint = next((h for kw, h in guesses if _diff(states[0],
                      _accumulate_reference(world_size, k, size, steps, lr, seed, **kw)) <= ATOL),
                     "the step must be the one a single process takes on the mean loss over all the samples of the "
-                    "call (every micro-batch of every rank): weight each micro-batch's loss by its size, step once, "
-                    "and leave no gradient behind")
+                    "call (every micro-batch of every rank): weight each micro-batch's loss by its size and let the "
+                    "gradients add up in .grad for the given step")
         raise CheckFailed(check, f"the weights differ from one process's step on all the samples ({where})",
                           ranks=range(world_size), expected="the same weights within 1e-6",
                           got=f"max difference {_diff(states[0], reference):.3g}", hint=hint)
     passed(check)
 
 
-def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
-    """Each call of accumulate_step all-reduces the gradients once, in the backward of the last micro-batch
+def check_no_sync(accumulate_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
+    """Each call of accumulate_grads all-reduces the gradients once, in the backward of the last micro-batch
     (the others run inside no_sync()): torch's flight recorder counts the all-reduces of DDP's gradient
     bucket the call issued, the grader's communication hook says in which backward, what that all-reduce
     carried must be the accumulation of all the call's micro-batches' gradients (however each loss was
     weighted: check_accumulation judges that), and no other collective may carry them."""
     check = "check_no_sync"
-    checks.require_written(check, accumulate_step=accumulate_step)
-    obs = _run_accumulate(check, accumulate_step, world_size, k, size, steps, lr, seed)
+    checks.require_written(check, accumulate_grads=accumulate_grads)
+    obs = _run_accumulate(check, accumulate_grads, world_size, k, size, steps, lr, seed)
     where = f"{world_size} ranks, {k} then {k + 1} micro-batches per step"
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     right = all(_diff(o["state"], reference) <= ATOL for o in obs)
@@ -292,11 +287,11 @@ def check_no_sync(accumulate_step, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                    f"passes after forwards {synced} of {forwards}" if count else f"call {call + 1}: no gradient all-reduce in "
                    f"{forwards} forwards and their backward passes")
             if count > 1:
-                problem = f"DDP all-reduced the gradients {count} times in one accumulate_step ({where})"
+                problem = f"DDP all-reduced the gradients {count} times in one accumulate_grads ({where})"
                 hint = (f"run every micro-batch but the last ({m - 1} of {m} here; forward and backward) inside `with "
                         f"ddp_model.no_sync():` and only the last outside it; {weights}")
             elif count == 0 or not synced:
-                problem = f"DDP never all-reduced the gradients in one accumulate_step ({where})"
+                problem = f"DDP never all-reduced the gradients in one accumulate_grads ({where})"
                 hint = ("the last micro-batch's forward and backward must run outside no_sync(): DDP decides in "
                         "the forward whether the next backward syncs; syncing by hand skips DDP's bucketed all-reduce")
             else:
@@ -340,9 +335,9 @@ def _judge_carried(check, rank, call, c, accumulated, where, world_size, weights
     if len(bucket) != 1:
         raise CheckFailed(check, f"the grader could not see what DDP's all-reduce carried in call {call + 1} ({where})",
                           ranks=[rank], expected="DDP's all-reduce issued from the backward of the last micro-batch, "
-                          "on the thread that calls accumulate_step",
+                          "on the thread that calls accumulate_grads",
                           got=f"the process group ran it, but {len(bucket)} were seen where the grader looks",
-                          hint="call backward() on the thread that runs accumulate_step, and leave torch's "
+                          hint="call backward() on the thread that runs accumulate_grads, and leave torch's "
                           "dispatch as it is")
     values = torch.cat(bucket[0]["values"])
     if not carries(values, k - 1):
@@ -415,8 +410,8 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
         raise CheckFailed(check, f"the weights did not change ({where})", ranks=range(world_size),
                           expected=f"trained weights: at least {fewest} SGD steps on every rank",
                           got=f"optimizer steps per rank: {[o['steps'] for o in obs]}",
-                          hint="for each batch: optimizer.zero_grad(), F.mse_loss(ddp_model(x), y).backward(), "
-                          "optimizer.step()")
+                          hint="train with the given loop: train_steps(ddp_model, optimizer, batches) takes one "
+                          "SGD step per batch it is given")
     found = {mode: _diff(states[0], _uneven_reference(counts, size, lr, seed, mode)) for mode in ACCEPTED}
     if min(found.values()) > ATOL:
         recycled = _diff(states[0], _uneven_reference(counts, size, lr, seed, "recycled")) <= ATOL
@@ -428,9 +423,8 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
                 "the ranks that ran out trained on their first batches again: a sample counts once per epoch; "
                 "average each step over the ranks that still have a batch, or train every rank on min(counts) "
                 "batches" if recycled else
-                "each step: zero_grad(), the mean squared error's backward, step(); over all of your batches with "
-                "each step averaged over the ranks that still have one, or over the first min(counts) batches on "
-                "every rank")
+                "train with the given train_steps over all of your batches, each step averaged over the ranks that "
+                "still have one, or over the first min(counts) batches on every rank")
         problem = ("the steps after a rank ran out were averaged over the full world size (Join's default), not "
                    "over the ranks that trained in them" if shrunk else "the trained weights are neither those of "
                    "steps averaged over the ranks that trained in them nor of a loop equalised to the fewest batches")

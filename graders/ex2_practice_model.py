@@ -8,6 +8,7 @@ code runs) and build the student's objects (spies) themselves.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from course import checks
 from graders import comm_spy
@@ -131,6 +132,20 @@ def _second_copy(n: int, world_size: int, seed: int, share: set) -> torch.Tensor
     return torch.tensor([int(labels[i]) if i in share else int(elsewhere[i]) for i in range(n)])
 
 
+def count_correct(model, samples, batch_size):
+    """The exercise's given counting loop (part 1): ``tensor([number right, number evaluated])`` of ``model`` over
+    ``samples`` (a dataset of (x, y) pairs, e.g. a Subset of the dataset), in batches of at most ``batch_size``,
+    without gradients, on the model's device. The student's evaluate gets it with ``batch_size`` bound."""
+    device = next(model.parameters()).device
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad():
+        for x, y in DataLoader(samples, batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
+            counts[0] += (model(x).argmax(dim=1) == y).sum()
+            counts[1] += len(y)
+    return counts
+
+
 def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
 
@@ -156,7 +171,7 @@ def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
     torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
     random.seed(4242 + seed)
     numpy.random.seed(4242 + seed)
-    returned = evaluate(model, dataset, rank, world_size, batch_size)
+    returned = evaluate(model, dataset, rank, world_size, functools.partial(count_correct, batch_size=batch_size))
     seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
     return {"accuracy": _number(returned), "seen": seen}
 
@@ -195,8 +210,9 @@ def loss_weights(sizes: list[int], mode: str) -> list[float]:
     return [n / total if mode == "share" else 1 / len(sizes) if mode == "count" else 1.0 for n in sizes]
 
 
-def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
-    """Run ``steps`` calls of accumulate_step; record, per call, the optimizer steps and when DDP synced.
+def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
+    """Run ``steps`` calls of accumulate_grads, each followed by the given optimizer step and zero_grad; record,
+    per call, when DDP synced and what the collectives carried.
 
     The grader registers the DDP model's communication hook (DDP allows one): it does what DDP does
     by default (average the bucket over the ranks, with torch's own all_reduce, taken before the
@@ -204,14 +220,13 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     run by then. torch's flight recorder (checks.collectives) counts the all-reduces of the gradient
     bucket the call really issued, whatever the student's code does to the hook; a spy on the
     collectives (graders.comm_spy) keeps what each collective of the call sent, and the weights the
-    call started with let the checker recompute the gradients. A forward pre-hook counts forwards;
-    the optimizer's step hook counts steps."""
+    call started with let the checker recompute the gradients. A forward pre-hook counts forwards."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
     ddp_model = _wrap(model, dev)
-    forwards, optimizer_steps, synced = [0], [0], []
+    forwards, synced = [0], []
     weights_at: list[dict] = []  # the weights at each forward of a call: what each backward differentiated at
 
     held: dict = {}  # what .grad held at a call's first forward: what its backward passes add to
@@ -232,7 +247,6 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     model.register_forward_pre_hook(on_forward)
     ddp_model.register_comm_hook(None, average)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
     numel = sum(p.numel() for p in model.parameters())  # a tiny model: one bucket holds every gradient
 
     def issued():
@@ -245,21 +259,23 @@ def _accumulate_harness(rank, accumulate_step, k, size, steps, lr, seed):
     calls = []
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in _micro_batches(seed, rank, step, k, size)]
-        forwards[0], optimizer_steps[0] = 0, 0
+        forwards[0] = 0
         synced.clear()
         weights_at.clear()
         held.clear()
         before = issued()
         spy, carried = comm_spy.spy()  # what each collective of the call sent (DDP's and the student's)
         with spy:
-            accumulate_step(ddp_model, optimizer, batches)
+            accumulate_grads(ddp_model, batches)
         after = issued()
+        optimizer.step()  # the exercise's given code: one step with what .grad holds, then the gradients zeroed
+        optimizer.zero_grad()
         reduced = None
         if before is not None and after is not None:
             last = max([e["seq"] or 0 for e in before], default=0)
             reduced = sum(1 for e in after if (e["seq"] or 0) > last and e["op"] == "all_reduce"
                           and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
-        calls.append({"synced_at": list(synced), "steps": optimizer_steps[0], "forwards": forwards[0],
+        calls.append({"synced_at": list(synced), "forwards": forwards[0],
                       "all_reduces": reduced, "weights_at": list(weights_at), "held": dict(held), "carried": carried})
     return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
 
@@ -282,20 +298,22 @@ def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int)
     return held, grads, [len(x) for x, _ in batches]
 
 
-def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", zero_grad=True):
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", last_only=False):
     """One process: ``steps`` SGD steps, each on every rank's micro-batches, each micro-batch's mean loss weighted
     as ``mode`` says (:func:`loss_weights`) and averaged over the ranks as DDP does. ``share`` is the mean loss
-    over all the samples of the step (every rank holds as many)."""
+    over all the samples of the step (every rank holds as many). ``last_only``: a mistake, the gradients zeroed
+    before each micro-batch, so only the last one's (weighted) gradient reaches the step."""
     model = make_net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        if zero_grad:
-            optimizer.zero_grad()
+        optimizer.zero_grad()
         loss = 0
         for rank in range(world_size):
             batches = _micro_batches(seed, rank, step, k, size)
-            for w, (x, y) in zip(loss_weights([len(x) for x, _ in batches], mode), batches):
-                loss = loss + w * F.mse_loss(model(x), y)
+            weights = loss_weights([len(x) for x, _ in batches], mode)
+            for j, (w, (x, y)) in enumerate(zip(weights, batches)):
+                if not last_only or j == len(batches) - 1:
+                    loss = loss + w * F.mse_loss(model(x), y)
         (loss / world_size).backward()
         optimizer.step()
     return model.state_dict()
@@ -306,6 +324,15 @@ def _uneven_batches(seed: int, rank: int, count: int, size: int):
     return [(torch.randn(size, 4, generator=gen), torch.randn(size, 2, generator=gen)) for _ in range(count)]
 
 
+def train_steps(ddp_model, optimizer, batches):
+    """The exercise's given training loop (part 3): for each (x, y) of ``batches``, one SGD step on the mean
+    squared error of ``ddp_model(x)`` against ``y`` (zero_grad, backward, step)."""
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(ddp_model(x), y).backward()
+        optimizer.step()
+
+
 def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
     dev = checks.join_job()
     model = make_net(seed + 17 * rank).to(dev)
@@ -314,7 +341,7 @@ def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
     steps = [0]
     optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
     batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, counts[rank], size)]
-    train_uneven(ddp_model, optimizer, batches)
+    train_uneven(ddp_model, optimizer, batches, train_steps)
     return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0]}
 
 

@@ -88,8 +88,9 @@ def amp_reference(world_size: int, k: int, size: int, steps: int, lr: float, max
     return model.state_dict(), scale
 
 
-def _amp_phase(rank, amp_clip_step, dev, k, size, steps, lr, max_norm, seed):
-    """``steps`` calls of the student's step on a fresh DDP model; what each call did."""
+def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed):
+    """``steps`` calls of the student's amp_clip_grads on a fresh DDP model, each followed by the given optimizer
+    step (and zero_grad); what each call did."""
     real = _REAL
     world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
@@ -147,8 +148,10 @@ def _amp_phase(rank, amp_clip_step, dev, k, size, steps, lr, max_norm, seed):
             record.clear()
         start = checks.to_cpu({n: t.float() for n, t in model.state_dict().items()})
         before = issued()
-        amp_clip_step(ddp_model, optimizer, batches, max_norm)
+        amp_clip_grads(ddp_model, batches, max_norm)
         after = issued()
+        optimizer.step()  # the exercise's given code: one step with what .grad holds, then the gradients zeroed
+        optimizer.zero_grad()
         grad_reduces, others = None, None
         if before is not None and after is not None:
             last = max([e["seq"] or 0 for e in before], default=0)
@@ -166,9 +169,9 @@ def _amp_phase(rank, amp_clip_step, dev, k, size, steps, lr, max_norm, seed):
     return {"state": state, "calls": calls, "order": [n for n, _ in model.named_parameters()]}
 
 
-def amp_harness(rank, amp_clip_step, k, size, steps, lr, max_norm, seed):
+def amp_harness(rank, amp_clip_grads, k, size, steps, lr, max_norm, seed):
     """Two phases on one job: ``free`` (a max_norm no gradient reaches: the weights against the reference
     without clipping) and ``clipped`` (``max_norm``: what was clipped, when, with which norm)."""
     dev = checks.join_job()
-    return {"free": _amp_phase(rank, amp_clip_step, dev, k, size, steps, lr, FREE, seed),
-            "clipped": _amp_phase(rank, amp_clip_step, dev, k, size, steps, lr, max_norm, seed)}
+    return {"free": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, FREE, seed),
+            "clipped": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed)}

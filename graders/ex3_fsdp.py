@@ -5,14 +5,14 @@ The student writes five small functions; each check runs them on real ranks (glo
 of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :class:`Block`, and
 ``head``) and judges what happened, never what the student's process says about itself:
 
-* ``shard_model(model)``: ``fully_shard`` on every block, then on the root (:func:`check_shard`:
-  every parameter is a DTensor whose rows are split across all ranks; torch's flight recorder shows
-  the all-gathers of one forward: one of the root's own parameters, then one per block, each just
-  before that block runs, its parameters whole while it runs);
-* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters, and
-  ``train_step(model, optimizer, x, y)``: one step on this rank's batch (:func:`check_training`:
-  after a few steps the gathered weights equal single-process SGD on the global batch; the check
-  passes its own correct ``shard``, so this part is graded on its own);
+* ``shard_model(model)``: units of at most two consecutive blocks (the memory budget), then the root
+  (:func:`check_shard`: every parameter is a DTensor whose rows are split across all ranks; torch's flight
+  recorder shows the all-gathers of one forward: one of the root's own parameters, then the fewest the budget
+  allows, ceil(depth / 2), none of more than two blocks, each block's parameters whole when it starts);
+* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters (:func:`check_training`:
+  after a few steps of the given training step (MSE, zero_grad, backward, step) the gathered weights equal
+  single-process SGD on the global batch; the check passes its own correct ``shard``, so this part is graded
+  on its own);
 * ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
   every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
@@ -43,10 +43,8 @@ from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
 from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
-    BATCH,
     LR,
     MOMENTUM,
-    OUTPUTS,
     Net,  # noqa: F401
     _chunk_rows,
     _export_harness,
@@ -67,8 +65,11 @@ FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000"}  # torch's flight recorder: the collec
 STEPS = 3
 ATOL = 1e-5
 
-SHARD_HINT = ("for block in model.blocks: fully_shard(block); then fully_shard(model): each block becomes a unit "
-              "that is all-gathered just before it runs, and the root unit holds what is left (embed, head)")
+#: how many blocks' parameters may be whole at once (part 1's memory budget)
+BUDGET_BLOCKS = 2
+SHARD_HINT = (f"make units of consecutive blocks, at most {BUDGET_BLOCKS} blocks each (fully_shard accepts a list of "
+              "modules: they become one unit, all-gathered once, just before the first of them runs), then "
+              "fully_shard(model) last: the root unit holds what is left (embed, head)")
 
 # --------------------------------------------------------------------------- running jobs
 
@@ -159,61 +160,70 @@ def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
         cold = [m["block"] for m in marks if not m["whole"]]
         if cold:
             raise CheckFailed(
-                check, f"model.blocks[{cold[0]}] is not an FSDP unit of its own: its parameters were still sharded when "
-                f"it started running ({where})", ranks=[rank],
+                check, f"model.blocks[{cold[0]}] is not in a unit of whole blocks: its parameters were still sharded "
+                f"when it started running ({where})", ranks=[rank],
                 expected="each block's parameters all-gathered (whole) from the moment the block starts",
                 got=f"blocks {cold} started with DTensor shards (only parts of them are units, e.g. each Linear)",
                 hint=SHARD_HINT)
         if obs["gathers"] is None:
             return  # a torch without the flight recorder: the parameters' state alone decides
         gathers = obs["gathers"]
+        budget = BUDGET_BLOCKS * block_values
+        fewest = -(-depth // BUDGET_BLOCKS)
+        plan = (f"one all-gather of the root's own parameters ({root_values} values per rank) first, then "
+                f"{fewest} for the {depth} blocks, none of more than {BUDGET_BLOCKS} blocks ({budget} values per rank)")
         if len(gathers) == 1:
             raise CheckFailed(
-                check, f"the whole model is ONE FSDP unit: the blocks are not units of their own ({where}, seen in "
-                "torch's flight recorder)", ranks=[rank],
-                expected=f"one all-gather of the root's own parameters ({root_values} values per rank), then one of "
-                f"{block_values} values per rank just before each of the {depth} blocks runs",
-                got=f"ONE all-gather of {gathers[0]} values per rank (every parameter) before model.blocks[0] ran, "
-                "none per block: all the weights are whole on every rank during the whole forward",
-                hint="call fully_shard(block) on EACH block before fully_shard(model): the root alone makes one unit "
-                "that gathers everything at once. " + SHARD_HINT)
-        counts = [m["gathers"] - obs["start"] for m in marks]
-        bounds = [0, *counts]
-        for i in range(depth):
-            seen = gathers[bounds[i]:bounds[i + 1]]
-            allowed = block_values + (root_values if i == 0 else 0)
-            if block_values in seen and sum(seen) <= allowed:
-                continue
-            total = sum(gathers)
-            if i > 0 and not seen:
-                got = f"no all-gather between model.blocks[{i - 1}] and model.blocks[{i}]; all-gathers: {gathers}"
-            else:
-                got = (f"{len(seen)} all-gather(s) of {seen} values per rank just before model.blocks[{i}]; "
-                       f"all-gathers of the forward: {gathers} ({total} values)")
+                check, f"the whole model is ONE FSDP unit: all {depth} blocks are whole at once, over the memory "
+                f"budget of {BUDGET_BLOCKS} blocks ({where}, seen in torch's flight recorder)", ranks=[rank],
+                expected=plan, got=f"ONE all-gather of {gathers[0]} values per rank (every parameter) before "
+                "model.blocks[0] ran: all the weights are whole on every rank during the whole forward",
+                hint="the root alone makes one unit that gathers everything at once: " + SHARD_HINT)
+        if gathers[0] != root_values:
             raise CheckFailed(
-                check, f"model.blocks[{i}] is not its own FSDP unit: its parameters were not all-gathered on their "
-                f"own, just before it ran ({where}, seen in torch's flight recorder)", ranks=[rank],
-                expected=f"one all-gather of the root's own parameters ({root_values} values per rank), then one of "
-                f"{block_values} values per rank just before each block runs",
-                got=got,
-                hint="call fully_shard(block) on EACH block before fully_shard(model); the root alone makes one unit "
-                "that gathers everything at once. " + SHARD_HINT)
+                check, f"the forward's first all-gather is not the root unit's own parameters, embed and head "
+                f"({where}, seen in torch's flight recorder)", ranks=[rank], expected=plan,
+                got=f"all-gathers of the forward: {gathers} values per rank",
+                hint="embed and head belong to the root unit: " + SHARD_HINT)
+        over = [g for g in gathers[1:] if g > budget]
+        if over:
+            raise CheckFailed(
+                check, f"an all-gather made more than {BUDGET_BLOCKS} blocks' parameters whole at once, over the "
+                f"memory budget ({where}, seen in torch's flight recorder)", ranks=[rank], expected=plan,
+                got=f"all-gathers of the forward: {gathers} values per rank ({over[0]} > {budget})",
+                hint=SHARD_HINT)
+        total = root_values + depth * block_values
+        if sum(gathers) != total or len(gathers) != 1 + fewest:
+            per_block = len(gathers) == 1 + depth and sum(gathers) == total
+            raise CheckFailed(
+                check, f"one forward ran {len(gathers) - 1} all-gathers for the {depth} blocks where {fewest} fit the "
+                f"memory budget ({where}, seen in torch's flight recorder)", ranks=[rank], expected=plan,
+                got=f"all-gathers of the forward: {gathers} values per rank ({sum(gathers)} values)",
+                hint=(f"every block is its own unit (lesson 3's choice): each all-gather pays a fixed latency, and "
+                      f"the budget allows {BUDGET_BLOCKS} blocks per unit. " if per_block else "") + SHARD_HINT)
 
     checks.on_every_rank(values, units)
 
 
 _SHARD_MISTAKES = [
+    Mistake(lambda rank, text: "FSDP requires a single root module" in text,
+            "the root's own parameters are not sharded: the units of blocks have no common root unit, and embed.weight, "
+            "embed.bias, head.weight, head.bias stay plain tensors ({ws}-rank job)",
+            expected="fully_shard on the units of blocks, then on the model",
+            hint="after sharding the blocks, call fully_shard(model) too: the root unit takes the parameters no block "
+            "holds (embed, head), and FSDP needs it as the one root above units of several modules"),
     Mistake(lambda rank, text: "Invariant encountered" in text or ("already" in text and "fully_shard" in text),
             "fully_shard failed on a block after the root was sharded ({ws}-rank job): the root's fully_shard "
             "already took every parameter, the blocks' too",
-            expected="fully_shard on each block, then on the model",
-            hint="shard bottom-up: fully_shard(block) for each block FIRST, then fully_shard(model) last"),
+            expected="fully_shard on the units of blocks, then on the model",
+            hint="shard bottom-up: the blocks' units FIRST, then fully_shard(model) last"),
 ]
 
 
 def check_shard(shard_model, world_size: int = 2, width: int = 8, depth: int = 3, seed: int = 0) -> None:
-    """Every parameter is a DTensor split by rows across all ranks; each block is its own FSDP unit (one
-    all-gather just before it runs) and the root unit holds the rest."""
+    """Every parameter is a DTensor split by rows across all ranks; the root unit (embed, head) is gathered first;
+    every block's parameters are whole when it starts; no all-gather holds more than BUDGET_BLOCKS blocks, and the
+    forward runs the fewest all-gathers that budget allows (1 + ceil(depth / BUDGET_BLOCKS))."""
     check = "check_shard"
     checks.require_written(check, shard_model=shard_model)
     spec = (width, depth, seed)
@@ -266,20 +276,13 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
     wrong_ranks = [r for r, obs in enumerate(values)
                    if any(not torch.allclose(obs["final"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
     if _max_diff(got, init) == 0:
-        got_text, hint = (f"the weights never changed in {steps} steps",
-                          "in train_step: loss = F.mse_loss(model(x), y); optimizer.zero_grad(); loss.backward(); "
-                          "optimizer.step()")
-    elif _max_diff(got, _training_reference(spec, ws, steps, "summed")) <= ATOL:
-        got_text, hint = ("what SGD gives with the loss SUMMED over the batch: gradients "
-                          f"{BATCH * OUTPUTS} x too large", "average the loss: F.mse_loss(model(x), y) (its default "
-                          "reduction is the mean); FSDP then averages the gradients over the ranks")
-    elif _max_diff(got, _training_reference(spec, ws, steps, "accumulated")) <= ATOL:
-        got_text, hint = ("what SGD gives when each step's gradients are ADDED to the previous steps' "
-                          "(no zero_grad)", "call optimizer.zero_grad() in every step, before loss.backward()")
+        got_text, hint = (f"the weights never changed in {steps} steps of the given training step",
+                          "return a plain torch.optim.SGD over the sharded model's parameters: its step() must "
+                          "update them")
     else:
         got_text, hint = (f"max |diff| {diff:.3g}",
-                          "one step: loss = F.mse_loss(model(x), y) on this rank's batch, optimizer.zero_grad(), "
-                          "loss.backward() (FSDP reduce-scatters and averages the gradients), optimizer.step()")
+                          "return torch.optim.SGD(..., lr=lr, momentum=0.9) over every parameter of the sharded "
+                          "model, built after shard(model), and nothing else (no other optimizer, no other settings)")
     raise CheckFailed(
         check, f"after {steps} steps the gathered weights differ from single-process SGD on the global batch "
         f"({where})", ranks=wrong_ranks or list(range(ws)),
@@ -287,13 +290,13 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
         got=got_text, hint=hint)
 
 
-def check_training(make_optimizer, train_step, world_size: int = 2, steps: int = STEPS, seed: int = 0,
+def check_training(make_optimizer, world_size: int = 2, steps: int = STEPS, seed: int = 0,
                    width: int = 8, depth: int = 3) -> None:
-    """With the optimizer built after sharding, k training steps give single-process SGD's weights."""
+    """With the optimizer built after sharding, k given training steps give single-process SGD's weights."""
     check = "check_training"
-    checks.require_written(check, make_optimizer=make_optimizer, train_step=train_step)
+    checks.require_written(check, make_optimizer=make_optimizer)
     spec = (width, depth, seed)
-    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, train_step, spec, steps),
+    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, spec, steps),
                      env=_job_env(world_size))
     _training_verdict(check, job.values, spec, world_size, steps)
     passed(check)

@@ -239,7 +239,7 @@ def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor
     return loss.item()
 
 
-def _training_harness(rank: int, make_optimizer, train_step, spec: tuple, steps: int) -> dict:
+def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int) -> dict:
     dev = _join()
     model = make_net(spec).to(dev)
     optimizer = make_optimizer(model, LR, reference_shard)
@@ -254,26 +254,22 @@ def _training_harness(rank: int, make_optimizer, train_step, spec: tuple, steps:
            "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
            "init": init}
     for step in range(steps):
-        train_step(model, optimizer, *_data(rank, step, spec[2], dev))
+        reference_step(model, optimizer, *_data(rank, step, spec[2], dev))  # the exercise's given training step
     obs["final"] = _locals(model)
     return obs
 
 
 @checks.reference
 @torch.no_grad()
-def _training_reference(spec: tuple, ws: int, steps: int, variant: str = "right") -> dict[str, torch.Tensor]:
-    """Single-process SGD on the global batch; ``variant`` is a known mistake: summed (the loss summed, not
-    averaged), accumulated (no zero_grad: gradients pile up)."""
+def _training_reference(spec: tuple, ws: int, steps: int) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the global batch."""
     model = make_net(spec)
     optimizer = reference_optimizer(model)
     for step in range(steps):
         x, y = _global_batch(ws, step, spec[2])
         with torch.enable_grad():
             loss = F.mse_loss(model(x), y)
-            if variant == "summed":
-                loss = loss * BATCH * OUTPUTS  # each rank's sum over its batch; FSDP averages over the ranks
-            if variant != "accumulated":
-                optimizer.zero_grad()
+            optimizer.zero_grad()
             loss.backward()
         optimizer.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}

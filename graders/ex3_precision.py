@@ -7,9 +7,9 @@ part 5; issue 28 part 2, its FSDP half).
   the dtype each collective really carried (:mod:`graders.comm_spy`, torch's own ops, taken at import),
   and the gradients against a one-process reference that computes each rank's batch in bfloat16 and
   averages in float32.
-* ``clipped_step(model, optimizer, x, y, max_norm)`` is one training step (MSE loss) of a model the grader
-  shards (float32), with the gradients clipped to ``max_norm`` by their *global* norm (over every rank's
-  shards); it returns that norm, measured before clipping. :func:`check_clipping` compares the norms each
+* ``clip_gradients(model, max_norm)`` is called by the grader's training step (MSE loss, a model the grader
+  shards, float32) between backward and the optimizer's step: it clips the gradients to ``max_norm`` by their
+  *global* norm (over every rank's shards) and returns that norm, measured before clipping. :func:`check_clipping` compares the norms each
   rank returned and the weights after three steps (clipping engaged, not engaged, engaged) with one
   process training on the global batch with ``torch.nn.utils.clip_grad_norm_``.
 
@@ -185,7 +185,7 @@ def _as_float(norm) -> float | str:
         return f"<{type(norm).__name__}>"
 
 
-def _clipping_harness(rank, clipped_step, width, depth, seed, max_norms):
+def _clipping_harness(rank, clip_gradients, width, depth, seed, max_norms):
     from torch.distributed.fsdp import fully_shard
 
     checks.join_job()
@@ -197,7 +197,10 @@ def _clipping_harness(rank, clipped_step, width, depth, seed, max_norms):
     norms, weights = [], []
     for step, max_norm in enumerate(max_norms):
         x, y = batch(rank, step, seed)
-        norms.append(_as_float(clipped_step(model, optimizer, x, y, max_norm)))
+        optimizer.zero_grad()  # the exercise's given training step, around the student's clipping
+        F.mse_loss(model(x), y).backward()
+        norms.append(_as_float(clip_gradients(model, max_norm)))
+        optimizer.step()
         weights.append({n: _local(p).detach().float().clone() for n, p in model.named_parameters()})
     return {"norms": norms, "weights": weights}
 
@@ -251,7 +254,8 @@ def _variants(step: dict, rank: int, world_size: int) -> dict[str, dict]:
 
 
 _VARIANT_HINTS = {
-    "no clipping": "clip after backward and before optimizer.step(), every step",
+    "no clipping": "scale the gradients in place (clip_gradients runs after backward, before the given step): "
+                   "measuring their norm is not enough",
     "each parameter clipped by its own norm": "clip all the gradients together, by their one total norm",
     "each rank clipped by the norm of its own shards": (
         "each rank holds 1/N of every gradient: the global norm is the square root of the sum over ranks of "
@@ -272,15 +276,16 @@ def _close_weights(got: dict, want: dict, world_size: int, rank: int) -> float |
     return worst
 
 
-def check_clipping(clipped_step, world_size=2, width=8, depth=2, seed=0):
-    """Every rank clips by the global gradient norm and returns it; the weights follow one process that clips."""
+def check_clipping(clip_gradients, world_size=2, width=8, depth=2, seed=0):
+    """Called between each step's backward and optimizer step, every rank clips by the global gradient norm and
+    returns it; the weights follow one process that clips."""
     check = "check_clipping"
-    checks.require_written(check, clipped_step=clipped_step)
+    checks.require_written(check, clip_gradients=clip_gradients)
     where = _where(world_size, width, depth, seed)
     ref = _clipping_reference(world_size, width, depth, seed)
     job = checks.run(check, _clipping_harness, world_size,
-                     args=(clipped_step, width, depth, seed, [s["max_norm"] for s in ref]),
-                     expected="clipped_step(model, optimizer, x, y, max_norm) runs one step and returns the norm")
+                     args=(clip_gradients, width, depth, seed, [s["max_norm"] for s in ref]),
+                     expected="clip_gradients(model, max_norm) clips the gradients in place and returns the norm")
 
     def verdict(rank, obs):
         for k, (step, got, weights) in enumerate(zip(ref, obs["norms"], obs["weights"])):
@@ -310,8 +315,8 @@ def check_clipping(clipped_step, world_size=2, width=8, depth=2, seed=0):
                        f"norm{f': {mistake}' if mistake else ''} {where}", ranks=[rank],
                 expected=f"one process on the global batch, clip_grad_norm_(parameters, {max_norm:.4g}), SGD step",
                 got=f"largest difference {diff:.3g}" if diff is not None else "shards of another shape",
-                hint=_VARIANT_HINTS.get(mistake, "clip after backward and before optimizer.step(), every gradient by "
-                                                 "the same factor min(1, max_norm / global norm)"))
+                hint=_VARIANT_HINTS.get(mistake, "scale every gradient, in place, by the same factor "
+                                                 "min(1, max_norm / global norm)"))
 
     checks.on_every_rank(job.values, verdict)
     passed(check)

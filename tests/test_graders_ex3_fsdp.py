@@ -19,7 +19,6 @@ import submissions
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -49,12 +48,11 @@ fails = submissions.fails
 
 
 def test_the_training_data_tells_the_mistakes_apart():
-    """Summing the loss, skipping zero_grad and not training at all all end far from the right weights."""
+    """Not training at all ends far from the right weights."""
     for spec, ws, steps in (((8, 3, 0), 2, 3), ((8, 3, 1), 3, 4), ((10, 3, 1), 3, 3)):
         right = fsdp_model._training_reference(spec, ws, steps)
-        others = [fsdp_model._training_reference(spec, ws, steps, variant) for variant in ("summed", "accumulated")]
-        others.append({n: p.detach() for n, p in fsdp_model.make_net(spec).named_parameters()})
-        assert all(fsdp_model._max_diff(right, other) > 100 * fsdp.ATOL for other in others)
+        untrained = {n: p.detach() for n, p in fsdp_model.make_net(spec).named_parameters()}
+        assert fsdp_model._max_diff(right, untrained) > 100 * fsdp.ATOL
 
 
 def test_a_gloo_job_hides_the_gpus(monkeypatch):
@@ -71,34 +69,58 @@ def test_a_gloo_job_hides_the_gpus(monkeypatch):
 
 
 def shard_model(model):
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])  # two consecutive blocks: one all-gather
+    fully_shard(model)
+    return model
+
+
+def shard_with_a_mesh(model):
+    """Right, another style: an explicit 1-D mesh, the pairs zipped, nothing returned (fully_shard works in place)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = list(model.blocks)
+    for pair in zip(blocks[::2], blocks[1::2]):
+        fully_shard(list(pair), mesh=mesh, reshard_after_forward=True)
+    if len(blocks) % 2:
+        fully_shard(blocks[-1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_keep_unsharded(model):
+    """Right, another style: the units keep their gathered weights from forward to backward (ZeRO-2 like)."""
+    for i in range(0, len(model.blocks), 2):
+        fully_shard([model.blocks[j] for j in range(i, min(i + 2, len(model.blocks)))], reshard_after_forward=False)
+    fully_shard(model)
+    return model
+
+
+def shard_lone_first(model):
+    """Right, another grouping with as few all-gathers: an odd depth's lone block first, then pairs."""
+    blocks = list(model.blocks)
+    start = len(blocks) % 2
+    if start:
+        fully_shard(blocks[0])
+    for i in range(start, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
+    return fully_shard(model)
+
+
+def shard_per_block(model):
+    """Lesson 3's choice: every block its own unit (one all-gather per block)."""
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     return model
 
 
-def shard_with_a_mesh(model):
-    """Right, another style: an explicit 1-D mesh, nothing returned (fully_shard works in place)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh)
-
-
-def shard_keep_unsharded(model):
-    """Right, another style: the blocks keep their gathered weights from forward to backward (ZeRO-2 like)."""
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
+def shard_triples(model):
+    """Over the budget: three blocks per unit."""
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 3):
+        fully_shard(blocks[i:i + 3])
     fully_shard(model)
     return model
-
-
-def shard_by_type(model):
-    """Right, another style: the blocks found by their class, the root's result returned."""
-    for module in model.modules():
-        if type(module).__name__ == "Block":
-            fully_shard(module)
-    return fully_shard(model)
 
 
 def shard_root_only(model):
@@ -107,8 +129,9 @@ def shard_root_only(model):
 
 
 def shard_blocks_only(model):
-    for block in model.blocks:
-        fully_shard(block)
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
     return model
 
 
@@ -118,8 +141,9 @@ def shard_nothing(model):
 
 def shard_root_first(model):
     fully_shard(model)
-    for block in model.blocks:
-        fully_shard(block)
+    blocks = list(model.blocks)
+    for i in range(0, len(blocks), 2):
+        fully_shard(blocks[i:i + 2])
     return model
 
 
@@ -156,16 +180,20 @@ def test_check_shard():
     fsdp.check_shard(shard_model)
     fsdp.check_shard(shard_model, world_size=3, width=10, depth=4, seed=1)
     fsdp.check_shard(shard_with_a_mesh)
-    fsdp.check_shard(shard_by_type, world_size=3)
+    fsdp.check_shard(shard_with_a_mesh, world_size=3, depth=4)
+    fsdp.check_shard(shard_lone_first, world_size=3)
     fsdp.check_shard(shard_keep_unsharded)
+    fails(fsdp.check_shard, shard_per_block, "ran 3 all-gathers for the 3 blocks where 2 fit the memory budget",
+          "[37, 140, 140, 140]", "lesson 3's choice", "fully_shard accepts a list")
+    fails(fsdp.check_shard, shard_triples, "more than 2 blocks' parameters whole at once", "420 > 280", depth=4)
     fails(fsdp.check_shard, shard_root_only, "the whole model is ONE FSDP unit", "ONE all-gather of 457 values",
-          "fully_shard(block) on EACH block")
+          "over the memory budget")
     fails(fsdp.check_shard, shard_root_only, "ONE FSDP unit", world_size=3, depth=4)
     fails(fsdp.check_shard, shard_blocks_only, "the root's own parameters are not sharded", "embed.weight",
           "fully_shard(model) too")
     fails(fsdp.check_shard, shard_nothing, "nothing is sharded", "[ranks 0, 1]")
-    fails(fsdp.check_shard, shard_root_first, "fully_shard(block) for each block FIRST")
-    fails(fsdp.check_shard, shard_every_linear, "model.blocks[0] is not an FSDP unit of its own")
+    fails(fsdp.check_shard, shard_root_first, "the blocks' units FIRST")
+    fails(fsdp.check_shard, shard_every_linear, "model.blocks[0] is not in a unit of whole blocks")
     fails(fsdp.check_shard, shard_forged, "nothing is sharded")
     fails(fsdp.check_shard, shard_stub, "not written yet")
 
@@ -178,27 +206,10 @@ def make_optimizer(model, lr, shard):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
-def train_step(model, optimizer, x, y):
-    loss = F.mse_loss(model(x), y)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
 def make_optimizer_from_the_result(model, lr, shard):
     """Right, another style: the parameters taken from what shard returns, in one param group of a dict."""
     sharded = shard(model)
     return torch.optim.SGD([{"params": list(sharded.parameters())}], lr=lr, momentum=0.9)
-
-
-def train_step_by_hand(model, optimizer, x, y):
-    """Right, another style: the mean written out, model.zero_grad(set_to_none=False)."""
-    model.zero_grad(set_to_none=False)
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def make_optimizer_first(model, lr, shard):
@@ -221,45 +232,29 @@ def make_optimizer_no_momentum(model, lr, shard):
     return torch.optim.SGD(model.parameters(), lr=lr)
 
 
-def train_step_summed(model, optimizer, x, y):
-    loss = F.mse_loss(model(x), y, reduction="sum")
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
-def train_step_no_zero_grad(model, optimizer, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
-def train_step_forged(model, optimizer, x, y):
-    """A forgery: no step at all, and DTensor.to_local patched to hide it."""
+def make_optimizer_forged(model, lr, shard):
+    """A forgery: an SGD whose step does nothing, and DTensor.to_local patched to hide it."""
     from torch.distributed.tensor import DTensor
 
+    shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer.step = lambda *args, **kwargs: None
     DTensor.to_local = lambda self, **kwargs: torch.zeros(1)
     torch.nn.Module.named_parameters = lambda self, *a, **k: iter(())
-    return 0.0
+    return optimizer
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_check_training():
-    fsdp.check_training(make_optimizer, train_step)
-    fsdp.check_training(make_optimizer, train_step, world_size=3, seed=1, steps=4)
-    fsdp.check_training(make_optimizer_from_the_result, train_step_by_hand)
-    fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]",
-          train_step=train_step)
-    fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)",
-          train_step=train_step)
-    fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]", train_step=train_step)
-    fails(fsdp.check_training, make_optimizer_no_momentum, "not SGD", train_step=train_step)
-    fails(fsdp.check_training, make_optimizer, "loss SUMMED", "8 x too large", train_step=train_step_summed)
-    fails(fsdp.check_training, make_optimizer, "no zero_grad", train_step=train_step_no_zero_grad)
-    fails(fsdp.check_training, make_optimizer, "never changed", train_step=train_step_forged)
+    fsdp.check_training(make_optimizer)
+    fsdp.check_training(make_optimizer, world_size=3, seed=1, steps=4)
+    fsdp.check_training(make_optimizer_from_the_result)
+    fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]")
+    fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)")
+    fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]")
+    fails(fsdp.check_training, make_optimizer_no_momentum, "not SGD")
+    fails(fsdp.check_training, make_optimizer_forged, "never changed")
 
 
 # --- part 3: a DCP round trip ----------------------------------------------------------------------
@@ -615,9 +610,13 @@ def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
 WRONG = {
     # name: ((answer cell, old text, new text), ...), the test cell that must fail, words its message must contain
     "only the root sharded": (
-        [("ex3f_shard_model", "    for block in model.blocks:\n        fully_shard(block)  # each block: one all-gather "
-          "just before it runs\n", "")],
+        [("ex3f_shard_model", "    for i in range(0, len(blocks), 2):\n        fully_shard(blocks[i:i + 2])  # two "
+          "consecutive blocks: one all-gather just before the first runs\n", "")],
         "ex3f_test_shard", ["the whole model is ONE FSDP unit"]),
+    "every block its own unit (lesson 3's choice)": (
+        [("ex3f_shard_model", "range(0, len(blocks), 2)", "range(len(blocks))"),
+         ("ex3f_shard_model", "fully_shard(blocks[i:i + 2])", "fully_shard(blocks[i])")],
+        "ex3f_test_shard", ["where 2 fit the memory budget", "lesson 3's choice"]),
     "the root not sharded": (
         [("ex3f_shard_model", "    fully_shard(model)  # the root unit: embed and head\n", "")],
         "ex3f_test_shard", ["the root's own parameters are not sharded", "embed.weight"]),
@@ -627,9 +626,9 @@ WRONG = {
           "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n    shard(model)\n"
           "    return optimizer")],
         "ex3f_test_training", ["built before shard(model)", "never changed"]),
-    "the loss summed": (
-        [("ex3f_training", "F.mse_loss(model(x), y)", "F.mse_loss(model(x), y, reduction=\"sum\")")],
-        "ex3f_test_training", ["loss SUMMED"]),
+    "SGD without momentum": (
+        [("ex3f_training", "lr=lr, momentum=0.9)", "lr=lr)")],
+        "ex3f_test_training", ["not SGD", "momentum=0)"]),
     "torch.save on rank 0": (
         [("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n"
           "    dcp.save({\"model\": model_sd, \"optimizer\": optim_sd}, checkpoint_id=path)",
