@@ -1,11 +1,11 @@
 """Checks for mixed precision and clipping with FSDP2 (exercises/ex3-syncbn-sharding/fsdp_checkpoint.ipynb,
 part 5; issue 28 part 2, its FSDP half).
 
-* ``shard_mixed(model)`` shards the model with FSDP2 so that it computes in bfloat16 and reduces its gradients
-  in float32, keeping float32 master weights. :func:`check_mixed_precision` runs one forward and backward
-  of the grader's own on the sharded model and judges what happened: the dtype of every parameter shard,
-  the dtype each collective really carried (:mod:`graders.comm_spy`, torch's own ops, taken at import),
-  and the gradients against a one-process reference that computes each rank's batch in bfloat16 and
+* ``shard_mixed(model)`` shards the model with FSDP2 so that it computes in bfloat16, returns float32 outputs
+  and reduces its gradients in float32, keeping float32 master weights. :func:`check_mixed_precision` runs one
+  forward and backward of the grader's own on the sharded model and judges what happened: the dtype of every
+  parameter shard, the dtype each collective really carried (:mod:`graders.comm_spy`, torch's own ops, taken
+  at import), the dtype of the output, and the gradients against a one-process reference that computes each rank's batch in bfloat16 and
   averages in float32.
 * ``clip_gradients(model, max_norm)`` is called by the grader's training step (MSE loss, a model the grader
   shards, float32) between backward and the optimizer's step: it clips the gradients to ``max_norm`` by their
@@ -89,12 +89,13 @@ def _mixed_harness(rank, shard_mixed, width, depth, seed):
     model = make_net(width, depth, seed)
     shard_mixed(model)
     dtypes = {name: str(_local(p).dtype) for name, p in model.named_parameters()}
-    records = []
+    records, out_dtype = [], None
     if all(d == "torch.float32" for d in dtypes.values()):  # else the verdict names that; no forward to fail
         x, y = batch(rank, 0, seed)
         mode, records = comm_spy.spy()
         with mode:
             out = model(x)
+            out_dtype = str(out.dtype)
             F.mse_loss(out.float(), y).backward()
     params = {}
     for name, p in model.named_parameters():
@@ -104,7 +105,7 @@ def _mixed_harness(rank, shard_mixed, width, depth, seed):
                         "grad": None if grad is None else grad.detach().float().clone(),
                         "grad_dtype": None if grad is None else str(grad.dtype)}
     sent = [(r["op"], r["dtypes"]) for r in records if r["op"] in ("all_gather", "reduce_scatter", "all_reduce")]
-    return {"params": params, "sent": sent}
+    return {"params": params, "sent": sent, "out_dtype": out_dtype}
 
 
 @checks.reference
@@ -121,7 +122,8 @@ def _mixed_reference(world_size, width, depth, seed):
 
 
 def check_mixed_precision(shard_mixed, world_size=2, width=8, depth=2, seed=0):
-    """The model computes in bfloat16, gathers bfloat16 parameters, reduces float32 gradients, keeps float32 shards."""
+    """The model computes in bfloat16, gathers bfloat16 parameters, returns float32 outputs, reduces float32
+    gradients, keeps float32 shards."""
     check = "check_mixed_precision"
     checks.require_written(check, shard_mixed=shard_mixed)
     where = _where(world_size, width, depth, seed)
@@ -155,6 +157,12 @@ def check_mixed_precision(shard_mixed, world_size=2, width=8, depth=2, seed=0):
                       got=f"gradient reductions carried {sorted({str(d) for d in reduces}) or 'nothing'}",
                       hint="set the policy's reduce_dtype to torch.float32: a sum over ranks in bfloat16 rounds "
                            "every partial sum to 8 bits")
+        checks.expect(obs["out_dtype"] == "torch.float32", check, f"the model's output is not float32 {where}",
+                      ranks=[rank], expected="the model returns float32 (the caller's loss is then computed in float32)",
+                      got=f"it returned {obs['out_dtype']}",
+                      hint="the units compute in bfloat16, and only what the whole model returns is cast to float32: "
+                           "a unit's FSDP2 policy can say in which dtype the unit returns its outputs (the outermost "
+                           "unit's; the activations between units stay bfloat16), or cast the output yourself")
         for name, p in params.items():
             shard = _shard_of(want[name], world_size, rank)
             got = p["grad"]

@@ -99,3 +99,24 @@ def test_the_transcription_rule_catches_a_given_call():
     assert transcription.shape("dist.all_reduce(grad, op=dist.ReduceOp.SUM)") == transcription.shape(
         "dist.all_reduce(p, op=dist.ReduceOp.SUM)")
     assert transcription.shape("dist.all_reduce(p)") != transcription.shape("dist.broadcast(p)")
+
+
+#: the course-wide ceilings of issue 27 (the reviewer's measure: benchmarks/transcription.py): the share of the
+#: reference solutions' substantial lines a student finds in a lesson or the instructions, as they are or with
+#: other names
+MAX_VERBATIM, MAX_SAME_SHAPE = 0.10, 0.30
+
+
+def test_the_solutions_are_mostly_not_in_the_lessons():
+    """At most 10% of all solution lines are verbatim in a lesson or the instructions, at most 30% verbatim or
+    of the same shape: the exercises ask for what the lessons did not show."""
+    lessons = transcription.lesson_code()
+    lines = verbatim = same = 0
+    for path in NOTEBOOKS:
+        figures = transcription.measure(path, lessons)
+        lines, verbatim, same = (lines + figures.lines, verbatim + len(figures.verbatim),
+                                 same + len(figures.same_shape))
+    assert lines > 200  # the measure reads the solutions
+    assert verbatim <= MAX_VERBATIM * lines, f"{verbatim} of {lines} solution lines are verbatim in the lessons"
+    assert verbatim + same <= MAX_SAME_SHAPE * lines, (
+        f"{verbatim + same} of {lines} solution lines are in the lessons, as they are or with other names")

@@ -29,6 +29,51 @@ fails = submissions.fails
 
 def shard_mixed(model):
     """The notebook's reference."""
+    from dataclasses import replace
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    inside = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=inside)
+    fully_shard(model, mp_policy=replace(inside, output_dtype=torch.float32))
+
+
+def shard_every_linear(model):
+    """Another style: every Linear its own unit, found by type, the policy from a helper."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def policy(output_dtype=None):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype,
+                                    cast_forward_inputs=True)
+
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mp_policy=policy())
+    fully_shard(model, mp_policy=policy(torch.float32))
+
+
+def shard_root_only(model):
+    """Another style: one unit for the whole model (more memory at once, the same precision)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float32))
+
+
+def shard_and_cast_by_hook(model):
+    """Another style: the lesson's policy on every unit, and a forward hook that casts what the model returns."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.register_forward_hook(lambda module, inputs, output: output.float())
+
+
+def shard_bf16_output(model):
+    """The lesson's policy as it is: everything right but the output, which stays bfloat16."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -37,33 +82,25 @@ def shard_mixed(model):
     fully_shard(model, mp_policy=policy)
 
 
-def shard_every_linear(model):
-    """Another style: every Linear its own unit, found by type, the policy from a helper."""
+def shard_float32_everywhere(model):
+    """float32 outputs asked of every unit: the head (in the outer unit, bfloat16) then gets a float32 input."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def policy():
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
-
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.Linear):
-            fully_shard(module, mp_policy=policy())
-    fully_shard(model, mp_policy=policy())
-
-
-def shard_root_only(model):
-    """Another style: one unit for the whole model (more memory at once, the same precision)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def shard_reduce_bf16(model):
+    from dataclasses import replace
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    fully_shard(model, mp_policy=replace(policy, output_dtype=torch.float32))
 
 
 def shard_cast_to_bf16(model):
@@ -99,7 +136,7 @@ def shard_blocks_only(model):
         fully_shard(block, mp_policy=policy)
 
 
-@pytest.mark.parametrize("answer", [shard_mixed, shard_every_linear, shard_root_only])
+@pytest.mark.parametrize("answer", [shard_mixed, shard_every_linear, shard_root_only, shard_and_cast_by_hook])
 def test_right_precision_passes_visible_and_hidden(answer):
     ex3p.check_mixed_precision(answer)
     ex3p.check_mixed_precision(answer, **HIDDEN)
@@ -110,6 +147,8 @@ def test_right_precision_passes_visible_and_hidden(answer):
     (shard_cast_to_bf16, ["parameters themselves are not float32", "do not cast the model"]),
     (shard_autocast_only, ["did not gather bfloat16", "autocast alone still gathers float32"]),
     (shard_blocks_only, ["not sharded", "embed.weight"]),
+    (shard_bf16_output, ["output is not float32", "returned torch.bfloat16"]),
+    (shard_float32_everywhere, ["raised RuntimeError", "same dtype"]),
 ])
 def test_precision_mistakes_fail_naming_them(answer, words):
     fails(ex3p.check_mixed_precision, answer, *words)

@@ -114,9 +114,12 @@ def test_float32_sums_cancel_far_from_zero_as_the_question_predicts(nb):
     assert found[0.0][0] < 1e-5 and found[0.0][1] < 1e-5
     assert 0.03 < found[1000.0][0] < 0.3 and found[1000.0][1] < 3e-4, found
     answer = _answer_before(nb, "parts = course.run_ranks(sums_far_from_zero, 2")
-    # the answer states the live values, rounded as printed
-    assert f"about {found[1000.0][0]:.1f}" in answer, (found, answer)
-    assert f"about {found[0.0][0]:.0e}".replace("e-0", "e-") in answer, (found, answer)
+    # the answer states the live values' sizes: rounding noise near 0 (its last digit varies from run to run with
+    # the order of float32 additions, so within a factor of 3), a fifth of a unit around 1000 (within 50%)
+    near_zero = float(re.search(r"Around 0, yes: about (\S+?)\.", answer).group(1))
+    far = float(re.search(r"Around 1000, no: the output is off by about (\S+?),", answer).group(1))
+    assert found[0.0][0] / 3 <= near_zero <= 3 * max(found[0.0][0], 1e-7), (found, answer)
+    assert found[1000.0][0] / 1.5 <= far <= 1.5 * found[1000.0][0], (found, answer)
 
 
 def test_fsdp2_shards_parameters_and_checkpoints_with_dcp(nb):
