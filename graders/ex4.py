@@ -14,6 +14,11 @@ a script is launched at most twice and every check reads those two runs
   of rank 1 dies once, right after its 5th optimizer step (in epoch 2 of 0-3), so
   the job ends right only if the script resumes from its last checkpoint.
 
+The hidden tests crash rank 0 after its step 3 instead (a second restart launch), and every check
+that can judge its property on that run reads it too (``crash_rank``/``crash_step``, no launch of
+its own): the workers' ranks, who writes the checkpoint and how, the weights, the group left at exit.
+Only the ranks on a second node need the 2-node run.
+
 GPUs are hidden from the job (it trains on gloo everywhere), and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` works around pytorch#135712 (a
 restarted ``--standalone`` job failing in "Gloo connectFullMesh").
@@ -57,18 +62,30 @@ def get_batch(rank: int, epoch: int, step: int):
 
 
 @functools.cache
-def expected_weights(world_size: int, ranks: tuple[int, ...] | None = None) -> dict:
+def expected_weights(world_size: int, ranks: tuple[int, ...] | None = None,
+                     resume: tuple[int, int, bool] | None = None) -> dict:
     """Final weights of an uninterrupted DDP run on ``world_size`` ranks, computed in one process.
 
     DDP averages the ranks' gradients, which (equal batch sizes) is one process
     training on all ranks' batches at once. ``ranks`` restricts the data to
     those ranks (``(0,)``: what rank 0 computes when gradients are not averaged).
+    ``resume``: a run restarted as ``(restored, first, momentum_kept)``: the state after
+    epochs ``0..restored-1`` (0: none, a fresh model), then epochs ``first..EPOCHS-1``, the
+    optimizer's momentum kept or started afresh at the restart.
     """
     ranks = tuple(range(world_size)) if ranks is None else ranks
     model = make_model()
     params = list(model.parameters())
     momentum = [None] * len(params)
-    for epoch in range(EPOCHS):
+    epochs = list(range(EPOCHS))
+    if resume is not None:
+        restored, first, momentum_kept = resume
+        epochs = [*range(restored), None, *range(first, EPOCHS)]  # None: the restart
+    for epoch in epochs:
+        if epoch is None:
+            if not momentum_kept:
+                momentum = [None] * len(params)
+            continue
         for step in range(STEPS_PER_EPOCH):
             batches = [get_batch(rank, epoch, step) for rank in ranks]
             x = torch.cat([b[0] for b in batches])
@@ -171,6 +188,21 @@ def _report_hint(key: str, got, w: torchrun.Worker) -> str | None:
     return None
 
 
+def _graded_run(script: str, check: str, crash_rank: int | None, crash_step: int | None) -> torchrun.Run:
+    """The run a check judges: the 2-node run, or (a hidden test, ``crash_rank``/``crash_step`` given) the
+    restart run with that crash, the launch :func:`check_restart_resume` makes for it: no launch of its own."""
+    if crash_rank is None and crash_step is None:
+        return _run_script(script, "nodes", check)
+    crash = _valid_crash(torchrun.CRASH_RANK if crash_rank is None else crash_rank,
+                         torchrun.CRASH_STEP if crash_step is None else crash_step)
+    return _run_script(script, "restart", check, crash=crash)
+
+
+def _restart_context(run: torchrun.Run) -> str:
+    """What a check on the restart run says first: the crash (empty for the 2-node run)."""
+    return _crash_context(run.crash) if run.scenario == "restart" and run.crash else ""
+
+
 def check_standalone_ranks(script: str = "train.py", *, crash_rank: int = torchrun.CRASH_RANK,
                            crash_step: int = torchrun.CRASH_STEP) -> None:
     """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size.
@@ -219,10 +251,15 @@ def _commits(w: torchrun.Worker, run: torchrun.Run) -> list[dict]:
             or (e["event"] == "save" and e.get("path") == run.ckpt_path)]
 
 
-def check_checkpoint_rank0(script: str = "train.py") -> None:
-    """Only rank 0 writes the checkpoint (after every epoch) and the final weights."""
+def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None = None,
+                           crash_step: int | None = None) -> None:
+    """Only rank 0 writes the checkpoint (after every epoch) and the final weights.
+
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
+    each rank 0 writes the checkpoint once per epoch it finished."""
     check = "check_checkpoint_rank0"
-    run = _run_script(script, "nodes", check)
+    run = _graded_run(script, check, crash_rank, crash_step)
+    context = _restart_context(run)
     others = {w.rank: _writes(w, run) for w in run.workers if w.rank != 0}
     others = {r: found for r, found in others.items() if found}
     if others:
@@ -230,7 +267,7 @@ def check_checkpoint_rank0(script: str = "train.py") -> None:
         only_final = all("'final.pt'" in f for writes in others.values() for f in writes)
         raise CheckFailed(
             check,
-            f"{rank_list(others)} wrote {'the final weights' if only_final else 'the checkpoint'} too "
+            context + f"{rank_list(others)} wrote {'the final weights' if only_final else 'the checkpoint'} too "
             f"(rank {rank}: {', '.join(found[:3])})",
             ranks=list(others),
             expected="only rank 0 writes the checkpoint and final.pt: every rank holds the same weights, and "
@@ -239,23 +276,32 @@ def check_checkpoint_rank0(script: str = "train.py") -> None:
         )
     torchrun.require_ok(check, run)
     rank0 = [w for w in run.workers if w.rank == 0]
-    commits = _commits(rank0[0], run) if rank0 else []
-    expect(
-        len(commits) >= EPOCHS and run.ckpt_exists,
-        check,
-        f"rank 0 wrote the checkpoint {len(commits)} time(s) in {EPOCHS} epochs"
-        + ("" if run.ckpt_exists else ", and there is no file at --ckpt at the end"),
-        ranks=[0],
-        expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {EPOCHS} writes)",
-        hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
-    )
+    if run.scenario == "restart" and any(w.of("step") for w in rank0):
+        # each attempt's rank 0: one checkpoint per epoch it finished (the crashed one too, before the crash)
+        owed = [(w, len(_commits(w, run)), len(w.of("step")) // STEPS_PER_EPOCH) for w in rank0]
+    else:
+        owed = [(rank0[0] if rank0 else None, len(_commits(rank0[0], run)) if rank0 else 0, EPOCHS)]
+    for w, written, epochs in owed:
+        attempt = f" (attempt {w.attempt})" if run.scenario == "restart" and w is not None else ""
+        expect(
+            written >= epochs and run.ckpt_exists,
+            check,
+            context + f"rank 0{attempt} wrote the checkpoint {written} time(s) in {epochs} epochs"
+            + ("" if run.ckpt_exists else ", and there is no file at --ckpt at the end"),
+            ranks=[0],
+            expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {epochs} writes)",
+            hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
+        )
     passed(check)
 
 
-def check_atomic_checkpoint(script: str = "train.py") -> None:
-    """The checkpoint is written to a temporary file in the same folder and moved into place with os.replace."""
+def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None = None,
+                            crash_step: int | None = None) -> None:
+    """The checkpoint is written to a temporary file in the same folder and moved into place with os.replace.
+
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, rank 0 of every attempt."""
     check = "check_atomic_checkpoint"
-    run = _run_script(script, "nodes", check)
+    run = _graded_run(script, check, crash_rank, crash_step)
     name = os.path.basename(run.ckpt_path)
     hint = ("write to a temporary file next to it, then move it into place in one step: "
             "tmp = ckpt_path + '.tmp'; torch.save(state, tmp); os.replace(tmp, ckpt_path)")
@@ -320,7 +366,9 @@ def _require_all_reduced(check: str, run: torchrun.Run) -> None:
         entries = w.collectives or []  # None: the worker never reported them (it took no step, or hid them)
         reduced = sum(e["numel"] for e in entries if e["op"] in ("all_reduce", "allreduce", "all_reduce_coalesced",
                                                                   "reduce_scatter", "_reduce_scatter_base"))
-        steps = len(w.of("step"))
+        # the steps before the worker's last record (a worker torchrun stopped may have stepped once more)
+        records = [i for i, e in enumerate(w.events) if e["event"] == "collectives" and "entries" in e]
+        steps = len([e for e in w.events[:records[-1]] if e["event"] == "step"]) if records else len(w.of("step"))
         if reduced < steps * n_params:
             short[w.rank] = (reduced, steps)
     if short:
@@ -338,13 +386,36 @@ def _require_all_reduced(check: str, run: torchrun.Run) -> None:
         )
 
 
-def check_ddp_training(script: str = "train.py") -> None:
-    """The final weights of the uninterrupted 3-rank run equal one process training on all ranks' batches."""
+def _resumes(run: torchrun.Run) -> list[tuple[int, int, bool] | None]:
+    """How the restart run's rank 0 resumed, as :func:`expected_weights` takes it (None: no restart).
+
+    Seen in the restarted rank 0: whether it read the checkpoint (the state after the epochs before the crash's)
+    and how many epochs it trained; with its momentum kept or lost (both are tried: that is
+    check_restart_resume's to judge, not the gradient averaging's)."""
+    restarted = [w for w in run.attempt(1) if w.rank == 0] if run.crash else []
+    if not restarted:
+        return [None]
+    w = restarted[0]
+    loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
+    restored = (run.crash[1] - 1) // STEPS_PER_EPOCH if loaded else 0
+    first = max(EPOCHS - len(w.of("step")) // STEPS_PER_EPOCH, 0)
+    return [None, (restored, first, True), (restored, first, False)]
+
+
+def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = None,
+                       crash_step: int | None = None) -> None:
+    """The final weights of the uninterrupted 3-rank run equal one process training on all ranks' batches.
+
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that 2-rank restart run, against one process
+    training on both ranks' batches and resuming as the run's rank 0 did (how it resumed is
+    check_restart_resume's part), and every worker of both attempts all-reduced its gradients."""
     check = "check_ddp_training"
-    run = _run_script(script, "nodes", check)
+    run = _graded_run(script, check, crash_rank, crash_step)
     torchrun.require_ok(check, run)
     final = _final_weights(check, run)
-    world_size = sum(torchrun.NODES_WORKERS)
+    restart = run.scenario == "restart"
+    world_size = 2 if restart else sum(torchrun.NODES_WORKERS)
+    resumes = _resumes(run) if restart else [None]
     reference = expected_weights(world_size)
     diff = _compare(final, reference)
     if diff is None:
@@ -352,7 +423,9 @@ def check_ddp_training(script: str = "train.py") -> None:
                           expected=sorted(reference), got=sorted(final), ranks=[0],
                           hint="save the model's state_dict (model.state_dict(), or ddp_model.module.state_dict())")
     if diff > ATOL:
-        alone = _compare(final, expected_weights(world_size, (0,)))
+        diff = min(_compare(final, expected_weights(world_size, None, r)) for r in resumes)
+    if diff > ATOL:
+        alone = min(_compare(final, expected_weights(world_size, (0,), r)) for r in resumes)
         hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
                 "averaged. Wrap the model in DDP and train through ddp_model (the model you give train_epoch)"
                 if alone is not None and alone <= ATOL else
@@ -361,7 +434,9 @@ def check_ddp_training(script: str = "train.py") -> None:
                 "and no change to the given functions")
         raise CheckFailed(
             check,
-            f"rank 0's final weights differ from an uninterrupted {world_size}-rank DDP run (max |diff| {diff:.3g})",
+            _restart_context(run) + "rank 0's final weights differ from "
+            + (f"a {world_size}-rank DDP run that resumed as this one did" if restart else
+               f"an uninterrupted {world_size}-rank DDP run") + f" (max |diff| {diff:.3g})",
             ranks=[0], expected=f"equal within {ATOL:g}", got=f"max |diff| = {diff:.3g}", hint=hint,
         )
     _require_all_reduced(check, run)  # right weights, but were they averaged, or computed alone?
@@ -502,20 +577,24 @@ def _left_the_group(w: torchrun.Worker) -> bool:
     return not any(e["still_initialized"] for e in later)
 
 
-def check_destroy(script: str = "train.py") -> None:
+def check_destroy(script: str = "train.py", *, crash_rank: int | None = None,
+                  crash_step: int | None = None) -> None:
     """Every worker leaves its process group with dist.destroy_process_group() before it exits.
 
     Judged by the effect, seen with torch's own functions taken before the script ran: after the call
-    returned, the worker no longer held a default process group (and still did not at exit)."""
+    returned, the worker no longer held a default process group (and still did not at exit).
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run's last attempt (the workers of
+    the first were killed before they could leave)."""
     check = "check_destroy"
-    run = _run_script(script, "nodes", check)
+    run = _graded_run(script, check, crash_rank, crash_step)
     torchrun.require_ok(check, run)
-    missing = [w.rank for w in run.workers if not _left_the_group(w)]
-    called = [w.rank for w in run.workers if w.of("destroy")]
+    workers = run.attempt(run.attempts - 1)
+    missing = [w.rank for w in workers if not _left_the_group(w)]
+    called = [w.rank for w in workers if w.of("destroy")]
     expect(
         not missing,
         check,
-        f"{rank_list(missing)} never called dist.destroy_process_group()" if not set(missing) & set(called) else
+        _restart_context(run) + f"{rank_list(missing)} never called dist.destroy_process_group()" if not set(missing) & set(called) else
         f"{rank_list(missing)} still held the default process group at exit "
         "(destroy_process_group was called for another group, or the group was made again)",
         ranks=missing,

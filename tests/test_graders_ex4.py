@@ -98,6 +98,18 @@ def test_expected_weights_are_sgd_with_momentum_on_the_global_batch():
 
 
 @pytest.mark.timeout(60)
+def test_expected_weights_after_a_restart_follow_the_resume():
+    """The hidden DDP variant's references: an exact resume is the uninterrupted run; an off-by-one resume or
+    lost momentum is not (so a wrong resume is judged by check_restart_resume alone, not taken for DDP's)."""
+    exact = ex4.expected_weights(2, None, (1, 1, True))
+    assert ex4._compare(exact, ex4.expected_weights(2)) == 0
+    assert ex4._compare(ex4.expected_weights(2, None, (0, 0, True)), ex4.expected_weights(2)) == 0  # never loaded
+    for wrong in ((1, 0, True), (1, 1, False), (1, 2, True)):
+        assert ex4._compare(ex4.expected_weights(2, None, wrong), exact) > 1e-4, wrong
+    assert ex4._compare(ex4.expected_weights(2, (0,), (1, 1, True)), ex4.expected_weights(2, (0,))) == 0
+
+
+@pytest.mark.timeout(60)
 def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     stub = tmp_path / "stub.py"
     source = script_source()
@@ -109,11 +121,13 @@ def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     released = tmp_path / "released.py"  # the student's copy: the given part, nbgrader's stub at module level, the entry
     released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n" + entry)
     start = time.monotonic()
-    for check in (ex4.check_standalone_ranks, ex4.check_restart_resume, ex4.check_destroy):
-        fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()")
-        fails(check, str(released), "train.py is not written yet", "raise NotImplementedError()")
-        fails(check, str(broken), "does not compile", "line")
-        fails(check, str(tmp_path / "missing.py"), "there is no training script", "%%writefile")
+    hidden = {"crash_rank": 0, "crash_step": 3}
+    for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4.check_restart_resume, {}), (ex4.check_destroy, {}),
+                          (ex4.check_checkpoint_rank0, hidden), (ex4.check_ddp_training, hidden)):
+        fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
+        fails(check, str(released), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
+        fails(check, str(broken), "does not compile", "line", **kwargs)
+        fails(check, str(tmp_path / "missing.py"), "there is no training script", "%%writefile", **kwargs)
     assert time.monotonic() - start < 5
 
 
@@ -201,6 +215,10 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
           crash_rank=0, crash_step=3)
     with pytest.raises(ValueError, match="middle of an epoch"):
         ex4.try_restart(script, crash_step=4)  # an epoch's last step races with its checkpoint
+    # the resume's mistake only: the hidden variants of the other cells read this same run, and pass
+    for check in (ex4.check_standalone_ranks, ex4.check_checkpoint_rank0, ex4.check_atomic_checkpoint,
+                  ex4.check_ddp_training, ex4.check_destroy):
+        check(script, crash_rank=0, crash_step=3)
 
 
 @pytest.mark.slow
@@ -226,6 +244,52 @@ def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
 def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
     script = write_script(tmp_path, ('        optimizer.load_state_dict(saved["optimizer"])\n', ""))
     fails(ex4.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
+    # the hidden crash: the lost momentum is the resume's mistake, not the gradient averaging's
+    fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3", "final weights differ",
+          crash_rank=0, crash_step=3)
+    ex4.check_ddp_training(script, crash_rank=0, crash_step=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_hidden_variants_judge_the_hidden_restart_run_without_a_launch_of_their_own(tmp_path):
+    """The hidden tests of the checkpoint, atomicity and destroy cells read the restart run with rank 0 killed
+    after its step 3 (the launch the hidden check_restart_resume makes): one script with three mistakes, each
+    caught there, and one launch for them all. (The DDP cell's hidden test: the next test.)"""
+    script = write_script(
+        tmp_path,
+        ('    tmp_path = ckpt_path + ".tmp"  # same folder, so os.replace stays on one file system\n'
+         "    torch.save(state, tmp_path)\n"
+         "    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n",
+         "    torch.save(state, ckpt_path)\n"),
+        ("            save_checkpoint(state, args.ckpt)\n",
+         "            save_checkpoint(state, args.ckpt)\n"
+         "        else:  # a copy of its own, beside the folders it was given\n"
+         "            import pickle\n"
+         "            with open(os.path.join(os.path.dirname(args.out), f'copy-rank{rank}.pkl'), 'wb') as fh:\n"
+         "                pickle.dump(model.state_dict(), fh)\n"),
+        ("    dist.destroy_process_group()\n", ""))
+    hidden = {"crash_rank": 0, "crash_step": 3}
+    fails(ex4.check_checkpoint_rank0, script, "rank 0 was killed after its optimizer step 3",
+          "rank 1 wrote the checkpoint too", "copy-rank1.pkl", **hidden)
+    fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", **hidden)
+    fails(ex4.check_destroy, script, "rank 0 was killed after its optimizer step 3",
+          "ranks 0, 1 never called dist.destroy_process_group()", **hidden)
+    ex4.check_ddp_training(script, **hidden)  # the weights are right
+    launched = [key for key in torchrun.runner._CACHE if key[0] == script]
+    assert launched == [(script, launched[0][1], "restart", (0, 3))], launched
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash(tmp_path):
+    """Without DDP the ranks drift apart (a late rank may resume from rank 0's last checkpoint), but rank 0's
+    final weights are what it learns alone, restart or not."""
+    script = write_script(tmp_path, ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
+                                     "ddp_model = model"))
+    fails(ex4.check_ddp_training, script, "rank 0 was killed after its optimizer step 3",
+          "differ from a 2-rank DDP run that resumed as this one did", "the gradients were never averaged",
+          crash_rank=0, crash_step=3)
 
 
 @pytest.mark.slow
