@@ -41,17 +41,16 @@ from torch.distributed.tensor import DTensor
 
 from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
+from course.costmodel import fsdp_padded_numel, fsdp_shard_rows
 from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     LR,
     MOMENTUM,
     Net,  # noqa: F401
-    _chunk_rows,
     _export_harness,
     _full,
     _load_harness,
     _max_diff,
-    _padded,
     _save_harness,
     _shard_harness,
     _shard_of,
@@ -129,7 +128,7 @@ def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None
     def sharded_by_rows(rank, obs):
         for name in names:
             p = obs["params"][name]
-            want = [_chunk_rows(shapes[name][0], ws, rank), *shapes[name][1:]]
+            want = [fsdp_shard_rows(shapes[name][0], ws, rank), *shapes[name][1:]]
             if p["mesh"] != ws or not p["rows"] or p["local"] != want:
                 raise CheckFailed(
                     check, f"{name} is a DTensor but not sharded by rows across all {ws} ranks ({where})",
@@ -146,8 +145,8 @@ def _shard_verdict(check: str, values: list[dict], spec: tuple, ws: int) -> None
 def _units_verdict(check, values, spec, ws, names, shapes, root_own) -> None:
     width, depth, _ = spec
     where = _where(ws)
-    block_values = sum(_padded(shapes[n], ws) for n in names if n.startswith("blocks.0."))
-    root_values = sum(_padded(shapes[n], ws) for n in root_own)
+    block_values = sum(fsdp_padded_numel(shapes[n], ws) // ws for n in names if n.startswith("blocks.0."))
+    root_values = sum(fsdp_padded_numel(shapes[n], ws) // ws for n in root_own)
 
     def units(rank, obs):
         if obs.get("blocks") is None:

@@ -19,7 +19,6 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor, Shard
 
 from course import checks
-from course.costmodel import fsdp_padded_numel, fsdp_shard_rows
 
 PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
 INPUTS, OUTPUTS = 6, 2
@@ -142,16 +141,6 @@ def _gathers_so_far() -> list[int] | None:
                 n *= int(d)
             out.append(n)
     return out
-
-
-def _chunk_rows(rows: int, world_size: int, rank: int) -> int:
-    """How many rows rank ``rank`` holds of a tensor of ``rows`` rows sharded on dim 0 (torch.chunk's split)."""
-    return fsdp_shard_rows(rows, world_size, rank)
-
-
-def _padded(shape: tuple, world_size: int) -> int:
-    """Values per rank FSDP2 all-gathers for one parameter: its rows padded to a multiple of the world size."""
-    return fsdp_padded_numel(shape, world_size) // world_size
 
 
 def _shard_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
