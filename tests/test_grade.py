@@ -293,6 +293,31 @@ def test_scoring_follows_nbgrader_rules_with_a_reason_for_every_lost_point():
     assert score_cell(_test_cell(), 3, False).score == 0  # no output is full marks only if the cell ran
 
 
+def test_the_courses_own_code_cells_get_the_test_cells_limit():
+    """A cold ``import torch`` in the locked imports cell once ran past an answer cell's limit on a busy
+    CI machine, and every later cell of a right answer scored 0: the course's code gets the long limit."""
+    limits = Timeouts(test=120, other=15)
+
+    def cell(**meta):
+        c = new_code_cell("import torch")
+        c.metadata["nbgrader"] = {"grade_id": "x", "schema_version": 3, **meta}
+        return c
+
+    assert limits.for_cell(cell(locked=True, grade=False, solution=False)) == 120  # imports, setup
+    assert limits.for_cell(cell(locked=True, grade=True, solution=False, points=1)) == 120  # a test
+    assert limits.for_cell(cell(locked=False, grade=False, solution=True)) == 15  # an answer
+    assert limits.for_cell(new_code_cell("while True: pass")) == 15  # a cell the student added
+    markdown = nbformat.v4.new_markdown_cell("text")
+    markdown.metadata["nbgrader"] = {"locked": True, "grade_id": "m"}
+    assert limits.for_cell(markdown) == 15
+    # every locked code cell of every exercise gets the long limit
+    for path in sorted(submissions.EXERCISES.glob("*/*.ipynb")):
+        for c in nbformat.read(str(path), as_version=4).cells:
+            meta = c.metadata.get("nbgrader", {})
+            if c.cell_type == "code" and meta.get("locked"):
+                assert limits.for_cell(c) == 120, (path.name, meta.get("grade_id"))
+
+
 @pytest.mark.timeout(120)
 def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
     from course.grading.inprocess import run_in_process

@@ -19,7 +19,8 @@ HIDDEN_MARKERS = (HIDDEN_BEGIN, HIDDEN_END)
 
 #: seconds a test cell may run (its checks start real multi-rank jobs; exercise 4 starts torchrun)
 TEST_CELL_TIMEOUT = 300.0
-#: seconds any other cell may run (answer cells only define functions)
+#: seconds any other cell may run (answer cells only define functions); the course's own
+#: code cells (imports, setup, demos) get :data:`TEST_CELL_TIMEOUT`: see :meth:`Timeouts.for_cell`
 OTHER_CELL_TIMEOUT = 60.0
 #: seconds one job of a check may run before its ranks are killed (a deadlock, an endless loop);
 #: the environment variable overrides it, for the checks in a kernel, the verifier and their ranks
@@ -45,6 +46,16 @@ def is_test_cell(cell) -> bool:
     return cell.get("cell_type") == "code" and bool(meta.get("grade")) and not meta.get("solution")
 
 
+def is_given_code(cell) -> bool:
+    """A code cell the course wrote and the student cannot change: ``locked: true`` and not a solution.
+
+    Grading puts these back from the source (:func:`course.grading.restore.restore`, nbgrader's
+    ``OverwriteCells``), so what they run is the instructor's: imports, setup, demos that start jobs.
+    """
+    meta = nbgrader_meta(cell)
+    return cell.get("cell_type") == "code" and bool(meta.get("locked")) and not meta.get("solution")
+
+
 def holds_hidden_tests(text: str | bytes) -> bool:
     """Whether ``text`` (a cell's source, a notebook file's bytes) holds a hidden-test region."""
     marker = HIDDEN_BEGIN.encode() if isinstance(text, bytes) else HIDDEN_BEGIN
@@ -53,11 +64,18 @@ def holds_hidden_tests(text: str | bytes) -> bool:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds each cell may run: test cells run multi-rank checks, so they get longer."""
+    """Seconds each cell may run: test cells run multi-rank checks, so they get longer.
+
+    The course's own code cells (:func:`is_given_code`) get the test cells' limit too. Their time
+    is not the student's to spend: the first one imports torch cold, which on a busy grading machine
+    took longer than an answer cell's limit, and a limit hit there scored every later cell 0 for a
+    right answer. A student who marks a cell of their own ``locked`` (autograde keeps unknown
+    grade_ids) gains no more time than a test cell calling their code already has.
+    """
 
     test: float = TEST_CELL_TIMEOUT
     other: float = OTHER_CELL_TIMEOUT
 
     def for_cell(self, cell) -> float:
         """nbclient's ``timeout_func`` (nbgrader's ``Execute.timeout_func``): this cell's limit."""
-        return self.test if is_test_cell(cell) else self.other
+        return self.test if is_test_cell(cell) or is_given_code(cell) else self.other

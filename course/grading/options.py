@@ -21,7 +21,7 @@ def notebook_run_options(*, json_help: str, exercises_help: str):
             click.option("--test-timeout", type=float, default=Timeouts.test, show_default=True,
                          help="Seconds each test cell may run (they run multi-rank jobs)."),
             click.option("--timeout", type=float, default=Timeouts.other, show_default=True,
-                         help="Seconds every other cell may run."),
+                         help="Seconds an answer cell or a cell the student added may run (the course's own code cells get the test cells' limit)."),
         ]):
             command = option(command)
         return command

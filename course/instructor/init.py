@@ -186,7 +186,7 @@ def init_course(
 @click.option("--exercises", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Folder of <assignment>/<notebook>.ipynb source notebooks (default: the course's exercises).")
 @click.option("--test-timeout", default=DEFAULT_TEST_TIMEOUT, show_default=True, help="Seconds a test cell may run.")
-@click.option("--cell-timeout", default=DEFAULT_CELL_TIMEOUT, show_default=True, help="Seconds any other cell may run.")
+@click.option("--cell-timeout", default=DEFAULT_CELL_TIMEOUT, show_default=True, help="Seconds an answer cell or a cell the student added may run (the course's own code cells get --test-timeout).")
 def command(root, force, course_id, db_url, exercises, test_timeout, cell_timeout):
     """Create (or update) an nbgrader course directory DIR for the course's exercises."""
     report = init_course(root, exercises=exercises, force=force, course_id=course_id, db_url=db_url,
