@@ -7,7 +7,8 @@ For every exercise notebook, the lines of its solution regions (``### BEGIN SOLU
 * the four lessons: every line of their code cells and of the code in their markdown.
 
 A line counts when it is *substantial*: after removing comments and collapsing spaces it keeps at
-least :data:`MIN_CHARS` characters and is not plain syntax (``else:``, ``return loss``...). It is
+least :data:`MIN_CHARS` characters and is not plain syntax (``else:``, ``return loss``...) or a
+docstring (prose: any string alone has the same shape). It is
 
 * **verbatim** when the same normalised line is in a source;
 * **same shape** when the line equals a source line once every local name, number and string is
@@ -82,6 +83,8 @@ def shape(line: str) -> str:
 
 def substantial(norm: str) -> bool:
     if len(norm) < MIN_CHARS or norm.startswith(("import ", "from ", "%%", "def ", "class ", "@")):
+        return False
+    if re.fullmatch(r"[rbuf]*(\"\"\"|'\'\'|\"|').*\1", norm):  # a docstring: prose, every string one shape
         return False
     return not re.fullmatch(r"(return|raise|pass|else:|try:|finally:|continue|break)\b.{0,10}", norm)
 

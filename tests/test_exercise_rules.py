@@ -99,6 +99,9 @@ def test_the_transcription_rule_catches_a_given_call():
     assert transcription.shape("dist.all_reduce(grad, op=dist.ReduceOp.SUM)") == transcription.shape(
         "dist.all_reduce(p, op=dist.ReduceOp.SUM)")
     assert transcription.shape("dist.all_reduce(p)") != transcription.shape("dist.broadcast(p)")
+    # a docstring is prose: every lone string has one shape, so it would match any string of a lesson
+    assert not transcription.substantial(transcription.normalise('"""Write it atomically: never half a file."""'))
+    assert transcription.substantial(transcription.normalise('path = "checkpoints/final.pt"'))
 
 
 #: the course-wide ceilings of issue 27 (the reviewer's measure: benchmarks/transcription.py): the share of the

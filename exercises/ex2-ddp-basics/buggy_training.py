@@ -21,6 +21,16 @@ def evaluate(model, dataset, rank, world_size, device):
     return accuracy.item() / world_size
 
 
+def train_epoch(ddp_model, loader, optimizer, device):
+    """One pass over `loader`: a step of `optimizer` on the cross-entropy of every batch."""
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp_model(x), y)
+        loss.backward()
+        optimizer.step()
+
+
 def main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs=3, batch_size=4, lr=0.1):
     """Train `model` (already on this rank's device; the process group is set up) on `train_set` with DDP,
     log the validation accuracy after every epoch from rank 0, save a checkpoint at the end."""
@@ -32,12 +42,7 @@ def main(rank, world_size, model, train_set, val_set, ckpt_path, log, epochs=3, 
 
     for epoch in range(epochs):
         ddp_model.train()
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(ddp_model(x), y)
-            loss.backward()
-            optimizer.step()
+        train_epoch(ddp_model, loader, optimizer, device)
         accuracy = evaluate(ddp_model.module, val_set, rank, world_size, device)
         if rank == 0:
             log({"epoch": epoch, "accuracy": accuracy})
