@@ -1,7 +1,7 @@
 """The rootless sandbox, tested as what it is for: an instructor without root (a cluster's login or compute node).
 
 As root, this runs the adversarial suite (tests/adversarial: the sandbox's own tests and every attack on
-both grading paths) again as an unprivileged user (``nobody``, through ``setpriv``), where
+both grading paths, on the small exercise of tests/files/verify) again as an unprivileged user (``nobody``, through ``setpriv``), where
 :class:`course.sandbox.Sandbox` isolates with a user namespace instead of a uid of its own. It skips
 where that user cannot run this Python (a Python under /root, mode 0700) or setpriv is missing, unless
 DDP_COURSE_REQUIRE_ROOTLESS=1 (CI, which makes this Python reachable), where it fails.
@@ -51,7 +51,10 @@ def test_the_adversarial_suite_holds_without_root():
     os.chmod(home, 0o777)  # noqa: S103 - the unprivileged user's home for this run (its caches), removed after
     env = {"HOME": home, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "LANG": "C.UTF-8",
            "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
-           **{k: v for k, v in os.environ.items() if k.startswith("DDP_COURSE_") and k != "DDP_COURSE_REQUIRE_ROOTLESS"}}
+           **{k: v for k, v in os.environ.items() if k.startswith("DDP_COURSE_") and k != "DDP_COURSE_REQUIRE_ROOTLESS"},
+           # the attacks on the small exercise: what this run tests is the sandbox without root, and the root run
+           # (tests/adversarial itself) already plays every attack against exercise 1's real checks
+           "DDP_COURSE_ADVERSARIAL_BASE": "tiny"}
     try:
         _gate(env)
         run = _as_user([sys.executable, "-m", "pytest", "tests/adversarial", "-q", "-p", "no:cacheprovider",
