@@ -208,6 +208,32 @@ def assert_loses_exactly(report, assignment: str, failing: list[str], words: lis
         assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
 
 
+def assert_mistakes_lose_exactly(report, assignment: str, mistakes: list[tuple[list[str], list[str]]],
+                                 notebook: str | None = None) -> None:
+    """One submission holding several independent mistakes, each ``(failing test cells, words)``: exactly the
+    union of their cells lost its points, each with a FAILED message, and each mistake's first cell names its
+    words. The mistakes must fail disjoint cells (:func:`disjoint_mistakes`), so no message can stand for another's."""
+    got = messages(report)
+    union = [gid for failing, _ in mistakes for gid in failing]
+    assert scores(report) == losing(assignment, *union, notebook=notebook), got
+    assert all(got[gid].startswith("FAILED check_") for gid in union), got
+    for failing, words in mistakes:
+        for word in words:
+            assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
+
+
+def disjoint_mistakes(groups, wrong: dict) -> None:
+    """Every mistake of ``wrong`` (name: (edits, failing cells, words)) is in exactly one group of ``groups``,
+    and the mistakes of a group fail disjoint test cells and edit different text."""
+    named = [name for group in groups for name in group]
+    assert sorted(named) == sorted(wrong), "every wrong submission graded exactly once"
+    for group in groups:
+        cells = [gid for name in group for gid in wrong[name][1]]
+        assert len(cells) == len(set(cells)), f"{group}: two mistakes fail the same test cell"
+        olds = [old for name in group for old, _ in wrong[name][0]]
+        assert not any(a in b for a in olds for b in olds if a is not b), f"{group}: two mistakes edit the same text"
+
+
 def untouched_student_copy(assignment: str, folder: str | Path, notebook: str | None = None) -> Path:
     """Release ``assignment`` (asserting the copy leaks no solution or hidden test) and hand in its
     ``notebook`` unanswered."""

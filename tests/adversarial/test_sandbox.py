@@ -143,6 +143,10 @@ def test_workdir_inside_a_hidden_folder_stays_visible(tmp_path):
         shutil.rmtree(course, ignore_errors=True)
 
 
+#: seconds closing a sandbox may take to end a fork bomb: the deadline of its kill (course.sandbox.box.Sandbox.kill)
+KILL_DEADLINE = 30
+
+
 def _fork_bomb(box: Sandbox) -> subprocess.Popen:
     """A fork bomb started in ``box`` (its supervisor in ``box.pids``), left to spread for 3 s."""
     proc = subprocess.Popen(box.command([sys.executable, "-c",
@@ -161,7 +165,7 @@ def test_fork_bomb_is_contained_and_killed(tmp_path):
             assert 10 < len(box.cgroups.pids()) <= box.limits.nproc
         started = time.monotonic()
         uid = box.uid
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < KILL_DEADLINE
     assert uid_processes(uid) == []
     proc.wait(timeout=10)
 
@@ -326,7 +330,9 @@ def test_rootless_fork_bomb_is_stopped_with_the_sandbox(tmp_path):
         proc = _fork_bomb(box)
         assert len(uid_processes(os.getuid())) <= box.limits.nproc + 100
         token, started = box.token, time.monotonic()
-    assert time.monotonic() - started < 15
+    # the kill itself is one signal to pid 1 of the namespace; the kernel then ends hundreds of spinning processes,
+    # which on a 2-core machine busy with other tests once took 15.2 s: bounded by the kill's own deadline
+    assert time.monotonic() - started < KILL_DEADLINE
     proc.wait(timeout=10)
     time.sleep(0.5)
     assert marked_processes(token) == []
