@@ -255,6 +255,6 @@ def test_the_sandbox_hides_this_checkouts_sources():
     from course.sandbox import default_hidden, python_paths
 
     assert CHECKOUT == ROOT
-    assert str(ROOT / "exercises") in default_hidden()
+    assert str(ROOT / "exercises") in default_hidden() and str(ROOT / "tests") in default_hidden()  # tests: whole answers
     assert str(ROOT / ".git") in default_hidden() or not (ROOT / ".git").exists()
     assert str(ROOT) in python_paths()

@@ -39,7 +39,7 @@ class SandboxKernelManager(AsyncKernelManager):
     hidden too. Every process of the kernel is killed when the kernel shuts down.
     """
 
-    hide = List(Unicode(), help="Paths the submission must not see (besides exercises/ and .git).").tag(config=True)
+    hide = List(Unicode(), help="Paths the submission must not see (besides exercises/, tests/ and .git).").tag(config=True)
     memory_limit = Integer(Limits.memory, help="Bytes of memory for the whole sandbox.").tag(config=True)
     nproc_limit = Integer(Limits.nproc, help="Processes and threads of the sandbox.").tag(config=True)
     cpu_limit = Integer(Limits.cpu_seconds, help="CPU seconds per process.").tag(config=True)

@@ -121,8 +121,9 @@ def _free_uid() -> tuple[int, int]:
 
 
 def default_hidden() -> list[str]:
-    """What a submission never sees, whatever the course: this checkout's exercise sources and .git."""
-    return [str(CHECKOUT / name) for name in ("exercises", ".git") if (CHECKOUT / name).exists()]
+    """What a submission never sees, whatever the course: this checkout's exercise sources, its tests (whole
+    right answers in other styles, the wrong ones, test exercises with their solutions) and .git."""
+    return [str(CHECKOUT / name) for name in ("exercises", "tests", ".git") if (CHECKOUT / name).exists()]
 
 
 def python_paths() -> list[str]:
