@@ -201,11 +201,7 @@ def assert_loses_exactly(report, assignment: str, failing: list[str], words: lis
                          notebook: str | None = None) -> None:
     """Exactly the test cells ``failing`` lost their points, each with a FAILED message; the first
     names every one of ``words`` (later ones may defer to it)."""
-    got = messages(report)
-    assert scores(report) == losing(assignment, *failing, notebook=notebook), got
-    assert all(got[gid].startswith("FAILED check_") for gid in failing), got
-    for word in words:
-        assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
+    assert_mistakes_lose_exactly(report, assignment, [(failing, words)], notebook)
 
 
 def assert_mistakes_lose_exactly(report, assignment: str, mistakes: list[tuple[list[str], list[str]]],
@@ -220,6 +216,14 @@ def assert_mistakes_lose_exactly(report, assignment: str, mistakes: list[tuple[l
     for failing, words in mistakes:
         for word in words:
             assert word in got[failing[0]], f"{word!r} not in the message of {failing[0]}:\n{got[failing[0]]}"
+
+
+def grade_mistakes(assignment: str, folder: str | Path, cell: str, wrong: dict, group, notebook: str | None = None):
+    """Grade the source with every mistake of ``group`` (names in ``wrong``: name -> (edits of the answer cell
+    ``cell``, failing cells, words)) applied, and assert it loses exactly their cells, each naming its words."""
+    edits = [(cell, old, new) for name in group for old, new in wrong[name][0]]
+    report = grade_edited(assignment, folder, *edits, notebook=notebook)
+    assert_mistakes_lose_exactly(report, assignment, [wrong[name][1:] for name in group], notebook)
 
 
 def disjoint_mistakes(groups, wrong: dict) -> None:

@@ -503,9 +503,7 @@ def test_the_mistakes_graded_together_are_independent():
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("group", GRADED_TOGETHER, ids=" + ".join)
 def test_wrong_submission_loses_exactly_its_tests(tmp_path, group):
-    edits = [(SCRIPT_CELL, old, new) for name in group for old, new in WRONG[name][0]]
-    report = submissions.grade_edited(A, tmp_path, *edits)
-    submissions.assert_mistakes_lose_exactly(report, A, [WRONG[name][1:] for name in group])
+    submissions.grade_mistakes(A, tmp_path, SCRIPT_CELL, WRONG, group)
 
 # ---- appended to tests/test_graders_ex4.py
 # --- right answers in other styles: full marks --------------------------------------------------
