@@ -48,7 +48,7 @@ part() {  # part NAME SECONDS pytest-args...
 }
 
 export DDP_COURSE_GPU_REPORT=$out/lessons-on-nccl
-part gpu 300 -m gpu tests/test_gpu.py tests/test_launch.py -s &
+part gpu 480 -m gpu tests/test_gpu.py tests/test_launch.py -s &
 part lessons 300 tests/test_lesson1.py tests/test_lesson2.py tests/test_lesson3.py tests/test_lesson4.py &
 grade_all() {  # `ddp-course grade --json` on each reference solution, side by side
     [[ $parts == *" grade "* ]] || return 0
