@@ -1,4 +1,4 @@
-"""Checks for exercise 3: a synchronised BatchNorm and saving sharded optimizer state (ZeRO).
+"""Checks for exercise 3: a synchronised BatchNorm and a sharded checkpoint of ZeRO's optimizer state.
 
 Each check runs the student's function or class on real ranks (gloo, CPU)
 through a harness (:mod:`graders.ex3_model`), which returns plain observations; the verdict is
@@ -11,6 +11,7 @@ accident; values far from zero judge numerical accuracy. The memory part's check
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -27,13 +28,12 @@ from graders.ex3_model import (
     RUNNING_MEAN,
     RUNNING_VAR,
     WEIGHT,
-    ZERO_LR,
     C,
     _bn_harness,
     _bn_reference,
     _bn_sums,
     _bn_variant,
-    _zero_model,
+    _zero_load_harness,
     _zero_reference,
     _zero_save_harness,
 )
@@ -324,80 +324,149 @@ def _sums_error(xs, rank: int) -> float | None:
 
 
 
-# =========================================================================== ZeRO: sharded optimizer state
+# =========================================================================== ZeRO: a sharded checkpoint
+
+#: what the ranks may exchange while saving, as a share of Adam's whole state: a barrier or a few small
+#: messages (file names, metadata) pass; a gather of the state (consolidate_state_dict moves every other
+#: rank's share, at least half of it with 2 to 4 ranks) does not
+MOVED_SHARE = 1 / 8
+ADAM_MATH = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
-    """Why ``state_dict`` (an Adam state_dict) differs from ``reference``, or None."""
+    """Why ``state_dict`` (what a plain Adam holds after loading) differs from ``reference``, or None."""
     state, ref_state = state_dict.get("state", {}), reference["state"]
     missing = sorted(set(ref_state) - set(state))
     if missing:
-        return f"no state for parameters {missing} (of {len(ref_state)}): only one rank's shard"
+        return f"no state for parameters {missing} (of {len(ref_state)})"
     for index, ref in ref_state.items():
         for key, value in ref.items():
             got = state[index].get(key)
             if not isinstance(got, torch.Tensor) or got.shape != value.shape:
-                return f"parameter {index}: {key} is {type(got).__name__}, expected a tensor of shape {tuple(value.shape)}"
+                what = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+                return f"parameter {index}: {key} is {what}, expected a tensor of shape {tuple(value.shape)}"
             if not torch.allclose(got.float(), value.float(), rtol=0, atol=ZERO_ATOL):
                 return f"parameter {index}: {key} differs by {float((got.float() - value.float()).abs().max()):.3g}"
-    lrs = [g.get("lr") for g in state_dict.get("param_groups", [])]
-    if lrs and any(lr != ZERO_LR for lr in lrs):
-        return f"learning rate {lrs[0]}, expected {ZERO_LR}"
+    for group, ref_group in zip(state_dict.get("param_groups", []), reference["param_groups"]):
+        for key in ADAM_MATH:  # the hyperparameters that change the update (not foreach, fused, ...)
+            value = ref_group.get(key)
+            if group.get(key) != value and not (isinstance(value, tuple) and tuple(group.get(key) or ()) == value):
+                return f"param_groups: {key} is {group.get(key)!r}, expected {value!r}"
     return None
 
 
+def _state_bytes(world_size: int, seed: int) -> int:
+    state = _zero_reference(world_size, seed)[0]["state"]
+    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if t.dim() > 0)
+
+
+def _saved(check: str, save_shard, world_size: int, seed: int) -> tuple[str, list[dict]]:
+    """One save job per (answer, world size, seed): the checkpoint folder and each rank's observations."""
+
+    def job():
+        folder = tempfile.mkdtemp(prefix="ddp-course-ex3-ckpt-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        values = checks.run(check, _zero_save_harness, world_size, args=(save_shard, folder, seed),
+                            mistakes=_SAVE_MISTAKES).values
+        return folder, values
+
+    return checks.memo(check, ("zero-save", save_shard, world_size, seed), job)
+
+
 _SAVE_MISTAKES = [
-    Mistake(lambda rank, text: rank == 0 and "not been consolidated" in text,
-            "rank 0 asked for optimizer.state_dict() before the state was consolidated: each rank holds only its shard",
-            "call optimizer.consolidate_state_dict(to=0) on EVERY rank first, then save optimizer.state_dict() on rank 0"),
-    Mistake(lambda rank, text: rank not in (0, None) and "not been consolidated" in text,
-            "rank {rank} called optimizer.state_dict(): after consolidate_state_dict(to=0) only rank 0 holds the "
-            "full state (saving on every rank)",
-            "save only on rank 0: `if rank == 0: torch.save(optimizer.state_dict(), ckpt_path)`"),
-    Mistake(lambda rank, text: "consolidate_state_dict" in text and stranded(text),
-            "rank {rank} waited in consolidate_state_dict for ranks that never joined it ({ws}-rank job): "
-            "it is a collective, every rank must call it (consolidating only on rank 0 hangs)",
-            "call optimizer.consolidate_state_dict(to=0) on every rank, outside `if rank == 0:`; then save on rank 0"),
+    Mistake(lambda rank, text: "not been consolidated" in text,
+            "rank {rank} asked the ZeroRedundancyOptimizer for its full state_dict(), which it does not hold: "
+            "each rank has only its own share",
+            "each rank saves what its own local optimizer holds (lesson 3: which parameters a rank's share covers)"),
+    Mistake(lambda rank, text: stranded(text),
+            "rank {rank} waited in a collective that the other ranks never joined ({ws}-rank job)",
+            "saving a shard needs no communication: each rank writes what it already holds"),
 ]
 
 
-def check_zero_save(save_optimizer, world_size: int = 2) -> None:
-    """The full optimizer state is consolidated on all ranks and saved by rank 0 only; it loads into Adam."""
-    check = "check_zero_save"
-    checks.require_written(check, save_optimizer=save_optimizer)
-    root = tempfile.mkdtemp(prefix="ddp-course-ex3-")
-    try:
-        dirs = [os.path.join(root, f"rank{r}") for r in range(world_size)]
-        for d in dirs:
-            os.makedirs(d)
-        job = checks.run(check, _zero_save_harness, world_size, args=(save_optimizer, dirs), mistakes=_SAVE_MISTAKES)
-        paths = [os.path.join(d, "optimizer.pt") for d in dirs]
-        written = {r: job.values[r]["writes"] + [os.path.join(dirs[r], f) for f in os.listdir(dirs[r])]
-                   for r in range(1, world_size)}
-        others = [r for r, found in written.items() if found]
-        expect(not others, check, f"{checks.rank_list(others)} saved a file too ({world_size}-rank job)", ranks=others,
-               expected="only rank 0 writes the checkpoint (no other rank writes any file, under any name)",
-               got=f"rank {others[0]} wrote {written[others[0]][0]}" if others else None,
-               hint="guard the save with `if rank == 0:`")
-        expect(os.path.exists(paths[0]), check, f"rank 0 saved nothing at ckpt_path ({world_size}-rank job)",
-               ranks=[0], hint="on rank 0: torch.save(optimizer.state_dict(), ckpt_path)")
-        try:
-            state_dict = torch.load(paths[0], map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - shown to the student
-            raise CheckFailed(check, f"the saved file does not load with torch.load: {exc}", ranks=[0],
-                              hint="save optimizer.state_dict() itself (a plain dict)") from None
-        try:
-            torch.optim.Adam(_zero_model().parameters(), lr=ZERO_LR).load_state_dict(state_dict)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckFailed(check, f"the saved state does not load into torch.optim.Adam: "
-                              f"{type(exc).__name__}: {exc}", ranks=[0],
-                              hint="save the consolidated optimizer.state_dict(), not optimizer.optim.state_dict() "
-                              "(one shard) or a dict wrapping it") from None
-        why = _zero_state_diff(state_dict, _zero_reference(world_size)[0])
-        expect(why is None, check, f"the saved optimizer state is not the full Adam state ({world_size} ranks)",
-               ranks=[0], expected=f"single-process Adam's state on the global batch, within {ZERO_ATOL:g}", got=why,
-               hint="consolidate_state_dict(to=0) on every rank, then save optimizer.state_dict() on rank 0")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def _no_shared_file(check: str, values: list[dict], where: str) -> None:
+    """Fail ``check`` when two ranks wrote the same file: one overwrote (or corrupted) the other's share."""
+    owners: dict[str, list[int]] = {}
+    for r, obs in enumerate(values):
+        for path in obs["writes"]:
+            owners.setdefault(path, []).append(r)
+    shared = {path: ranks for path, ranks in owners.items() if len(ranks) > 1}
+    if shared:
+        path, ranks = next(iter(shared.items()))
+        raise CheckFailed(check, f"{checks.rank_list(ranks)} wrote the same file {where}: one overwrote (or "
+                          f"corrupted) the others' shares", ranks=ranks, expected="one file (or more) per rank, "
+                          "named by rank", got=f"ranks {ranks} all wrote {os.path.basename(path)}",
+                          hint="put the rank in the file's name, for example shard-<rank>.pt")
+
+
+def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed: int = 3) -> None:
+    """Each rank writes the share of Adam's state it holds, into the folder, in files no other rank writes, and
+    nothing is gathered on the way (the collectives of the call move almost nothing)."""
+    check = "check_shard_save"
+    checks.require_written(check, save_shard=save_shard)
+    folder, values = _saved(check, save_shard, world_size, seed)
+    where = f"({world_size}-rank job)"
+    limit = _state_bytes(world_size, seed) * MOVED_SHARE
+    gathered = [r for r, obs in enumerate(values) if obs["moved"] > limit]
+    if gathered:
+        obs = values[gathered[0]]
+        ops = ", ".join(sorted(set(obs["ops"])))
+        raise CheckFailed(check, f"the ranks exchanged the optimizer state while saving {where}: a gather, which "
+                          f"a sharded checkpoint exists to avoid", ranks=gathered,
+                          expected=f"collectives that move at most {limit:,.0f} bytes (1/8 of Adam's whole state) "
+                          "during the save: a sharded save communicates nothing or almost nothing",
+                          got=f"rank {gathered[0]}'s collectives ({ops}) moved {obs['moved']:,} bytes",
+                          hint="do not consolidate: each rank writes what its own local optimizer holds")
+    outside = [(r, [w for w in obs["writes"] if os.path.dirname(os.path.abspath(w)) != folder])
+               for r, obs in enumerate(values)]
+    outside = [(r, paths) for r, paths in outside if paths]
+    expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} wrote outside ckpt_dir {where}",
+           ranks=[r for r, _ in outside], expected="every file of the checkpoint directly in ckpt_dir",
+           got=f"rank {outside[0][0]} wrote {outside[0][1][0]}" if outside else None,
+           hint="build every file name with os.path.join(ckpt_dir, ...)")
+    silent = [r for r, obs in enumerate(values) if not obs["writes"]]
+    expect(not silent, check, f"{checks.rank_list(silent)} wrote no file {where}", ranks=silent,
+           expected="every rank writes the share of the optimizer state it holds: no other rank has it",
+           got=f"rank {silent[0]} wrote nothing" if silent else None,
+           hint="under ZeRO only rank r holds rank r's share: every rank must save its own, not only rank 0")
+    _no_shared_file(check, values, where)
+    passed(check)
+
+
+def check_shard_load(save_shard, load_full_state, world_size: int = 3, seed: int = 3) -> None:
+    """The checkpoint the ranks saved, read in one process by load_full_state, is the whole Adam state of
+    single-process training on the global batch, and a plain Adam that loads it steps exactly as that one."""
+    check = "check_shard_load"
+    checks.require_written(check, save_shard=save_shard, load_full_state=load_full_state)
+    folder, values = _saved(check, save_shard, world_size, seed)
+    _no_shared_file(check, values, f"(a {world_size}-rank job's save)")
+    reference, trained, after = _zero_reference(world_size, seed)
+    obs = checks.run(check, _zero_load_harness, 1, args=(load_full_state, folder, seed, trained)).values[0]
+    where = f"(the checkpoint of a {world_size}-rank job)"
+    if "error" in obs:
+        raise CheckFailed(check, f"torch.optim.Adam(model.parameters()).load_state_dict refused what "
+                          f"load_full_state returned {where}", expected="a state dict of the form "
+                          "optimizer.state_dict() returns for a plain Adam over model.parameters(): 'state' keyed "
+                          "by each parameter's index in model.parameters(), and 'param_groups'", got=obs["error"],
+                          hint="compare with torch.optim.Adam(model.parameters()).state_dict() of a fresh model")
+    why = _zero_state_diff(obs["state"], reference)
+    missing = why is not None and why.startswith("no state for parameters")
+    expect(why is None, check, f"the loaded state is not single-process Adam's after the same training {where}",
+           expected=f"every parameter's Adam state (exp_avg, exp_avg_sq, step) within {ZERO_ATOL:g}, under its "
+           "index in model.parameters(), and the same hyperparameters", got=why,
+           hint=("every rank's share must reach the loader: files named by rank, all read back; and a rank's local "
+                 "optimizer numbers its own parameters from 0, so map each one to its index in model.parameters() "
+                 "(the same tensor objects) before merging") if missing else
+           "a rank's local optimizer numbers its own parameters from 0: map each one to its index in "
+           "model.parameters() (the same tensor objects) before merging")
+    if "step_error" in obs:
+        raise CheckFailed(check, f"Adam could not step after loading {where}", got=obs["step_error"],
+                          hint="keep the state's tensors as Adam saved them (step included)")
+    off = [i for i, (got, want) in enumerate(zip(obs["after"], after))
+           if not torch.allclose(got, want, rtol=0, atol=ZERO_ATOL)]
+    expect(not off, check, f"after loading, one more Adam step moved parameters {off} differently from the "
+           f"uninterrupted optimizer {where}", expected="the same update as the optimizer that was saved",
+           got=f"parameter {off[0]} differs" if off else None,
+           hint="save and restore everything Adam's state holds, and the param_groups' hyperparameters")
     passed(check)
 

@@ -5,7 +5,6 @@ Adam on the global batch).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -179,52 +178,113 @@ def _bn_sums(xs: list[torch.Tensor]):
     return mean, squares / n - mean * mean
 
 
-def _zero_model() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 1))
+def _zero_model(seed: int = 3) -> nn.Module:
+    """Part 3's model: big enough that one rank's share of Adam's state is tens of kilobytes (a gather shows)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 48), nn.Tanh(), nn.Linear(48, 1))
 
 
-def _zero_batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(50 * step + rank)
-    x = torch.randn(5, 4, generator=g) + rank
+def _zero_batch(rank: int, step: int, seed: int):
+    g = torch.Generator().manual_seed(1000 * seed + 50 * step + rank)
+    x = torch.randn(5, 48, generator=g) + rank
     return x, torch.cos(x.sum(dim=1, keepdim=True)) * (1 + rank)
 
 
-def _zero_train(ddp_model, optimizer, rank: int) -> None:
+def _zero_train(ddp_model, optimizer, rank: int, seed: int) -> None:
     for step in range(ZERO_STEPS):
-        x, y = _zero_batch(rank, step)
+        x, y = _zero_batch(rank, step, seed)
         loss = F.mse_loss(ddp_model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
 
+def _next_grads(model: nn.Module, seed: int) -> list[torch.Tensor]:
+    """The gradients of the step after loading, the same in the reference and in the load harness."""
+    g = torch.Generator().manual_seed(7 + seed)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
 @checks.reference
 @torch.no_grad()
-def _zero_reference(world_size: int):
-    """Single-process Adam on the global batch: (its state_dict, final parameters)."""
-    model = _zero_model()
+def _zero_reference(world_size: int, seed: int):
+    """Single-process Adam on the global batch: its state_dict, its final parameters, and the parameters after one
+    more step on :func:`_next_grads`."""
+    model = _zero_model(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=ZERO_LR)
     for step in range(ZERO_STEPS):
-        batches = [_zero_batch(rank, step) for rank in range(world_size)]
+        batches = [_zero_batch(rank, step, seed) for rank in range(world_size)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         with torch.enable_grad():
             loss = F.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
         optimizer.step()
-    return optimizer.state_dict(), [p.detach().clone() for p in model.parameters()]
+    state = optimizer.state_dict()
+    state = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in state["state"].items()},
+             "param_groups": state["param_groups"]}
+    trained = [p.detach().clone() for p in model.parameters()]
+    for p, grad in zip(model.parameters(), _next_grads(model, seed)):
+        p.grad = grad
+    optimizer.step()
+    return state, trained, [p.detach().clone() for p in model.parameters()]
 
 
-def _zero_save_harness(rank: int, save_optimizer, dirs: list[str]) -> dict:
+def _zero_save_harness(rank: int, save_shard, ckpt_dir: str, seed: int) -> dict:
+    """Train with ZeRO (Adam), then call the student's save; observe every file this rank wrote and every
+    collective it issued during the call (torch's flight recorder: what crossed between the ranks)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _init_pg()
-    model = _zero_model()
+    model = _zero_model(seed)
     ddp_model = DDP(model)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.Adam, lr=ZERO_LR)
-    _zero_train(ddp_model, optimizer, rank)
+    _zero_train(ddp_model, optimizer, rank, seed)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    mine = sorted(index[id(p)] for group in optimizer.optim.param_groups for p in group["params"])
+    seen = {(e["group"], e["seq"], e["p2p"]) for e in checks.REAL.collectives()}
     with checks.record_writes() as writes:  # every file this rank writes, however it writes it
-        save_optimizer(optimizer, rank, os.path.join(dirs[rank], "optimizer.pt"))
-    return {"writes": sorted({e["path"] for e in writes})}
+        save_shard(optimizer, model, rank, ckpt_dir)
+    issued = [e for e in checks.REAL.collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
+    moved = sum(_entry_bytes(e) for e in issued)
+    return {"writes": sorted({e["path"] for e in writes}), "mine": mine, "moved": moved,
+            "ops": [e["op"] for e in issued]}
+
+
+_ITEMSIZE = {"Float": 4, "Double": 8, "Long": 8, "Int": 4, "Byte": 1, "Char": 1, "Bool": 1, "Half": 2,
+             "BFloat16": 2, "Short": 2}
+
+
+def _entry_bytes(entry: dict) -> int:
+    """The bytes of a collective's inputs, from the shapes and dtypes the flight recorder saw."""
+    total = 0
+    for size, dtype in zip(entry.get("sizes") or [], entry.get("dtypes") or []):
+        numel = 1
+        for d in size:
+            numel *= d
+        total += numel * _ITEMSIZE.get(dtype, 8)
+    return total
+
+
+def _zero_load_harness(rank: int, load_full_state, ckpt_dir: str, seed: int, trained: list) -> dict:
+    """In one process, no process group: the student's loader builds the state dict; a plain Adam over the model
+    loads it and makes one more step. Returns what Adam holds and the parameters after that step."""
+    model = _zero_model(seed)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), trained):
+            p.copy_(value)
+    state = load_full_state(ckpt_dir, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=ZERO_LR)
+    try:
+        optimizer.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 - shown to the student
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    loaded = checks.to_cpu(optimizer.state_dict())
+    for p, grad in zip(model.parameters(), _next_grads(model, seed)):
+        p.grad = grad
+    try:
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001
+        return {"state": loaded, "step_error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"state": loaded, "after": [p.detach().clone() for p in model.parameters()]}

@@ -101,7 +101,7 @@ def test_untouched_release_scores_zero_at_once_with_clean_messages(tmp_path):
 WRONG = {
     # name: ((old, new) edits of elastic.py, the test cells that must fail, words the first one's message has)
     "world size hard-coded to the first round's 3": (
-        [('world_size = int(os.environ["WORLD_SIZE"])', "world_size = 3")],
+        [("    rank, world_size, device = join_job()", "    rank, world_size, device = join_job()\n    world_size = 3")],
         [SHRINK], ["carried 4 samples in all", "not GLOBAL_BATCH = 6", "a number fixed for 3 workers"]),
     "a fixed per-rank batch: the global batch shrinks with the job": (
         [("    return batch.chunk(world_size)[rank]\n",
