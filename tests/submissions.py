@@ -226,6 +226,35 @@ def grade_mistakes(assignment: str, folder: str | Path, cell: str, wrong: dict, 
     assert_mistakes_lose_exactly(report, assignment, [wrong[name][1:] for name in group], notebook)
 
 
+def pack(mistakes: dict) -> list[tuple[str, ...]]:
+    """Mistakes (name: (edits, failing test cells, words), each edit ``(answer cell, old, new[, count])``) packed
+    into submissions graded together: a group never holds two mistakes in the same answer cell (no two wrong
+    pieces of one function, which could mask or add to each other) nor two that fail the same test cell, so
+    each grade judges several mistakes and each must still lose exactly its own cells. Greedy, in order."""
+    groups: list[list[str]] = []
+    for name, (edits, failing, _) in mistakes.items():
+        cells = {edit[0] for edit in edits}
+        for group in groups:
+            if not any(cells & {e[0] for e in mistakes[other][0]} or set(failing) & set(mistakes[other][1])
+                       for other in group):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return [tuple(group) for group in groups]
+
+
+def grade_packed(assignment: str, folder: str | Path, mistakes: dict, group, notebook: str | None = None) -> None:
+    """Grade the source with every mistake of ``group`` (see :func:`pack`) applied, and assert it loses exactly
+    their cells, each naming its words."""
+    nb = load(assignment, notebook)
+    for name in group:
+        for cell, old, new, *count in mistakes[name][0]:
+            nb = patch_answer(nb, cell, old, new, *count)
+    report = grade(write(nb, folder, assignment, notebook))
+    assert_mistakes_lose_exactly(report, assignment, [mistakes[name][1:] for name in group], notebook)
+
+
 def disjoint_mistakes(groups, wrong: dict) -> None:
     """Every mistake of ``wrong`` (name: (edits, failing cells, words)) is in exactly one group of ``groups``,
     and the mistakes of a group fail disjoint test cells and edit different text."""

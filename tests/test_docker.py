@@ -96,6 +96,18 @@ def source_notebooks() -> list[Path]:
     return sorted((ROOT / "exercises").glob("*/*.ipynb"))
 
 
+#: graded in the grader image, offline: every exercise's main notebook (each kind of job: rank functions, DDP,
+#: BatchNorm, torchrun), FSDP2 with DCP (files written by the ranks) and the elastic job (three agents meeting in a
+#: rendezvous inside the container). The other notebooks run the same kinds of job: tests/test_graders_* grade each
+#: of them here, and the image holds the same packages.
+IN_IMAGE = ("ex1-parallelism/parallelism", "ex2-ddp-basics/ddp_basics", "ex3-syncbn-sharding/syncbn_sharding",
+            "ex3-syncbn-sharding/fsdp_checkpoint", "ex4-torchrun/torchrun", "ex4-torchrun/elastic")
+
+
+def graded_in_image() -> list[Path]:
+    return [p for p in source_notebooks() if f"{p.parent.name}/{p.stem}" in IN_IMAGE]
+
+
 def hidden_test_lines(source: Path) -> list[str]:
     """The lines inside a source notebook's hidden-test regions (meaningful ones: 8 characters or more)."""
     lines, inside = [], False
@@ -311,8 +323,12 @@ def _grade_in_grader(grader_image: str, notebook: Path, tmp_path: Path) -> dict:
     return json.loads(proc.stdout)
 
 
+def test_every_notebook_named_to_grade_in_the_image_exists():
+    assert sorted(f"{p.parent.name}/{p.stem}" for p in graded_in_image()) == sorted(IN_IMAGE)
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("source", source_notebooks() or [None],
+@pytest.mark.parametrize("source", graded_in_image() or [None],
                          ids=lambda p: f"{p.parent.name}/{p.name}" if p else "no-exercises")
 def test_reference_solution_grades_full_marks_offline(grader_image, source, tmp_path):
     if source is None:

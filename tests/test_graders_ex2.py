@@ -718,12 +718,16 @@ WRONG_TWICE = {
 }
 
 
+#: name: ([(answer cell, old, new)], failing test cells, words)
+MISTAKES = {name: ([(gid, old, new)], [failing], words) for name, (gid, old, new, failing, words) in WRONG.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(WRONG))
-def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
-    grade_id, old, new, failing, words = WRONG[name]
-    submissions.assert_loses_exactly(grade_with(tmp_path, grade_id, old, new), A, [failing], words)
+@pytest.mark.parametrize("group", submissions.pack(MISTAKES), ids=" + ".join)
+def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
+    """The mistakes of a group (:func:`submissions.pack`: other answer cells, other test cells) in one submission."""
+    submissions.grade_packed(A, tmp_path, MISTAKES, group)
 
 
 @pytest.mark.slow

@@ -1067,16 +1067,19 @@ WRONG = {
 }
 
 
+#: name: ([(answer cell, old, new[, count])], failing test cells, words)
+MISTAKES = {name: ([(gid, before, after, *count) for before, after in ([(old, new)] if isinstance(old, str)
+                                                                       else zip(old, new))],
+                   [failing] if isinstance(failing, str) else failing, words)
+            for name, (gid, old, new, failing, words, *count) in WRONG.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(WRONG))
-def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
-    grade_id, old, new, failing, words, *count = WRONG[name]
-    nb = submissions.load(A, NB)
-    for before, after in [(old, new)] if isinstance(old, str) else zip(old, new):
-        nb = submissions.patch_answer(nb, grade_id, before, after, *count)
-    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
-    submissions.assert_loses_exactly(report, A, [failing] if isinstance(failing, str) else failing, words, notebook=NB)
+@pytest.mark.parametrize("group", submissions.pack(MISTAKES), ids=" + ".join)
+def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
+    """The mistakes of a group (:func:`submissions.pack`: other answer cells, other test cells) in one submission."""
+    submissions.grade_packed(A, tmp_path, MISTAKES, group, notebook=NB)
 
 
 @pytest.mark.slow

@@ -771,11 +771,13 @@ WRONG = {
 }
 
 
+#: name: ([(answer cell, old, new)], failing test cells, words)
+MISTAKES = {name: ([(gid, old, new)], failing, words) for name, (gid, old, new, failing, words) in WRONG.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(WRONG))
-def test_wrong_submission_loses_exactly_its_tests(tmp_path, name):
-    grade_id, old, new, failing, words = WRONG[name]
-    nb = submissions.patch_answer(submissions.load(A, NB), grade_id, old, new)
-    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
-    submissions.assert_loses_exactly(report, A, failing, words, notebook=NB)
+@pytest.mark.parametrize("group", submissions.pack(MISTAKES), ids=" + ".join)
+def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
+    """The mistakes of a group (:func:`submissions.pack`: other answer cells, other test cells) in one submission."""
+    submissions.grade_packed(A, tmp_path, MISTAKES, group, notebook=NB)

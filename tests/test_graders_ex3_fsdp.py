@@ -669,13 +669,16 @@ WRONG = {
 }
 
 
+#: name: ([(answer cell, old, new)], failing test cells, words)
+MISTAKES = {name: (edits, [failing], words) for name, (edits, failing, words) in WRONG.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(WRONG))
-def test_wrong_submission_loses_exactly_its_test(tmp_path, name):
-    edits, failing, words = WRONG[name]
-    report = submissions.grade_edited(A, tmp_path, *edits, notebook=NB)
-    submissions.assert_loses_exactly(report, A, [failing], words, notebook=NB)
+@pytest.mark.parametrize("group", submissions.pack(MISTAKES), ids=" + ".join)
+def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
+    """The mistakes of a group (:func:`submissions.pack`: other answer cells, other test cells) in one submission."""
+    submissions.grade_packed(A, tmp_path, MISTAKES, group, notebook=NB)
 
 
 @pytest.mark.slow

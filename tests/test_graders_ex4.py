@@ -486,12 +486,11 @@ WRONG = {
 #: the mistakes graded in one submission: a grade of this notebook launches torchrun three times (a minute on
 #: a busy 2-core machine), and mistakes that edit different lines and fail disjoint checks can share it; the
 #: submission must lose exactly the union, each check's message naming its own mistake
-GRADED_TOGETHER = [
-    ("--local_rank read with argparse", "checkpoint written in place"),
-    ("RANK used as the local rank (device index)", "resume ignored"),
+GRADED_TOGETHER = [  # three mistakes fail check_checkpoint_rank0: three groups, the others shared among them
     ("checkpoint saved on every rank", "no destroy_process_group"),
-    ("final weights saved on every rank",),
-    ("the other ranks keep a checkpoint of their own elsewhere",),
+    ("final weights saved on every rank", "RANK used as the local rank (device index)", "resume ignored"),
+    ("the other ranks keep a checkpoint of their own elsewhere", "--local_rank read with argparse",
+     "checkpoint written in place"),
 ]
 
 

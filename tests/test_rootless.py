@@ -54,7 +54,9 @@ def test_the_adversarial_suite_holds_without_root():
            **{k: v for k, v in os.environ.items() if k.startswith("DDP_COURSE_") and k != "DDP_COURSE_REQUIRE_ROOTLESS"},
            # the attacks on the small exercise: what this run tests is the sandbox without root, and the root run
            # (tests/adversarial itself) already plays every attack against exercise 1's real checks
-           "DDP_COURSE_ADVERSARIAL_BASE": "tiny"}
+           "DDP_COURSE_ADVERSARIAL_BASE": "tiny",
+           # and on the grade path alone: both paths grade in the same sandbox, which is what this run tests
+           "DDP_COURSE_ADVERSARIAL_PATHS": "grade"}
     try:
         _gate(env)
         run = _as_user([sys.executable, "-m", "pytest", "tests/adversarial", "-q", "-p", "no:cacheprovider",
