@@ -36,25 +36,35 @@ fails = submissions.fails
 
 # --- part 1: CPUSyncBatchNorm, right and wrong -----------------------------------------------------
 
-#: the reference answer, as the notebook holds it (the cell without nbgrader's markers)
-BN_SOURCE = "\n".join(line for line in submissions.answer(submissions.load(A), "ex3_cpu_sync_batchnorm").splitlines()
-                      if "### " not in line) + "\n"
+def reference_answer(cell: str) -> str:
+    """The reference answer of ``cell``, as the notebook holds it (without nbgrader's markers)."""
+    return "\n".join(line for line in submissions.answer(submissions.load(A), cell).splitlines()
+                     if "### " not in line) + "\n"
 
 
-def bn_class(source: str = BN_SOURCE, *edits: tuple[str, str]):
-    """A CPUSyncBatchNorm class from ``source`` with ``(old, new)`` text edits (each ``old`` must occur once)."""
+def run_answer(source: str, edits) -> dict:
+    """The namespace of ``source`` run with ``(old, new)`` text edits (each ``old`` must occur once), its source in
+    linecache as IPython keeps a cell's; kept alive for the test session."""
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     namespace = {"nn": nn, "F": F, "torch": torch, "dist": dist, "dist_fn": dist_fn, "__name__": "student"}
-    name = f"<student-{len(_CLASSES)}>"  # a cell's source is in linecache, as IPython keeps it
+    name = f"<student-{len(_CLASSES)}>"
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     exec(compile(source, name, "exec"), namespace)
-    _CLASSES.append(namespace["CPUSyncBatchNorm"])
-    return _CLASSES[-1]
+    _CLASSES.append(namespace)
+    return namespace
 
 
-_CLASSES: list[type] = []
+BN_SOURCE = reference_answer("ex3_cpu_sync_batchnorm")
+
+
+def bn_class(source: str = BN_SOURCE, *edits: tuple[str, str]):
+    """A CPUSyncBatchNorm class from ``source`` with ``(old, new)`` text edits."""
+    return run_answer(source, edits)["CPUSyncBatchNorm"]
+
+
+_CLASSES: list[dict] = []  # every answer's namespace, alive while the ranks pickle its objects
 
 _EVAL = '''class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
@@ -199,19 +209,12 @@ HIDDEN = {"world_size": 4, "vocab": 13, "widths": (10, 3, 9, 5), "seed": 1}
 
 # --- part 3: a sharded checkpoint of ZeRO's state, right and wrong -------------------------------------
 
-#: the reference answer, as the notebook holds it (the cell without nbgrader's markers)
-SHARD_SOURCE = "\n".join(line for line in submissions.answer(submissions.load(A), "ex3_shard_checkpoint").splitlines()
-                         if "### " not in line) + "\n"
+SHARD_SOURCE = reference_answer("ex3_shard_checkpoint")
 
 
 def shard_functions(source: str = SHARD_SOURCE, *edits: tuple[str, str]):
-    """(save_shard, load_full_state) from ``source`` with ``(old, new)`` text edits (each ``old`` must occur once)."""
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    namespace = {"torch": torch, "dist": dist, "__name__": "student"}
-    exec(compile(source, f"<student-shard-{len(_CLASSES)}>", "exec"), namespace)
-    _CLASSES.append(namespace)
+    """(save_shard, load_full_state) from ``source`` with ``(old, new)`` text edits."""
+    namespace = run_answer(source, edits)
     return namespace["save_shard"], namespace["load_full_state"]
 
 
