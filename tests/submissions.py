@@ -190,10 +190,10 @@ def fails(check, subject, *words, **kwargs) -> str:
 
 
 def grade_edited(assignment: str, folder: str | Path, *edits: tuple[str, str, str], notebook: str | None = None):
-    """Grade the source notebook with each ``(answer grade_id, old text, new text)`` edit applied."""
+    """Grade the source notebook with each ``(answer grade_id, old text, new text[, count])`` edit applied."""
     nb = load(assignment, notebook)
-    for grade_id, old, new in edits:
-        nb = patch_answer(nb, grade_id, old, new)
+    for grade_id, old, new, *count in edits:
+        nb = patch_answer(nb, grade_id, old, new, *count)
     return grade(write(nb, folder, assignment, notebook))
 
 
@@ -221,9 +221,8 @@ def assert_mistakes_lose_exactly(report, assignment: str, mistakes: list[tuple[l
 def grade_mistakes(assignment: str, folder: str | Path, cell: str, wrong: dict, group, notebook: str | None = None):
     """Grade the source with every mistake of ``group`` (names in ``wrong``: name -> (edits of the answer cell
     ``cell``, failing cells, words)) applied, and assert it loses exactly their cells, each naming its words."""
-    edits = [(cell, old, new) for name in group for old, new in wrong[name][0]]
-    report = grade_edited(assignment, folder, *edits, notebook=notebook)
-    assert_mistakes_lose_exactly(report, assignment, [wrong[name][1:] for name in group], notebook)
+    in_cell = {name: ([(cell, old, new) for old, new in wrong[name][0]], *wrong[name][1:]) for name in group}
+    grade_packed(assignment, folder, in_cell, group, notebook)
 
 
 def pack(mistakes: dict) -> list[tuple[str, ...]]:
@@ -247,11 +246,7 @@ def pack(mistakes: dict) -> list[tuple[str, ...]]:
 def grade_packed(assignment: str, folder: str | Path, mistakes: dict, group, notebook: str | None = None) -> None:
     """Grade the source with every mistake of ``group`` (see :func:`pack`) applied, and assert it loses exactly
     their cells, each naming its words."""
-    nb = load(assignment, notebook)
-    for name in group:
-        for cell, old, new, *count in mistakes[name][0]:
-            nb = patch_answer(nb, cell, old, new, *count)
-    report = grade(write(nb, folder, assignment, notebook))
+    report = grade_edited(assignment, folder, *(edit for name in group for edit in mistakes[name][0]), notebook=notebook)
     assert_mistakes_lose_exactly(report, assignment, [mistakes[name][1:] for name in group], notebook)
 
 
