@@ -23,6 +23,8 @@ A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
 LAUNCH_TIMEOUT = 600  # two torchrun launches on a loaded 2-core machine, with room to spare
 HANG_TIMEOUT = 45.0  # the 2-node run's deadline in the hang test
+#: the hidden tests' restart run, as the notebook's hidden cells ask for it (a test keeps the two in step)
+HIDDEN = {"crash_rank": 0, "crash_step": 3, "layout": (1, 1)}
 
 
 def script_source(nb=None) -> str:
@@ -58,6 +60,34 @@ fails = submissions.fails
 
 
 # --- fast: no launch ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_every_test_cell_has_a_hidden_variant_on_the_hidden_restart_run():
+    """The hidden part of each test cell calls its check once more on the run HIDDEN names (the tests here play
+    that run), but the standalone rank test's: on two nodes it would judge the multi-node ranks a second time
+    (a RANK/LOCAL_RANK mix-up would lose both cells)."""
+    nb = submissions.load(A)
+    cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert len(cells) == 7
+    assert cells[0].source == 'graders.ex4.check_standalone_ranks("train.py")'
+    for cell in cells[1:]:
+        hidden = cell.source.split("### BEGIN HIDDEN TESTS", 1)[1].split("### END HIDDEN TESTS")[0]
+        calls = re.findall(r"graders\.ex4\.(check_\w+)\(\"train\.py\", (.*)\)", hidden)
+        assert len(calls) == 1 and calls[0][1] == "crash_rank=0, crash_step=3, layout=(1, 1)", cell.source
+        assert HIDDEN == {"crash_rank": 0, "crash_step": 3, "layout": (1, 1)}
+
+
+@pytest.mark.timeout(60)
+def test_a_workers_attempt_is_its_rendezvous_round_not_its_restart_count():
+    """Workers as (pid, rank, (WORLD_SIZE, MASTER_ADDR, MASTER_PORT), start time): a round is one key; rounds
+    follow their start; an agent that restarted for a waiting node keeps TORCHELASTIC_RESTART_COUNT=0, which
+    the key does not read; a port drawn again in a later round still opens a new round."""
+    a, b = ("2", "127.0.0.1", "4001"), ("2", "127.0.0.1", "4002")
+    starts = [(10, 0, a, 1.0), (11, 1, a, 1.1), (12, 0, b, 5.0), (13, 1, b, 5.2), (14, 0, a, 9.0), (15, 1, a, 9.1)]
+    assert torchrun.runner.rounds(starts) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
+    assert torchrun.runner.rounds(list(reversed(starts))) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
+    assert torchrun.runner.rounds([]) == {}
 
 
 @pytest.mark.timeout(60)
@@ -121,9 +151,9 @@ def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     released = tmp_path / "released.py"  # the student's copy: the given part, nbgrader's stub at module level, the entry
     released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n" + entry)
     start = time.monotonic()
-    hidden = {"crash_rank": 0, "crash_step": 3}
     for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4.check_restart_resume, {}), (ex4.check_destroy, {}),
-                          (ex4.check_checkpoint_rank0, hidden), (ex4.check_ddp_training, hidden)):
+                          (ex4.check_checkpoint_rank0, HIDDEN), (ex4.check_ddp_training, HIDDEN),
+                          (ex4.check_multinode_ranks, HIDDEN)):
         fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
         fails(check, str(released), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
         fails(check, str(broken), "does not compile", "line", **kwargs)
@@ -201,9 +231,13 @@ def test_check_destroy_sees_the_default_group_left_not_a_call(tmp_path):
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys):
     script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
-    run = ex4.try_restart(script, crash_rank=0, crash_step=3)
+    run = ex4.try_restart(script, **HIDDEN)
     out = capsys.readouterr().out
-    assert run.crash == (0, 3)
+    assert run.crash == (0, 3) and run.layout == (1, 1) and run.world_size == 2
+    assert "the 2-node restart run (two torchrun agents, --nnodes=2" in out, out
+    # both rounds on both nodes: the second node's worker is rank 1 with LOCAL_RANK 0, restarted too
+    assert [(w.attempt, w.rank, w.local_rank, w.group_rank) for w in run.workers] == [
+        (0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 0, 0), (1, 1, 0, 1)], run.workers
     assert "rank 0 was killed after its optimizer step 3, in epoch 1" in out, out
     assert "attempt 0 (the first launch):\n  rank 0: no checkpoint loaded, 3 optimizer step(s)" in out, out
     assert "killed by the grader" in out and "attempt 1 (torchrun's restart):" in out, out
@@ -211,14 +245,16 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
     assert "rank 1: loaded the checkpoint, 8 optimizer step(s)" in out, out
     assert "final.pt: differ from an uninterrupted run by" in out, out
     fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3",
-          "trained 8 steps: it started from epoch 0 again", "(6 steps)", "saved epoch + 1",
-          crash_rank=0, crash_step=3)
+          "trained 8 steps: it started from epoch 0 again", "(6 steps)", "saved epoch + 1", **HIDDEN)
     with pytest.raises(ValueError, match="middle of an epoch"):
         ex4.try_restart(script, crash_step=4)  # an epoch's last step races with its checkpoint
+    with pytest.raises(ValueError, match="one of the 2 ranks"):
+        ex4.try_restart(script, crash_rank=2, crash_step=3, layout=(1, 1))
     # the resume's mistake only: the hidden variants of the other cells read this same run, and pass
     for check in (ex4.check_standalone_ranks, ex4.check_checkpoint_rank0, ex4.check_atomic_checkpoint,
-                  ex4.check_ddp_training, ex4.check_destroy):
-        check(script, crash_rank=0, crash_step=3)
+                  ex4.check_ddp_training, ex4.check_destroy, ex4.check_multinode_ranks):
+        check(script, **HIDDEN)
+    assert [key[2:] for key in torchrun.runner._CACHE if key[0] == script] == [("restart", (0, 3), (1, 1))]
 
 
 @pytest.mark.slow
@@ -246,16 +282,16 @@ def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
     fails(ex4.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
     # the hidden crash: the lost momentum is the resume's mistake, not the gradient averaging's
     fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3", "final weights differ",
-          crash_rank=0, crash_step=3)
-    ex4.check_ddp_training(script, crash_rank=0, crash_step=3)
+          **HIDDEN)
+    ex4.check_ddp_training(script, **HIDDEN)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_the_hidden_variants_judge_the_hidden_restart_run_without_a_launch_of_their_own(tmp_path):
-    """The hidden tests of the checkpoint, atomicity and destroy cells read the restart run with rank 0 killed
-    after its step 3 (the launch the hidden check_restart_resume makes): one script with three mistakes, each
-    caught there, and one launch for them all. (The DDP cell's hidden test: the next test.)"""
+    """The hidden tests of the checkpoint, atomicity, ranks and destroy cells read the restart run on two nodes
+    with rank 0 killed after its step 3 (the launch the hidden check_restart_resume makes): one script with four
+    mistakes, each caught there, and one launch for them all. (The DDP cell's hidden test: the next test.)"""
     script = write_script(
         tmp_path,
         ('    tmp_path = ckpt_path + ".tmp"  # same folder, so os.replace stays on one file system\n'
@@ -268,28 +304,36 @@ def test_the_hidden_variants_judge_the_hidden_restart_run_without_a_launch_of_th
          "            import pickle\n"
          "            with open(os.path.join(os.path.dirname(args.out), f'copy-rank{rank}.pkl'), 'wb') as fh:\n"
          "                pickle.dump(model.state_dict(), fh)\n"),
-        ("    dist.destroy_process_group()\n", ""))
-    hidden = {"crash_rank": 0, "crash_step": 3}
+        ("    dist.destroy_process_group()\n", ""),
+        ('"world_size": world_size}', '"world_size": 3}'))  # the size of the visible 2-node run, hard-coded
     fails(ex4.check_checkpoint_rank0, script, "rank 0 was killed after its optimizer step 3",
-          "rank 1 wrote the checkpoint too", "copy-rank1.pkl", **hidden)
-    fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", **hidden)
+          "rank 1 wrote the checkpoint too", "copy-rank1.pkl", **HIDDEN)
+    fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", **HIDDEN)
     fails(ex4.check_destroy, script, "rank 0 was killed after its optimizer step 3",
-          "ranks 0, 1 never called dist.destroy_process_group()", **hidden)
-    ex4.check_ddp_training(script, **hidden)  # the weights are right
+          "ranks 0, 1 never called dist.destroy_process_group()", **HIDDEN)
+    fails(ex4.check_multinode_ranks, script, "world_size=3, but torchrun set WORLD_SIZE=2", "never hard-code it",
+          **HIDDEN)
+    ex4.check_ddp_training(script, **HIDDEN)  # the weights are right
     launched = [key for key in torchrun.runner._CACHE if key[0] == script]
-    assert launched == [(script, launched[0][1], "restart", (0, 3))], launched
+    assert launched == [(script, launched[0][1], "restart", (0, 3), (1, 1))], launched
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash(tmp_path):
-    """Without DDP the ranks drift apart (a late rank may resume from rank 0's last checkpoint), but rank 0's
-    final weights are what it learns alone, restart or not."""
+    """Without DDP the ranks never wait on each other: on two nodes, rank 1 finishes alone after rank 0 died, its
+    agent waits at the exit while rank 0's waits for it to meet again. The grader stops that run after
+    STRANDED_AFTER s with no worker (not torch's minutes), and the check names the mistake: no gradient was
+    averaged. (On one node, --standalone, the same script ends: the restarted ranks drift apart, and rank 0's
+    final weights are what it learns alone.)"""
     script = write_script(tmp_path, ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
                                      "ddp_model = model"))
-    fails(ex4.check_ddp_training, script, "rank 0 was killed after its optimizer step 3",
-          "differ from a 2-rank DDP run that resumed as this one did", "the gradients were never averaged",
-          crash_rank=0, crash_step=3)
+    fails(ex4.check_ddp_training, script, "ranks 0, 1 did not average gradients with the other ranks",
+          "all-reduced 0 values in 3 optimizer steps", "wrap the model in DDP", **HIDDEN)
+    run = ex4.try_restart(script, **HIDDEN)
+    assert run.stranded and run.elapsed < torchrun.runner.STRANDED_AFTER + 30, run.elapsed
+    fails(ex4.check_restart_resume, script, "the 2-node restart run", "never ended",
+          "the torchrun agents went on waiting for each other", "did not wait on it", **HIDDEN)
 
 
 @pytest.mark.slow
@@ -332,7 +376,7 @@ def _worker(rank, output="", events=("start", "exit"), pid=None, t=0.0):
 
 
 def _run(workers, timed_out=False, alive=(), log=""):
-    return torchrun.Run(scenario="nodes", crash=None, command="the run", returncodes=[1], timed_out=timed_out,
+    return torchrun.Run(scenario="nodes", crash=None, layout=(1, 2), command="the run", returncodes=[1], timed_out=timed_out,
                         timeout=9.0, elapsed=1.0, log=log, out_dir="/nonexistent", ckpt_path="/nonexistent/c",
                         workers=list(workers), alive_at_deadline=set(alive))
 

@@ -138,6 +138,18 @@ def failure(check: str, run: Run, context: str = "") -> CheckFailed:
         )
     if raised:
         return _raised_failure(check, f"{context}{what}", raised[0], last, run, sorted({w.rank for w in raised}))
+    if run.timed_out and run.stranded:  # several agents, each waiting for the other
+        return CheckFailed(
+            check,
+            f"{context}{what} never ended: every worker had ended, and the torchrun agents went on waiting for "
+            f"each other (the grader stopped them after {run.elapsed:.0f} s, with no worker left on any node)",
+            ranks=sorted({w.rank for w in last if w.exited and not w.of("crash")}),
+            hint="a node whose workers all finished waits for the other nodes at the exit, while a node whose "
+            "worker died waits for every node to meet again: workers that finish although another rank died "
+            "did not wait on it. Every rank must take part in each step's collectives (DDP's all-reduce), so a "
+            "dead rank stops them all and torchrun restarts every node",
+            detail=_tail(run.log, 20),
+        )
     if run.timed_out:  # the workers ended, the agents did not
         return CheckFailed(
             check,

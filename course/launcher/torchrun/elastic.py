@@ -42,6 +42,7 @@ from course.launcher.torchrun.runner import (
     _read,
     _script,
     _stop,
+    _working,
 )
 
 NODE_WORKERS = {"A": 2, "B": 1, "C": 1}
@@ -71,32 +72,15 @@ def run_elastic(script: str, check: str = "elastic", *, leave_step: int = LEAVE_
 
 
 def rounds(run: Run) -> list[list[Worker]]:
-    """The workers of each rendezvous round (one torchrun "attempt" of the whole job), in the order they started,
-    each round sorted by rank. A round is the workers that share WORLD_SIZE and MASTER_PORT."""
-    found: dict[tuple, list[Worker]] = {}
-    for w in run.workers:
-        start = w.of("start")[0]
-        found.setdefault((w.world_size, start["env"].get("MASTER_PORT")), []).append(w)
-    ordered = sorted(found.values(), key=lambda ws: min(w.of("start")[0]["t"] for w in ws))
-    return [sorted(ws, key=lambda w: w.rank) for ws in ordered]
+    """The workers of each rendezvous round (one torchrun "attempt" of the whole job: the workers that share
+    WORLD_SIZE and MASTER_PORT, see :func:`~course.launcher.torchrun.runner.rounds`), in the order they
+    started, each round sorted by rank."""
+    return [run.attempt(n) for n in range(run.attempts) if run.attempt(n)]
 
 
 def node(w: Worker) -> str:
     """The agent ("A", "B" or "C") that started the worker."""
     return w.of("start")[0]["env"].get("DDP_COURSE_PROBE_NODE") or "?"
-
-
-def _working(agents) -> bool:
-    """Whether any agent has a worker process now."""
-    import psutil
-
-    for proc in agents:
-        try:
-            if proc.poll() is None and psutil.Process(proc.pid).children():
-                return True
-        except psutil.Error:
-            pass
-    return False
 
 
 def _held(probe_dir: str) -> bool:
@@ -143,7 +127,7 @@ def _launch(script: str, leave_step: int) -> Run:
                 time.sleep(0.1)
                 if "C" not in procs and _held(probe_dir):
                     agent("C")
-                if _working(procs.values()):
+                if _working(list(procs.values())):
                     busy = time.monotonic()
                 elif busy is not None and time.monotonic() - busy > IDLE_LIMIT:
                     idle = True
@@ -159,6 +143,7 @@ def _launch(script: str, leave_step: int) -> Run:
         run = Run(
             scenario="elastic",  # type: ignore[arg-type]
             crash=None,
+            layout=tuple(NODE_WORKERS.values()),
             command=DESCRIPTION,
             returncodes=[procs["A"].returncode] + ([procs["C"].returncode] if "C" in procs else []),
             timed_out=timed_out,

@@ -11,8 +11,14 @@ files the script wrote. Two scenarios:
   the second node), uninterrupted;
 * ``restart``: ``--standalone --nproc_per_node=2 --max-restarts=1``; the worker
   of rank :data:`CRASH_RANK` dies once, right after its :data:`CRASH_STEP`-th optimizer
-  step (another rank and step can be asked for: the hidden test does), so the job
-  ends right only if the script resumes from its last checkpoint.
+  step, so the job ends right only if the script resumes from its last checkpoint.
+  Another rank, step and layout can be asked for (the hidden tests do): ``layout=(2, 1)``
+  runs it on two agents joined by a c10d rendezvous (``--nnodes=2``, world size 3), where
+  both agents restart their workers and the ranks of the new round may land on either node.
+
+A worker's attempt is the rendezvous round it belongs to (the workers that share WORLD_SIZE and
+MASTER_PORT, in the order the rounds started), not its TORCHELASTIC_RESTART_COUNT: an agent that
+restarts its workers because another node is waiting does not count that restart.
 
 A launch costs several seconds, so runs are cached by the script's content (and the crash).
 Why a run failed is :mod:`course.launcher.torchrun.diagnosis`'s part.
@@ -44,8 +50,13 @@ from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
 CRASH_RANK = 1
 CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
 NODES_WORKERS = (1, 2)  # workers per torchrun agent in the 2-node run
+RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 workers
 NODES_TIMEOUT = 180.0
 RESTART_TIMEOUT = 240.0
+#: seconds with no worker on any agent, after workers ran, at which a run of several agents is over: an agent
+#: whose workers finished waits in its exit barrier while another waits for it in the rendezvous (its workers
+#: failed and it restarts): they wait for each other until torch's timeouts (minutes)
+STRANDED_AFTER = 15.0
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
 #: the two launches every check reads (see the module doc)
@@ -61,7 +72,7 @@ class Worker:
     local_rank: int
     world_size: int
     group_rank: int
-    attempt: int
+    attempt: int  # the rendezvous round (0: the first launch), see rounds()
     events: list[dict]
     output: str = ""
     stack: str = ""
@@ -91,6 +102,7 @@ class Run:
 
     scenario: Scenario
     crash: tuple[int, int] | None  # (rank, optimizer step) the grader killed, in the restart run
+    layout: tuple[int, ...]  # workers per torchrun agent (one agent: --standalone)
     command: str
     returncodes: list
     timed_out: bool
@@ -104,7 +116,12 @@ class Run:
     final: object = None  # rank 0's final weights (dict), None if absent, or an error string
     ckpt_exists: bool = False
     alive_at_deadline: set = field(default_factory=set)  # pids of the job's processes still running when it timed out
+    stranded: bool = False  # timed_out early: the agents waited for each other with no worker left (STRANDED_AFTER)
     stall: StallVerdict | None = None  # the deadlock the grader found in the workers' collectives (it stopped the run)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.layout)
 
     @property
     def ok(self) -> bool:
@@ -138,19 +155,27 @@ def _script(check: str, script: str, vet: Callable[[str], None] | None) -> tuple
 
 
 def run_script(script: str, scenario: Scenario, check: str = "torchrun",
-               crash: tuple[int, int] = (CRASH_RANK, CRASH_STEP), *, vet: Callable[[str], None] | None = None) -> Run:
+               crash: tuple[int, int] = (CRASH_RANK, CRASH_STEP), *, layout: tuple[int, ...] | None = None,
+               vet: Callable[[str], None] | None = None) -> Run:
     """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content.
 
     ``crash``: in the restart run, the (rank, optimizer step) after which the grader kills that worker once.
-    ``vet``: called with the script's text before anything runs (a check's "is it written?"); a missing
-    script fails ``check`` at once."""
+    ``layout``: the restart run's workers per agent (default :data:`RESTART_WORKERS`, one standalone agent;
+    two numbers: two agents joined by a c10d rendezvous). ``vet``: called with the script's text before
+    anything runs (a check's "is it written?"); a missing script fails ``check`` at once."""
     path, digest = _script(check, script, vet)
     crash = (int(crash[0]), int(crash[1])) if scenario == "restart" else None
-    key = (path, digest, scenario, crash)
+    if scenario == "restart":
+        layout = tuple(int(n) for n in (layout or RESTART_WORKERS))
+        if not 1 <= len(layout) <= 2 or min(layout) < 1 or not 0 <= crash[0] < sum(layout):
+            raise ValueError(f"a restart run has one or two agents and crashes one of its ranks, not {layout}, {crash}")
+    else:
+        layout = NODES_WORKERS
+    key = (path, digest, scenario, crash, layout)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, scenario, crash)
+        _CACHE[key] = _launch(path, scenario, crash, layout)
     return _CACHE[key]
 
 
@@ -183,27 +208,33 @@ def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None) 
     return env
 
 
-_DESCRIPTIONS = {
-    "restart": "the restart run (torchrun --standalone --nproc_per_node=2 --max-restarts=1 train.py)",
-    "nodes": "the 2-node run (two torchrun agents, --nnodes=2, c10d rendezvous, 1 + 2 workers)",
-}
+def describe(scenario: Scenario, layout: tuple[int, ...]) -> str:
+    """The launch in words, as the checks name it to the student."""
+    workers = " + ".join(str(n) for n in layout)
+    if scenario == "nodes":
+        return f"the 2-node run (two torchrun agents, --nnodes=2, c10d rendezvous, {workers} workers)"
+    if len(layout) == 1:
+        return f"the restart run (torchrun --standalone --nproc_per_node={layout[0]} --max-restarts=1 train.py)"
+    return (f"the {len(layout)}-node restart run (two torchrun agents, --nnodes={len(layout)}, c10d rendezvous, "
+            f"{workers} workers, --max-restarts=1)")
 
 
-def _commands(scenario: Scenario, job: str, tail: list[str]) -> list[list[str]]:
+def _commands(scenario: Scenario, layout: tuple[int, ...], job: str, tail: list[str]) -> list[list[str]]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
-    if scenario == "restart":
-        return [torchrun + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
+    restarts = f"--max-restarts={int(scenario == 'restart')}"
+    if len(layout) == 1:
+        return [torchrun + ["--standalone", f"--nproc_per_node={layout[0]}", restarts,
                             f"--log-dir={job}/logs0"] + tail]
     port, run_id = _free_port(), uuid.uuid4().hex[:12]
     return [
-        torchrun + ["--nnodes=2", f"--nproc_per_node={n}", "--rdzv-backend=c10d",
+        torchrun + [f"--nnodes={len(layout)}", f"--nproc_per_node={n}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1",
-                    "--max-restarts=0", f"--log-dir={job}/logs{i}"] + tail
-        for i, n in enumerate(NODES_WORKERS)
+                    restarts, f"--log-dir={job}/logs{i}"] + tail
+        for i, n in enumerate(layout)
     ]
 
 
-def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> Run:
+def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layout: tuple[int, ...]) -> Run:
     job = tempfile.mkdtemp(prefix=f"ddp-course-ex4-{scenario}-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
@@ -212,7 +243,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
         ckpt_path = os.path.join(ckpt_dir, "ckpt.pt")
         env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=crash)
         tail = [PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
-        commands = _commands(scenario, job, tail)
+        commands = _commands(scenario, layout, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
         started = time.monotonic()
         logs, procs = [], []
@@ -220,10 +251,10 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
             procs.append(subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        timed_out, stall = False, None
+        timed_out, stall, stranded = False, None, False
         alive: set[int] = set()
         try:
-            stall = _wait(procs, probe_dir, started + timeout)
+            stall, stranded = _wait(procs, probe_dir, started + timeout)
             timed_out = stall is None and any(proc.poll() is None for proc in procs)
         finally:
             alive = _stop(procs, dump_stacks=timed_out or stall is not None)
@@ -233,7 +264,8 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
         run = Run(
             scenario=scenario,
             crash=crash,
-            command=_DESCRIPTIONS[scenario],
+            layout=layout,
+            command=describe(scenario, layout),
             returncodes=[p.returncode for p in procs],
             timed_out=timed_out,
             timeout=timeout,
@@ -243,6 +275,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
             ckpt_path=ckpt_path,
             alive_at_deadline=alive if timed_out else set(),
             stall=stall,
+            stranded=stranded,
         )
         _observe(run, probe_dir)
         return run
@@ -250,16 +283,23 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None) -> R
         shutil.rmtree(job, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> StallVerdict | None:
-    """Wait for the agents to end or the deadline; a deadlock in the workers' collectives ends it at once."""
+def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> tuple[StallVerdict | None, bool]:
+    """Wait for the agents to end or the deadline; a deadlock in the workers' collectives ends it at once, and so
+    do several agents left with no worker for :data:`STRANDED_AFTER` s (the second value: True)."""
     watch, members, starts, next_look = None, None, {}, 0.0
+    busy = None  # when an agent last had a worker (None: none yet)
     while time.monotonic() < deadline:
         if all(proc.poll() is not None for proc in procs):
-            return None
+            return None, False
         time.sleep(0.05)
         if time.monotonic() < next_look:
             continue  # the agents are polled often; the workers' logs only as often as the watch samples
         next_look = time.monotonic() + SAMPLE
+        if len(procs) > 1:
+            if _working(procs):
+                busy = time.monotonic()
+            elif busy is not None and time.monotonic() - busy > STRANDED_AFTER:
+                return None, True
         workers = _live_attempt(probe_dir, starts)
         if not workers:
             continue
@@ -278,34 +318,70 @@ def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> Sta
             continue  # a worker died: torchrun's own report says why
         verdict = watch.poll(sorted(running), finished=sorted(finished))
         if verdict is not None:
-            return verdict
-    return None
+            return verdict, False
+    return None, False
+
+
+def _working(agents: list[subprocess.Popen]) -> bool:
+    """Whether any running agent has a worker process now."""
+    import psutil
+
+    for proc in agents:
+        try:
+            if proc.poll() is None and psutil.Process(proc.pid).children():
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
+def rounds(starts: list[tuple[int, int, tuple, float]]) -> dict[int, int]:
+    """{pid: the rendezvous round it belongs to (0, 1, ...)} of workers given as (pid, rank, round key, start
+    time), the key being (WORLD_SIZE, MASTER_ADDR, MASTER_PORT): a round's workers share them. Rounds are
+    numbered in the order they started; a rank met twice under one key (the same port drawn again) opens a
+    new round."""
+    opened: list[tuple[tuple, set]] = []  # per round: its key and the ranks in it
+    found = {}
+    for pid, rank, key, _ in sorted(starts, key=lambda s: s[3]):
+        n = next((i for i in range(len(opened) - 1, -1, -1) if opened[i][0] == key), None)
+        if n is None or rank in opened[n][1]:
+            opened.append((key, set()))
+            n = len(opened) - 1
+        opened[n][1].add(rank)
+        found[pid] = n
+    return found
+
+
+def _round_key(env: dict) -> tuple:
+    return (env.get("WORLD_SIZE"), env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
 
 
 def _live_attempt(probe_dir: str, starts: dict) -> dict[int, tuple[int, bool]]:
-    """{rank: (pid, exited normally)} of the workers of the latest attempt, from the probe's event logs."""
-    found: dict[int, tuple[int, int, bool]] = {}
+    """{rank: (pid, exited normally)} of the workers of the latest round, from the probe's event logs."""
     for path in glob.glob(os.path.join(probe_dir, "events-*.jsonl")):
         if path not in starts:
             try:
                 with open(path, "rb") as fh:
                     first = json.loads(fh.readline())
                 env = first["env"]
-                starts[path] = (int(first["pid"]), int(env.get("RANK")), int(env.get("TORCHELASTIC_RESTART_COUNT") or 0))
+                starts[path] = (int(first["pid"]), int(env.get("RANK")), _round_key(env), float(first["t"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-        pid, rank, attempt = starts[path]
+    if not starts:
+        return {}
+    numbers = rounds(list(starts.values()))
+    latest = max(numbers.values())
+    found = {}
+    for path, (pid, rank, _, _) in starts.items():
+        if numbers[pid] != latest:
+            continue
         try:
             with open(path, "rb") as fh:
                 exited = b'"event": "exit"' in fh.read()[-400:]
         except OSError:
             exited = False
-        if rank not in found or found[rank][1] < attempt:
-            found[rank] = (pid, attempt, exited)
-    if not found:
-        return {}
-    latest = max(a for _, a, _ in found.values())
-    return {rank: (pid, exited) for rank, (pid, attempt, exited) in found.items() if attempt == latest}
+        found[rank] = (pid, exited)
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -386,10 +462,14 @@ def _observe(run: Run, probe_dir: str) -> None:
 
         run.workers.append(Worker(
             pid=pid, rank=num("RANK"), local_rank=num("LOCAL_RANK"), world_size=num("WORLD_SIZE"),
-            group_rank=num("GROUP_RANK"), attempt=max(num("TORCHELASTIC_RESTART_COUNT"), 0), events=events,
+            group_rank=num("GROUP_RANK"), attempt=0, events=events,
             output=_read(os.path.join(probe_dir, f"output-{pid}.log")),
             stack=_read(os.path.join(probe_dir, f"stack-{pid}.txt")),
         ))
+    numbers = rounds([(w.pid, w.rank, _round_key(w.of("start")[0]["env"]), float(w.of("start")[0].get("t") or 0))
+                      for w in run.workers])
+    for w in run.workers:
+        w.attempt = numbers[w.pid]
     run.workers.sort(key=lambda w: (w.attempt, w.rank))
     for worker in run.workers:
         path = os.path.join(run.out_dir, f"report-{worker.pid}.json")

@@ -12,8 +12,10 @@ Every torch function the probe uses is taken before the student's code runs.
 The script needs no grading code of its own.
 
 With ``DDP_COURSE_PROBE_CRASH_RANK``/``_STEP`` set, the worker of that rank
-dies (``os._exit``) right after that optimizer step, in the first attempt
-only: an injected node failure for torchrun's ``--max-restarts`` to recover.
+dies (``os._exit``) right after that optimizer step, once in the whole job (the first worker to get there
+creates a marker in the probe folder; a restarted worker of that rank finds it, whichever agent restarted it
+and whatever TORCHELASTIC_RESTART_COUNT it has): an injected node failure for torchrun's ``--max-restarts``
+to recover.
 
 The elastic launch (:mod:`course.launcher.torchrun.elastic`) sets more: ``DDP_COURSE_PROBE_NODE`` names the
 worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP`` makes that node leave a 3-worker job after that optimizer
@@ -166,8 +168,7 @@ def _patch_torch() -> None:
 
     crash_rank = os.environ.get(CRASH_RANK)
     crash_step = int(os.environ.get(CRASH_STEP, "0") or 0)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    crash_here = crash_rank == os.environ.get("RANK") and first_attempt and crash_step > 0
+    crash_here = crash_rank == os.environ.get("RANK") and crash_step > 0
 
     record_collectives = _collectives_recorder(real_initialized)
     leave_node, _, leave_step = os.environ.get(LEAVE, "").partition(":")
@@ -178,7 +179,7 @@ def _patch_torch() -> None:
         _steps += 1
         _log("step", n=_steps)
         record_collectives()
-        if crash_here and _steps == crash_step:
+        if crash_here and _steps == crash_step and _first_crash():
             _log("crash", step=_steps)
             os._exit(CRASH_EXIT_CODE)
         if leave_here and str(_steps) == leave_step:
@@ -207,6 +208,15 @@ def _patch_torch() -> None:
     if features:
         _log_inputs(features)
     atexit.register(record_collectives)
+
+
+def _first_crash() -> bool:
+    """Whether this worker is the job's first to reach the crash (it creates the marker: once per job)."""
+    try:
+        os.close(os.open(os.path.join(_probe_dir, "crashed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except OSError:
+        return False
 
 
 def _log_inputs(features: int) -> None:
