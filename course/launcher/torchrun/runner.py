@@ -12,15 +12,17 @@ files the script wrote. Two scenarios:
 * ``restart``: ``--standalone --nproc_per_node=2 --max-restarts=1``; the worker
   of rank :data:`CRASH_RANK` dies once, right after its :data:`CRASH_STEP`-th optimizer
   step, so the job ends right only if the script resumes from its last checkpoint.
-  Another rank, step and layout can be asked for (the hidden tests do): ``layout=(2, 1)``
-  runs it on two agents joined by a c10d rendezvous (``--nnodes=2``, world size 3), where
+  Another rank, step and layout can be asked for (the hidden tests do): ``layout=(1, 1)``
+  runs it on two agents of one worker each joined by a c10d rendezvous (``--nnodes=2``), where
   both agents restart their workers and the ranks of the new round may land on either node.
 
 A worker's attempt is the rendezvous round it belongs to (the workers that share WORLD_SIZE and
 MASTER_PORT, in the order the rounds started), not its TORCHELASTIC_RESTART_COUNT: an agent that
 restarts its workers because another node is waiting does not count that restart.
 
-A launch costs several seconds, so runs are cached by the script's content (and the crash).
+A launch costs several seconds, so runs are cached by the script's content (and the crash and layout).
+A run of several agents that is left with no worker at all for :data:`STRANDED_AFTER` s is stopped: one
+node's workers finished while another node's agent waits for every node to meet again (``Run.stranded``).
 Why a run failed is :mod:`course.launcher.torchrun.diagnosis`'s part.
 """
 
