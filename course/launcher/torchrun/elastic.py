@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from course.launcher.torchrun.runner import (
     PROBE_SCRIPT,
+    STRANDED_AFTER,
     Run,
     Worker,
     _free_port,
@@ -48,9 +49,6 @@ from course.launcher.torchrun.runner import (
 NODE_WORKERS = {"A": 2, "B": 1, "C": 1}
 LEAVE_STEP = 2  # B leaves after its 2nd optimizer step of the 3-worker job
 ELASTIC_TIMEOUT = 150.0
-#: seconds with no worker on any agent after which the run is over: an agent whose workers finished waits
-#: up to 300 s in its exit barrier for agents whose workers failed (a job that cannot end right)
-IDLE_LIMIT = 15.0
 INPUT_FEATURES = 4  # the given model's first layer: the probe logs the rows it receives
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
 DESCRIPTION = ("the elastic run (three torchrun agents, --nnodes=1:2, c10d rendezvous: nodes A (2 workers) and B "
@@ -129,7 +127,7 @@ def _launch(script: str, leave_step: int) -> Run:
                     agent("C")
                 if _working(list(procs.values())):
                     busy = time.monotonic()
-                elif busy is not None and time.monotonic() - busy > IDLE_LIMIT:
+                elif busy is not None and time.monotonic() - busy > STRANDED_AFTER:
                     idle = True
                     break  # no worker left anywhere, and none started again: the agents only wait for each other
             last = min(deadline, time.monotonic() + 20)  # C's agent ends once A's has
@@ -143,7 +141,7 @@ def _launch(script: str, leave_step: int) -> Run:
         run = Run(
             scenario="elastic",  # type: ignore[arg-type]
             crash=None,
-            layout=tuple(NODE_WORKERS.values()),
+            layout=(NODE_WORKERS["A"], NODE_WORKERS["B"]),  # the agents that start the job (C joins later)
             command=DESCRIPTION,
             returncodes=[procs["A"].returncode] + ([procs["C"].returncode] if "C" in procs else []),
             timed_out=timed_out,

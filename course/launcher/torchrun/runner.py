@@ -55,9 +55,9 @@ NODES_WORKERS = (1, 2)  # workers per torchrun agent in the 2-node run
 RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 workers
 NODES_TIMEOUT = 180.0
 RESTART_TIMEOUT = 240.0
-#: seconds with no worker on any agent, after workers ran, at which a run of several agents is over: an agent
-#: whose workers finished waits in its exit barrier while another waits for it in the rendezvous (its workers
-#: failed and it restarts): they wait for each other until torch's timeouts (minutes)
+#: seconds with no worker on any agent, after workers ran, at which a run of several agents is over (this one
+#: and the elastic run): an agent whose workers finished waits in its exit barrier (up to 300 s) while another
+#: waits for it in the rendezvous (its workers failed and it restarts), until torch's timeouts
 STRANDED_AFTER = 15.0
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
@@ -104,7 +104,7 @@ class Run:
 
     scenario: Scenario
     crash: tuple[int, int] | None  # (rank, optimizer step) the grader killed, in the restart run
-    layout: tuple[int, ...]  # workers per torchrun agent (one agent: --standalone)
+    layout: tuple[int, ...]  # workers per torchrun agent that starts the job (one agent: --standalone)
     command: str
     returncodes: list
     timed_out: bool
@@ -123,6 +123,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
+        """The world size the job starts with."""
         return sum(self.layout)
 
     @property
