@@ -1,36 +1,49 @@
 """Checks for exercise 4's elastic part: a script that goes on when a node leaves and when one joins.
 
 Both checks read one launch of the student's ``elastic.py`` (:mod:`course.launcher.torchrun.elastic`, cached
-by the script's content): nodes A (2 workers) and B (1) start a 3-worker job; B leaves after its
-:data:`~course.launcher.torchrun.elastic.LEAVE_STEP`-th optimizer step, in the middle of epoch 0; A goes on
-alone (world size 2) for one step; node C (1 worker) joins and the job ends at world size 3.
+by the script's content and the story): nodes A and B start the job; B leaves after its ``leave_step``-th
+optimizer step, in the middle of epoch 0; A goes on alone (a smaller world size) for
+:data:`~course.launcher.torchrun.elastic.Plan` ``hold_steps`` steps; node C joins and the job ends at A + C
+workers. The visible story is A 2, B 1, C 1 workers (world sizes 3, 2, 3), B leaving after step 2; the hidden
+tests tell both checks another (A 1, B 2, C 1: world sizes 3, 1, 2, B leaving after step 1), and the autograder
+judges that launch instead of the visible one, so a notebook still grades in one launch.
+
+The student chooses the batch rule and states it in the script (``BATCH_RULE = "global"`` or ``"per_rank"``,
+read from the file's text before anything runs): a fixed global batch (every step GLOBAL_BATCH samples split
+over the ranks, at the learning rate LR) or a fixed per-rank batch (every rank PER_RANK_BATCH samples a step, the
+learning rate scaled with the step's samples: LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH, the linear
+scaling rule). Either way an epoch trains on every sample once; the checks count epochs in samples, by the
+stated rule's step sizes (the stories keep every step inside one epoch under both rules).
 
 What they judge is what happened, as the probe saw it in every worker: which samples reached the model at
-each optimizer step (the rows the model's first layer received, matched against the dataset), which
-checkpoint file each worker of a new round loaded (its sha256) and which commit of rank 0 wrote it (after
-how many steps of its round), and the final weights. From those the check rebuilds the steps that led to the
-final weights: the steps of the last round, after the steps of the round whose checkpoint it loaded, up to
-that commit, and so on back. The rule is the specification's: every step trains on GLOBAL_BATCH samples
-whatever the world size, each sample once per epoch, at the learning rate LR.
+each optimizer step (the rows the model's first layer received, matched against the dataset), the learning
+rate of each step, which checkpoint file each worker of a new round loaded (its sha256) and which commit of
+rank 0 wrote it (after how many steps of its round), and the final weights. From those the check rebuilds the
+steps that led to the final weights: the steps of the last round, after the steps of the round whose checkpoint
+it loaded, up to that commit, and so on back.
 
-* ``check_elastic_shrink`` (3 -> 2): the 2-worker job loaded the checkpoint the 3-worker job wrote at its last
-  step before B left, each of its steps carried GLOBAL_BATCH samples split over its 2 workers, and none of
-  them had been trained on already in that epoch.
-* ``check_elastic_grow`` (2 -> 3): every worker of the grown job, the new node's included, loaded the checkpoint
-  the 2-worker job wrote; its steps are right in the same way; every epoch holds every sample exactly once;
-  and the final weights equal a replay of those steps in one process (DDP's average of each rank's mean
-  loss, SGD with momentum) within :data:`ATOL`.
+* ``check_elastic_shrink``: the smaller job loaded the checkpoint the first job wrote at its last step before B
+  left, each of its steps followed the stated rule (samples per rank and per step, learning rate), none of its
+  samples had been trained on already in that epoch, and each step started from the weights a replay of the
+  steps before it gives.
+* ``check_elastic_grow``: every worker of the grown job, the new node's included, loaded the checkpoint the
+  smaller job wrote; its steps are right in the same way; every epoch holds every sample exactly once; and the
+  final weights equal a replay of those steps in one process (DDP's average of each rank's mean loss, SGD with
+  momentum at each step's learning rate) within :data:`ATOL`.
 
 A mistake in the resume logic that both changes of size use (never loading, restarting the epoch) loses both
-checks; one that only a smaller world size shows (a hard-coded world size, a per-rank batch that stays
-fixed) loses the shrink check, and one that only a joining node shows (loading only when
-TORCHELASTIC_RESTART_COUNT > 0) the grow check. An epoch that the shrink check already failed for its batch
-sizes is not judged again for completeness by the grow check.
+checks; one that only the smaller world size shows (a world size hard-coded to the first job's, where the
+grown job has that size again) loses the shrink check, and one that only a joining node shows (loading only
+when TORCHELASTIC_RESTART_COUNT > 0) the grow check. The replay takes each step's batches and learning rate as
+they ran, so a step already failed for them is not failed again through the weights; an epoch that the shrink
+check already failed for its batch sizes is not judged again for completeness by the grow check.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -47,11 +60,100 @@ from graders.ex4 import _compare, _top_level_stub, make_model
 EPOCHS = 2
 SAMPLES = 24
 GLOBAL_BATCH = 6
+PER_RANK_BATCH = 2
 LR = 0.05
 MOMENTUM = 0.9
-STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 ATOL = 1e-5
+LR_RTOL = 1e-6  # a learning rate computed in another order (LR * 2 / 3, LR / 3 * 2) rounds differently
+
+#: the hidden tests' story (the notebook's hidden arguments: a test keeps the two in step)
+HIDDEN_NODES, HIDDEN_LEAVE_STEP = (1, 2, 1), 1
+HOLD_STEPS = 3  # steps of the smaller job before C joins: with both rules every step stays inside an epoch
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The batch rule a script states: ``"global"`` (a fixed global batch) or ``"per_rank"`` (a fixed per-rank
+    batch, the learning rate scaled with the global batch)."""
+
+    name: str
+
+    def step_samples(self, world_size: int) -> int:
+        """Samples one optimizer step trains on at ``world_size``."""
+        return GLOBAL_BATCH if self.name == "global" else world_size * PER_RANK_BATCH
+
+    def rank_samples(self, world_size: int) -> int:
+        return self.step_samples(world_size) // world_size
+
+    def lr(self, world_size: int) -> float:
+        """The learning rate of a step at ``world_size``: LR for GLOBAL_BATCH samples, linearly scaled."""
+        return LR * self.step_samples(world_size) / GLOBAL_BATCH
+
+    def statement(self) -> str:
+        return f'BATCH_RULE = "{self.name}"'
+
+    def says(self, world_size: int) -> str:
+        """What the rule asks of a step at ``world_size``, in words."""
+        if self.name == "global":
+            return (f"{GLOBAL_BATCH} samples per step at every world size ({GLOBAL_BATCH // world_size} per rank at "
+                    f"world size {world_size}), learning rate LR = {LR:g}")
+        return (f"PER_RANK_BATCH = {PER_RANK_BATCH} samples per rank, {self.step_samples(world_size)} per step at "
+                f"world size {world_size}, learning rate LR * {self.step_samples(world_size)} / {GLOBAL_BATCH} = "
+                f"{self.lr(world_size):.6g}")
+
+
+RULES = {name: Rule(name) for name in ("global", "per_rank")}
+RULE_HINT = ('state your rule on a line of its own below `# ---- yours ----`: BATCH_RULE = "global" (every step '
+             'GLOBAL_BATCH samples split over the ranks, learning rate LR) or BATCH_RULE = "per_rank" (every rank '
+             'PER_RANK_BATCH samples a step, learning rate LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH)')
+
+
+def stated_rule(check: str, source: str) -> Rule:
+    """The rule the script's text states: one top-level ``BATCH_RULE = "global"`` or ``"per_rank"``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        raise CheckFailed(check, "elastic.py is not valid Python", hint="run the script's cell and fix what "
+                          "Python reports") from None
+    values = []
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, ast.AnnAssign) and node.value is not None else [])
+        if any(isinstance(t, ast.Name) and t.id == "BATCH_RULE" for t in targets):
+            values.append(node.value)
+    if not values:
+        raise CheckFailed(check, "elastic.py does not state its batch rule: it has no top-level BATCH_RULE",
+                          expected='BATCH_RULE = "global" or BATCH_RULE = "per_rank"', hint=RULE_HINT)
+    said = {v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None for v in values}
+    if len(values) > 1 or None in said or not said <= set(RULES):
+        got = ", ".join(ast.unparse(v) for v in values)
+        raise CheckFailed(check, f"elastic.py states its batch rule as {got}: the grader reads one string, "
+                          '"global" or "per_rank", assigned once at the top level', got=f"BATCH_RULE = {got}",
+                          expected='BATCH_RULE = "global" or BATCH_RULE = "per_rank"', hint=RULE_HINT)
+    return RULES[said.pop()]
+
+
+def plan(nodes: tuple[int, int, int], leave_step: int) -> elastic.Plan:
+    """The elastic story for these nodes (A, B, C workers) and B's departure, checked to keep every step of
+    either rule inside one epoch (the epochs would not divide into whole steps otherwise)."""
+    story = elastic.Plan(tuple(int(n) for n in nodes), int(leave_step), HOLD_STEPS)  # type: ignore[arg-type]
+    full, smaller, grown = story.sizes
+    for rule in RULES.values():
+        if any(GLOBAL_BATCH % size or rule.step_samples(size) % size for size in story.sizes):
+            raise ValueError(f"{story}: world sizes {story.sizes} must divide GLOBAL_BATCH = {GLOBAL_BATCH}")
+        sizes = [full] * story.leave_step + [smaller] * story.hold_steps
+        done = 0
+        for size in sizes + [grown] * (EPOCHS * SAMPLES):
+            n = rule.step_samples(size)
+            if done // SAMPLES != (done + n - 1) // SAMPLES:
+                raise ValueError(f"{story}: a step of the {rule.name} rule would cross an epoch's end")
+            done += n
+            if done >= EPOCHS * SAMPLES:
+                break
+        if sum(rule.step_samples(size) for size in sizes) >= EPOCHS * SAMPLES:
+            raise ValueError(f"{story}: the job would end before C joins under the {rule.name} rule")
+    return story
 
 
 def make_dataset() -> torch.utils.data.TensorDataset:
@@ -81,6 +183,7 @@ class Round:
     commits: list[tuple[str, int]]  # rank 0's checkpoint writes: (sha256, steps of this round done by then)
     starts: dict[int, list[list]]  # rank -> per step (one more if it began another): the first layer's
     # [weight, bias] its forward met, flattened
+    lrs: dict[int, list[list[float] | None]]  # rank -> per step: its optimizer's learning rates (per group)
 
     @property
     def world_size(self) -> int:
@@ -99,10 +202,12 @@ class Story:
     """The elastic run as the checks read it."""
 
     run: torchrun.Run
+    rule: Rule
+    plan: elastic.Plan
     rounds: list[Round]
     departed: Round | None = None  # the round node B left
-    shrunk: Round | None = None  # the 2-worker round after it
-    grown: Round | None = None  # the 3-worker round after that
+    shrunk: Round | None = None  # the smaller round after it (A alone)
+    grown: Round | None = None  # the round after that, A and C
     origin: dict[int, tuple[int, int] | None] = field(default_factory=dict)  # round -> (round, steps) it resumed from
 
 
@@ -148,18 +253,20 @@ def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
             elif (e["event"] == "rename" and e.get("dst") == ckpt) or (e["event"] == "saved" and e.get("path") == ckpt):
                 if e.get("sha"):
                     commits.append((e["sha"], done))
-    return Round(number, workers, [[b[i] for b in per_rank] for i in range(steps)], loaded, commits, starts)
+    lrs = {w.rank: [e.get("lr") for e in w.of("step")] for w in workers}
+    return Round(number, workers, [[b[i] for b in per_rank] for i in range(steps)], loaded, commits, starts, lrs)
 
 
-def _story(run: torchrun.Run) -> Story:
+def _story(run: torchrun.Run, rule: Rule, story_plan: elastic.Plan) -> Story:
     rounds = [_round(n, ws, run.ckpt_path) for n, ws in enumerate(elastic.rounds(run))]
-    story = Story(run, rounds)
+    story = Story(run, rule, story_plan, rounds)
+    _, smaller, grown = story_plan.sizes
     for r in rounds:
         if story.departed is None and any(w.of("leave") for w in r.workers):
             story.departed = r
-        elif story.departed and story.shrunk is None and r.world_size == 2:
+        elif story.departed and story.shrunk is None and r.world_size == smaller:
             story.shrunk = r
-        elif story.shrunk and story.grown is None and r.world_size == 3:
+        elif story.shrunk and story.grown is None and r.world_size == grown:
             story.grown = r
     written = {sha: (r.number, done) for r in rounds for sha, done in r.commits}
     for r in rounds:
@@ -168,17 +275,52 @@ def _story(run: torchrun.Run) -> Story:
     return story
 
 
-def chain(story: Story, r: Round) -> list[list[list[int]]]:
-    """The steps (per rank: sample indices) that led to round ``r``'s weights: the steps before it, then its own."""
-    return _before(story, r) + r.batches
-
-
-def _before(story: Story, r: Round) -> list[list[list[int]]]:
+def _refs_before(story: Story, r: Round) -> list[tuple[Round, int]]:
+    """(round, step index) of each step that led to the weights round ``r`` started from, in order."""
     origin = story.origin.get(r.number)
     if origin is None:
         return []
     earlier = story.rounds[origin[0]]
-    return _before(story, earlier) + earlier.batches[:origin[1]]
+    return _refs_before(story, earlier) + [(earlier, i) for i in range(min(origin[1], len(earlier.batches)))]
+
+
+def _refs(story: Story, r: Round) -> list[tuple[Round, int]]:
+    return _refs_before(story, r) + [(r, i) for i in range(len(r.batches))]
+
+
+def chain(story: Story, r: Round) -> list[list[list[int]]]:
+    """The steps (per rank: sample indices) that led to round ``r``'s weights: the steps before it, then its own."""
+    return [rr.batches[i] for rr, i in _refs(story, r)]
+
+
+def _before(story: Story, r: Round) -> list[list[list[int]]]:
+    return [rr.batches[i] for rr, i in _refs_before(story, r)]
+
+
+def _step_lr(story: Story, r: Round, i: int) -> float:
+    """The learning rate step ``i`` of round ``r`` ran at (rank 0's first param group; the rule's if unread)."""
+    lrs = r.lrs.get(min(r.lrs), []) if r.lrs else []
+    got = lrs[i] if i < len(lrs) else None
+    return float(got[0]) if got else story.rule.lr(r.world_size)
+
+
+def chain_lrs(story: Story, r: Round) -> list[float]:
+    """The learning rate of each step of :func:`chain`, as it ran."""
+    return [_step_lr(story, rr, i) for rr, i in _refs(story, r)]
+
+
+def epochs_of(story: Story, steps: list[list[list[int]]]) -> list[int]:
+    """The epoch each step belongs to, counting the samples the stated rule gives a step at its world size
+    (a step of the wrong size does not move the epochs after it)."""
+    done, epochs = 0, []
+    for per_rank in steps:
+        epochs.append(done // SAMPLES)
+        done += story.rule.step_samples(len(per_rank))
+    return epochs
+
+
+def _rule_samples(story: Story, steps: list[list[list[int]]]) -> int:
+    return sum(story.rule.step_samples(len(per_rank)) for per_rank in steps)
 
 
 def _vet(check: str):
@@ -189,12 +331,13 @@ def _vet(check: str):
                               "`raise NotImplementedError()`",
                               hint="write the script below `# ---- yours ----` to the specification (replace "
                               "`raise NotImplementedError()`), run that cell, then this one")
+        stated_rule(check, source)  # before a launch: without a rule there is nothing to judge the run by
     return vet
 
 
-def _launch(check: str, script: str) -> Story:
-    run = elastic.run_elastic(script, check, vet=_vet(check))
-    return _story(run)
+def _launch(check: str, script: str, story_plan: elastic.Plan) -> Story:
+    run = elastic.run_elastic(script, check, plan=story_plan, vet=_vet(check))
+    return _story(run, stated_rule(check, _content(script).decode("utf-8", "replace")), story_plan)
 
 
 def _table(story: Story) -> str:
@@ -224,8 +367,8 @@ def _require_round(check: str, story: Story, r: Round | None, what: str) -> Roun
     if not run.ok:
         raise torchrun.failure(check, run, f"the job never {what}: ")
     raise CheckFailed(check, f"the job never {what}", detail=_table(story),
-                      hint="train every step of every epoch with DDP, one optimizer step per global batch; "
-                      "read the world size from WORLD_SIZE when the script starts")
+                      hint="train every step of every epoch with DDP, one optimizer step per step of your batch "
+                      "rule; read the world size from WORLD_SIZE when the script starts")
 
 
 # --------------------------------------------------------------------------- the judgements
@@ -271,10 +414,30 @@ def _require_resumed(check: str, story: Story, r: Round, previous: Round, who: s
         detail=table)
 
 
+def _size_hint(rule: Rule) -> str:
+    if rule.name == "global":
+        return ("the global batch must not change with the world size: per-rank batch = GLOBAL_BATCH // "
+                "world_size, with world_size read from WORLD_SIZE at start-up (a number fixed for the first job's "
+                "size, or a per-rank batch that stays the same, changes the global batch when the size changes; "
+                'a fixed per-rank batch is the other rule, BATCH_RULE = "per_rank", with its learning rate)')
+    return ("with a fixed per-rank batch every rank trains on PER_RANK_BATCH samples a step, whatever the world "
+            "size: the step's samples are world_size * PER_RANK_BATCH, with world_size read from WORLD_SIZE at "
+            'start-up (if your global batch stays GLOBAL_BATCH, state BATCH_RULE = "global")')
+
+
+def _lr_hint(rule: Rule) -> str:
+    if rule.name == "global":
+        return ("keep the optimizer's learning rate LR at every world size (the global batch does not change, so "
+                'neither does the step size); scaling it belongs to the other rule, BATCH_RULE = "per_rank"')
+    return ("set every param group's lr to LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH at start-up, after "
+            "loading the optimizer's state dict (load_state_dict restores the lr the previous job saved, for its "
+            "own world size)")
+
+
 def _require_steps(check: str, story: Story, r: Round) -> None:
-    """Each of ``r``'s steps carried GLOBAL_BATCH dataset samples, split over its ranks, none trained already
-    in that epoch."""
-    table = _table(story)
+    """Each of ``r``'s steps followed the stated rule (dataset samples, as many per rank and per step as it says,
+    at its learning rate), none trained already in that epoch, each from the weights the steps before lead to."""
+    table, rule, size = _table(story), story.rule, r.world_size
     before = _before(story, r)
     for i, per_rank in enumerate(r.batches):
         flat = [s for part in per_rank for s in part]
@@ -282,66 +445,80 @@ def _require_steps(check: str, story: Story, r: Round) -> None:
             raise CheckFailed(check, f"at step {i + 1} of {r.name()} the model received rows that are not samples "
                               "of make_dataset()", hint="train on the given dataset's samples, unchanged",
                               detail=table)
-        if len(flat) != GLOBAL_BATCH:
+        sizes = [len(p) for p in per_rank]
+        wrong = (len(flat) != rule.step_samples(size) if rule.name == "global" else
+                 any(n != rule.rank_samples(size) for n in sizes))
+        if wrong:
             raise CheckFailed(
-                check, f"each step of {r.name()} carried {len(flat)} samples in all "
-                f"({' + '.join(str(len(p)) for p in per_rank)} on its ranks), not GLOBAL_BATCH = {GLOBAL_BATCH}",
-                ranks=[w.rank for w in r.workers],
-                expected=f"{GLOBAL_BATCH} samples per step at every world size: "
-                f"{GLOBAL_BATCH // r.world_size} per rank at world size {r.world_size}",
-                got=f"{len(flat)} per step",
-                hint="the global batch must not change with the world size: per-rank batch = GLOBAL_BATCH // "
-                "world_size, with world_size read from WORLD_SIZE at start-up (a number fixed for 3 workers, or "
-                "a per-rank batch that stays the same, changes the global batch when the job shrinks)",
-                detail=table)
+                check, f"step {i + 1} of {r.name()} carried {len(flat)} samples in all "
+                f"({' + '.join(map(str, sizes))} on its ranks), not what your rule ({rule.statement()}) makes "
+                f"at world size {size}",
+                ranks=[w.rank for w in r.workers], expected=rule.says(size),
+                got=f"{len(flat)} samples per step: {' + '.join(map(str, sizes))}",
+                hint=_size_hint(rule), detail=table)
         if len(set(flat)) != len(flat):
             raise CheckFailed(
                 check, f"at step {i + 1} of {r.name()} several ranks trained on the same samples",
                 ranks=[w.rank for w in r.workers], expected="each rank its own part of the step's samples",
-                hint="split each global batch by rank: rank r of world_size takes its own GLOBAL_BATCH // "
-                "world_size samples", detail=table)
+                hint="split each step's samples by rank: rank r of world_size takes its own part", detail=table)
+    want_lr = rule.lr(size)
+    for rank, lrs in sorted(r.lrs.items()):
+        for i, got in enumerate(lrs[:len(r.batches)]):
+            if got is None or all(math.isclose(lr, want_lr, rel_tol=LR_RTOL) for lr in got):
+                continue
+            raise CheckFailed(
+                check, f"step {i + 1} of {r.name()} ran at learning rate {', '.join(f'{lr:.6g}' for lr in got)} "
+                f"(rank {rank}), not what your rule ({rule.statement()}) gives at world size {size}",
+                ranks=[rank], expected=rule.says(size), got=f"lr = {', '.join(f'{lr:.6g}' for lr in got)}",
+                hint=_lr_hint(rule), detail=table)
     steps = before + r.batches
+    epochs = epochs_of(story, steps)
     for n in range(len(before), len(steps)):
-        epoch, start = divmod(n, STEPS_PER_EPOCH)
-        seen = {s for step in steps[n - start:n] for part in step for s in part}
+        epoch = epochs[n]
+        first = epochs.index(epoch)
+        seen = {s for step in steps[first:n] for part in step for s in part}
         again = sorted(seen & {s for part in steps[n] for s in part})
         if again:
-            epoch_start = {s for part in steps[n - start] for s in part} if start else set()
-            restarted = start and {s for part in steps[n] for s in part} == epoch_start
+            epoch_start = {s for part in steps[first] for s in part} if n > first else set()
+            restarted = n > first and {s for part in steps[n] for s in part} == epoch_start
             raise CheckFailed(
                 check, f"{r.name()} trained samples {again} twice in epoch {epoch}: its step {n - len(before) + 1} "
                 f"repeats samples that steps before the change of size had already trained",
                 ranks=[w.rank for w in r.workers],
                 expected=f"the epoch's remaining samples: the checkpoint held {len(before)} steps "
-                f"({start} of epoch {epoch})",
+                f"({n - first} of epoch {epoch})",
                 hint=("you resumed the epoch from its start: the checkpoint must hold how far into the epoch the job "
-                      "was (the number of steps done), and the new job skips the samples already trained"
+                      "was (the steps or samples done), and the new job skips the samples already trained"
                       if restarted else
                       "continue the epoch where the checkpoint left it: the same order of samples in every job of "
-                      "that epoch (an order that depends on the epoch only), starting after the steps done"),
+                      "that epoch (an order that depends on the epoch only), starting after the samples done"),
                 detail=table)
-    states = _replay_states(before + r.batches)
+    states = _replay_states(steps, chain_lrs(story, r))
     for rank, starts in sorted(r.starts.items()):
         for i, got in enumerate(starts[:len(r.batches) + 1]):
             want = states[len(before) + i]
             diff = _diff_first_layer(got, want)
             if diff is None or diff <= ATOL:
                 continue
-            first = i == 0
+            first_start = i == 0
             raise CheckFailed(
-                check, (f"{r.name()} started from weights that are not the checkpoint's" if first else
+                check, (f"{r.name()} started from weights that are not the checkpoint's" if first_start else
                         f"step {i + 1} of {r.name()} started from other weights than the steps before it lead to")
                 + f" (rank {rank}, first layer, max |diff| {diff:.3g})",
-                ranks=[rank], expected=f"the weights of a replay of the {len(before) + i} steps before it, within {ATOL:g}",
+                ranks=[rank], expected=f"the weights of a replay of the {len(before) + i} steps before it (their "
+                f"samples and learning rates as they ran), within {ATOL:g}",
                 got=f"max |diff| = {diff:.3g}",
-                hint=("restore the model's state dict from CKPT on every rank before wrapping it in DDP" if first else
-                      "restore the optimizer's state dict too (SGD's momentum lives there) on every rank, and keep "
-                      "the learning rate LR at every world size"),
+                hint=("restore the model's state dict from CKPT on every rank before wrapping it in DDP"
+                      if first_start else
+                      "restore the optimizer's state dict too (SGD's momentum lives there) on every rank, and "
+                      "train each step on the loss of its own samples only"),
                 detail=table)
 
 
-def _launch_story(check: str, script: str) -> Story:
-    return checks.memo(check, ("ex4_elastic", script, _content(script)), lambda: _launch(check, script))
+def _launch_story(check: str, script: str, nodes: tuple[int, int, int], leave_step: int) -> Story:
+    story_plan = plan(nodes, leave_step)
+    return checks.memo(check, ("ex4_elastic", script, _content(script), story_plan),
+                       lambda: _launch(check, script, story_plan))
 
 
 def _content(script: str) -> bytes:
@@ -352,40 +529,46 @@ def _content(script: str) -> bytes:
         return b""
 
 
-def check_elastic_shrink(script: str = "elastic.py") -> None:
-    """Node B leaves mid-epoch: the 2-worker job resumes from the last checkpoint with the same global batch."""
+def check_elastic_shrink(script: str = "elastic.py", nodes: tuple[int, int, int] = (2, 1, 1),
+                         leave_step: int = 2) -> None:
+    """Node B leaves mid-epoch: the smaller job resumes from the last checkpoint and follows the stated rule.
+
+    ``nodes``: the workers of nodes A, B and C; ``leave_step``: the optimizer step after which B leaves (the
+    hidden tests pass another story)."""
     check = "check_elastic_shrink"
-    story = _launch_story(check, script)
-    departed = _require_round(check, story, story.departed, "ran with 3 workers until node B left")
-    shrunk = _require_round(check, story, story.shrunk, "went on with 2 workers after node B left")
+    story = _launch_story(check, script, nodes, leave_step)
+    departed = _require_round(check, story, story.departed, f"ran with {story.plan.sizes[0]} workers until node B "
+                              "left")
+    shrunk = _require_round(check, story, story.shrunk, f"went on with {story.plan.sizes[1]} worker(s) after node "
+                            "B left")
     _require_resumed(check, story, shrunk, departed, "node B left")
     _require_steps(check, story, shrunk)
     passed(check)
 
 
-def _replay_states(steps: list[list[list[int]]]) -> list[dict]:
+def _replay_states(steps: list[list[list[int]]], lrs: list[float]) -> list[dict]:
     """The weights before each of ``steps`` and after the last, in one process: per step DDP's average of each
-    rank's mean loss, SGD with momentum."""
+    rank's mean loss, SGD with momentum at that step's learning rate (``lrs``)."""
     x, y = make_dataset().tensors
     model = make_model()
     params = list(model.parameters())
     momentum = [None] * len(params)
     states = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
-    for per_rank in steps:
+    for per_rank, lr in zip(steps, lrs, strict=True):
         parts = [p for p in per_rank if p]
         loss = sum(nn.functional.mse_loss(model(x[p]), y[p]) for p in parts) / len(per_rank)
         grads = torch.autograd.grad(loss, params)
-        with torch.no_grad():  # torch.optim.SGD's update, written out
+        with torch.no_grad():  # torch.optim.SGD's update, written out: the buffer does not hold the lr
             for i, (p, g) in enumerate(zip(params, grads)):
                 momentum[i] = g.clone() if momentum[i] is None else momentum[i].mul_(MOMENTUM).add_(g)
-                p.sub_(LR * momentum[i])
+                p.sub_(lr * momentum[i])
         states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return states
 
 
-def _replay(steps: list[list[list[int]]]) -> dict:
-    """The weights after ``steps`` (see :func:`_replay_states`)."""
-    return _replay_states(steps)[-1]
+def _replay(steps: list[list[list[int]]], lrs: list[float] | None = None) -> dict:
+    """The weights after ``steps`` (see :func:`_replay_states`; every step at LR unless ``lrs`` says)."""
+    return _replay_states(steps, [LR] * len(steps) if lrs is None else lrs)[-1]
 
 
 def _diff_first_layer(got: list, want: dict) -> float | None:
@@ -396,42 +579,48 @@ def _diff_first_layer(got: list, want: dict) -> float | None:
     return max(float((torch.tensor(g) - r).abs().max()) for g, r in zip(got, ref))
 
 
-def check_elastic_grow(script: str = "elastic.py") -> None:
-    """Node C joins: every worker of the grown job resumes from the 2-worker job's checkpoint; every epoch holds
-    every sample once; the final weights equal a replay of the steps that led to them."""
+def check_elastic_grow(script: str = "elastic.py", nodes: tuple[int, int, int] = (2, 1, 1),
+                       leave_step: int = 2) -> None:
+    """Node C joins: every worker of the grown job resumes from the smaller job's checkpoint; every epoch holds
+    every sample once; the final weights equal a replay of the steps that led to them (arguments: as
+    :func:`check_elastic_shrink`)."""
     check = "check_elastic_grow"
-    story = _launch_story(check, script)
-    _require_round(check, story, story.departed, "ran with 3 workers until node B left")
-    shrunk = _require_round(check, story, story.shrunk, "went on with 2 workers after node B left")
-    grown = _require_round(check, story, story.grown, "grew back to 3 workers when node C joined")
+    story = _launch_story(check, script, nodes, leave_step)
+    full, smaller, grown_size = story.plan.sizes
+    _require_round(check, story, story.departed, f"ran with {full} workers until node B left")
+    shrunk = _require_round(check, story, story.shrunk, f"went on with {smaller} worker(s) after node B left")
+    grown = _require_round(check, story, story.grown, f"grew to {grown_size} workers when node C joined")
     _require_resumed(check, story, grown, shrunk, "node C joined")
     _require_steps(check, story, grown)
-    steps, table = chain(story, grown), _table(story)
-    short = {n // STEPS_PER_EPOCH for n in range(len(steps) - len(grown.batches))
-             if sum(len(p) for p in steps[n]) != GLOBAL_BATCH}  # the shrink check's failure, not judged again
+    rule, steps, table = story.rule, chain(story, grown), _table(story)
+    epochs = epochs_of(story, steps)
+    short = {epochs[n] for n in range(len(steps) - len(grown.batches))
+             if sum(len(p) for p in steps[n]) != rule.step_samples(len(steps[n]))}  # failed by the shrink check
     for epoch in range(EPOCHS):
         if epoch in short:
             continue
-        got = sorted(s for step in steps[epoch * STEPS_PER_EPOCH:(epoch + 1) * STEPS_PER_EPOCH]
-                     for part in step for s in part)
+        got = sorted(s for n, step in enumerate(steps) if epochs[n] == epoch for part in step for s in part)
         missing = sorted(set(range(SAMPLES)) - set(got))
         expect(not missing and len(got) == SAMPLES, check,
                f"epoch {epoch} of the steps that led to the final weights did not train every sample once"
                + (f": samples {missing} never reached the model" if missing else ""),
-               expected=f"{STEPS_PER_EPOCH} steps of {GLOBAL_BATCH} samples per epoch, each of the {SAMPLES} "
-               "samples once", got=f"{len(got)} samples",
+               expected=f"each of the {SAMPLES} samples once per epoch (your rule, {rule.statement()}: "
+               f"{rule.says(grown_size)})", got=f"{len(got)} samples",
                hint="continue each epoch where the checkpoint left it, in an order that depends on the epoch only; "
                "train every epoch to its end", detail=table)
-    expect(len(steps) == EPOCHS * STEPS_PER_EPOCH, check,
-           f"the final weights come from {len(steps)} optimizer steps, not {EPOCHS * STEPS_PER_EPOCH}",
-           hint=f"{EPOCHS} epochs of {STEPS_PER_EPOCH} steps, whatever the world size", detail=table)
+    trained = _rule_samples(story, steps)
+    expect(trained == EPOCHS * SAMPLES, check,
+           f"the final weights come from {len(steps)} optimizer steps, {trained} samples by your rule "
+           f"({rule.statement()}), not {EPOCHS} epochs of {SAMPLES}",
+           hint=f"train {EPOCHS} epochs of {SAMPLES} samples, whatever the world size and however often it changed",
+           detail=table)
     torchrun.require_ok(check, story.run)
     final = story.run.final
     if not isinstance(final, dict):
         raise CheckFailed(check, "rank 0 did not write the final weights to OUT/final.pt"
                           + (f" ({final})" if final else ""), ranks=[0],
                           hint="at the end, on rank 0: torch.save(model.state_dict(), os.path.join(args.out, 'final.pt'))")
-    reference = _replay(steps)
+    reference = _replay(steps, chain_lrs(story, grown))
     diff = _compare(final, reference)
     if diff is None:
         raise CheckFailed(check, "final.pt does not hold this model's weights", expected=sorted(reference),
@@ -439,21 +628,23 @@ def check_elastic_grow(script: str = "elastic.py") -> None:
     expect(diff <= ATOL, check,
            f"the final weights differ from a replay of the steps that led to them (max |diff| {diff:.3g})",
            ranks=[0], expected=f"equal within {ATOL:g}: DDP's average of the ranks' mean losses, SGD with momentum "
-           f"at LR = {LR}", got=f"max |diff| = {diff:.3g}",
-           hint="restore the optimizer state (SGD momentum) with the model on every rank, keep LR unchanged, and "
-           "save the checkpoint after the optimizer step", detail=table)
+           "at each step's learning rate", got=f"max |diff| = {diff:.3g}",
+           hint="restore the optimizer state (SGD momentum) with the model on every rank, and save the checkpoint "
+           "after the optimizer step", detail=table)
     passed(check)
 
 
-def try_elastic(script: str = "elastic.py") -> torchrun.Run:
+def try_elastic(script: str = "elastic.py", nodes: tuple[int, int, int] = (2, 1, 1),
+                leave_step: int = 2) -> torchrun.Run:
     """Run the grader's elastic launch (the one both checks read) and print what each round of the job did."""
-    story = _launch_story("try_elastic", script)
+    story = _launch_story("try_elastic", script, nodes, leave_step)
     run = story.run
     print(f"{run.command}: {'finished' if run.ok else 'FAILED'} in {run.elapsed:.1f} s")
+    print(f"your batch rule: {story.rule.statement()}")
     print(_table(story))
     if isinstance(run.final, dict) and story.grown is not None:
         steps = chain(story, story.grown)
-        diff = _compare(run.final, _replay(steps))
+        diff = _compare(run.final, _replay(steps, chain_lrs(story, story.grown)))
         print(f"final.pt: from {len(steps)} steps; " + ("not this model's keys and shapes" if diff is None else
                                                        f"max |diff| to their replay {diff:.3g}"))
     if not run.ok:

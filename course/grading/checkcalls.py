@@ -131,7 +131,8 @@ def parse(source: str) -> list[CheckCall] | None:
         call = _call(stmt.value)
         if call is None:
             return None
-        if stmt.lineno in hidden:
+        if any(line in hidden for line in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)):
+            # a hidden call, or a visible call with hidden arguments: its literals stay out of the kernel too
             call = CheckCall(call.module, call.function, call.args, call.kwargs, hidden=True)
         calls.append(call)
     return calls or None

@@ -2,16 +2,16 @@
 
 How it works: three torchrun agents on this machine share one c10d rendezvous on 127.0.0.1
 (``--nnodes=1:2``, ``--max-restarts=3``), each worker running the script through
-:mod:`~course.launcher.torchrun.torchrun_probe`:
+:mod:`~course.launcher.torchrun.torchrun_probe`; a :class:`Plan` says how many workers each node has and when
+things happen (:data:`PLAN`: the visible story, A 2 workers, B 1, C 1):
 
-1. node A (:data:`NODE_WORKERS` ``["A"]`` workers; it hosts the rendezvous store) and node B (1 worker) start
-   together: world size 3;
-2. B's worker leaves after its :data:`LEAVE_STEP`-th optimizer step (mid-epoch): it SIGKILLs its own agent and
-   exits, as a machine that dies. A's workers lose their peer, A meets the rendezvous again and restarts them
-   alone: world size 2 (a failure restart: it counts against ``--max-restarts``);
-3. the probe holds that 2-worker job before its second optimizer step; seeing it held, the grader starts node
-   C (1 worker), and A restarts its workers with C's: world size 3 again (a membership change: it does not
-   count against ``--max-restarts``, and C's worker starts with TORCHELASTIC_RESTART_COUNT=0).
+1. node A (it hosts the rendezvous store) and node B start together: world size ``a + b``;
+2. B's workers leave after their ``leave_step``-th optimizer step (mid-epoch): the first SIGKILLs its own agent,
+   each exits, as a machine that dies. A's workers lose their peers, A meets the rendezvous again and restarts
+   them alone: world size ``a`` (a failure restart: it counts against ``--max-restarts``);
+3. the probe holds that smaller job before its optimizer step ``hold_steps + 1``; seeing it held, the grader
+   starts node C, and A restarts its workers with C's: world size ``a + c`` (a membership change: it does not
+   count against ``--max-restarts``, and C's workers start with TORCHELASTIC_RESTART_COUNT=0).
 
 The rendezvous settings are those :mod:`benchmarks.elastic_bench` measured here: ``last_call_timeout=2`` (an
 integer: "2.0" makes the agent exit at once) and keep-alive 1 s x 4 (1 s x 2 let a joining node form a job of
@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from course.launcher.torchrun.runner import (
     PROBE_SCRIPT,
@@ -46,26 +47,58 @@ from course.launcher.torchrun.runner import (
     _working,
 )
 
-NODE_WORKERS = {"A": 2, "B": 1, "C": 1}
-LEAVE_STEP = 2  # B leaves after its 2nd optimizer step of the 3-worker job
 ELASTIC_TIMEOUT = 150.0
 INPUT_FEATURES = 4  # the given model's first layer: the probe logs the rows it receives
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
-DESCRIPTION = ("the elastic run (three torchrun agents, --nnodes=1:2, c10d rendezvous: nodes A (2 workers) and B "
-               "(1) start, B leaves mid-epoch, then node C (1) joins)")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' if n != 1 else ''}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One elastic story: the workers of nodes A, B and C, B's departure after its ``leave_step``-th optimizer
+    step, C's arrival once the smaller job made ``hold_steps`` steps."""
+
+    nodes: tuple[int, int, int] = (2, 1, 1)
+    leave_step: int = 2
+    hold_steps: int = 3
+
+    def __post_init__(self) -> None:
+        # every node has a worker, so the smaller job's size (what the probe's hold keys on) is no other job's
+        if len(self.nodes) != 3 or min(self.nodes) < 1 or self.leave_step < 1 or self.hold_steps < 1:
+            raise ValueError(f"an elastic plan needs three nodes with a worker each and steps >= 1: {self}")
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """The world sizes of the story's three jobs: before B left, after, after C joined."""
+        a, b, c = self.nodes
+        return a + b, a, a + c
+
+    def describe(self) -> str:
+        a, b, c = self.nodes
+        return (f"the elastic run (three torchrun agents, --nnodes=1:2, c10d rendezvous: nodes A ({_workers(a)}) "
+                f"and B ({_workers(b)}) start, B leaves after its optimizer step {self.leave_step}, A goes on "
+                f"alone for {self.hold_steps} step(s), then node C ({_workers(c)}) joins)")
+
+
+PLAN = Plan()  # the visible story: world size 3, then 2, then 3
+DESCRIPTION = PLAN.describe()
 
 _CACHE: dict[tuple, Run] = {}
 
 
-def run_elastic(script: str, check: str = "elastic", *, leave_step: int = LEAVE_STEP,
+def run_elastic(script: str, check: str = "elastic", *, plan: Plan = PLAN,
                 vet: Callable[[str], None] | None = None) -> Run:
-    """Launch ``script`` elastically (see the module doc), or reuse the run of the same content."""
+    """Launch ``script`` elastically as ``plan`` says (see the module doc), or reuse the run of the same
+    content and plan."""
     path, digest = _script(check, script, vet)
-    key = (path, digest, int(leave_step))
+    key = (path, digest, plan)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, int(leave_step))
+        _CACHE[key] = _launch(path, plan)
     return _CACHE[key]
 
 
@@ -89,7 +122,7 @@ def _held(probe_dir: str) -> bool:
     return False
 
 
-def _launch(script: str, leave_step: int) -> Run:
+def _launch(script: str, plan: Plan) -> Run:
     job = tempfile.mkdtemp(prefix="ddp-course-ex4-elastic-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
@@ -97,7 +130,10 @@ def _launch(script: str, leave_step: int) -> Run:
             os.makedirs(d)
         ckpt_path = os.path.join(ckpt_dir, "ckpt.pt")
         env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=None)
-        env.update(DDP_COURSE_PROBE_LEAVE=f"B:{leave_step}", DDP_COURSE_PROBE_HOLD="1",
+        full, smaller, _ = plan.sizes
+        workers = dict(zip("ABC", plan.nodes))
+        env.update(DDP_COURSE_PROBE_LEAVE=f"B:{plan.leave_step}:{full}",
+                   DDP_COURSE_PROBE_HOLD=f"{smaller}:{plan.hold_steps}",
                    DDP_COURSE_PROBE_INPUT_FEATURES=str(INPUT_FEATURES))
         port, run_id = _free_port(), uuid.uuid4().hex[:12]
         logs: list = []
@@ -105,7 +141,7 @@ def _launch(script: str, leave_step: int) -> Run:
 
         def agent(name: str) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1", "--nnodes=1:2",
-                   f"--nproc_per_node={NODE_WORKERS[name]}", "--rdzv-backend=c10d",
+                   f"--nproc_per_node={workers[name]}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1",
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",
                    f"--log-dir={job}/logs{name}", PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
@@ -141,8 +177,8 @@ def _launch(script: str, leave_step: int) -> Run:
         run = Run(
             scenario="elastic",  # type: ignore[arg-type]
             crash=None,
-            layout=(NODE_WORKERS["A"], NODE_WORKERS["B"]),  # the agents that start the job (C joins later)
-            command=DESCRIPTION,
+            layout=(workers["A"], workers["B"]),  # the agents that start the job (C joins later)
+            command=plan.describe(),
             returncodes=[procs["A"].returncode] + ([procs["C"].returncode] if "C" in procs else []),
             timed_out=timed_out,
             timeout=ELASTIC_TIMEOUT,

@@ -18,13 +18,15 @@ and whatever TORCHELASTIC_RESTART_COUNT it has): an injected node failure for to
 to recover.
 
 The elastic launch (:mod:`course.launcher.torchrun.elastic`) sets more: ``DDP_COURSE_PROBE_NODE`` names the
-worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP`` makes that node leave a 3-worker job after that optimizer
-step (its worker SIGKILLs its own agent, then exits: a machine that dies), ``DDP_COURSE_PROBE_HOLD=1`` holds
-the workers of the smaller job that follows before their second optimizer step until torchrun restarts them
-(so the grader's new node finds the job still running), and those of a 2-worker job before B joined at their
-first step (so the job starts at 3 whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
+worker's agent, ``DDP_COURSE_PROBE_LEAVE=NODE:STEP:SIZE`` makes that node leave a job of world size SIZE after
+that optimizer step (each of its workers exits; the first SIGKILLs its own agent before: a machine that dies),
+``DDP_COURSE_PROBE_HOLD=SIZE:STEPS`` holds the workers of the smaller job that follows (world size SIZE) before
+their optimizer step STEPS + 1 until torchrun restarts them (so the grader's new node finds the job still
+running), and those of a job of that size before the node joined at their first step (so the job starts at its
+full size whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
 rows every ``nn.Linear`` with N input features receives (which samples reached the model) with that layer's
-weight and bias at that moment (which weights the step started from). Checkpoint
+weight and bias at that moment (which weights the step started from). Every optimizer step's event carries its
+param groups' learning rates. Checkpoint
 saves, renames and loads inside the watched folders carry the file's sha256, so a check can tell which
 written checkpoint a restarted worker read.
 """
@@ -171,13 +173,14 @@ def _patch_torch() -> None:
     crash_here = crash_rank == os.environ.get("RANK") and crash_step > 0
 
     record_collectives = _collectives_recorder(real_initialized)
-    leave_node, _, leave_step = os.environ.get(LEAVE, "").partition(":")
-    leave_here = bool(leave_node) and leave_node == os.environ.get(NODE) and os.environ.get("WORLD_SIZE") == "3"
+    leave_node, leave_step, leave_size = (os.environ.get(LEAVE, "").split(":") + ["", "", ""])[:3]
+    leave_here = bool(leave_node) and leave_node == os.environ.get(NODE) and os.environ.get("WORLD_SIZE") == leave_size
+    agent = os.getppid()  # torchrun's agent, which started this worker
 
     def after_step(optimizer, args, kwargs) -> None:
         global _steps
         _steps += 1
-        _log("step", n=_steps)
+        _log("step", n=_steps, lr=_learning_rates(optimizer))
         record_collectives()
         if crash_here and _steps == crash_step and _first_crash():
             _log("crash", step=_steps)
@@ -185,18 +188,20 @@ def _patch_torch() -> None:
         if leave_here and str(_steps) == leave_step:
             _log("leave", step=_steps)
             open(os.path.join(_probe_dir, "left"), "w").close()  # noqa: SIM115 - a marker for the grader
-            os.kill(os.getppid(), signal.SIGKILL)  # the node's agent dies first, then its worker
+            if os.getppid() == agent:  # the node's agent dies first (once: a second worker finds it gone)
+                os.kill(agent, signal.SIGKILL)
             os._exit(LEAVE_EXIT_CODE)
 
     register_optimizer_step_post_hook(after_step)
-    if os.environ.get(HOLD) == "1" and os.environ.get("WORLD_SIZE") == "2":
+    hold_size, _, hold_steps = os.environ.get(HOLD, "").partition(":")
+    if hold_size and hold_size == os.environ.get("WORLD_SIZE"):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def before_step(optimizer, args, kwargs) -> None:
-            # the smaller job after the departure: one step, then wait here for torchrun to restart it bigger;
-            # a 2-worker job before the departure (node A met the rendezvous before B): wait for B to join
+            # the smaller job after the departure: its steps, then wait here for torchrun to restart it bigger;
+            # a job of that size before the departure (node A met the rendezvous before B): wait for B to join
             left = os.path.exists(os.path.join(_probe_dir, "left"))
-            if (left and _steps == 1) or (not left and _steps == 0):
+            if (left and str(_steps) == hold_steps) or (not left and _steps == 0):
                 _log("hold" if left else "wait")
                 until = time.time() + HOLD_LIMIT
                 while time.time() < until:
@@ -208,6 +213,14 @@ def _patch_torch() -> None:
     if features:
         _log_inputs(features)
     atexit.register(record_collectives)
+
+
+def _learning_rates(optimizer) -> list | None:
+    """The learning rate of each of the optimizer's param groups at this step (None: not readable)."""
+    try:
+        return [float(group["lr"]) for group in optimizer.param_groups]
+    except Exception:  # noqa: BLE001 - never fail the student's code
+        return None
 
 
 def _first_crash() -> bool:
