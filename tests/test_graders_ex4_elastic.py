@@ -3,11 +3,16 @@
 A launch costs about 20 s here (three agents, three rounds of workers), so every submission is graded
 once, as a notebook, and each test asserts on both of its cells: the reference at full marks, each
 realistic mistake losing exactly the checks it breaks with a message naming it, right scripts in other
-styles at full marks. The fast tests keep the grader's copy of the given code and its replay honest.
+styles (both batch rules) at full marks. Graded as a notebook, the cells run with their hidden arguments:
+the hidden story (nodes 1, 2, 1: world sizes 3, 1, 2); one test runs the visible story (3, 2, 3) on the
+reference. The fast tests keep the grader's copy of the given code, the rule it reads, its stories and
+its replay honest.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 import time
 
 import pytest
@@ -50,7 +55,7 @@ def given_entry() -> str:
 def test_the_graders_copy_of_the_given_code_matches_the_notebook():
     namespace: dict = {}
     exec(compile(given(), "elastic.py", "exec"), namespace)
-    for name in ("EPOCHS", "SAMPLES", "GLOBAL_BATCH", "LR", "MOMENTUM"):
+    for name in ("EPOCHS", "SAMPLES", "GLOBAL_BATCH", "PER_RANK_BATCH", "LR", "MOMENTUM"):
         assert namespace[name] == getattr(ex4e, name), name
     mine, theirs = ex4e.make_model().state_dict(), namespace["make_model"]().state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -78,6 +83,74 @@ def test_the_replay_is_sgd_with_momentum_on_the_average_of_the_ranks_mean_losses
     assert not torch.allclose(ex4e._replay(steps[:2])["0.weight"], replay["0.weight"])
 
 
+@pytest.mark.timeout(60)
+def test_the_replay_takes_each_steps_learning_rate_as_sgd_does_after_a_change_of_lr():
+    """A job that changes the lr between steps (the per-rank rule at a new world size): torch's SGD keeps the
+    momentum buffer free of the lr, and so does the replay."""
+    steps, lrs = [[[0, 1], [2, 3], [4, 5]], [[6, 7]], [[8, 9], [10, 11]]], [0.05, 0.05 / 3, 0.05 * 2 / 3]
+    x, y = ex4e.make_dataset().tensors
+    model = ex4e.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex4e.LR, momentum=ex4e.MOMENTUM)
+    for per_rank, lr in zip(steps, lrs):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = sum(torch.nn.functional.mse_loss(model(x[p]), y[p]) for p in per_rank) / len(per_rank)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    replay = ex4e._replay(steps, lrs)
+    assert all(torch.allclose(replay[k], v, atol=1e-7) for k, v in model.state_dict().items())
+    assert not torch.allclose(ex4e._replay(steps)["0.weight"], replay["0.weight"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("line, rule", [('BATCH_RULE = "global"', "global"), ("BATCH_RULE = 'per_rank'", "per_rank"),
+                                        ('BATCH_RULE: str = "per_rank"  # mine', "per_rank")])
+def test_the_stated_rule_is_read_from_the_scripts_text(line, rule):
+    assert ex4e.stated_rule("c", given() + line + "\n\ndef main(args):\n    pass\n" + given_entry()).name == rule
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("body, words", [
+    ("", ["does not state its batch rule", 'BATCH_RULE = "global"']),
+    ('BATCH_RULE = "fixed"\n', ["states its batch rule as 'fixed'", "per_rank"]),
+    ('BATCH_RULE = "global"\nBATCH_RULE = "per_rank"\n', ["'global', 'per_rank'", "assigned once"]),
+    ('BATCH_RULE = "per" + "_rank"\n', ["'per' + '_rank'", "one string"]),
+    ('def main(args):\n    BATCH_RULE = "global"\n', ["does not state its batch rule"]),
+], ids=["missing", "unknown", "twice", "computed", "inside-main"])
+def test_a_rule_not_stated_plainly_fails_both_checks_before_any_launch(tmp_path, body, words):
+    script = tmp_path / "elastic.py"
+    script.write_text(given() + body + "\n\ndef main(args):\n    pass\n" + given_entry())
+    start = time.monotonic()
+    for check in (ex4e.check_elastic_shrink, ex4e.check_elastic_grow):
+        submissions.fails(check, str(script), *words)
+    assert time.monotonic() - start < 5  # read from the text: nothing launched
+
+
+@pytest.mark.timeout(60)
+def test_the_stories_keep_every_step_of_both_rules_inside_an_epoch():
+    visible, hidden = ex4e.plan((2, 1, 1), 2), ex4e.plan(ex4e.HIDDEN_NODES, ex4e.HIDDEN_LEAVE_STEP)
+    assert visible.sizes == (3, 2, 3) and hidden.sizes == (3, 1, 2)
+    with pytest.raises(ValueError, match="cross an epoch"):
+        ex4e.plan((1, 1, 1), 2)  # per-rank: 2 steps of 4 + 3 of 2 = 14 samples, then steps of 4 cross 24
+    with pytest.raises(ValueError, match="divide GLOBAL_BATCH"):
+        ex4e.plan((2, 2, 1), 1)  # world size 4
+
+
+@pytest.mark.timeout(60)
+def test_the_notebooks_hidden_arguments_are_the_hidden_story():
+    """Both test cells pass the hidden story in their hidden block, as arguments of the visible call (the
+    autograder judges that launch instead of the visible one: one launch per grade)."""
+    nb = submissions.load(A, NB)
+    for grade_id in (SHRINK, GROW):
+        source = next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+        hidden = source.split("### BEGIN HIDDEN TESTS", 1)[1].split("### END HIDDEN TESTS")[0]
+        call = ast.parse(source).body[0].value
+        assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == {
+            "nodes": ex4e.HIDDEN_NODES, "leave_step": ex4e.HIDDEN_LEAVE_STEP}
+        assert re.search(r"nodes=\(1, 2, 1\)", hidden) and "leave_step=1" in hidden
+
+
 # --- the notebook: reference, untouched release, wrong submissions, other styles --------------------
 
 
@@ -98,17 +171,21 @@ def test_untouched_release_scores_zero_at_once_with_clean_messages(tmp_path):
     assert time.monotonic() - start < 60  # no launch for a script that cannot run
 
 
+#: Graded as a notebook, so on the hidden story (world sizes 3, then 1, then 2): a mistake that shows at every
+#: size other than the first job's loses both cells there (on the visible story, 3 -> 2 -> 3, only the shrink).
 WRONG = {
     # name: ((old, new) edits of elastic.py, the test cells that must fail, words the first one's message has)
     "world size hard-coded to the first round's 3": (
         [("    rank, world_size, device = join_job()", "    rank, world_size, device = join_job()\n    world_size = 3")],
-        [SHRINK], ["carried 4 samples in all", "not GLOBAL_BATCH = 6", "a number fixed for 3 workers"]),
-    "a fixed per-rank batch: the global batch shrinks with the job": (
+        [SHRINK, GROW], ["carried 2 samples in all", 'not what your rule (BATCH_RULE = "global") makes at world size 1',
+                         "6 samples per step at every world size", "a number fixed for the first job's size"]),
+    "a fixed per-rank batch under the global rule: the global batch shrinks with the job": (
         [("    return batch.chunk(world_size)[rank]\n",
           "    per_rank = GLOBAL_BATCH // 3  # 2 samples a rank\n"
           "    start = step * GLOBAL_BATCH + rank * per_rank\n"
           "    return order[start:start + per_rank]\n")],
-        [SHRINK], ["carried 4 samples in all", "global batch must not change with the world size"]),
+        [SHRINK, GROW], ["carried 2 samples in all", "global batch must not change with the world size",
+                         'BATCH_RULE = "per_rank"']),
     "the epoch resumed from its start": (
         [('        done = saved["done"]\n', '        done = saved["done"] // STEPS_PER_EPOCH * STEPS_PER_EPOCH\n')],
         [SHRINK, GROW], ["twice in epoch 0", "you resumed the epoch from its start"]),
@@ -119,17 +196,15 @@ WRONG = {
         [("    if os.path.exists(args.ckpt):",
           '    if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and os.path.exists(args.ckpt):')],
         [GROW], ["did not load the checkpoint while the others did", "TORCHELASTIC_RESTART_COUNT=0"]),
+    "the per-rank rule stated over a fixed global batch": (
+        [('BATCH_RULE = "global"', 'BATCH_RULE = "per_rank"')],
+        [SHRINK, GROW], ["carried 6 samples in all", 'your rule (BATCH_RULE = "per_rank")',
+                         "PER_RANK_BATCH = 2 samples per rank", 'state BATCH_RULE = "global"']),
 }
 
 
-#: mistakes graded in one submission (each grade is an elastic launch of about a minute here): they edit
-#: different lines and fail disjoint checks, so the submission loses exactly the union
-GRADED_TOGETHER = [
-    ("world size hard-coded to the first round's 3", "resume only when TORCHELASTIC_RESTART_COUNT > 0"),
-    ("a fixed per-rank batch: the global batch shrinks with the job",),
-    ("the epoch resumed from its start",),
-    ("no resume at all",),
-]
+#: each mistake alone: on the hidden story they fail both cells but one, which shares no cell with the others
+GRADED_TOGETHER = [(name,) for name in WRONG]
 
 
 def test_the_mistakes_graded_together_are_independent():
@@ -143,11 +218,25 @@ def test_wrong_submission_loses_exactly_its_tests(tmp_path, group):
     submissions.grade_mistakes(A, tmp_path, SCRIPT_CELL, WRONG, group, notebook=NB)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_visible_story_gives_the_reference_full_marks(tmp_path):
+    """The visible test cells' own launch (world sizes 3, 2, 3): the reference passes both checks there."""
+    script = tmp_path / "elastic.py"
+    script.write_text(script_source())
+    ex4e.check_elastic_shrink(str(script))
+    ex4e.check_elastic_grow(str(script))
+    run = ex4e.try_elastic(str(script))
+    assert run.ok and "nodes A (2 workers) and B (1 worker)" in run.command
+
+
 #: pytorch/examples' style: a Trainer class, DistributedSampler(shuffle=True) with set_epoch (its shards of one
 #: epoch's permutation make every step the same GLOBAL_BATCH samples at any world size dividing it), a
 #: DataLoader over the shard that skips the steps already done, a checkpoint holding (epoch, step).
 SAMPLER_TRAINER = '''
 import os
+
+BATCH_RULE = "global"
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -208,6 +297,8 @@ def main(args):
 #: the position kept as samples seen in the epoch, strided per-rank parts, the device picked by local rank.
 STRIDED_NUMPY = '''
 import os
+
+BATCH_RULE = 'global'  # a fixed global batch
 import pathlib
 import tempfile
 
@@ -264,17 +355,106 @@ def main(args):
 '''
 
 
+#: The other rule: a fixed per-rank batch (PER_RANK_BATCH a worker), the learning rate scaled with the global batch
+#: after the optimizer state is restored, an epoch counted in samples; DistributedSampler(shuffle=False) over the
+#: epoch's remaining samples and a DataLoader of PER_RANK_BATCH give step j the next world_size * PER_RANK_BATCH;
+#: a small state class.
+PER_RANK_SAMPLER = '''
+BATCH_RULE: str = "per_rank"
+
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class Progress:
+    """The epoch and the samples of it done: what a job of any size needs to go on."""
+
+    def __init__(self, path):
+        self.path, self.epoch, self.seen = path, 0, 0
+
+    def restore(self, model, optimizer):
+        if os.path.exists(self.path):
+            blob = torch.load(self.path, map_location="cpu")
+            model.load_state_dict(blob["model"])
+            optimizer.load_state_dict(blob["optimizer"])
+            self.epoch, self.seen = blob["epoch"], blob["seen"]
+
+    def commit(self, model, optimizer):
+        save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": self.epoch, "seen": self.seen}, self.path)
+
+
+def main(args):
+    rank, world_size, device = join_job()
+    model, optimizer = make_model_and_optimizer(device)
+    progress = Progress(args.ckpt)
+    progress.restore(model, optimizer)
+    for group in optimizer.param_groups:  # after the restore: the checkpoint holds the last job's lr
+        group["lr"] = LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH
+    ddp_model = DistributedDataParallel(model)
+    dataset = make_dataset()
+    while progress.epoch < EPOCHS:
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(1000 + progress.epoch)).tolist()
+        rest = Subset(dataset, order[progress.seen:])
+        sampler = DistributedSampler(rest, num_replicas=world_size, rank=rank, shuffle=False)
+        for x, y in DataLoader(rest, batch_size=PER_RANK_BATCH, sampler=sampler):
+            optimizer.zero_grad()
+            loss_fn(ddp_model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+            progress.seen += world_size * PER_RANK_BATCH
+            if progress.seen >= SAMPLES:
+                progress.epoch, progress.seen = progress.epoch + 1, 0
+            if rank == 0:
+                progress.commit(model, optimizer)
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+'''
+
+#: realistic mistakes under the per-rank rule (edits of PER_RANK_SAMPLER): each loses both cells on the hidden story
+#: (the smaller job and the grown one run at other world sizes than the first job, whose lr is LR)
+PER_RANK_WRONG = {
+    "the learning rate not scaled with the global batch": (
+        [('    for group in optimizer.param_groups:  # after the restore: the checkpoint holds the last job\'s lr\n'
+          '        group["lr"] = LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH\n', "")],
+        [SHRINK, GROW], ["ran at learning rate 0.05 (rank 0)", 'your rule (BATCH_RULE = "per_rank")',
+                         "LR * 2 / 6 = 0.0166667", "set every param group's lr"]),
+    "the scaled learning rate set before loading the optimizer state (the checkpoint's lr wins)": (
+        [("    progress.restore(model, optimizer)\n", ""),
+         ("    ddp_model = DistributedDataParallel(model)\n",
+          "    progress.restore(model, optimizer)\n    ddp_model = DistributedDataParallel(model)\n")],
+        [SHRINK, GROW], ["ran at learning rate 0.05 (rank 0)", "at world size 1",
+                         "after loading the optimizer's state dict"]),
+}
+
+
 def other_style(body: str) -> str:
     return "%%writefile elastic.py\n" + given() + body.strip("\n") + "\n" + given_entry()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("body", [SAMPLER_TRAINER, STRIDED_NUMPY], ids=["sampler-trainer", "strided-numpy"])
+@pytest.mark.parametrize("body", [SAMPLER_TRAINER, STRIDED_NUMPY, PER_RANK_SAMPLER],
+                         ids=["sampler-trainer", "strided-numpy", "per-rank-sampler"])
 def test_a_right_script_in_another_style_scores_full_marks(tmp_path, body):
     nb = submissions.replace_answer(submissions.load(A, NB), SCRIPT_CELL, other_style(body))
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", list(PER_RANK_WRONG))
+def test_a_per_rank_script_with_a_learning_rate_mistake_loses_exactly_its_tests(tmp_path, name):
+    edits, failing, words = PER_RANK_WRONG[name]
+    text = other_style(PER_RANK_SAMPLER)
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    nb = submissions.replace_answer(submissions.load(A, NB), SCRIPT_CELL, text)
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, failing, words, notebook=NB)
 
 
 @pytest.mark.timeout(60)
