@@ -126,3 +126,19 @@ def test_the_solutions_are_mostly_not_in_the_lessons():
     assert verbatim <= MAX_VERBATIM * lines, f"{verbatim} of {lines} solution lines are verbatim in the lessons"
     assert verbatim + same <= MAX_SAME_SHAPE * lines, (
         f"{verbatim + same} of {lines} solution lines are in the lessons, as they are or with other names")
+
+
+def _points(path: Path) -> float:
+    nb = nbformat.read(str(path), as_version=4)
+    return sum(c.metadata["nbgrader"].get("points", 0) for c in nb.cells
+               if c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"].get("solution"))
+
+
+@pytest.mark.parametrize("folder", sorted({p.parent for p in NOTEBOOKS}), ids=lambda p: p.name)
+def test_a_stated_exercise_total_is_the_sum_of_its_notebooks_points(folder):
+    """A notebook that says "(exercise N: T points ...)" counts every graded cell of its exercise's notebooks."""
+    total = sum(_points(p) for p in NOTEBOOKS if p.parent == folder)
+    for path in (p for p in NOTEBOOKS if p.parent == folder):
+        intro = nbformat.read(str(path), as_version=4).cells[0].source
+        for stated in re.findall(r"\(exercise \d+: (\d+) points", intro):
+            assert int(stated) == total, f"{path.name} says exercise total {stated}, its notebooks hold {total}"
