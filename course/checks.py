@@ -165,6 +165,7 @@ def run(
     expected: str | None = None,
     timeout: float | None = None,
     env: dict | None = None,
+    stall_window: float | None = None,
 ) -> JobResult:
     """Run ``harness(rank, *args)`` on ``world_size`` real ranks for ``check``; their results are ``.values``.
 
@@ -177,9 +178,11 @@ def run(
     for ``"timeout"``, when the job hung or deadlocked), ``advice`` replaces the generic hint.
     ``mistakes``: known :class:`Mistake` s, tried in order; the first seen is the failure's message.
     ``expected``: what the check expected of the student's function, shown with any failure of the job.
+    ``stall_window``: see :func:`~course.launcher.job.launch` (only for a job the check knows will hang).
     """
     try:
-        return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env)
+        return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env,
+                      stall_window=stall_window)
     except LaunchError as err:
         problem, ranks, hint, detail = _describe_failure(world_size, err)
         hung = isinstance(err, RankTimeoutError)

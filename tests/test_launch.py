@@ -529,6 +529,37 @@ def test_a_slow_rank_and_an_endless_loop_are_not_deadlocks():
     assert time.monotonic() - start >= 6
 
 
+def test_a_shorter_stall_window_asks_the_ranks_sooner(tmp_path):
+    """StallWatch asks idle ranks where they are after its idle window: the default, or a job's own."""
+    from course.launcher.stall import IDLE_WINDOW, SAMPLE, StallWatch
+
+    sleeper = subprocess.Popen(["sleep", "30"])  # an idle "rank"
+    try:
+        asked = {}
+        for window in (IDLE_WINDOW, 0.5):
+            probe = tmp_path / f"probe-{window}.json"
+            watch = StallWatch([sleeper.pid], [str(probe)], [str(tmp_path / "result")],
+                               **({} if window == IDLE_WINDOW else {"idle_window": window}))
+            now = 100.0
+            while not (tmp_path / f"probe-{window}.json.req").exists() and now < 110:
+                watch.poll([0], now)
+                now += SAMPLE
+            asked[window] = now - 100.0
+        assert asked[0.5] < asked[IDLE_WINDOW] <= IDLE_WINDOW + 3 * SAMPLE, asked
+        assert asked[0.5] >= 0.5, asked
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.slow
+def test_a_short_stall_window_still_finds_deadlocks_and_lets_a_slow_rank_be():
+    with pytest.raises(course.RankStallError) as info:
+        course.launch(stall_other_op, 2, echo=False, timeout=STALL_TIMEOUT, stall_window=0.5)
+    assert "rank 1 waits in barrier #2" in str(info.value)
+    assert course.launch(slow_rank_in_step, 3, echo=False, timeout=STALL_TIMEOUT, stall_window=0.5).values == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_without_stall_detection_a_deadlock_waits_for_the_deadline():
     start = time.monotonic()

@@ -140,6 +140,7 @@ def launch(
     num_threads: int | None = None,
     safe_results: bool = False,
     detect_stalls: bool | None = None,
+    stall_window: float | None = None,
 ) -> JobResult:
     """Run ``fn(rank, *args)`` on ``world_size`` ranks; return a :class:`JobResult`.
 
@@ -148,7 +149,10 @@ def launch(
     :class:`~course.errors.RankStallError` (a RankTimeoutError) as soon as the ranks are
     deadlocked: all idle, waiting in collectives that can never complete (another op, other
     shapes, or a peer that returned); see :mod:`course.launcher.stall`. ``detect_stalls=False``
-    (or ``DDP_COURSE_DETECT_STALLS=0`` in the environment) leaves every hang to the deadline. With ``echo`` each line a rank prints is shown on the caller's stdout as
+    (or ``DDP_COURSE_DETECT_STALLS=0`` in the environment) leaves every hang to the deadline;
+    ``stall_window`` shortens the seconds of idleness before the ranks are asked (default
+    :data:`~course.launcher.stall.IDLE_WINDOW`; for a job known to hang, such as a grader's own run of a broken
+    script: a verdict still needs two identical answers with no CPU activity between them). With ``echo`` each line a rank prints is shown on the caller's stdout as
     ``[rank r] ...`` (never on its stderr). ``env`` adds variables for the ranks.
 
     ``safe_results``: the caller does not trust the code on the ranks (a grader
@@ -186,7 +190,9 @@ def launch(
             if detect_stalls is None:
                 detect_stalls = os.environ.get(STALLS_ENV, "1") != "0"
             watch = StallWatch([p.pid for p in processes], [s.probe_path for s in specs],
-                               [s.result_path for s in specs]) if detect_stalls else None
+                               [s.result_path for s in specs],
+                               **({} if stall_window is None else {"idle_window": float(stall_window)}),
+                               ) if detect_stalls else None
             outcome = _wait(processes, tails, started + timeout, watch, [s.error_path for s in specs])
         finally:
             for process in processes:

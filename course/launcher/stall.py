@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from course.errors import SAME_COLLECTIVES
 
-#: seconds every running rank must stay idle before they are asked where they are
+#: seconds every running rank must stay idle before they are asked where they are (a job may ask for a shorter
+#: window: the grader's own runs of scripts it knows hang, see :func:`course.launcher.job.launch`)
 IDLE_WINDOW = 1.0
 #: CPU seconds a rank may use within the window and still count as idle (its threads included)
 IDLE_CPU = 0.05
@@ -83,8 +84,10 @@ def _cpu_seconds(pid: int) -> float | None:
 class StallWatch:
     """Polled by the launcher's wait loop; :meth:`poll` returns a verdict once the job is deadlocked."""
 
-    def __init__(self, pids: list[int], probe_paths: list[str], result_paths: list[str]):
+    def __init__(self, pids: list[int], probe_paths: list[str], result_paths: list[str],
+                 idle_window: float = IDLE_WINDOW):
         self.pids, self.probe_paths, self.result_paths = pids, probe_paths, result_paths
+        self.idle_window = idle_window
         self.next_sample = 0.0
         self.window_start: float | None = None
         self.window_cpu: dict[int, float] = {}
@@ -128,7 +131,7 @@ class StallWatch:
                 return verdict
             self.window_start, self.window_cpu = now, cpu
             return None
-        if now - self.window_start >= IDLE_WINDOW:
+        if now - self.window_start >= self.idle_window:
             self.asked = list(running)  # the returned ones too: what they issued before returning
             for r in self.asked:
                 _remove(self.probe_paths[r])
