@@ -42,6 +42,17 @@ def shard_strided(batch, rank, world_size):  # a different correct answer
     return batch[rank::world_size]
 
 
+def shard_tensor_split(batch, rank, world_size):  # another correct style: torch's own balanced split
+    return torch.tensor_split(batch, world_size)[rank]
+
+
+def shard_numpy_indices(batch, rank, world_size):  # another: numpy's array_split of the row numbers
+    import numpy as np
+
+    rows = np.array_split(np.arange(len(batch)), world_size)[rank]
+    return batch[torch.as_tensor(rows, dtype=torch.long)]
+
+
 def shard_drop_remainder(batch, rank, world_size):
     n = len(batch) // world_size
     return batch[rank * n:(rank + 1) * n]
@@ -85,6 +96,15 @@ def average_weights_first(model, n_local):  # another correct style: weights all
         offset += g.numel()
 
 
+def average_one_buffer(model, n_local):  # another correct style: grads and row count in one all-reduce
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads] + [torch.tensor([float(n_local)])])
+    dist.all_reduce(flat)
+    flat = flat[:-1] / flat[-1]
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 def average_plain_mean(model, n_local):  # the equal-shard recipe: wrong when the shards differ
     world_size = dist.get_world_size()
     for p in model.parameters():
@@ -123,6 +143,59 @@ def two_stage_step(rank, stage, x, y, hidden_shape):
     loss = F.mse_loss(stage(act), y)
     loss.backward()
     dist.send(act.grad, dst=0)
+    return loss.detach()
+
+
+def two_stage_autograd_grad(rank, stage, x, y, hidden_shape):
+    """Another correct style: non-blocking point-to-point, and torch.autograd.grad on the last stage (the input's
+    gradient and the parameters' in one call, written into .grad by hand)."""
+    if rank == 0:
+        out = stage(x)
+        dist.isend(out.detach().contiguous(), dst=1).wait()
+        grad_out = torch.zeros_like(out)
+        dist.irecv(grad_out, src=1).wait()
+        out.backward(gradient=grad_out)
+        return None
+    act = torch.zeros(hidden_shape, device=y.device, requires_grad=True)
+    with torch.no_grad():
+        dist.irecv(act, src=0).wait()
+    loss = F.mse_loss(stage(act), y)
+    params = list(stage.parameters())
+    grad_act, *grad_params = torch.autograd.grad(loss, [act, *params])
+    for p, g in zip(params, grad_params):
+        p.grad = g
+    dist.isend(grad_act, dst=0).wait()
+    return float(loss)
+
+
+class Pipe:
+    """Another correct style: a helper that moves tensors between the two stages with batched P2P ops."""
+
+    def __init__(self, peer):
+        self.peer = peer
+
+    def send(self, tensor):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), self.peer)]):
+            work.wait()
+
+    def recv(self, like):
+        buffer = torch.empty_like(like)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, self.peer)]):
+            work.wait()
+        return buffer
+
+
+def two_stage_pipe(rank, stage, x, y, hidden_shape):
+    pipe = Pipe(1 - rank)
+    if rank == 0:
+        out = stage(x)
+        pipe.send(out.detach())
+        out.backward(pipe.recv(out))
+        return None
+    act = pipe.recv(torch.empty(hidden_shape, device=y.device)).requires_grad_()
+    loss = F.mse_loss(stage(act), y)
+    loss.backward()
+    pipe.send(act.grad)
     return loss.detach()
 
 
@@ -170,6 +243,8 @@ def test_check_shards():
     ex1.check_shards(shard_batch)
     ex1.check_shards(shard_strided, world_sizes=(4,), batch_sizes=(16, 10, 13))
     ex1.check_shards(shard_last_takes_rest)  # covering and disjoint; balance is check_shard_sizes'
+    ex1.check_shards(shard_tensor_split)
+    ex1.check_shards(shard_numpy_indices, world_sizes=(3,), batch_sizes=(7, 2))
     fails(ex1.check_shards, shard_drop_remainder, "on no rank", "remainder")
     fails(ex1.check_shards, shard_overlap, "overlap", "rank")
     fails(ex1.check_shards, shard_stub, "not written yet")
@@ -180,6 +255,8 @@ def test_check_shards():
 def test_check_shard_sizes():
     ex1.check_shard_sizes(shard_batch)
     ex1.check_shard_sizes(shard_strided)
+    ex1.check_shard_sizes(shard_tensor_split)
+    ex1.check_shard_sizes(shard_numpy_indices)
     ex1.check_shard_sizes(shard_drop_remainder)  # balanced (though not covering: check_shards' job)
     fails(ex1.check_shard_sizes, shard_last_takes_rest, "unbalanced", "[2, 2, 2, 4]", "[ranks 0, 1, 2]")
     fails(ex1.check_shard_sizes, lambda batch, rank, world_size: batch.chunk(world_size)[rank], "[4, 4, 2]")
@@ -190,6 +267,7 @@ def test_check_shard_sizes():
 def test_check_average_gradients():
     ex1.check_average_gradients(average_gradients)
     ex1.check_average_gradients(average_weights_first, world_sizes=(4,), seed=1, n=13)
+    ex1.check_average_gradients(average_one_buffer, world_sizes=(3,), seed=2, n=11)
     fails(ex1.check_average_gradients, average_plain_mean, "plain mean", "weigh each rank by its number of rows")
     fails(ex1.check_average_gradients, average_no_divide, "row-weighted SUM", "divide", "[rank 0]")
     fails(ex1.check_average_gradients, average_no_all_reduce, "never all-reduced")
@@ -201,6 +279,8 @@ def test_check_average_gradients():
 def test_check_two_stage():
     ex1.check_two_stage(two_stage_step)
     ex1.check_two_stage(two_stage_step, seed=1, dims=((6, 3, 5, 4),))
+    ex1.check_two_stage(two_stage_autograd_grad)
+    ex1.check_two_stage(two_stage_pipe, seed=1, dims=((6, 3, 5, 4),))
     fails(ex1.check_two_stage, two_stage_no_gradient_back, "stage 0 has no gradients", "[rank 0]", "backward(grad)")
     fails(ex1.check_two_stage, two_stage_wrong_loss, "loss on rank 1 differs", "mse_loss")
     fails(ex1.check_two_stage, two_stage_returns_nothing, "rank 1 returned None")

@@ -212,6 +212,16 @@ def make_optimizer_from_the_result(model, lr, shard):
     return torch.optim.SGD([{"params": list(sharded.parameters())}], lr=lr, momentum=0.9)
 
 
+def make_optimizer_groups_for_loop(model, lr, shard):
+    """Right, another style: weights and biases in two param groups (as one does for weight decay), SGD's for-loop
+    implementation (foreach=False) over the DTensors, the parameters found by name after sharding."""
+    shard(model)
+    named = list(model.named_parameters())
+    weights = [p for name, p in named if name.endswith("weight")]
+    others = [p for name, p in named if not name.endswith("weight")]
+    return torch.optim.SGD([{"params": weights}, {"params": others}], lr=lr, momentum=0.9, foreach=False)
+
+
 def make_optimizer_first(model, lr, shard):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     shard(model)
@@ -250,6 +260,7 @@ def test_check_training():
     fsdp.check_training(make_optimizer)
     fsdp.check_training(make_optimizer, world_size=3, seed=1, steps=4)
     fsdp.check_training(make_optimizer_from_the_result)
+    fsdp.check_training(make_optimizer_groups_for_loop, world_size=3, seed=2)
     fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]")
     fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)")
     fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]")

@@ -131,6 +131,11 @@ DIAGNOSES = {
     },
     "uneven": {
         "reference": None,
+        "integer arithmetic, the line as code": (
+            'ws, n, b = job["world_size"], job["n_train"], job["batch_size"]\n'
+            'batches = [-(-((n - r + ws - 1) // ws) // b) for r in range(ws)]\n'
+            'return {"ranks": [r for r, k in enumerate(batches) if k != min(batches)], "collective": "allreduce", '
+            '"line": "loss.backward()"}', None, None),
         "the ranks that returned": (
             'ws, n, b = job["world_size"], job["n_train"], job["batch_size"]\n'
             'steps = [math.ceil(len(range(r, n, ws)) / b) for r in range(ws)]\n'
@@ -142,6 +147,10 @@ DIAGNOSES = {
     },
     "early": {
         "reference": None,
+        "the empty chunks found with range, the line as code": (
+            'ws, n = job["world_size"], job["n_val"]\nsize = -(-n // ws)\n'
+            'empty = [r for r in range(ws) if not range(r * size, min(n, (r + 1) * size))]\n'
+            'return {"ranks": empty, "collective": "torch.distributed.barrier", "line": "return"}', None, None),
         "the waiting ranks": (
             'ws, n = job["world_size"], job["n_val"]\nchunk = math.ceil(n / ws)\n'
             'return {"ranks": [r for r in range(ws) if r * chunk < n], "collective": "barrier", "line": 20}',
