@@ -149,6 +149,10 @@ def test_the_notebooks_hidden_arguments_are_the_hidden_story():
         assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == {
             "nodes": ex4e.HIDDEN_NODES, "leave_step": ex4e.HIDDEN_LEAVE_STEP}
         assert re.search(r"nodes=\(1, 2, 1\)", hidden) and "leave_step=1" in hidden
+    # what a student's self-check says of them: one hidden variant a cell (one call with hidden arguments)
+    from course.student.workspace import hidden_variants
+
+    assert hidden_variants(nb) == {SHRINK: 1, GROW: 1}
 
 
 # --- the notebook: reference, untouched release, wrong submissions, other styles --------------------

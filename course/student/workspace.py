@@ -111,8 +111,14 @@ def release_notebook(source, assignment: str, name: str):
 
 
 def _hidden_region_count(source: str) -> int:
+    """Hidden variants of a test cell: for a cell of check calls, the calls with a hidden line (a hidden call, or a
+    visible call whose hidden arguments make the autograder judge another case); else the hidden statements."""
+    from course.grading.checkcalls import parse
     from course.instructor.leaks import HIDDEN_TESTS, is_meaningful, split_regions
 
+    calls = parse(source)
+    if calls is not None:
+        return sum(1 for call in calls if call.hidden)
     inside, _ = split_regions(source, HIDDEN_TESTS)
     body = [line for line in inside if not any(m in line for m in HIDDEN_TESTS)]
     try:
