@@ -436,9 +436,13 @@ ATTACKS = [
            survivable=True, message=r"did not stop when\s+interrupted|kernel died|CellTimeoutError",
            extra=CELL_TIMEOUT + GRACE),
     # without root there is no memory cgroup: RLIMIT_AS makes the allocation fail (MemoryError in the cell) and
-    # the rest runs; the grader is unharmed either way, and the score is the honest part
+    # the rest runs; the grader is unharmed either way, and the score is the honest part. With the cgroup (v1),
+    # the kernel is usually OOM-killed; under load it may instead thrash at the limit (the cgroup reclaims the
+    # kernel's own file-backed pages, torch's libraries) until the cell's time limit interrupts it, and then the
+    # tests after it run honestly (seen once in CI: "cell timed out after 15 s", the rest scored as the reference)
     Attack("memory_hog", _memory_hog, "memory cgroup: the kernel is killed (without root: RLIMIT_AS, MemoryError)",
-           fatal=ROOT, message=r"kernel died|did not stop" if ROOT else "", extra=CELL_TIMEOUT + GRACE),
+           fatal=ROOT, survivable=ROOT,
+           message=r"kernel died|did not stop|CellTimeoutError" if ROOT else "", extra=CELL_TIMEOUT + GRACE),
     Attack("output_flood", _output_flood, "output capped per cell, the rest dropped",
            message=r"printed more than \d+ MB", extra=60),
     Attack("read_sources", _read_sources, "mount namespace: sources and course folder covered by empty tmpfs",
