@@ -142,17 +142,17 @@ def plan(nodes: tuple[int, int, int], leave_step: int) -> elastic.Plan:
     for rule in RULES.values():
         if any(GLOBAL_BATCH % size or rule.step_samples(size) % size for size in story.sizes):
             raise ValueError(f"{story}: world sizes {story.sizes} must divide GLOBAL_BATCH = {GLOBAL_BATCH}")
-        sizes = [full] * story.leave_step + [smaller] * story.hold_steps
+        before = [full] * story.leave_step + [smaller] * story.hold_steps
+        if sum(map(rule.step_samples, before)) >= EPOCHS * SAMPLES:
+            raise ValueError(f"{story}: the job would end before C joins under the {rule.name} rule")
         done = 0
-        for size in sizes + [grown] * (EPOCHS * SAMPLES):
+        for size in before + [grown] * (EPOCHS * SAMPLES):
             n = rule.step_samples(size)
             if done // SAMPLES != (done + n - 1) // SAMPLES:
                 raise ValueError(f"{story}: a step of the {rule.name} rule would cross an epoch's end")
             done += n
             if done >= EPOCHS * SAMPLES:
                 break
-        if sum(rule.step_samples(size) for size in sizes) >= EPOCHS * SAMPLES:
-            raise ValueError(f"{story}: the job would end before C joins under the {rule.name} rule")
     return story
 
 
@@ -335,9 +335,10 @@ def _vet(check: str):
     return vet
 
 
-def _launch(check: str, script: str, story_plan: elastic.Plan) -> Story:
+def _launch(check: str, script: str, content: bytes, story_plan: elastic.Plan) -> Story:
+    """The launch of ``script`` (whose ``content`` keys the memo), judged by the rule that content states."""
     run = elastic.run_elastic(script, check, plan=story_plan, vet=_vet(check))
-    return _story(run, stated_rule(check, _content(script).decode("utf-8", "replace")), story_plan)
+    return _story(run, stated_rule(check, content.decode("utf-8", "replace")), story_plan)
 
 
 def _table(story: Story) -> str:
@@ -517,8 +518,9 @@ def _require_steps(check: str, story: Story, r: Round) -> None:
 
 def _launch_story(check: str, script: str, nodes: tuple[int, int, int], leave_step: int) -> Story:
     story_plan = plan(nodes, leave_step)
-    return checks.memo(check, ("ex4_elastic", script, _content(script), story_plan),
-                       lambda: _launch(check, script, story_plan))
+    content = _content(script)
+    return checks.memo(check, ("ex4_elastic", script, content, story_plan),
+                       lambda: _launch(check, script, content, story_plan))
 
 
 def _content(script: str) -> bytes:

@@ -538,8 +538,7 @@ def test_a_shorter_stall_window_asks_the_ranks_sooner(tmp_path):
         asked = {}
         for window in (IDLE_WINDOW, 0.5):
             probe = tmp_path / f"probe-{window}.json"
-            watch = StallWatch([sleeper.pid], [str(probe)], [str(tmp_path / "result")],
-                               **({} if window == IDLE_WINDOW else {"idle_window": window}))
+            watch = StallWatch([sleeper.pid], [str(probe)], [str(tmp_path / "result")], idle_window=window)
             now = 100.0
             while not (tmp_path / f"probe-{window}.json.req").exists() and now < 110:
                 watch.poll([0], now)

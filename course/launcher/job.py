@@ -60,7 +60,7 @@ from course.launcher import forkserver
 from course.launcher.output import RankOutput
 from course.launcher.settings import SETTINGS
 from course.launcher.spec import job_specs
-from course.launcher.stall import StallWatch
+from course.launcher.stall import IDLE_WINDOW, StallWatch
 from course.proc import kill_group
 
 DEFAULT_TIMEOUT = 120.0
@@ -191,8 +191,7 @@ def launch(
                 detect_stalls = os.environ.get(STALLS_ENV, "1") != "0"
             watch = StallWatch([p.pid for p in processes], [s.probe_path for s in specs],
                                [s.result_path for s in specs],
-                               **({} if stall_window is None else {"idle_window": float(stall_window)}),
-                               ) if detect_stalls else None
+                               IDLE_WINDOW if stall_window is None else float(stall_window)) if detect_stalls else None
             outcome = _wait(processes, tails, started + timeout, watch, [s.error_path for s in specs])
         finally:
             for process in processes:

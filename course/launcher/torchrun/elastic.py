@@ -84,7 +84,6 @@ class Plan:
 
 
 PLAN = Plan()  # the visible story: world size 3, then 2, then 3
-DESCRIPTION = PLAN.describe()
 
 _CACHE: dict[tuple, Run] = {}
 
