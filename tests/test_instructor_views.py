@@ -160,6 +160,41 @@ def test_checks_are_described_by_their_own_words(tmp_path):
         assert described and all(d and "graders." not in d for d in described.values()), described
 
 
+def test_descriptions_render_their_code_spans_on_the_terminal_and_in_html():
+    from rich.text import Text
+
+    from course.instructor.checknames import CODE_STYLE, as_html, as_plain, as_rich, shorten
+
+    doc = ("Rank ``rank`` of ``world_size`` keeps `module.` off, within :func:`~graders.ex2.weight_tolerance`; "
+           "``a<b & [bold]c[/bold]`` stays text. Then more.")
+    assert as_plain(doc) == ("Rank rank of world_size keeps module. off, within weight_tolerance(); "
+                             "a<b & [bold]c[/bold] stays text. Then more.")
+    # the terminal: no backticks, the code in its style, rich's own markup in a description escaped
+    text = Text.from_markup(as_rich(doc))
+    assert text.plain == as_plain(doc) and "`" not in text.plain
+    styled = [text.plain[span.start:span.end] for span in text.spans if str(span.style) == CODE_STYLE]
+    assert styled == ["rank", "world_size", "module.", "weight_tolerance()", "a<b & [bold]c[/bold]"]
+    # a page: <code>, everything else escaped
+    assert as_html(doc) == ("Rank <code>rank</code> of <code>world_size</code> keeps <code>module.</code> off, within "
+                            "<code>weight_tolerance()</code>; <code>a&lt;b &amp; [bold]c[/bold]</code> stays text. "
+                            "Then more.")
+    assert as_html("if a < b: `x`") == "if a &lt; b: <code>x</code>" and as_plain("one `` unpaired") == "one `` unpaired"
+    # shortened for status: the first sentence, cut at a word, never inside a code span
+    assert shorten(doc, limit=200) == doc[:doc.index(" Then")]
+    assert shorten(doc, limit=30) == "Rank ``rank`` of ``world_size`` keeps…"
+    assert shorten("x " * 80, limit=10) == "x x x x x…"
+
+
+def test_feedback_contents_name_checks_with_code_spans(tmp_path):
+    from course.instructor.feedback import name_test_links
+
+    page = tmp_path / "tiny.html"
+    page.write_text('<ul><li><a href="#test_a">Test cell</a></li><li><a href="#test_b">Test cell</a></li></ul>')
+    name_test_links(page, {"test_a": "``plan_step`` predicts what <ran> & `x`"})
+    assert page.read_text() == ('<ul><li><a href="#test_a">test_a: <code>plan_step</code> predicts what &lt;ran&gt; '
+                                '&amp; <code>x</code></a></li><li><a href="#test_b">test_b</a></li></ul>')
+
+
 # -- status --student --------------------------------------------------------------------------------------------
 
 

@@ -4,15 +4,21 @@ The first that applies: the cell's own first comment line (``# every rank ...``,
 docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from the grader's
 source with :mod:`ast`, never imported); the message of the cell's first ``assert`` that has one; its first
 ``assert``; its first line. Hidden tests are never read.
+
+A description keeps its reST code spans (````code````, ```code```, ``:func:`name```) as written; each view renders
+them (:func:`as_rich` for the terminal, :func:`as_html` for pages, :func:`as_plain`), so none shows raw backticks.
 """
 
 from __future__ import annotations
 
 import ast
+import html
 import importlib.util
 import json
+import re
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 
 def first_line(text: str) -> str:
@@ -76,3 +82,90 @@ def describe_notebook(path: Path | str) -> dict[str, str]:
             source = cell.get("source", "")
             found[meta["grade_id"]] = describe_cell("".join(source) if isinstance(source, list) else source)
     return found
+
+
+# -- code spans: rendered by each view ------------------------------------------------------------------------------
+
+#: reST inline code: ``literal``, `default role`, :role:`target` (``:func:`~a.b``` shows ``b()``)
+_INLINE = re.compile(r"``(?P<literal>[^`]+?)``"
+                     r"|(?<!`)(?::(?P<role>[A-Za-z][\w.+-]*(?::[\w.+-]+)?):)?`(?P<code>[^`]+)`(?!`)")
+#: Sphinx shows a function's or method's name with parentheses
+_CALLABLE_ROLES = {"func", "meth", "py:func", "py:meth"}
+#: the style of a code span on the terminal
+CODE_STYLE = "bold cyan"
+
+
+class Span(NamedTuple):
+    """A piece of a description: ``raw`` as written, ``shown`` as a reader sees it, ``code`` for a code span."""
+
+    raw: str
+    shown: str
+    code: bool
+
+
+def inline_spans(text: str) -> list[Span]:
+    """``text`` cut into plain text and code spans (an unpaired backtick stays plain text)."""
+    spans, at = [], 0
+    for match in _INLINE.finditer(text):
+        if match.start() > at:
+            spans.append(Span(text[at:match.start()], text[at:match.start()], False))
+        if match["literal"] is not None:
+            shown = match["literal"]
+        else:
+            shown, role = match["code"], match["role"]
+            if role:  # `title <target>` shows its title; ~a.b.c shows c
+                titled = re.fullmatch(r"(.+?)\s*<[^<>]+>", shown, re.S)
+                shown = titled[1] if titled else shown.removeprefix("~").rsplit(".", 1)[-1] if shown.startswith(
+                    "~") else shown
+                if role in _CALLABLE_ROLES and not titled and not shown.endswith(")"):
+                    shown += "()"
+        spans.append(Span(match[0], shown, True))
+        at = match.end()
+    if at < len(text):
+        spans.append(Span(text[at:], text[at:], False))
+    return spans
+
+
+def as_plain(text: str) -> str:
+    """A description as plain text: code spans without their backticks."""
+    return "".join(span.shown for span in inline_spans(text))
+
+
+def as_rich(text: str) -> str:
+    """A description as rich console markup: the text escaped, code spans in :data:`CODE_STYLE`."""
+    from rich.markup import escape
+
+    return "".join(f"[{CODE_STYLE}]{escape(s.shown)}[/{CODE_STYLE}]" if s.code else escape(s.shown)
+                   for s in inline_spans(text))
+
+
+def as_html(text: str) -> str:
+    """A description as HTML: the text escaped, code spans in ``<code>``."""
+    return "".join(f"<code>{html.escape(s.shown)}</code>" if s.code else html.escape(s.shown)
+                   for s in inline_spans(text))
+
+
+def shorten(text: str, limit: int = 100) -> str:
+    """A description's first sentence, at most ``limit`` characters as shown: cut at a word, never inside a code
+    span, with "…" where a sentence was cut. Returned as written (render its code spans with ``as_*``)."""
+    out, length = [], 0
+    for span in inline_spans(text):
+        if span.code:
+            if length + len(span.shown) > limit:
+                return "".join(out).rstrip(" ,;:") + "…"
+            out.append(span.raw)
+            length += len(span.shown)
+            continue
+        end = re.search(r"[.!?](?=\s+[A-Z(])", span.raw)  # a full stop a capital letter follows
+        piece = span.raw[:end.end()] if end else span.raw
+        if length + len(piece) > limit:
+            room = limit - length
+            head = piece[:room] if piece[room] == " " else piece[:room].rpartition(" ")[0]
+            if not head.strip() and not out:  # one long word: cut inside it
+                head = piece[:room]
+            return ("".join(out) + head).rstrip(" ,;:") + "…"
+        out.append(piece)
+        length += len(piece)
+        if end:
+            break
+    return "".join(out)

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from course.errors import CourseError
-from course.instructor.checknames import describe_notebook
+from course.instructor.checknames import as_html, describe_notebook
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secrets_of
 
@@ -54,14 +54,15 @@ def wrap_long_lines(page: Path) -> None:
 
 
 def name_test_links(page: Path, descriptions: dict[str, str]) -> None:
-    """Each "Test cell" link of the page's contents says what its check checks (and its id)."""
+    """Each "Test cell" link of the page's contents says what its check checks (and its id); the description's
+    code spans are ``<code>`` (:func:`~course.instructor.checknames.as_html`)."""
     text = page.read_text(errors="replace")
 
     def named(match: re.Match) -> str:
         grade_id = html.unescape(match.group(1))
         about = descriptions.get(grade_id)
-        label = f"{grade_id}: {about}" if about else grade_id
-        return f'<a href="#{match.group(1)}">{html.escape(label)}</a>'
+        label = f"{html.escape(grade_id)}: {as_html(about)}" if about else html.escape(grade_id)
+        return f'<a href="#{match.group(1)}">{label}</a>'
 
     page.write_text(_TOC_LINK.sub(named, text))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import click
 
+from course.instructor.checknames import as_html
 from course.instructor.coursedir import Course, course_dir_option, write_whole
 from course.instructor.results import Result, check_label, class_results, source_checks
 
@@ -317,7 +318,8 @@ def html_page(report: ClassReport) -> str:
     for c in report.graded_checks:
         failures = "<br>".join(f"{n} × <code>{e(line)}</code>" for line, n in c.failures.most_common(TOP_FAILURES))
         low = c.rate is not None and c.rate < 0.5
-        rows.append([e(c.assignment), f'<code class="id">{e(c.grade_id)}</code>', e(c.description), f"{c.max_points:g}",
+        rows.append([e(c.assignment), f'<code class="id">{e(c.grade_id)}</code>', as_html(c.description),
+                     f"{c.max_points:g}",
                      f"{c.passed}/{c.graded}", f'<span class="{"low" if low else ""}">{_percent(c.rate)}</span>',
                      failures])
     parts.append(_table("checks", ["assignment", "check", "what it checks", "points", "passed", "pass rate",
