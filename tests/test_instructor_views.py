@@ -225,6 +225,97 @@ def test_status_of_one_student_reads_only_and_takes_no_lock(tmp_path):
     assert unknown.exit_code == 1 and "did you mean carol?" in unknown.output, unknown.output
 
 
+def test_status_view_names_missing_notebooks_first_then_only_failed_checks():
+    from course.instructor.results import CheckResult, NotebookResult, Result
+    from course.instructor.status import check_rows, notebook_lines
+
+    result = Result(ASSIGNMENT, "carol", "graded", max_score=8.0, score=2.5, penalty=0.5, seconds_late=108000.0)
+    result.notebooks = [NotebookResult("second", "not submitted", 4.0), NotebookResult("third", "not graded", 1.0),
+                        NotebookResult("tiny", "graded", 4.0, 2.5, 0.5)]
+    result.checks = [CheckResult("second", "test_a", 1.0, 0.0, handed_in=False),  # nbgrader's 0 for a missing one
+                     CheckResult("tiny", "test_ok", 1.0, 1.0),
+                     CheckResult("tiny", "test_sum", 1.0, 0.0, message=SUM_HANG),
+                     CheckResult("tiny", "test_manual", 1.0, None)]
+    assert notebook_lines(result) == ["[red]second.ipynb not submitted", "[yellow]third.ipynb not graded",
+                                      "tiny.ipynb 2.5/4 [yellow]late, penalty 0.5"]
+    described = {("tiny", "test_sum"): "Every rank's ``rank_sum`` is 3. Both ranks must call it.",
+                 ("second", "test_a"): "``double`` doubles"}
+    rows = check_rows(result, described)
+    assert len(rows) == 1  # only what ran and failed
+    notebook, label, points, outcome = (_shown(cell) for cell in rows[0])
+    assert (notebook, label, points) == ("tiny", "test_sum: Every rank's rank_sum is 3.", "0/1")
+    assert outcome == "FAILED check_rank_sum [rank 1]: the job did not finish within 20 s"  # the first line only
+    every = [tuple(_shown(cell) for cell in row) for row in check_rows(result, described, all_checks=True)]
+    assert [(row[1], row[2], row[3]) for row in every] == [
+        ("test_a: double doubles", "-/1", "not submitted"), ("test_ok", "1/1", "passed"),
+        ("test_sum: Every rank's rank_sum is 3. Both ranks must call it.", "0/1", SUM_HANG.splitlines()[0]),
+        ("test_manual", "-/1", "not graded")]
+
+
+def _shown(markup: str) -> str:
+    """What a cell's rich markup shows."""
+    from rich.text import Text
+
+    return Text.from_markup(markup).plain
+
+
+def partial_course(tmp_path: Path) -> Course:
+    """:func:`graded_course` with a second notebook (its first check described by a comment with code spans)
+    that carol did not hand in: nbgrader scores its checks 0 and writes no file for it."""
+    course = graded_course(tmp_path, penalty={"carol": 0.5})
+    source = nbformat.read(course.folder("source", assignment=ASSIGNMENT) / f"{NOTEBOOK}.ipynb", as_version=4)
+    for cell in source.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "test_double_visible":
+            cell.source = "# ``double(2)`` is ``4``: :func:`double` doubles\n" + cell.source
+    nbformat.write(source, course.folder("source", assignment=ASSIGNMENT) / "second.ipynb")
+    with course.gradebook() as gb:
+        gb.update_or_create_notebook("second", ASSIGNMENT)
+        for grade_id, points in CHECKS.items():
+            gb.update_or_create_grade_cell(grade_id, "second", ASSIGNMENT, max_score=points, cell_type="code")
+        gb.remove_submission(ASSIGNMENT, "carol")
+        gb.update_or_create_submission(ASSIGNMENT, "carol", timestamp=DUE + timedelta(hours=HANDED_IN["carol"]))
+        for grade_id in CHECKS:
+            gb.find_grade(grade_id, NOTEBOOK, ASSIGNMENT, "carol").auto_score = (
+                0.0 if grade_id in CLASS["carol"] else CHECKS[grade_id])
+            gb.find_grade(grade_id, "second", ASSIGNMENT, "carol").auto_score = 0.0
+        gb.find_submission_notebook(NOTEBOOK, ASSIGNMENT, "carol").late_submission_penalty = 0.5
+        gb.db.commit()
+    return course
+
+
+def test_status_of_a_partial_submission_names_the_missing_notebook_before_its_checks(tmp_path):
+    course = partial_course(tmp_path)
+    result = _cli("status", "--student", "carol", course=course)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.replace("│", " ").split())
+    assert "graded, partial 2.5/8 late 1 d 6 h, penalty 0.5" in out, out
+    assert "second.ipynb not submitted tiny.ipynb 2.5/4 late, penalty 0.5" in out, out
+    assert out.index("second.ipynb not submitted") < out.index("checks that failed")
+    # only the check that ran and failed, with the first line of its message; none of the missing notebook's
+    checks = out[out.index("checks that failed"):]
+    assert "ex0-tiny tiny test_rank_sum" in checks and "the job did not finish within 20 s" in checks, checks
+    assert "every rank must call" not in checks and "second" not in checks and "no message" not in checks
+    assert len(result.output.splitlines()) < 25, result.output
+    # every check: passed, failed, not submitted; code spans without their backticks
+    every = _cli("status", "--student", "carol", "--all-checks", course=course)
+    assert every.exit_code == 0, every.output
+    out = " ".join(every.output.replace("│", " ").split())
+    assert out.count(" passed ") == 3 and out.count(" not submitted ") == 1 + 4 and "1 d 6 h" in out, out
+    assert "test_double_visible: double(2) is 4: double() doubles -/1 not submitted" in out, out
+    assert "`" not in every.output
+    bad = _cli("status", "--all-checks", course=course)
+    assert bad.exit_code == 1 and "only with --student" in bad.output, bad.output
+
+    # the report counts carol's missing notebook as missing, not as four failed checks; its page shows <code>
+    page = tmp_path / "report.html"
+    report = _cli("report", "--html", str(page), course=course)
+    assert report.exit_code == 0, report.output
+    out = " ".join(report.output.replace("│", " ").split())
+    assert "ex0-tiny: second.ipynb not submitted" in out and "no message" not in out, out
+    assert "test_double_visible: double(2) is 4: double() doubles" in out and "``" not in report.output
+    assert "<td><code>double(2)</code> is <code>4</code>: <code>double()</code> doubles</td>" in page.read_text()
+
+
 # -- report --------------------------------------------------------------------------------------------------
 
 

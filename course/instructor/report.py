@@ -46,6 +46,7 @@ class CheckStats:
 
     @property
     def label(self) -> str:
+        """Its id and what it checks, as rich markup (code spans styled)."""
         return check_label(self.grade_id, self.description)
 
     @property
@@ -120,6 +121,8 @@ def build_report(course: Course, assignments: list[str]) -> ClassReport:
             entry.scores.append(result.score or 0.0)
             entry.late += result.late
             _count_checks(result, checks)
+            for notebook in result.notebooks_in("not submitted"):  # graded, but in part
+                missing.setdefault(result.student, []).append((result.assignment, f"{notebook}.ipynb not submitted"))
             continue
         missing.setdefault(result.student, []).append((result.assignment, _why_missing(result)))
         entry.not_graded += result.state == "not graded"
@@ -132,7 +135,7 @@ def _count_checks(result: Result, checks: dict) -> None:
         key = (result.assignment, check.notebook, check.grade_id)
         stats = checks.setdefault(key, CheckStats(result.assignment, check.notebook, check.grade_id, "", 0.0))
         stats.max_points = max(stats.max_points, check.max_points)
-        if check.points is None:
+        if check.points is None or not check.handed_in:  # a notebook not handed in is missing, not failed
             continue
         stats.graded += 1
         if check.passed:
@@ -187,7 +190,7 @@ def print_report(report: ClassReport, console) -> None:
         checks.add_column(column, overflow="fold", no_wrap=column in ("assignment", "points", "passed"))
     for c in report.graded_checks:
         failures = "\n".join(f"{n} x {escape(line)}" for line, n in c.failures.most_common(TOP_FAILURES))
-        checks.add_row(c.assignment, escape(c.label), f"{c.max_points:g}", f"{c.passed}/{c.graded} {_percent(c.rate)}",
+        checks.add_row(c.assignment, c.label, f"{c.max_points:g}", f"{c.passed}/{c.graded} {_percent(c.rate)}",
                        failures, style="red" if c.rate is not None and c.rate < 0.5 else None)
     console.print(checks)
     if report.ungraded:

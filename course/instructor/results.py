@@ -4,6 +4,8 @@ Where each fact comes from (nothing is run, nothing is locked):
 
 * scores, late penalties, due dates, extensions, submission times: nbgrader's gradebook, opened read-only
   where it is a SQLite file (:func:`read_only_gradebook`);
+* which notebooks were handed in: ``submitted/<student>/<assignment>/`` (nbgrader scores a notebook that is
+  missing from a submission 0 and keeps no other trace of it);
 * why a check failed: the autograded notebook's test cell outputs
   (``autograded/<student>/<assignment>/<notebook>.ipynb``, read as JSON);
 * what a check checks: :func:`check_descriptions`, from the source notebook's test cells;
@@ -20,7 +22,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
-from course.instructor.checknames import describe_cell, first_line
+from course.instructor.checknames import as_rich, describe_cell, first_line
 from course.instructor.coursedir import Course
 
 #: graded: scores in the gradebook; not graded: submitted (in submitted/) but not scored (yet, or grading failed)
@@ -38,15 +40,35 @@ class CheckResult:
     points: float | None
     #: the failure message as the test cell's output shows it ("" when it passed)
     message: str = ""
+    #: False: its notebook was not handed in (nbgrader scores its checks 0; they did not fail)
+    handed_in: bool = True
 
     @property
     def passed(self) -> bool:
         return self.points is not None and self.points >= self.max_points
 
     @property
+    def failed(self) -> bool:
+        """Run and not passed: scored less than its points in a notebook that was handed in."""
+        return self.handed_in and self.points is not None and not self.passed
+
+    @property
     def first_line(self) -> str:
         """The message's first line: what groups failures of the same kind."""
         return first_line(self.message) if self.message else ("" if self.passed else "(no message: scored 0)")
+
+
+@dataclass
+class NotebookResult:
+    """One notebook of one student's assignment."""
+
+    name: str
+    #: graded: scored; not graded: handed in, no scores (yet); not submitted: not handed in
+    state: State
+    max_score: float = 0.0
+    #: after its late penalty; None unless graded
+    score: float | None = None
+    penalty: float = 0.0
 
 
 @dataclass
@@ -65,6 +87,8 @@ class Result:
     timestamp: datetime | None = None
     extension: timedelta | None = None
     checks: list[CheckResult] = field(default_factory=list)
+    #: every notebook of the assignment, in name order
+    notebooks: list[NotebookResult] = field(default_factory=list)
     #: autograde's record: "graded", "failed", "timeout", ... and why
     record_status: str = ""
     record_reason: str = ""
@@ -77,7 +101,12 @@ class Result:
 
     @property
     def failed(self) -> list[CheckResult]:
-        return [c for c in self.checks if not c.passed]
+        """Checks that ran and did not pass (not those of a notebook that was not handed in)."""
+        return [c for c in self.checks if c.failed]
+
+    def notebooks_in(self, state: State) -> list[str]:
+        """The names of this assignment's notebooks in ``state`` ("not submitted": missing from the submission)."""
+        return [n.name for n in self.notebooks if n.state == state]
 
 
 # -- the gradebook, read-only ------------------------------------------------------------------------------
@@ -139,8 +168,12 @@ def class_results(course: Course, assignments: Iterable[str] = (), students: Ite
                     result.extension = submission.extension
                 if submission is not None and _scored(submission):
                     _fill(course, result, submission)
-                elif (assignment, student) in submitted:
-                    result.state = "not graded"
+                else:
+                    if (assignment, student) in submitted:
+                        result.state = "not graded"
+                    result.notebooks = [NotebookResult(name, "not graded" if _handed_in(course, result, name)
+                                                       else "not submitted")
+                                        for name in course.notebooks(assignment)]
                 _fill_record(course, result)
                 results.append(result)
     return results
@@ -151,6 +184,11 @@ def _scored(submission) -> bool:
     return any(g.auto_score is not None or g.manual_score is not None for nb in submission.notebooks for g in nb.grades)
 
 
+def _handed_in(course: Course, result: Result, notebook: str) -> bool:
+    return any((course.folder(kind, result.student, result.assignment) / f"{notebook}.ipynb").is_file()
+               for kind in ("submitted", "autograded"))
+
+
 def _fill(course: Course, result: Result, submission) -> None:
     result.state = "graded"
     result.penalty = float(submission.late_submission_penalty or 0.0)
@@ -158,17 +196,26 @@ def _fill(course: Course, result: Result, submission) -> None:
     result.max_score = float(submission.max_score)
     result.timestamp = submission.timestamp
     result.seconds_late = float(submission.total_seconds_late or 0.0)
-    for notebook in submission.notebooks:
+    for notebook in sorted(submission.notebooks, key=lambda nb: nb.name):
+        handed_in = _handed_in(course, result, notebook.name)
         messages = failure_messages(course.folder("autograded", result.student, result.assignment)
-                                    / f"{notebook.name}.ipynb")
+                                    / f"{notebook.name}.ipynb") if handed_in else {}
+        scored = False
         for grade in notebook.grades:
             if grade.cell.cell_type != "code" or not grade.max_score:
                 continue
             points = None if grade.auto_score is None and grade.manual_score is None else float(grade.score)
-            check = CheckResult(notebook.name, grade.name, float(grade.max_score), points)
-            if not check.passed:
+            scored = scored or points is not None
+            check = CheckResult(notebook.name, grade.name, float(grade.max_score), points, handed_in=handed_in)
+            if check.failed:
                 check.message = messages.get(grade.name, "")
             result.checks.append(check)
+        entry = NotebookResult(notebook.name, "graded" if handed_in and scored else
+                               "not graded" if handed_in else "not submitted", float(notebook.max_score or 0.0))
+        if entry.state == "graded":
+            entry.penalty = float(notebook.late_submission_penalty or 0.0)
+            entry.score = max(0.0, float(notebook.score) - entry.penalty)
+        result.notebooks.append(entry)
 
 
 def _fill_record(course: Course, result: Result) -> None:
@@ -242,5 +289,8 @@ def source_checks(course: Course, assignment: str) -> list[tuple[str, str, float
 
 
 def check_label(grade_id: str, description: str) -> str:
-    """A check as tables show it: its id, then what it checks (never cut short)."""
-    return f"{grade_id}: {description}" if description else grade_id
+    """A check as terminal tables show it, in rich markup: its id, then what it checks, its code spans styled
+    (:func:`~course.instructor.checknames.as_rich`)."""
+    from rich.markup import escape
+
+    return f"{escape(grade_id)}: {as_rich(description)}" if description else escape(grade_id)
