@@ -429,6 +429,28 @@ def test_export_marks_late_work_and_reads_back_as_a_canvas_import(tmp_path):
     assert snapshot(course.root) == before
 
 
+def test_export_names_a_file_in_the_way_and_canvas_says_one_line(tmp_path):
+    course = graded_course(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    for out in (tmp_path / "afile" / "grades.csv", tmp_path / "afile" / "deeper" / "grades.csv"):
+        for fmt in ("csv", "canvas"):
+            bad = _cli("export", "--format", fmt, "--out", str(out), course=course)
+            assert bad.exit_code == 1 and f"{tmp_path / 'afile'} is a file, not a folder" in bad.output, bad.output
+            assert "does not exist" not in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+    assert (tmp_path / "afile").read_text() == "not a folder"
+    page = _cli("report", "--html", str(tmp_path / "afile" / "report.html"), course=course)
+    assert page.exit_code == 1 and "is a file, not a folder" in page.output, page.output
+
+    canvas = _cli("export", "--format", "canvas", "--out", str(tmp_path / "canvas.csv"), course=course)
+    assert canvas.exit_code == 0, canvas.output
+    assert canvas.output.splitlines() == [  # no table: one line, however narrow the terminal
+        f"wrote 6 student(s) x 1 assignment(s) to {tmp_path / 'canvas.csv'} (Canvas gradebook import: 4 grade(s), "
+        "2 empty cell(s) for work not graded)"]
+    plain = _cli("export", "--out", str(tmp_path / "grades.csv"), course=course)
+    assert plain.exit_code == 0 and plain.output.splitlines()[-1] == f"wrote 6 row(s) to {tmp_path / 'grades.csv'}"
+    assert "grades" in plain.output.splitlines()[0]  # csv: the student-by-assignment table first
+
+
 # -- due dates, extensions, the late policy --------------------------------------------------------------------------
 
 

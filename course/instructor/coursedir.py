@@ -156,12 +156,23 @@ class Course:
         return tuple(names)
 
 
+def check_folder(out: Path) -> None:
+    """That the folder ``out`` is to be written in exists: else one line naming the path and why (the folder
+    does not exist, or a file stands where a folder of its path should be)."""
+    out = Path(out).absolute()
+    if out.parent.is_dir():
+        return
+    blocking = next((p for p in out.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise CourseError(f"cannot write {out}: {blocking} is a file, not a folder (nothing written)")
+    raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
+
+
 def write_whole(out: Path, text: str) -> None:
     """Write ``text`` to ``out`` whole or not at all (a temporary file beside it, then a rename); one line naming
     the path and the cause when it cannot (a missing folder is not created)."""
     out = Path(out).absolute()
-    if not out.parent.is_dir():
-        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
+    check_folder(out)
     if out.is_dir():
         raise CourseError(f"cannot write {out}: it is a folder (nothing written)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -7,13 +7,15 @@ nbgrader's late-submission plugin computed, already taken off ``score``), plus
 * ``status``: ``graded``, ``not graded`` (submitted, no scores yet) or ``not submitted``: each can score 0;
 * ``late`` (``yes``/``no``, empty when nothing was graded) and ``seconds_late`` (after any extension);
 
-then a student-by-assignment table on the terminal (``-`` for no score, ``late -0.5`` for a penalty).
+then a student-by-assignment table on the terminal (``-`` for no score, ``late -0.5`` for a penalty) and one
+line saying what was written.
 
 ``--format canvas`` writes the layout Canvas's gradebook import reads: ``Student, ID, SIS User ID,
 SIS Login ID, Section``, then one column per assignment (``Name (ID)`` when ``--canvas-id NAME=ID`` gives
 Canvas's assignment id, else ``Name``: a new assignment), a ``Points Possible`` row, then one row per
 student with the score after the late penalty, empty where nothing was graded (Canvas leaves those cells
-alone, so "not submitted" never becomes a 0).
+alone, so "not submitted" never becomes a 0); the terminal gets only the line saying what was written (the file
+is for Canvas, not a view: ``status`` and ``report`` are).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import click
 
 from course.errors import CourseError
-from course.instructor.coursedir import Course, course_dir_option, write_whole
+from course.instructor.coursedir import Course, check_folder, course_dir_option, write_whole
 
 #: Canvas's gradebook columns before the assignments, in its order
 CANVAS_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
@@ -86,6 +88,15 @@ def canvas_table(rows: list[dict], canvas_ids: dict[str, str] | None = None, mat
     return table
 
 
+def canvas_summary(rows: list[dict], out: Path) -> str:
+    """The one line ``export --format canvas`` prints: what it wrote where."""
+    students = len({r["student_id"] for r in rows})
+    assignments = len({r["assignment"] for r in rows})
+    graded = sum(r["status"] == "graded" for r in rows)
+    return (f"wrote {students} student(s) x {assignments} assignment(s) to {out} (Canvas gradebook import: "
+            f"{graded} grade(s), {len(rows) - graded} empty cell(s) for work not graded)")
+
+
 def _number(text: str) -> str:
     return f"{float(text):g}" if text not in ("", None) else ""
 
@@ -101,8 +112,7 @@ def export_grades(course: Course, out: Path, assignments: list[str] | tuple[str,
                   canvas_ids: dict[str, str] | None = None, match: str = "sis-login") -> list[dict]:
     """Write the grades to ``out`` (nbgrader's CSV and our columns, or Canvas's import layout); returns the rows."""
     out = Path(out).absolute()
-    if not out.parent.is_dir():  # before reading anything: one line, nothing written
-        raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
+    check_folder(out)  # before reading anything: one line, nothing written
     rows = grade_rows(course, assignments)
     if fmt == "canvas":
         write_csv(out, canvas_table(rows, canvas_ids, match))
@@ -179,7 +189,9 @@ def command(assignments, out, fmt, canvas_ids, canvas_match, course_dir):
     out = out or course.root / ("canvas-grades.csv" if fmt == "canvas" else "grades.csv")
     rows = export_grades(course, out, picked, fmt, ids, canvas_match)
     console = Console()
-    if rows:
-        console.print(grade_table(rows))
-    console.print(f"wrote {len(rows)} row(s) to {out}" if fmt == "csv" else
-                  f"wrote {len({r['student_id'] for r in rows})} student(s) to {out} (Canvas gradebook import)")
+    if fmt == "csv":
+        if rows:
+            console.print(grade_table(rows))
+        console.print(f"wrote {len(rows)} row(s) to {out}", soft_wrap=True)
+    else:
+        console.print(canvas_summary(rows, out), soft_wrap=True)  # one line, however narrow the terminal
