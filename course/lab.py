@@ -93,13 +93,15 @@ def command(folder, port, ip, no_browser, allow_root, make_only, dry_run, jupyte
                           "another folder with --dir") from None
     for line in report.lines():
         click.echo(line)
-    if make_only:
-        if report.problems:
-            raise PartlyDone(f"{len(report.problems)} course file(s) not installed (listed above)")
-        return
-    labconfig.write(ws)
     for line in workspace.broken_notebooks(ws):
         click.echo(f"warning: {line}", err=True)
+    if report.problems:  # nothing of a solution reaches a student's lab, and the lab does not start without saying so
+        raise PartlyDone(f"{len(report.problems)} course file(s) not installed (listed above)"
+                         + ("" if make_only else f": JupyterLab was not started. Remove them from {course} (or ask "
+                            "whoever installed the course), then start again"))
+    if make_only:
+        return
+    labconfig.write(ws)
     if not _has_jupyterlab():
         raise CourseError("JupyterLab is not installed: pip install ddp-course (it depends on jupyterlab)")
     sys.stdout.flush()

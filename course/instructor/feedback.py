@@ -23,6 +23,7 @@ from course.errors import CourseError
 from course.instructor.checknames import as_html, describe_notebook
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import HIDDEN_TESTS, find_in_text, markers_in, secrets_of
+from course.instructor.material import survey
 
 
 class FeedbackLeak(CourseError):
@@ -90,10 +91,30 @@ def page_leaks(course: Course, assignment: str, page: Path) -> list[str]:
     return found + find_in_text(text, secrets)
 
 
+def stray_files(course: Course, assignment: str, student: str) -> list[str]:
+    """Delete from a student's feedback folder every file that is neither a page, nor the student's own
+    submitted file, nor clean declared material (nbgrader copies the autograded folder's files there, and
+    autograde copied source/'s into that); returns one line for each file deleted."""
+    folder = course.folder("feedback", student, assignment)
+    submitted = course.folder("submitted", student, assignment)
+    material = survey(folder, course.folder("source", assignment=assignment))
+    refused = []
+    for item in material.refused:
+        path = folder / item.path
+        if not path.is_file() or path.suffix == ".html" and path.parent == folder:
+            continue  # a declared file absent from feedback is no leak; pages are checked by page_leaks
+        own = submitted / item.path
+        if own.is_file() and own.read_bytes() == path.read_bytes():
+            continue  # the student's own file, handed back as nbgrader does
+        path.unlink()
+        refused.append(f"{path.relative_to(course.root)}: {item.reason}")
+    return refused
+
+
 def generate_feedback(course: Course, assignments: list[str], students: tuple[str, ...] = ()) -> list[Path]:
     """Write feedback for every autograded submission of ``assignments``; returns the pages written."""
     ensure_redaction(course.api.config)  # the config GenerateFeedback (parent=api) reads
-    pages, leaks = [], []
+    pages, leaks, strays = [], [], []
     for assignment in assignments:
         graded = sorted(p.parent.name for p in course.folder("autograded").glob(f"*/{assignment}"))
         chosen = [s for s in graded if not students or s in students]
@@ -107,6 +128,7 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
                     f"nbgrader generate_feedback {assignment} failed:\n{result.get('error') or result.get('log')}"
                 )
         for student in chosen:
+            strays += stray_files(course, assignment, student)
             for page in sorted(course.folder("feedback", student, assignment).glob("*.html")):
                 found = page_leaks(course, assignment, page)
                 if found:
@@ -117,8 +139,14 @@ def generate_feedback(course: Course, assignments: list[str], students: tuple[st
                     source = course.folder("source", assignment=assignment) / f"{page.stem}.ipynb"
                     name_test_links(page, describe_notebook(source) if source.is_file() else {})
                     pages.append(page)
+    parts = []
     if leaks:
-        raise FeedbackLeak("feedback pages showing hidden tests were deleted:\n  " + "\n  ".join(leaks))
+        parts.append("feedback pages showing hidden tests were deleted:\n  " + "\n  ".join(leaks))
+    if strays:
+        parts.append("files that are not student material were deleted from feedback (remove them from source/, or "
+                     "declare a file students need in its notebook's metadata):\n  " + "\n  ".join(strays))
+    if parts:
+        raise FeedbackLeak("\n".join(parts))
     return pages
 
 

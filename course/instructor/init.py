@@ -1,7 +1,8 @@
 """``ddp-course init DIR``: an nbgrader course directory whose source/ is the course's exercises.
 
 It writes an ``nbgrader_config.py`` fit for grading DDP code (see
-:func:`render_config`) and copies each exercise into ``source/``. Running it
+:func:`render_config`) and copies each exercise's student material into ``source/``: its notebooks and
+the files they declare (:mod:`course.instructor.material`); any other file beside them is named and left out. Running it
 again changes nothing; an instructor's edits (to the config or to a source
 notebook) are kept unless ``--force`` is given.
 """
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import click
 
-from course.errors import CourseError
+from course.errors import CourseError, PartlyDone
 from course.grading.cells import OTHER_CELL_TIMEOUT, TEST_CELL_TIMEOUT
 from course.instructor.coursedir import CONFIG_FILE
+from course.instructor.material import survey
 
 DEFAULT_COURSE_ID = "ddp-course"
 DEFAULT_TEST_TIMEOUT = int(TEST_CELL_TIMEOUT)
@@ -120,11 +122,12 @@ def render_config(
     )
 
 
-def _files(folder: Path) -> dict[str, bytes]:
+def _files(folder: Path, only: list[Path] | None = None) -> dict[str, bytes]:
+    paths = only if only is not None else [p for p in sorted(folder.rglob("*")) if p.is_file()]
     return {
         str(p.relative_to(folder)): p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and not _IGNORED.intersection(p.relative_to(folder).parts)
+        for p in paths
+        if not _IGNORED.intersection(p.relative_to(folder).parts)
     }
 
 
@@ -167,14 +170,19 @@ def init_course(
 
     for folder in assignments:
         target = root / "source" / folder.name
+        material = survey(folder)
+        wanted = _files(folder, material.notebooks + material.files)
 
-        def copy(folder=folder, target=target):
+        def copy(target=target, wanted=wanted):
             if target.exists():
                 shutil.rmtree(target)
-            shutil.copytree(folder, target, ignore=shutil.ignore_patterns(*_IGNORED))
+            for rel, data in wanted.items():
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                (target / rel).write_bytes(data)
 
-        same = target.is_dir() and _files(target) == _files(folder)
+        same = target.is_dir() and _files(target) == wanted
         report.append((f"source/{folder.name}", _place(target, copy, same, force)))
+        report += [(f"{folder.name}/{r.path}", f"refused: {r.reason}") for r in material.refused]
     return report
 
 
@@ -191,7 +199,16 @@ def command(root, force, course_id, db_url, exercises, test_timeout, cell_timeou
     """Create (or update) an nbgrader course directory DIR for the course's exercises."""
     report = init_course(root, exercises=exercises, force=force, course_id=course_id, db_url=db_url,
                          test_timeout=test_timeout, cell_timeout=cell_timeout)
+    refused = [(path, what) for path, what in report if what.startswith("refused: ")]
     for path, what in report:
+        if (path, what) in refused:
+            continue
         note = " (yours differs from the course's; --force replaces it)" if what == "kept" else ""
         click.echo(f"{what:>9}  {path}{note}")
+    for path, what in refused:
+        click.echo(f"not copied  {path}: {what.removeprefix('refused: ')}", err=True)
+    if refused:
+        raise PartlyDone(f"{len(refused)} file(s) beside the exercises were not copied into source/ (listed above): "
+                         "only the notebooks and the files they declare reach students; remove the others, or "
+                         "declare a file a student needs in its notebook's metadata (docs/writing-exercises.md)")
     click.echo(f"\nnext: cd {root} && ddp-course release")

@@ -2,8 +2,10 @@
 
 Each copy in release/ is checked against its source notebook (see
 :mod:`course.instructor.leaks`): no solution line, no hidden test line, no
-region marker, no output. A leaking copy is deleted and the command fails, so
-nothing unsafe is left to hand out.
+region marker, no output; and every other file nbgrader copied from source/ must
+be declared student material and hold no answer (:mod:`course.instructor.material`).
+A release with any such file is deleted and the command fails, naming each file and
+why, so nothing unsafe is left to hand out.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import click
 from course.errors import CourseError
 from course.instructor.coursedir import Course, course_dir_option
 from course.instructor.leaks import student_copy_leaks
+from course.instructor.material import survey
 
 
 class ReleaseLeak(CourseError):
@@ -23,7 +26,8 @@ class ReleaseLeak(CourseError):
 
 
 def check_release(course: Course, assignment: str) -> dict[str, list[str]]:
-    """{notebook file: problems} for every student copy of ``assignment`` that leaks; empty when all are clean."""
+    """{file: problems} for every file of ``assignment``'s release that must not reach students (a leaking
+    student copy, a file no notebook declares, a declared file holding answers); empty when all are clean."""
     source = course.folder("source", assignment=assignment)
     release = course.folder("release", assignment=assignment)
     leaks = {}
@@ -35,6 +39,8 @@ def check_release(course: Course, assignment: str) -> dict[str, list[str]]:
         problems = student_copy_leaks(src, copy)
         if problems:
             leaks[src.name] = problems
+    for refused in survey(release, source).refused:  # every other file nbgrader copied from source/
+        leaks.setdefault(refused.path, []).append(refused.reason)
     return leaks
 
 
@@ -51,7 +57,9 @@ def release_assignment(course: Course, assignment: str) -> Path:
         raise ReleaseLeak(
             f"the student copy of {assignment} would leak, so it was deleted:\n  " + "\n  ".join(lines)
             + "\nfix the source notebook (every solution inside ### BEGIN/END SOLUTION, hidden tests inside "
-            "### BEGIN/END HIDDEN TESTS in a locked test cell) and release again"
+            "### BEGIN/END HIDDEN TESTS in a locked test cell), remove from source/ the files students must not "
+            "get (a file they need is declared in its notebook's metadata: docs/writing-exercises.md) and release "
+            "again"
         )
     return release
 
@@ -64,5 +72,6 @@ def command(assignments, course_dir):
     course = Course.open(course_dir)
     for assignment in course.pick_assignments(assignments):
         release = release_assignment(course, assignment)
-        names = ", ".join(p.name for p in sorted(release.glob("*.ipynb")))
-        click.echo(f"released {assignment}: {release.relative_to(course.root)}/ ({names}); no solutions, no hidden tests")
+        names = ", ".join(p.relative_to(release).as_posix() for p in sorted(release.rglob("*")) if p.is_file())
+        click.echo(f"released {assignment}: {release.relative_to(course.root)}/ ({names}); every file checked: "
+                   "no solutions, no hidden tests")

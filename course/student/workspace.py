@@ -4,7 +4,9 @@
 (:func:`sync`). Exercise notebooks are made exactly as ``ddp-course release`` makes them
 (nbgrader's generate_assignment preprocessors, without its gradebook) and checked for leaks
 (:mod:`course.instructor.leaks`) before they are written: no solution and no hidden test
-ever lands in the folder. A course whose exercises are student copies already (the lab
+ever lands in the folder. Besides notebooks, a folder gives only the files its notebooks
+declare, each checked (:mod:`course.instructor.material`); anything else found beside them
+is left out and named. A course whose exercises are student copies already (the lab
 image's) is copied as it is, after the same check for region markers.
 
 The manifest (:data:`MANIFEST`) records the hash of every file as it was installed, so a
@@ -140,17 +142,6 @@ def hidden_variants(source) -> dict[str, int]:
     return counts
 
 
-def _course_files(course: Path):
-    for folder in FOLDERS:
-        base = course / folder
-        if not base.is_dir():
-            continue
-        for path in sorted(base.rglob("*")):
-            rel = path.relative_to(course)
-            if path.is_file() and not any(p.startswith(".") or p in _SKIP_PARTS for p in rel.parts):
-                yield rel.as_posix(), path
-
-
 def _exercise_item(rel: str, path: Path, recorded: dict) -> Item:
     """An exercise notebook as a student gets it; raises ValueError (the reason) when it must not be installed."""
     import nbformat
@@ -173,18 +164,62 @@ def _exercise_item(rel: str, path: Path, recorded: dict) -> Item:
     return Item(rel, (nbformat.writes(student) + "\n").encode(), hidden_variants(nb))
 
 
+def _lesson_item(rel: str, path: Path) -> Item:
+    """A lesson notebook as a student gets it (as it is); raises ValueError (the reason) when it must not be."""
+    import nbformat
+
+    from course.instructor.leaks import markers_in, notebook_text
+
+    try:
+        nb = nbformat.reads(path.read_text(), as_version=4)
+    except Exception as err:  # noqa: BLE001 - any unreadable notebook is one reason
+        raise ValueError(f"not a notebook ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    markers = markers_in(notebook_text(nb))
+    if markers:
+        raise ValueError(f"it shows {', '.join(markers)}")
+    return Item(rel, path.read_bytes())
+
+
+def _material_folders(course: Path):
+    """(the course's folders whose files students may get, each a folder of notebooks with their declared files:
+    ``lessons/`` and each assignment under ``exercises/``; files directly in ``exercises/``)"""
+    folders = []
+    lessons, exercises = course / "lessons", course / "exercises"
+    if lessons.is_dir():
+        folders.append(lessons)
+    loose = []
+    if exercises.is_dir():
+        for path in sorted(exercises.iterdir()):
+            if path.name.startswith(".") or path.name in _SKIP_PARTS:
+                continue
+            (folders if path.is_dir() else loose).append(path)
+    return folders, loose
+
+
 def student_edition(course: Path) -> tuple[list[Item], list[str]]:
-    """(every file a workspace gets from the course at ``course``, the files left out and why)."""
+    """(every file a workspace gets from the course at ``course``, the files left out and why).
+
+    Each folder gives its notebooks and the files they declare (:mod:`course.instructor.material`), each
+    checked; anything else (a script a source notebook wrote in place, a draft) is left out and named.
+    """
+    from course.instructor.material import survey
+
     recorded = read_manifest(course).get("files", {})  # a course that is itself a workspace (the lab image's)
     items, problems = [], []
-    for rel, path in _course_files(course):
-        if rel.startswith("exercises/") and path.suffix == ".ipynb":
+    folders, loose = _material_folders(course)
+    problems += [f"{p.relative_to(course).as_posix()}: not student material (not inside an assignment's folder)"
+                 for p in loose]
+    for folder in folders:
+        material = survey(folder)
+        problems += [f"{folder.relative_to(course).as_posix()}/{r}" for r in material.refused]
+        is_lessons = folder.name == "lessons" and folder.parent == course
+        for path in material.notebooks:
+            rel = path.relative_to(course).as_posix()
             try:
-                items.append(_exercise_item(rel, path, recorded))
+                items.append(_lesson_item(rel, path) if is_lessons else _exercise_item(rel, path, recorded))
             except ValueError as why:
                 problems.append(f"{rel}: {why}")
-        else:
-            items.append(Item(rel, path.read_bytes()))
+        items += [Item(path.relative_to(course).as_posix(), path.read_bytes()) for path in material.files]
     return items, problems
 
 

@@ -73,6 +73,20 @@ def check_released(course: Course, todo: list[Submission]) -> None:
     unreleased = sorted({j.assignment for j in todo} - released)
     if unreleased:
         raise CourseError(f"not released yet (no gradebook entry): {', '.join(unreleased)}; run ddp-course release")
+    check_sources(course, sorted({j.assignment for j in todo}))
+
+
+def check_sources(course: Course, assignments: list[str]) -> None:
+    """Stop when an assignment's source/ folder holds a file that is not student material: nbgrader's autograde
+    copies every file of source/ into each submission's folder, where the student's code runs and could read it."""
+    from course.instructor.material import survey
+
+    strays = [f"source/{a}/{r}" for a in assignments for r in survey(course.folder("source", assignment=a)).refused]
+    if strays:
+        raise CourseError("not graded: autograde would copy these files beside every submission, where the "
+                          "student's code could read them:\n  " + "\n  ".join(strays)
+                          + "\nremove them from source/ (a file students need is declared in its notebook's "
+                          "metadata: docs/writing-exercises.md), then run autograde again")
 
 
 @dataclass
