@@ -229,3 +229,16 @@ def test_the_lab_shows_no_instructor_tool_and_names_a_broken_notebook(tiny_cours
     text = log.read_text()
     assert "warning: exercises/ex0-tiny/tiny.ipynb is broken" in text, text
     assert "No nbgrader_config.py" not in text and "Running as root" not in text, text
+
+
+def test_the_lab_turns_off_jupyterlabs_news_prompt(tmp_path):
+    """JupyterLab greets a new user with "Would you like to get notified about official Jupyter news?" from its
+    announcements plugin; the lab's page config disables it, by an id the installed JupyterLab really has."""
+    import jupyterlab
+
+    folder = labconfig.write(tmp_path)
+    page = json.loads((folder / "labconfig" / "page_config.json").read_text())
+    assert page["disabledExtensions"].get("@jupyterlab/apputils-extension:announcements") is True
+    bundles = Path(jupyterlab.__file__).parent / "static"
+    assert any("@jupyterlab/apputils-extension:announcements" in p.read_text(errors="replace")
+               for p in bundles.glob("*.js")), "the plugin id is gone from this JupyterLab: update LAB_PLUGINS_OFF"

@@ -32,8 +32,13 @@ c = get_config()  # noqa: F821
 '''
 
 
+#: JupyterLab's own plugins the lab turns off: the news and update check, which greets a student with "Would you
+#: like to get notified about official Jupyter news?" and would fetch from outside (a lab may run with no network)
+LAB_PLUGINS_OFF = ("@jupyterlab/apputils-extension:announcements",)
+
+
 def disabled_plugins() -> list[str]:
-    return [f"@jupyter/nbgrader:{name}" for name in INSTRUCTOR_PLUGINS]
+    return [f"@jupyter/nbgrader:{name}" for name in INSTRUCTOR_PLUGINS] + list(LAB_PLUGINS_OFF)
 
 
 def write(workspace: Path) -> Path:
