@@ -142,3 +142,16 @@ def test_a_stated_exercise_total_is_the_sum_of_its_notebooks_points(folder):
         intro = nbformat.read(str(path), as_version=4).cells[0].source
         for stated in re.findall(r"\(exercise \d+: (\d+) points", intro):
             assert int(stated) == total, f"{path.name} says exercise total {stated}, its notebooks hold {total}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_a_notebook_that_writes_files_leaves_the_sources_first(path):
+    """Run in place (an instructor trying the reference), a cell that writes a file would leave a reference
+    solution among the sources: a locked cell before the first such cell calls leave_the_sources()."""
+    cells = nbformat.read(str(path), as_version=4).cells
+    writes = [i for i, c in enumerate(cells) if c.cell_type == "code" and re.match(r"\s*%%writefile", c.source)]
+    if not writes:
+        return
+    moves = [i for i, c in enumerate(cells[: writes[0]]) if c.cell_type == "code"
+             and c.metadata.get("nbgrader", {}).get("locked") and re.search(r"^leave_the_sources\(\)", c.source, re.M)]
+    assert moves, f"{path.name}: cell {writes[0] + 1} writes a file but no locked cell before it calls leave_the_sources()"
