@@ -242,6 +242,8 @@ def check_syncbn_backward(bn_cls, hidden: bool = False) -> None:
                                   f"({_where(ws, sizes, tail)})", ranks=[rank],
                                   hint="make check_syncbn_output pass first")
             for key, name in (("x_grad", "input"), ("weight_grad", "weight"), ("bias_grad", "bias")):
+                if got[key] is None and not ref[key][rank].any():
+                    continue  # torch's own SyncBatchNorm returns None on a rank with no samples: "interpreted as zeros"
                 if got[key] is None or not _close(got[key], ref[key][rank]):
                     raise CheckFailed(
                         check,

@@ -126,8 +126,56 @@ SUMS_SOURCE = _EVAL + '''        c = x.shape[1]
             + self.bias.view(shape)
 '''
 
+#: torch's own autograd Function (nn/modules/_functions.py), by hand: plain collectives in forward, its own backward
+#: all-reducing (sum dy, sum dy * (x - mean)); on a rank with no samples it returns None for the weight and bias
+#: gradients, which torch documents as "interpreted as zeros"
+FUNCTION_SOURCE = """class _SyncBN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, count):
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count = count
+        return (x - mean.view(shape)) * (invstd * weight).view(shape) + bias.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        c = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, c] + [1] * (x.dim() - 2)
+        xmu = x - mean.view(shape)
+        sums = torch.cat([dy.sum(dims), (dy * xmu).sum(dims)])
+        dist.all_reduce(sums)
+        sum_dy, sum_dy_xmu = sums[:c] / ctx.count, sums[c:] / ctx.count
+        dx = (dy - sum_dy.view(shape) - xmu * (invstd ** 2 * sum_dy_xmu).view(shape)) * (invstd * weight).view(shape)
+        if x.numel() == 0:
+            return dx, None, None, None, None, None
+        return dx, (dy * xmu * invstd.view(shape)).sum(dims), dy.sum(dims), None, None, None
+
+
+""" + _EVAL + """        c = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        n = x.numel() // c
+        local = torch.zeros(2 * c + 1)
+        if n:
+            local = torch.cat([x.detach().mean(dims), x.detach().var(dims, unbiased=False), x.new_tensor([n])])
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        stats = torch.stack(gathered)
+        stats = stats[stats[:, -1] > 0]
+        k = stats[:, -1:]
+        count = k.sum()
+        mean = (k * stats[:, :c]).sum(0) / count
+        var = (k * (stats[:, c:2 * c] + (stats[:, :c] - mean) ** 2)).sum(0) / count
+        with torch.no_grad():
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var * count / (count - 1))
+        return _SyncBN.apply(x, self.weight, self.bias, mean, torch.rsqrt(var + self.eps), count)
+"""
+
 SyncBN = bn_class()
 BN_GATHER = bn_class(GATHER_SOURCE)
+BN_FUNCTION = bn_class(FUNCTION_SOURCE)
 BN_TWO_PASS = bn_class(TWO_PASS_SOURCE)
 BN_SUMS_FLOAT64 = bn_class(SUMS_SOURCE.replace("x.sum(dims), (x * x).sum(dims)", "x.double().sum(dims), x.double().square().sum(dims)")
                            .replace("x.new_tensor([x.numel() / c])", "x.new_tensor([x.numel() / c], dtype=torch.float64)")
@@ -339,8 +387,9 @@ def test_the_accuracy_cases_fail_the_sums_recipe_and_pass_float32_batchnorm():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_correct_batchnorms_in_every_style_get_full_marks():
-    """The reference, torch's all_gather recipe, two all_reduce passes, sums in float64: every check passes."""
-    for bn in (SyncBN, BN_GATHER, BN_TWO_PASS, BN_SUMS_FLOAT64):
+    """The reference, torch's all_gather recipe, torch's own autograd Function (None for the weight and bias
+    gradients on a rank with no samples), two all_reduce passes, sums in float64: every check passes."""
+    for bn in (SyncBN, BN_GATHER, BN_FUNCTION, BN_TWO_PASS, BN_SUMS_FLOAT64):
         for check in BN_CHECKS:
             check(bn)
 
