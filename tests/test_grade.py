@@ -350,3 +350,166 @@ def test_a_rank_traceback_shows_the_students_cells_and_lines_not_the_graders(tmp
     assert re.search(r"Cell In\[\d+\], line 2, in helper\n\s*\|\s+raise ValueError", message), message
     assert "graders" not in message and "_average_harness" not in message and "ipykernel_" not in message, message
     assert submissions.scores(report)["ex1_test_shards"] == 2.0
+
+
+# --- the cause first: an earlier cell that timed out or raised ----------------------------------------
+
+
+def _cell_index(nb, grade_id: str) -> int:
+    return [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells].index(grade_id)
+
+
+def _code(source: str, *outputs, grade_id: str | None = None, **meta):
+    cell = new_code_cell(source, execution_count=1)
+    if grade_id:
+        cell.metadata["nbgrader"] = {"grade_id": grade_id, "schema_version": 3, "locked": False, "grade": False,
+                                     "solution": False, **meta}
+    cell.outputs = list(outputs)
+    return cell
+
+
+def _error(ename: str, evalue: str):
+    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+def _check_failed(text: str):
+    return new_output("error", ename="CheckFailed", evalue=text, traceback=text.splitlines())
+
+
+def test_a_failing_test_names_the_earlier_cells_that_timed_out_or_raised_first():
+    """Each earlier non-test cell that timed out (with its limit) or raised (type, first line) is named by
+    position and grade_id or what it defines, before what the test missed; nothing else changes."""
+    from course.grading.causes import explain_failures
+
+    def test(grade_id, *outputs, ran=True):
+        cell = _code("graders.ex1.check_x(f)", *outputs, grade_id=grade_id, grade=True, locked=True, points=2)
+        cell.execution_count = 1 if ran else None
+        return cell
+
+    nb = nbformat.v4.new_notebook(cells=[
+        _code("import torch", grade_id="imports", locked=True),
+        nbformat.v4.new_markdown_cell("## Part 1"),
+        _code("while True:\n    pass\n\ndef f(x):\n    return x", _error("KeyboardInterrupt", ""),
+              _error("CellTimeoutError", "cell timed out after 60 s"), grade_id="answer_f", solution=True),
+        test("t_missing", _check_failed("FAILED check_x: `f` was not defined when this test ran")),
+        test("t_passes", new_output("stream", name="stdout", text="passed check_x\n")),
+        _code("helper = 1 / 0\nclass Model:\n    pass", _error("ZeroDivisionError", "division by zero\nmore")),
+        test("t_stderr", new_output("stream", name="stderr", text="boom\n")),
+        test("t_not_run", _error("NotRun", "not run: the kernel died"), ran=False),
+    ])
+    untouched = nbformat.v4.new_notebook(cells=[
+        _code("def g():\n    # YOUR CODE HERE\n    raise NotImplementedError()", grade_id="answer_g", solution=True),
+        _code("# YOUR CODE HERE\nraise NotImplementedError()", _error("NotImplementedError", ""),
+              grade_id="answer_h", solution=True),
+        test("t_g", _check_failed("FAILED check_x: `g` is not written yet: it only raises NotImplementedError")),
+    ])
+    before = json.loads(nbformat.writes(untouched))
+    explain_failures(nb)
+    explain_failures(untouched)
+    timed_out = "before this test, cell 2 (answer_f, which defines `f`) timed out after 60 s (its time limit)"
+    raised = "before this test, cell 5 (which defines `helper`, `Model`) raised ZeroDivisionError: division by zero"
+    got = {c.metadata["nbgrader"]["grade_id"]: score_cell(c, 2, c.execution_count is not None)
+           for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
+    assert got["t_missing"].message == (f"{timed_out}\nthen this test failed: "
+                                        "FAILED check_x: `f` was not defined when this test ran")
+    assert got["t_passes"].score == 2 and got["t_passes"].message == ""
+    assert got["t_stderr"].score == 0
+    assert got["t_stderr"].message == f"{timed_out}\n{raised}\nthen this test failed: wrote to stderr: boom"
+    assert [(o.ename, o.evalue) for o in nb.cells[7].outputs] == [("NotRun", "not run: the kernel died")]
+    # the message is one output a check's failure would have: feedback shows it, nbgrader scores it 0
+    assert [o.output_type for o in nb.cells[3].outputs] == ["error"] and nb.cells[3].outputs[0].ename == "CheckFailed"
+    assert [o.get("name") for o in nb.cells[6].outputs] == ["stderr", None]  # the stderr output stays
+    # "not written yet", from a stub in a function or at the top of a cell, is no exception to report
+    assert json.loads(nbformat.writes(untouched)) == before
+    explain_failures(nb)  # a second pass adds nothing
+    assert score_cell(nb.cells[3], 2, True).message == got["t_missing"].message
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("top, what", [
+    ("while True:\n    pass", "timed out after 3 s (its time limit)"),
+    ("1 / 0", "raised ZeroDivisionError: division by zero"),
+], ids=["timed-out", "raised"])
+def test_tests_after_an_answer_cell_that_timed_out_or_raised_say_so_first(tmp_path, top, what):
+    """``while True: pass`` (or ``1 / 0``) above ``def shard_batch``: its tests say first that the answer cell
+    timed out (raised), then what they missed; the tests of other answers still pass."""
+    nb = submissions.load("ex1-parallelism")
+    nb = submissions.replace_answer(nb, "ex1_shard_batch", f"{top}\n\n{submissions.answer(nb, 'ex1_shard_batch')}")
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex1-parallelism"), timeout=3)
+    assert submissions.scores(report) == submissions.losing("ex1-parallelism", "ex1_test_shards",
+                                                           "ex1_test_shard_sizes")
+    cause = (f"before this test, cell {_cell_index(nb, 'ex1_shard_batch')} (ex1_shard_batch, which defines "
+             f"`shard_batch`) {what}")
+    for gid in ("ex1_test_shards", "ex1_test_shard_sizes"):
+        message = submissions.messages(report)[gid]
+        assert message.splitlines()[0] == cause, message
+        assert message.splitlines()[1:] == ["then this test failed: NameError: name 'shard_batch' is not defined"]
+
+
+@pytest.mark.timeout(120)
+def test_an_untouched_copy_still_says_not_written_yet_and_no_cause(tmp_path):
+    """The untouched student copy's answers raise NotImplementedError in their stubs: its tests keep "not written
+    yet", with no earlier cell reported."""
+    from course.student.workspace import release_notebook
+
+    source = submissions.source_path("ex1-parallelism")
+    copy = release_notebook(submissions.load("ex1-parallelism"), "ex1-parallelism", source.stem)
+    report = submissions.grade(submissions.write(copy, tmp_path, "ex1-parallelism"))
+    assert report.score == 0
+    for t in report.tests:
+        assert t.message.startswith("FAILED check_") and "is not written yet" in t.message, t
+        assert "before this test" not in t.message and "then this test failed" not in t.message, t
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_grade_check_and_the_graded_notebook_name_the_cell_that_timed_out_or_raised_first(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """In a real kernel, through the verifier: an endless loop above ``def shard_batch`` and ``1 / 0`` above
+    ``def two_stage_step``. ``grade`` (JSON and table), the graded notebook's test cells (what autograde records
+    and feedback shows) and ``check`` say first which cell timed out (its limit) or raised, then what was missed."""
+    from course.grading.grade import print_report
+    from course.grading.scoring import CellResult, GradeReport
+
+    nb = submissions.load("ex1-parallelism")
+    nb = submissions.replace_answer(nb, "ex1_shard_batch", "while True:  # never ends\n    pass\n\n"
+                                    + submissions.answer(nb, "ex1_shard_batch"))
+    nb = submissions.replace_answer(nb, "ex1_two_stage_step", "1 / 0\n\n" + submissions.answer(nb, "ex1_two_stage_step"))
+    path = submissions.write(nb, tmp_path, "ex1-parallelism")
+    graded = tmp_path / "graded.ipynb"
+    runs = [("grade", "--json", "--timeout", "10", "-o", graded, path), ("check", "--json", "--timeout", "10", path)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        (g_code, g_out, g_err, seconds), (c_code, c_out, c_err, _) = pool.map(lambda a: cli(*a, timeout=300), runs)
+    assert g_code == 0 and c_code == 0, g_err + c_err
+    report = json.loads(g_out)
+    assert submissions.scores(report) == submissions.losing("ex1-parallelism", "ex1_test_shards", "ex1_test_shard_sizes",
+                                                           "ex1_test_two_stage"), submissions.messages(report)
+    loop = (f"before this test, cell {_cell_index(nb, 'ex1_shard_batch')} (ex1_shard_batch, which defines "
+            "`shard_batch`) timed out after 10 s (its time limit)")
+    zero = (f"before this test, cell {_cell_index(nb, 'ex1_two_stage_step')} (ex1_two_stage_step, which defines "
+            "`two_stage_step`) raised ZeroDivisionError: division by zero")
+    expected = {
+        "ex1_test_shards": f"{loop}\nthen this test failed: FAILED check_shards: `shard_batch` was not defined "
+                           "when this test ran",
+        "ex1_test_shard_sizes": f"{loop}\nthen this test failed: FAILED check_shard_sizes: `shard_batch` was not "
+                                "defined when this test ran",
+        "ex1_test_two_stage": f"{loop}\n{zero}\nthen this test failed: FAILED check_two_stage: `two_stage_step` was "
+                              "not defined when this test ran",
+    }
+    assert {gid: m for gid, m in submissions.messages(report).items() if m} == expected
+    # the graded notebook: each failing test cell holds that message as its one error output (what autograde records)
+    out = nbformat.read(str(graded), as_version=4)
+    for gid, message in expected.items():
+        cell = out.cells[_cell_index(out, gid)]
+        assert [(o.output_type, o.get("ename"), o.get("evalue")) for o in cell.outputs] == [
+            ("error", "CheckFailed", message)]
+        assert score_cell(cell, 2, True).message == message
+    # check: the student's self-check says the same of the visible checks
+    assert {t["id"]: t["message"] for t in json.loads(c_out)["tests"] if t["message"]} == expected
+    # the table: each failed test's first line is the cause
+    monkeypatch.setenv("COLUMNS", "400")
+    print_report(GradeReport(report["notebook"], report["score"], report["max_score"],
+                             [CellResult(**t) for t in report["tests"]]))
+    rows = [line for line in capsys.readouterr().out.splitlines() if "ex1_test_" in line and "│" in line]
+    assert sum(loop in row for row in rows) == 3 and not any(zero in row for row in rows), rows
+    assert seconds < 10 + 150, f"grading took {seconds:.0f} s"

@@ -71,9 +71,11 @@ def grade_against(path: Path, student, original, *, hide: list[str], timeouts: T
     nb = restore(student, original)
     clear_outputs(nb)
     if in_process:
+        from course.grading.causes import explain_failures
         from course.grading.inprocess import run_in_process
 
         run = run_in_process(nb, path.resolve().parent, timeouts)
+        explain_failures(run.nb, run.ran)  # as the pipeline's VerifyTests does
     else:
         from traitlets.config import Config
 

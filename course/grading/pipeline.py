@@ -7,7 +7,8 @@ every notebook goes through :data:`GRADING_STEPS`, in order, with the settings
 
 1. :class:`~course.grading.execute.SandboxedExecute`: the sandboxed, bounded kernel;
 2. nbgrader's ``IgnorePattern``: a stderr output made only of warnings does not zero a cell;
-3. :class:`VerifyTests`: the trusted verifier's verdicts replace the test cells' outputs;
+3. :class:`VerifyTests`: the trusted verifier's verdicts replace the test cells' outputs, each failing
+   one saying first which earlier cell timed out or raised (:func:`course.grading.causes.explain_failures`);
 4. nbgrader's ``LimitOutput``: very long outputs are cut, as nbgrader always does.
 
 Then the test cells are scored by nbgrader's rules: by SaveAutoGrades into the
@@ -30,6 +31,7 @@ from traitlets import Bool, Float, List, Unicode
 from traitlets.config import Config
 
 from course.grading import verifier
+from course.grading.causes import explain_failures
 from course.grading.cells import OTHER_CELL_TIMEOUT, TEST_CELL_TIMEOUT, Timeouts
 from course.grading.execute import SandboxedExecute, copy_submission
 from course.grading.notebook import Execution
@@ -49,7 +51,8 @@ WARNINGS_ONLY = (
 
 class VerifyTests(Preprocessor):
     """Step 3 of the grading pipeline, after SandboxedExecute: re-run every test cell's checks in the trusted
-    verifier and rewrite the test cells' outputs to its verdicts.
+    verifier and rewrite the test cells' outputs to its verdicts; a failing test cell's message starts with
+    the earlier cells that timed out or raised (:func:`course.grading.causes.explain_failures`).
 
     ``resources["ddp_course"]`` gets the ``verdicts`` and more ``notes`` (the verifier's sandbox,
     when the kernel's was not reported; the test cells graded from their own output).
@@ -70,6 +73,7 @@ class VerifyTests(Preprocessor):
         verdicts = verifier.verify_notebook(nb, workdir, hide=[*self.hide, *course_paths(self.config)],
                                    cell_timeout=self.cell_timeout, log=verifier_box.append)
         verifier.apply_verdicts(nb, verdicts)
+        explain_failures(nb)  # the cause (an answer cell that timed out or raised) before what the test missed
         for line in verifier_box:
             self.log.info(line)
         for line in verifier.summary(verdicts):
