@@ -2,7 +2,7 @@
 score and the same message, for right, untouched, wrong and hostile submissions alike.
 
 Both verbs run :data:`course.grading.pipeline.GRADING_STEPS` (the config ``init`` writes imports
-it); this test holds them to it on five real submissions of exercise 1, graded once each way.
+it); this test holds them to it on six real submissions of exercise 1, graded once each way.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ for _name in dir(graders.ex1):
     if _name.startswith("check_"):
         setattr(graders.ex1, _name, lambda *a, _n=_name, **k: print(f"passed {_n}"))
 '''
+#: seconds an answer cell may run, in both verbs: the endless loop of "broken_cells" is stopped there
+CELL_TIMEOUT = 20
 
 
 def _students(tmp_path: Path) -> dict[str, Path]:
-    """reference, untouched, two wrong and one hostile submission, as students' files."""
+    """reference, untouched, two wrong, one hostile submission and one whose answer cells time out and raise,
+    as students' files."""
     folder = tmp_path / "incoming"
     source = submissions.load(A)
     made = {
@@ -42,6 +45,11 @@ def _students(tmp_path: Path) -> dict[str, Path]:
         "hostile": submissions.replace_answer(
             submissions.patch_answer(source, "ex1_average_gradients", "            p.grad /= rows\n", ""),
             "ex1_shard_batch", submissions.answer(source, "ex1_shard_batch") + "\n" + HOSTILE),
+        # an endless loop above def shard_batch, 1 / 0 above def two_stage_step
+        "broken_cells": submissions.replace_answer(
+            submissions.replace_answer(source, "ex1_shard_batch",
+                                       "while True:\n    pass\n\n" + submissions.answer(source, "ex1_shard_batch")),
+            "ex1_two_stage_step", "1 / 0\n\n" + submissions.answer(source, "ex1_two_stage_step")),
     }
     paths = {}
     for student, nb in made.items():
@@ -94,17 +102,18 @@ def autograded(course: Path, student: str) -> dict[str, tuple[float, str]]:
 @pytest.mark.timeout(1200)
 def test_grade_and_autograde_give_every_test_cell_the_same_score_and_message(tmp_path):
     from course.grading.grade import grade_notebook
+    from course.grading.notebook import Timeouts
 
     paths = _students(tmp_path)
     course = tmp_path / "course"
-    _cli("init", course, cwd=tmp_path)
+    _cli("init", course, "--cell-timeout", CELL_TIMEOUT, cwd=tmp_path)
     _cli("release", A, cwd=course)
     _cli("collect", tmp_path / "incoming", cwd=course)
     _cli("autograde", A, "--jobs", "2", cwd=course)
 
     full = submissions.full_marks(A)
     for student, path in paths.items():
-        report = grade_notebook(path, exercises=course / "source")
+        report = grade_notebook(path, exercises=course / "source", timeouts=Timeouts(other=CELL_TIMEOUT))
         by_grade = {t.id: (t.score, normalise(t.message)) for t in report.tests}
         assert by_grade == autograded(course, student), student
         scores = {gid: score for gid, (score, _) in by_grade.items()}
@@ -120,3 +129,15 @@ def test_grade_and_autograde_give_every_test_cell_the_same_score_and_message(tmp
         elif student == "wrong_overlap":
             assert scores == submissions.losing(A, "ex1_test_shards"), by_grade
             assert "overlap" in by_grade["ex1_test_shards"][1]
+        elif student == "broken_cells":  # the message nbgrader records (feedback shows it) says the cause first
+            assert scores == submissions.losing(A, "ex1_test_shards", "ex1_test_shard_sizes", "ex1_test_two_stage"), \
+                by_grade
+            loop = ("before this test, cell 3 (ex1_shard_batch, which defines `shard_batch`) timed out after "
+                    f"{CELL_TIMEOUT} s (its time limit)")
+            zero = ("before this test, cell 11 (ex1_two_stage_step, which defines `two_stage_step`) raised "
+                    "ZeroDivisionError: division by zero")
+            assert by_grade["ex1_test_shards"][1] == (f"{loop}\nthen this test failed: FAILED check_shards: "
+                                                      "`shard_batch` was not defined when this test ran")
+            assert by_grade["ex1_test_two_stage"][1].splitlines() == [
+                loop, zero, "then this test failed: FAILED check_two_stage: `two_stage_step` was not defined when "
+                "this test ran"]
