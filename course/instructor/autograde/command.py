@@ -92,3 +92,7 @@ def command(assignments, jobs, students, force, timeout, slurm, partition, accou
         raise SystemExit(130)
     if bad:
         raise PartlyDone(f"{len(bad)} of {len(run.rows)} submission(s) could not be graded (listed above)")
+    stopped = [r for r in run.rows if r.status == "interrupted"]  # a stop signal reached their workers, not this run
+    if stopped:
+        raise PartlyDone(f"{len(stopped)} of {len(run.rows)} submission(s) not graded: stopped before they were "
+                         "(listed above); run ddp-course autograde again for them")

@@ -59,6 +59,14 @@ def course_lock(course: Course):
 
 
 @contextmanager
+def ignored_interrupts():
+    """Ignore Ctrl-C/SIGTERM during the block: a run already stopping finishes its records (a second Ctrl-C, or the
+    SIGTERM a service manager sends after a SIGINT, would cut them short)."""
+    with _handling((signal.SIGINT, signal.SIGTERM), lambda signum, frame: None):
+        yield
+
+
+@contextmanager
 def deferred_interrupts():
     """Hold Ctrl-C/SIGTERM until the block ends, so a result is never half installed."""
     caught = []

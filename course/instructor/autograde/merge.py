@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 
-from course.instructor.autograde.records import Row, Submission, fill_scores, write_record
+from course.instructor.autograde.records import Row, Submission, fill_scores, record_interrupted, write_record
 from course.instructor.autograde.scratch import install_results, scratch_course
 from course.instructor.coursedir import Course
 
@@ -48,6 +48,8 @@ def finish(course: Course, outcome, scratch: Course | None = None, isolation: st
             log = (outcome.result.get("log") or "") + "\n" + (outcome.result.get("error") or "")
             write_record(course, submission, "failed", outcome.elapsed, reason, log, isolation=isolation)
             return Row(submission, "failed", outcome.elapsed, reason)
+        if outcome.kind == "interrupted":  # a stop signal killed its worker: not graded, not the student's failure
+            return record_interrupted(course, submission, outcome.elapsed, f"{outcome.detail}: rerun to grade it")
         status = "timeout" if outcome.kind == "timeout" else "failed"
         write_record(course, submission, status, outcome.elapsed, outcome.detail, isolation=isolation)
         return Row(submission, status, outcome.elapsed, outcome.detail)

@@ -7,7 +7,9 @@ thread when it creates or refills the pool (autograde's progress display is
 refreshed from its poll loop for that reason) and hold no open gradebook
 connection. A task that passes its deadline, or a worker that dies, costs that
 slot its worker: its whole process tree is killed and a fresh worker takes the
-next task.
+next task. A worker that a stop signal killed (:data:`STOP_SIGNALS`: Ctrl-C, SIGTERM,
+SIGHUP, sent to it by ``pkill``, a service manager, Slurm's ``scancel``) ends its
+task "interrupted": the run was being stopped, the submission did not fail.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,8 +29,13 @@ from course.instructor.autograde import worker as worker_module
 READY_TIMEOUT = 180.0  # a cold start imports nbgrader and torch-free deps; generous on a busy machine
 
 
-#: how a task ended: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
-OutcomeKind = Literal["done", "timeout", "died"]
+#: how a task ended: "done" (see result), "timeout" (killed at the deadline), "interrupted" (a stop signal
+#: killed the worker) or "died" (the worker vanished otherwise)
+OutcomeKind = Literal["done", "timeout", "interrupted", "died"]
+#: the signals that stop a run (a terminal's Ctrl-C and hang-up, kill's and service managers' SIGTERM): a worker
+#: killed by one was stopped from outside, not by what it graded (sandboxed, a submission's code runs as another
+#: user and cannot signal its worker); what kills a worker otherwise, SIGKILL included, is "died"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -36,7 +44,8 @@ class Outcome:
 
     task: Any
     result: dict | None = None
-    #: "done" (see result), "timeout" (killed at the deadline) or "died" (the worker vanished)
+    #: "done" (see result), "timeout" (killed at the deadline), "interrupted" (a stop signal killed the worker)
+    #: or "died" (the worker vanished)
     kind: OutcomeKind = "done"
     elapsed: float = 0.0
     detail: str = ""
@@ -120,8 +129,7 @@ class WorkerPool:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                code = slot.process.exitcode if slot.process is not None else None
-                ended.append(self._end(slot, "died", f"the worker process exited (code {code})"))
+                ended.append(self._lost(slot))
                 self._kill(slot)
                 continue
             if message.get("ready"):
@@ -138,6 +146,17 @@ class WorkerPool:
                 ended.append(self._end(slot, "timeout", f"still running after {now - slot.started:.0f} s: stopped"))
                 self._kill(slot)
         return ended
+
+    def _lost(self, slot: _Slot) -> Outcome:
+        """The outcome of a task whose worker vanished: "interrupted" when a stop signal killed it, else "died"."""
+        code = None
+        if slot.process is not None:
+            slot.process.join(timeout=2)  # its pipe closed as it died: reaped in a moment, and then its exit code says how
+            code = slot.process.exitcode
+        if code is not None and -code in STOP_SIGNALS:
+            name = signal.Signals(-code).name
+            return self._end(slot, "interrupted", f"stopped by {name} (sent to its worker) before it was graded")
+        return self._end(slot, "died", f"the worker process exited (code {code})")
 
     def _end(self, slot: _Slot, kind: OutcomeKind, detail: str = "", result: dict | None = None) -> Outcome:
         outcome = Outcome(slot.task, result, kind, time.monotonic() - slot.started, detail)

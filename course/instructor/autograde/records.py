@@ -118,6 +118,15 @@ def write_record(course: Course, submission: Submission, status: Status, elapsed
     os.replace(tmp, path)
 
 
+def record_interrupted(course: Course, submission: Submission, elapsed: float | None, reason: str) -> Row:
+    """Record that ``submission``'s grading was stopped before it ended (Ctrl-C, SIGTERM, a stop signal to its
+    worker): not graded, and not a failure of the student's; the next run grades it. Its summary row. A submission
+    that is still graded (``--force`` was grading it again) keeps that grading and its record."""
+    if not is_graded(course, submission):
+        write_record(course, submission, "interrupted", elapsed, reason)
+    return Row(submission, "interrupted", elapsed, reason)
+
+
 def read_record(course: Course, submission: Submission) -> dict | None:
     try:
         return json.loads(record_path(course, submission).read_text())

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 from course.errors import CourseError
 from course.instructor.autograde.config import isolation_line, submission_timeout
-from course.instructor.autograde.guards import course_lock, deferred_interrupts, sigterm_as_interrupt
+from course.instructor.autograde.guards import (
+    course_lock,
+    deferred_interrupts,
+    ignored_interrupts,
+    sigterm_as_interrupt,
+)
 from course.instructor.autograde.merge import finish
 from course.instructor.autograde.records import (
     Row,
@@ -32,6 +37,7 @@ from course.instructor.autograde.records import (
     fill_scores,
     is_graded,
     missing_notebook_reason,
+    record_interrupted,
     write_record,
 )
 from course.instructor.autograde.scratch import prepare_scratch, scratch_root
@@ -167,10 +173,11 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                     if not pending:
                         break
                     submission = pending.pop(0)
+                    started[submission] = time.monotonic()  # from here on a Ctrl-C leaves it "interrupted"
                     scratch = prepare_scratch(course, submission, template)
                     pool.submit(index, submission, {"scratch": str(scratch.root), "assignment": submission.assignment,
                                              "student": submission.student}, limits[submission.assignment])
-                    started[submission], slot_of[submission] = time.monotonic(), index
+                    slot_of[submission] = index
                     progress.reset(slots[index], description=f"  {submission}", total=None, visible=True)
 
             refill()
@@ -192,10 +199,13 @@ def _grade(course: Course, todo: list[Submission], rows: list[Row], *, jobs: int
                             f"{row.status:>8}  {row.submission}{score} ({row.elapsed:.0f} s) {row.reason}".rstrip())
     except KeyboardInterrupt:
         interrupted = True
-        running = [submission for submission, _ in pool.running()]
-        pool.close()
-        rows.extend(Row(submission, "interrupted", time.monotonic() - started[submission], "stopped: rerun to grade it")
-                    for submission in running)
+        with ignored_interrupts():  # stopping already: a second Ctrl-C does not cut the records short
+            pool.close()  # every worker's tree killed first: nothing of theirs is installed after this
+            merged = {r.submission for r in rows}
+            # started and not merged: those running, and any whose outcome the interrupt kept poll from returning
+            rows.extend(record_interrupted(course, submission, time.monotonic() - started[submission],
+                                           "stopped (Ctrl-C or SIGTERM) before it was graded: rerun to grade it")
+                        for submission in started if submission not in merged)
         rows.extend(Row(submission, "not graded", reason="rerun to grade it") for submission in pending)
     finally:
         pool.close()
