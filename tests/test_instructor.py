@@ -676,6 +676,115 @@ def test_tiny_course_end_to_end(tmp_path):
     assert grades[("henry", "ex0-tiny")]["timestamp"] == ""  # never graded
 
 
+# -- slow: a run stopped while it grades ------------------------------------------------------------------
+
+#: seconds sam's submission sleeps when its answer cell runs: longer than it takes to see that it runs and stop the run
+SAM_SLEEPS = 15
+
+
+def course_with_a_slow_submission(tmp_path: Path) -> Path:
+    """The tiny course with two submissions: alice's reference, and sam's, the reference that sleeps
+    :data:`SAM_SLEEPS` s in its first answer cell (once: its checks then pass)."""
+    course_dir = tmp_path / "course"
+    cli("init", str(course_dir), "--exercises", str(TINY), cwd=tmp_path)
+    cli("release", cwd=course_dir)
+    incoming = tmp_path / "incoming"
+    write_samples(course_dir, {"alice": "reference"}, "ex0-tiny", "tiny", incoming)
+    edited(incoming / "alice_tiny.ipynb", incoming / "sam" / "tiny.ipynb", "def double(x):",
+           f"import time\ntime.sleep({SAM_SLEEPS})\n\ndef double(x):")
+    cli("collect", str(incoming), cwd=course_dir)
+    return course_dir
+
+
+def grading_runs(run: psutil.Process, course_dir: Path, student: str) -> bool:
+    """Whether ``student``'s notebook is being executed: a process of the run works in its scratch course's
+    autograded/ folder (the sandboxed kernel's, not the worker's)."""
+    folder = str(course_dir / ".ddp-course" / "scratch" / f"ex0-tiny--{student}" / "autograded")
+    for child in run.children(recursive=True):
+        try:
+            if child.cwd().startswith(folder):
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
+def stop_while_grading(course_dir: Path, args: list[str], how: str, deadline: float = 240):
+    """Start ``ddp-course autograde ARGS`` in a process group of its own, as a shell starts it in a terminal, and
+    stop it while sam's notebook runs: ``how`` is "ctrl-c" (SIGINT to the process group, as the terminal sends it),
+    "sigterm" (SIGTERM to the main process) or "workers" (SIGINT to the workers alone: ``pkill -INT -f 'ddp-course
+    autograde'``, a service manager or ``scancel`` signal every process of the run, and a worker dies of it before
+    its parent handles its own, if it gets one). Returns (exit status, output, descendants)."""
+    log = course_dir.parent / f"autograde-{how.replace(' ', '-')}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["ddp-course", "autograde", *args], cwd=course_dir, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_as_from_a_terminal, process_group=0, env={**os.environ, "COLUMNS": "200"})
+        try:
+            run, end = psutil.Process(proc.pid), time.monotonic() + deadline
+            while not grading_runs(run, course_dir, "sam"):
+                assert proc.poll() is None, f"autograde ended before it graded sam:\n{log.read_text()}"
+                assert time.monotonic() < end, f"sam's notebook not running within {deadline} s:\n{log.read_text()}"
+                time.sleep(0.2)
+            descendants = run.children(recursive=True)
+            if how == "ctrl-c":
+                os.killpg(proc.pid, signal.SIGINT)
+            elif how == "sigterm":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                workers = [p for p in run.children() if p.cmdline() == run.cmdline()]
+                assert workers, [p.cmdline() for p in run.children()]
+                for worker in workers:
+                    worker.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return rc, log.read_text(), descendants
+
+
+def sam_row(text: str) -> str:
+    """The last line that names sam (in a table: sam's row)."""
+    return ([line for line in text.splitlines() if re.search(r"\bsam\b", line)] or [f"no line of sam's in:\n{text}"])[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how, jobs", [("ctrl-c", "1"), ("sigterm", "2"), ("workers", "2")])
+def test_a_stopped_run_leaves_the_submission_it_was_grading_not_graded_and_not_failed(tmp_path, how, jobs):
+    """Whether Ctrl-C, SIGTERM or a SIGINT to its worker stopped the grading, sam's submission was not graded:
+    its record, status, status --student, report and export say so (interrupted), none calls it failed or a score,
+    and the next run grades it."""
+    course_dir = course_with_a_slow_submission(tmp_path)
+    rc, output, descendants = stop_while_grading(course_dir, ["--jobs", jobs], how)
+    assert_all_gone(descendants)
+    assert rc == (2 if how == "workers" else 130), output  # workers: the run went on, and ended with those not graded
+    assert "interrupted" in sam_row(output) and "failed" not in output, output
+    record = json.loads((course_dir / ".ddp-course" / "autograde" / "ex0-tiny" / "sam.json").read_text())
+    assert record["status"] == "interrupted", record
+
+    wide = {"COLUMNS": "250"}
+    status = cli("status", cwd=course_dir, env=wide).stdout
+    assert "not graded (interrupted)" in sam_row(status) and "failed" not in status, status
+    assert "not graded (interrupted)" in cli("status", "--student", "sam", cwd=course_dir, env=wide).stdout
+    report = cli("report", "--html", str(tmp_path / "report.html"), cwd=course_dir, env=wide).stdout
+    assert "interrupted" in sam_row(report.split("students")[-1]) and "failed" not in report, report
+    assert "not graded (interrupted)" in (tmp_path / "report.html").read_text()
+    cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
+    grades = read_csv(tmp_path / "grades.csv")
+    assert grades[("sam", "ex0-tiny")]["status"] == "not graded (interrupted)"
+    assert grades[("sam", "ex0-tiny")]["late"] == ""  # nothing graded: no score of sam's was earned
+    if how != "ctrl-c":
+        return
+
+    assert graded_records(course_dir).keys() == {"alice/ex0-tiny"}  # graded before the Ctrl-C: kept
+    rerun = cli("autograde", "--jobs", "1", cwd=course_dir, env=wide).stdout
+    assert re.search(r"graded\s+sam · ex0-tiny 4/4", rerun) and re.search(r"alice.*already graded", rerun), rerun
+    assert graded_records(course_dir).keys() == {"alice/ex0-tiny", "sam/ex0-tiny"}
+    assert "interrupted" not in cli("status", cwd=course_dir, env=wide).stdout
+    cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
+    assert read_csv(tmp_path / "grades.csv")[("sam", "ex0-tiny")]["status"] == "graded"
+
+
 # -- slow: end to end on the course's four exercises ------------------------------------------------------
 
 #: who hands in what: every kind at least once, exercise 4 (torchrun jobs) once, and a

@@ -4,7 +4,9 @@ One row per student and assignment, students without a submission included
 (score 0, empty timestamp), as ``nbgrader export`` writes it (its ``late_submission_penalty`` is the penalty
 nbgrader's late-submission plugin computed, already taken off ``score``), plus
 
-* ``status``: ``graded``, ``not graded`` (submitted, no scores yet) or ``not submitted``: each can score 0;
+* ``status``: ``graded``, ``not graded`` (submitted, no scores yet), ``not graded (interrupted)`` (submitted, and
+  its grading was stopped before it ended: no failure, the next autograde grades it) or ``not submitted``: each
+  can score 0, and only ``graded`` is a score the student earned;
 * ``late`` (``yes``/``no``, empty when nothing was graded) and ``seconds_late`` (after any extension);
 
 then a student-by-assignment table on the terminal (``-`` for no score, ``late -0.5`` for a penalty) and one
@@ -40,6 +42,8 @@ def grade_rows(course: Course, assignments: list[str] | tuple[str, ...] = ()) ->
     """nbgrader's CsvExportPlugin rows, with ``status``, ``late`` and ``seconds_late`` added."""
     from nbgrader.plugins import CsvExportPlugin
 
+    from course.instructor.results import INTERRUPTED, read_record
+
     plugin = CsvExportPlugin(config=course.config)
     plugin.assignment = list(assignments)
     submitted = set(course.submitted(list(assignments) or None))
@@ -57,8 +61,11 @@ def grade_rows(course: Course, assignments: list[str] | tuple[str, ...] = ()) ->
         row["seconds_late"] = f"{late[key]:g}" if key in late else ""
         if key in late:
             row["status"] = "graded"
+        elif key[::-1] in submitted:
+            interrupted = read_record(course, key[1], key[0]).get("status") == "interrupted"
+            row["status"] = INTERRUPTED if interrupted else "not graded"
         else:
-            row["status"] = "not graded" if key[::-1] in submitted else "not submitted"
+            row["status"] = "not submitted"
     return rows
 
 

@@ -24,7 +24,7 @@ import click
 
 from course.instructor.checknames import as_html
 from course.instructor.coursedir import Course, course_dir_option, write_whole
-from course.instructor.results import Result, check_label, class_results, source_checks
+from course.instructor.results import INTERRUPTED, Result, check_label, class_results, source_checks
 
 #: failure messages listed per check (the most common first)
 TOP_FAILURES = 3
@@ -115,7 +115,8 @@ def build_report(course: Course, assignments: list[str]) -> ClassReport:
         totals[result.student] = (score + (result.score or 0.0), most + result.max_score)
         if result.state != "not submitted":
             entry.submitted += 1
-        if result.elapsed is not None:  # every last run counts, those that failed or timed out too
+        # every last run counts, those that failed or timed out too; one stopped before it ended graded nothing
+        if result.elapsed is not None and result.record_status != "interrupted":
             entry.elapsed.append(float(result.elapsed))
         if result.state == "graded":
             entry.scores.append(result.score or 0.0)
@@ -149,6 +150,8 @@ def _why_missing(result: Result) -> str:
         return "not submitted"
     if result.record_status in ("failed", "timeout"):
         return f"submitted, grading {result.record_status}: {result.record_reason}".rstrip(": ")
+    if result.interrupted:  # not a failure: the run was stopped while it graded this one
+        return f"submitted, {INTERRUPTED}: {result.record_reason}".rstrip(": ")
     return "submitted, not graded yet"
 
 

@@ -27,6 +27,9 @@ from course.instructor.coursedir import Course
 
 #: graded: scores in the gradebook; not graded: submitted (in submitted/) but not scored (yet, or grading failed)
 State = Literal["graded", "not graded", "not submitted"]
+#: how every view names a submission whose last grading was stopped before it ended (Ctrl-C, SIGTERM): not a
+#: failure, and no score was earned; the next autograde grades it
+INTERRUPTED = "not graded (interrupted)"
 
 
 @dataclass
@@ -89,7 +92,7 @@ class Result:
     checks: list[CheckResult] = field(default_factory=list)
     #: every notebook of the assignment, in name order
     notebooks: list[NotebookResult] = field(default_factory=list)
-    #: autograde's record: "graded", "failed", "timeout", ... and why
+    #: autograde's record: "graded", "failed", "timeout", "interrupted", ... and why
     record_status: str = ""
     record_reason: str = ""
     #: seconds autograde spent on it (its last run)
@@ -98,6 +101,11 @@ class Result:
     @property
     def late(self) -> bool:
         return self.seconds_late > 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Submitted and not graded because its last grading was stopped before it ended (:data:`INTERRUPTED`)."""
+        return self.state == "not graded" and self.record_status == "interrupted"
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -218,13 +226,18 @@ def _fill(course: Course, result: Result, submission) -> None:
         result.notebooks.append(entry)
 
 
-def _fill_record(course: Course, result: Result) -> None:
+def read_record(course: Course, assignment: str, student: str) -> dict:
+    """autograde's record of how the last grading of ``student``'s ``assignment`` ended ({} if none)."""
     # autograde.records.record_path's place, read here without importing autograde (nbformat's slow import)
     try:
-        record = json.loads((course.state_dir / "autograde" / result.assignment / f"{result.student}.json").read_text())
+        record = json.loads((course.state_dir / "autograde" / assignment / f"{student}.json").read_text())
     except (OSError, ValueError):
-        record = {}
-    record = record if isinstance(record, dict) else {}
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _fill_record(course: Course, result: Result) -> None:
+    record = read_record(course, result.assignment, result.student)
     result.record_status = record.get("status") or ""
     result.record_reason = record.get("reason") or ""
     result.elapsed = record.get("elapsed")

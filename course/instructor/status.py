@@ -17,7 +17,8 @@ class AssignmentStatus:
     submitted: int = 0
     graded: int = 0
     feedback: int = 0
-    #: (student, "failed" | "timeout" | "on Slurm" | "on Kubernetes" | "not graded yet", why, log file or None)
+    #: (student, "failed" | "timeout" | "on Slurm" | "on Kubernetes" | "not graded (interrupted)" | "not graded yet",
+    #: why, log file or None)
     problems: list[tuple[str, str, str, str | None]] = field(default_factory=list)
 
 
@@ -26,6 +27,7 @@ def course_status(course: Course) -> list[AssignmentStatus]:
     # here, not at the top: status --student needs neither (autograde imports nbformat, seconds)
     from course.instructor.autograde.batch import elsewhere
     from course.instructor.autograde.records import Submission, is_graded, missing_notebook_reason, read_record
+    from course.instructor.results import INTERRUPTED
 
     with course.gradebook() as gb:
         in_gradebook = {a.name for a in gb.assignments}
@@ -51,6 +53,8 @@ def course_status(course: Course) -> list[AssignmentStatus]:
                 status.problems.append((student, f"on {where.scheduler}", f"{where.place}: {where.merge}", None))
             elif record.get("status") in ("failed", "timeout"):
                 status.problems.append((student, record["status"], record.get("reason", ""), record.get("log")))
+            elif record.get("status") == "interrupted":  # stopped before it ended: no failure, the next run grades it
+                status.problems.append((student, INTERRUPTED, record.get("reason", ""), None))
             else:
                 status.problems.append((student, "not graded yet", "run ddp-course autograde", None))
         report.append(status)
@@ -81,6 +85,8 @@ def notebook_lines(result) -> list[str]:
             lines.append(line)
     if result.state == "not graded" and result.record_status in ("failed", "timeout"):
         lines.append(f"[red]grading {result.record_status}: {escape(result.record_reason)}")
+    elif result.interrupted:
+        lines.append(f"[yellow]grading interrupted: {escape(result.record_reason)}")
     return lines
 
 
@@ -129,7 +135,7 @@ def student_view(course: Course, student: str, all_checks: bool = False) -> list
     from rich.table import Table
 
     from course.instructor.late import late_by
-    from course.instructor.results import check_descriptions, class_results, source_checks
+    from course.instructor.results import INTERRUPTED, check_descriptions, class_results, source_checks
 
     results = class_results(course, students=[student])
     if not results:
@@ -147,6 +153,8 @@ def student_view(course: Course, student: str, all_checks: bool = False) -> list
         state = result.state
         if result.state == "not graded" and result.record_status in ("failed", "timeout"):
             state = f"[red]{result.record_status}"
+        elif result.interrupted:
+            state = f"[yellow]{INTERRUPTED}"
         elif result.state == "graded" and result.notebooks_in("not submitted"):
             state = "graded, [red]partial"
         table.add_row(result.assignment, state, score, late, "\n".join(notebook_lines(result)),
