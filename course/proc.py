@@ -4,7 +4,7 @@ Owns the few things the sandbox, the launcher and the autograde workers each do 
 process of their own (libc's ``prctl`` through ctypes: Python 3.11 has no binding).
 Imports nothing of the project: every package may import it.
 Entry points: :func:`prctl`, :func:`set_process_name`, :func:`make_undumpable`,
-:func:`close_descriptors_except`, :func:`kill_tree`, :func:`kill_group`.
+:func:`close_descriptors_except`, :func:`kill_tree`, :func:`kill_group`, :func:`dies_with_caller`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import sys
 
-PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 15, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 15, 36, 38
 
 _libc = None
 
@@ -91,3 +92,27 @@ def kill_group(pid: int | None) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+#: run by :func:`dies_with_caller` before the command: the death signal, asked for in the child itself (the
+#: kernel keeps it across exec), then the command in its place (same pid); ``python -I -S``: nothing else imported
+_DEATH_SIGNAL_SHIM = """\
+import ctypes, ctypes.util, os, sys
+try:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+libc.prctl({option}, ctypes.c_ulong(int(sys.argv[1])), 0, 0, 0)
+if os.getppid() != int(sys.argv[2]):
+    os._exit(1)  # the caller ended before the signal was asked for: it would never come
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+
+def dies_with_caller(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
+    """``argv`` as a command that gets ``sig`` when the thread that starts it ends (``PR_SET_PDEATHSIG``), however
+    it ends: a process in a session of its own outlives a caller killed before its cleanup ran (SIGTERM's default,
+    SIGKILL) otherwise. Start it with ``subprocess.Popen`` from a thread that outlives it (the one that waits for
+    it); it is exec'd in place of a tiny shim, so its pid is the Popen's."""
+    shim = _DEATH_SIGNAL_SHIM.format(option=PR_SET_PDEATHSIG)
+    return [sys.executable, "-I", "-S", "-c", shim, str(int(sig)), str(os.getpid()), *argv]

@@ -370,6 +370,78 @@ def _processes() -> list[str]:
     return found
 
 
+#: a process that launches a job under torchrun, as a check does, and waits for it
+_LAUNCHER = "import sys\nfrom course.launcher import torchrun\ntorchrun.run_script(sys.argv[1], 'nodes')\n"
+
+
+def _cmdline(proc) -> str:
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _still_running(procs: list, within: float) -> list:
+    """Those of ``procs`` still running after ``within`` s (a zombie waiting for its reaper counts as ended)."""
+    import psutil
+
+    end = time.monotonic() + within
+    while True:
+        running = []
+        for proc in procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    running.append(proc)
+            except psutil.Error:
+                pass
+        if not running or time.monotonic() > end:
+            return running
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_no_agent_or_worker_outlives_the_process_that_launched_them(tmp_path, sig):
+    """The agents and their workers run in sessions of their own (the launcher stops each job's whole tree), so
+    a launching process killed before it could stop them (SIGTERM does not run its cleanup, SIGKILL nothing) left
+    them running: the agents die with it, and the workers with them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(600)  # until stopped\n")
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(script)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(tmp_path)})  # its job folder
+    tree: list = []
+    try:
+        launcher, end = psutil.Process(proc.pid), time.monotonic() + 150
+        while len([p for p in tree if "torchrun_probe" in _cmdline(p)]) < sum(torchrun.NODES_WORKERS):
+            assert proc.poll() is None, "the launching process ended before its workers ran"
+            assert time.monotonic() < end, [_cmdline(p) for p in tree]
+            time.sleep(0.2)
+            tree = launcher.children(recursive=True)
+        assert len([p for p in tree if "torch.distributed.run" in _cmdline(p)]) == 2, [_cmdline(p) for p in tree]
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=30)
+        left = _still_running(tree, within=15)
+        assert not left, [(p.pid, _cmdline(p)) for p in left]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in tree:  # nothing of this test's is left for the next one, whatever failed
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
 def _worker(rank, output="", events=("start", "exit"), pid=None, t=0.0):
     return torchrun.Worker(pid=pid or 100 + rank, rank=rank, local_rank=rank, world_size=3, group_rank=0, attempt=0,
                            events=[{"event": e, "t": t + i} for i, e in enumerate(events)], output=output)

@@ -54,8 +54,9 @@ def _redirect_output(log_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=_LOG_FILE, all_threads=False, chain=False)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """End this rank (and its children) if the launching process disappears."""
+def watch_parent(parent_pid: int) -> None:
+    """End this process (and its process group: a rank, a torchrun worker and their children) once the launching
+    process ``parent_pid`` is gone, killed before it could stop its job (checked every 0.5 s, by a thread)."""
 
     def watch() -> None:
         while True:
@@ -310,7 +311,7 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
     except OSError:
         pass
     _redirect_output(spec.log_path)
-    _watch_parent(spec.parent_pid)
+    watch_parent(spec.parent_pid)
     os.environ.clear()
     os.environ.update(spec.env)
     os.chdir(spec.cwd)

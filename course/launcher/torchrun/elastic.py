@@ -46,6 +46,7 @@ from course.launcher.torchrun.runner import (
     _stop,
     _working,
 )
+from course.proc import dies_with_caller
 
 ELASTIC_TIMEOUT = 150.0
 INPUT_FEATURES = 4  # the given model's first layer: the probe logs the rows it receives
@@ -145,7 +146,7 @@ def _launch(script: str, plan: Plan) -> Run:
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",
                    f"--log-dir={job}/logs{name}", PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
             logs.append(open(os.path.join(job, f"agent{name}.log"), "wb"))  # noqa: SIM115 - closed below
-            procs[name] = subprocess.Popen(cmd, cwd=job, env={**env, "DDP_COURSE_PROBE_NODE": name},
+            procs[name] = subprocess.Popen(dies_with_caller(cmd), cwd=job, env={**env, "DDP_COURSE_PROBE_NODE": name},
                                            stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
                                            start_new_session=True)
 

@@ -48,6 +48,7 @@ import torch
 
 from course.errors import CheckFailed
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
+from course.proc import dies_with_caller
 
 CRASH_RANK = 1
 CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
@@ -197,6 +198,7 @@ def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None) 
     env.update(
         DDP_COURSE_PROBE_DIR=probe_dir,
         DDP_COURSE_PROBE_WATCH=os.pathsep.join(watched),
+        DDP_COURSE_PROBE_LAUNCHER=str(os.getpid()),  # each worker ends when this process is gone
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # pytorch#135712: restarts fail in Gloo connectFullMesh
         CUDA_VISIBLE_DEVICES="",  # grade on gloo/CPU everywhere, deterministically
         OMP_NUM_THREADS="1",
@@ -252,8 +254,9 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         logs, procs = [], []
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
-            procs.append(subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=logs[-1],
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            # a session of its own (_stop kills its group), and killed when this process dies before _stop can
+            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         timed_out, stall, stranded = False, None, False
         alive: set[int] = set()
         try:

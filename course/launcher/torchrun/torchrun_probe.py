@@ -43,9 +43,11 @@ import signal
 import sys
 import time
 
-from course.launcher.rank import start_stall_probe
+from course.launcher.rank import start_stall_probe, watch_parent
 
 PROBE_DIR = "DDP_COURSE_PROBE_DIR"
+#: the pid of the process that launched the job: a worker ends once it is gone (its agent is gone then too)
+LAUNCHER = "DDP_COURSE_PROBE_LAUNCHER"
 CRASH_RANK = "DDP_COURSE_PROBE_CRASH_RANK"
 CRASH_STEP = "DDP_COURSE_PROBE_CRASH_STEP"
 CRASH_EXIT_CODE = 17
@@ -311,6 +313,8 @@ def install(probe_dir: str, watched: list[str]) -> None:
     sys.addaudithook(_audit)
     _patch_torch()
     _start_stall_probe(probe_dir, pid)
+    if os.environ.get(LAUNCHER, "").isdigit():  # the launcher's own agents die with it (PR_SET_PDEATHSIG); the
+        watch_parent(int(os.environ[LAUNCHER]))  # workers run in sessions of their own, and would outlive them
 
 
 def _start_stall_probe(probe_dir: str, pid: int) -> None:
