@@ -731,8 +731,8 @@ def stop_while_grading(course_dir: Path, args: list[str], how: str, deadline: fl
             elif how == "sigterm":
                 proc.send_signal(signal.SIGTERM)
             else:
-                workers = [p for p in run.children() if p.cmdline() == run.cmdline()]
-                assert workers, [p.cmdline() for p in run.children()]
+                workers = [p for p in run.children() if p.cmdline() == run.cmdline()]  # forked: the same command
+                assert workers, [p.pid for p in run.children()]
                 for worker in workers:
                     worker.send_signal(signal.SIGINT)
             rc = proc.wait(timeout=60)
