@@ -1,23 +1,40 @@
 """Checks for exercise 1, part 4: tensor parallelism by hand (exercises/ex1-parallelism/parallelism.ipynb).
 
-The student writes ``tensor_parallel_mlp(mlp, rank, world_size)``: given the whole two-layer MLP
-``Linear(d_in, hidden) -> Tanh -> Linear(hidden, d_out)`` on every rank, it returns a module that
-holds only this rank's shards (a block of the hidden units: rows of the first weight and bias,
-columns of the second weight; the second bias whole) and whose forward gives the whole MLP's output
-on every rank. Two checks read one job (:func:`course.checks.memo`):
+The student writes ``tensor_parallel_mlp(mlp, rank, world_size)``: given the two-layer MLP
+``Linear(d_in, hidden) -> Tanh -> Linear(hidden, d_out)`` with only this rank's shards filled in (a
+block of the hidden units: rows of the first weight and bias, columns of the second weight; the second
+bias whole; every other entry NaN), it returns a module that holds those shards and whose forward
+gives the whole MLP's output on every rank.
+
+Each rank draws its own shards, in the harness, from the OS's randomness (:func:`_private_shard`, with
+``os.urandom`` taken when this module is imported), before any of the student's code is called: no
+other rank, and no public seed, knows them. The whole MLP the checks compare with is put together
+in the grader's process from the ranks' returned shards (immutable tuples of floats). So a rank can
+only produce the whole output, or the input's whole gradient, from what the other ranks send it: a
+module that computes locally (the whole model it was given, one rebuilt from the checks' seed found
+in the caller's frames) gets NaN or another MLP's numbers, and a decoy all-reduce of the right
+partial values whose result is then ignored leaves an output that is not the all-reduce's sum.
+
+Two checks read one job (:func:`course.checks.memo`):
 
 * :func:`check_tensor_parallel`: the output, the input's gradient and every parameter's gradient
   equal the unsplit model's (its weights sliced), on every rank, for every world size;
 * :func:`check_tensor_parallel_collectives`: each forward ran exactly one all-reduce, of the output's
   size, carrying this rank's partial output; each backward exactly one, of the input's size, carrying
-  this rank's partial input gradient; nothing else. Counted and sized by torch's flight recorder and
-  read by the spy on torch's collective ops (:mod:`graders.comm_spy`), both set up before any student
-  object exists: renaming, patching or faking ``torch.distributed`` functions changes neither.
+  this rank's partial input gradient; nothing else; and what the ranks got back is what they used:
+  every rank's output is the sum of what all the ranks' forward all-reduces carried (plus the bias),
+  and its ``x.grad`` the sum of what their backward all-reduces carried (both summed here, in the
+  grader's process). Counted and sized by torch's flight recorder and read by the spy on torch's
+  collective ops (:mod:`graders.comm_spy`), both set up before any student object exists: renaming,
+  patching or faking ``torch.distributed`` functions changes neither; the harness holds its references
+  to them (and to ``os.urandom``) as default arguments, bound when this module was first imported, so
+  reloading or re-executing this module from the student's code does not reach the running harness.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -37,18 +54,71 @@ try:  # torch's DTensor, taken now: an answer may use torch.distributed.tensor.p
 except ImportError:  # pragma: no cover - every torch the course supports has it
     _DTensor, _TO_LOCAL = None, None
 
+_NAN = ("the result holds NaN: the module used entries of the weights outside this rank's shard (each rank is given "
+        "only its own shards; every other entry of the sharded weights is NaN)",
+        "keep and use only this rank's block: rows rank*k..(rank+1)*k-1 of the first weight and bias, the same columns "
+        "of the second weight (k = hidden / world_size); the other ranks' parts of the output reach this rank through "
+        "the all-reduce. With torch's parallelize_module, pass src_data_rank=None so that each rank keeps its own "
+        "entries instead of rank 0's")
 _SHAPE_HINT = ("nn.Linear's weight has shape (out_features, in_features) and computes x @ weight.T + bias: the "
                "column-parallel layer keeps a block of ROWS of its weight (some output features) and the same entries "
                "of its bias; the row-parallel layer keeps the same block of COLUMNS of its weight (its input features) "
                "and the whole bias")
 
 
-# --- the model and data (the same in every rank and in the checker) ---------------------------------
+# --- the model and data --------------------------------------------------------------------------------
 
 
 def make_mlp(seed: int, d_in: int, hidden: int, d_out: int) -> nn.Sequential:
+    """The MLP's shape and its second bias (public, the same on every rank); the sharded weights are each rank's own
+    (:func:`_private_shard`)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+
+def _private_shard(dims, world_size: int, _urandom=os.urandom, _from_bytes=int.from_bytes) -> tuple:
+    """This rank's shards, drawn from the OS's randomness: (rows of the first weight, entries of the first bias,
+    columns of the second weight), each a tuple of Python floats (row-major), uniform in nn.Linear's init range.
+
+    Plain Python arithmetic on bytes from ``os.urandom`` (taken when this module was imported): nothing the
+    student's code patches in torch changes the values, and the tuples cannot be changed in place."""
+    _, d_in, hidden, d_out = dims
+    k = hidden // world_size
+    sizes, bounds = (k * d_in, k, d_out * k), (d_in ** -0.5, d_in ** -0.5, hidden ** -0.5)
+    raw = _urandom(2 * sum(sizes))
+    values = [(_from_bytes(raw[2 * i:2 * i + 2], "little") / 32767.5 - 1.0) for i in range(sum(sizes))]
+    out, at = [], 0
+    for size, bound in zip(sizes, bounds):
+        out.append(tuple(v * bound for v in values[at:at + size]))
+        at += size
+    return tuple(out)
+
+
+def _given_mlp(seed: int, dims, world_size: int, rank: int, shard) -> nn.Sequential:
+    """The MLP a rank is given: its own shards in place, NaN in every other entry of the sharded weights."""
+    _, d_in, hidden, d_out = dims
+    mlp = make_mlp(seed, d_in, hidden, d_out)
+    blk = _block(hidden, world_size, rank)
+    k = blk.stop - blk.start
+    with torch.no_grad():
+        for p in (mlp[0].weight, mlp[0].bias, mlp[2].weight):
+            p.fill_(float("nan"))
+        mlp[0].weight[blk] = torch.tensor(shard[0], dtype=torch.float32).reshape(k, d_in)
+        mlp[0].bias[blk] = torch.tensor(shard[1], dtype=torch.float32)
+        mlp[2].weight[:, blk] = torch.tensor(shard[2], dtype=torch.float32).reshape(d_out, k)
+    return mlp
+
+
+def _assembled(seed: int, dims, shards: list) -> tuple:
+    """(w1, b1, w2, b2): the whole MLP the ranks' shards make up (in the grader's process)."""
+    _, d_in, hidden, d_out = dims
+    world_size = len(shards)
+    k = hidden // world_size
+    b2 = make_mlp(seed, d_in, hidden, d_out)[2].bias.detach()
+    w1 = torch.cat([torch.tensor(s[0], dtype=torch.float32).reshape(k, d_in) for s in shards])
+    b1 = torch.cat([torch.tensor(s[1], dtype=torch.float32) for s in shards])
+    w2 = torch.cat([torch.tensor(s[2], dtype=torch.float32).reshape(d_out, k) for s in shards], dim=1)
+    return w1, b1, w2, b2
 
 
 def _inputs(seed: int, dims, k: int):
@@ -63,10 +133,13 @@ def _block(hidden: int, world_size: int, rank: int) -> slice:
     return slice(rank * k, (rank + 1) * k)
 
 
-@checks.reference
-def _unsplit(seed: int, dims: tuple, k: int) -> dict:
-    """The whole MLP on round k's input: output, every gradient, and the pieces the ranks' partial sums are made of."""
+def _unsplit(weights: tuple, seed: int, dims: tuple, k: int) -> dict:
+    """The whole MLP (``weights``: :func:`_assembled`) on round k's input: output, every gradient, and the pieces
+    the ranks' partial sums are made of."""
     mlp = make_mlp(seed, *dims[1:])
+    with torch.no_grad():
+        for p, value in zip(mlp.parameters(), weights):
+            p.copy_(value)
     x, probe = _inputs(seed, dims, k)
     x.requires_grad_()
     z = mlp[0](x)
@@ -85,18 +158,18 @@ def _unsplit(seed: int, dims: tuple, k: int) -> dict:
 # --- the harness (runs on every rank) ----------------------------------------------------------------
 
 
-def _mark() -> dict:
+def _mark(collectives=_REAL.collectives) -> dict:
     """Each group's last sequence number so far (collectives and point-to-point apart)."""
     mark: dict = {}
-    for e in _REAL.collectives():
+    for e in collectives():
         key = (e["group"], e["p2p"])
         mark[key] = max(mark.get(key, 0), (e["p2p_seq"] if e["p2p"] else e["seq"]) or 0)
     return mark
 
 
-def _since(mark: dict) -> list[dict]:
+def _since(mark: dict, collectives=_REAL.collectives) -> list[dict]:
     out = []
-    for e in _REAL.collectives():
+    for e in collectives():
         if ((e["p2p_seq"] if e["p2p"] else e["seq"]) or 0) > mark.get((e["group"], e["p2p"]), 0):
             out.append({"op": e["op"], "numels": [math.prod(s) for s in e["sizes"] or []],
                         "shapes": [list(s) for s in e["sizes"] or []]})
@@ -112,27 +185,32 @@ def _local(t):
     return t.detach().to("cpu", torch.float32).clone() if isinstance(t, torch.Tensor) else f"<{type(t).__name__}>"
 
 
-def _harness(rank, build, seed, dims, rounds):
+def _harness(rank, build, seed, dims, rounds, _world_size=_REAL.get_world_size, _draw=_private_shard,
+             _spy=comm_spy.spy, _mark=_mark, _since=_since, _local=_local):
+    # the references the harness acts and observes with are default arguments: bound when this module was first
+    # imported (in a rank, before any student object is unpickled), so a reload or re-execution of this module
+    # by the student's code rebinds the module's names, never these
     dev = checks.join_job()
-    world_size = _REAL.get_world_size()
-    mlp = make_mlp(seed, *dims[1:]).to(dev)
+    world_size = _world_size()
+    shard = _draw(dims, world_size)  # this rank's own weights: no other process knows them
+    mlp = _given_mlp(seed, dims, world_size, rank, shard).to(dev)
+    out = {"module": None, "rounds": [], "shard": shard}
     module = build(mlp, rank, world_size)
     if not isinstance(module, nn.Module):
-        return {"module": type(module).__name__, "rounds": []}
+        return {"module": type(module).__name__, "rounds": [], "shard": shard}
     params = list(module.parameters())
-    out = {"module": None, "rounds": []}
     for k in range(rounds):
         for p in params:
             p.grad = None
         x, probe = (t.to(dev) for t in _inputs(seed, dims, k))
         x.requires_grad_()
         mark = _mark()
-        spy, carried_forward = comm_spy.spy()
+        spy, carried_forward = _spy()
         with spy:
             y = module(x)
         forward = _since(mark)
         mark = _mark()
-        spy, carried_backward = comm_spy.spy()
+        spy, carried_backward = _spy()
         if isinstance(y, torch.Tensor) and y.shape == probe.shape and y.requires_grad:
             with spy:
                 (y * probe).sum().backward()
@@ -188,12 +266,40 @@ def _judge_every_round(check, judge, tensor_parallel_mlp, world_sizes, seed, dim
             raise ValueError(f"hidden={dims[2]} is not divisible by world_size={world_size}")
         job = _observe(check, tensor_parallel_mlp, world_size, seed, dims, rounds)
         where = _where(world_size, dims, seed)
+        weights = _assembled(seed, dims, _shards(check, job, dims, world_size))
         for k in range(rounds):
-            want = _unsplit(seed, tuple(dims), k)
-            checks.on_every_rank([obs["rounds"][k] for obs in job],
-                                 lambda rank, got, want=want, ws=world_size, where=where: judge(
-                                     check, rank, got, want, ws, dims, where))
+            want = _unsplit(weights, seed, tuple(dims), k)
+            seen = [dict(obs["rounds"][k]) for obs in job]
+            for phase in ("forward", "backward"):  # what every rank got back from its all-reduce, summed here
+                sent = [_one_sent(got[f"carried_{phase}"]) for got in seen]
+                summed = None if any(v is None or v.shape != sent[0].shape for v in sent) else sum(sent)
+                for got in seen:
+                    got[f"summed_{phase}"] = summed
+            checks.on_every_rank(seen, lambda rank, got, want=want, ws=world_size, where=where: judge(
+                check, rank, got, want, ws, dims, where))
     passed(check)
+
+
+def _one_sent(carried: list):
+    """The values of a phase's one collective seen carrying values (flat), or None if it had not exactly one."""
+    values = [v for r in carried for v in r["values"]]
+    return values[0] if len(carried) == 1 and len(values) == 1 else None
+
+
+def _shards(check, job, dims, world_size) -> list:
+    """Each rank's own shards, as its harness drew them (tuples of floats of the shard's sizes)."""
+    _, d_in, hidden, d_out = dims
+    k = hidden // world_size
+    sizes = (k * d_in, k, d_out * k)
+    shards = [obs.get("shard") for obs in job]
+    bad = [r for r, s in enumerate(shards) if not (isinstance(s, (tuple, list)) and len(s) == 3 and all(
+        isinstance(part, (tuple, list)) and len(part) == n and all(isinstance(v, float) for v in part)
+        for part, n in zip(s, sizes)))]
+    if bad:
+        raise CheckFailed(check, "the grader's record of the shards it gave the ranks was changed", ranks=bad,
+                          expected="the harness's record of each rank's shards, as drawn",
+                          hint="leave the grader's objects alone: use only the MLP your function is given")
+    return shards
 
 
 def check_tensor_parallel(tensor_parallel_mlp, *, world_sizes=(2, 3), seed=0, dims=DIMS, rounds=ROUNDS):
@@ -213,7 +319,9 @@ def _judge_values(check, rank, got, want, world_size, dims, where):
                           "rank ends with the whole output")
     if not _close(y, want["y"]):
         partial = want["h"][:, blk] @ w2[:, blk].T
-        if _close(y, want["y"] + (world_size - 1) * b2):
+        if bool(torch.isnan(y).any()):
+            problem, hint = _NAN
+        elif _close(y, want["y"] + (world_size - 1) * b2):
             problem, hint = ("the second layer's bias was added on every rank before the sum: the output holds it "
                              f"{world_size} times", "add the row-parallel layer's bias once, after the all-reduce "
                              "(every rank holds the whole bias), never to the partial outputs")
@@ -242,7 +350,9 @@ def _judge_input_grad(check, rank, x_grad, want, world_size, blk, where):
     if _close(x_grad, want["x_grad"]):
         return
     partial = want["z_grad"][:, blk] @ w1[blk]
-    if _close(x_grad, partial):
+    if isinstance(x_grad, torch.Tensor) and bool(torch.isnan(x_grad).any()):
+        problem, hint = _NAN
+    elif _close(x_grad, partial):
         problem, hint = ("the input's gradient is only this rank's part: it was never summed over the ranks in "
                          "backward", "every rank uses the whole input for its block of hidden units, so each holds only "
                          "a partial gradient of it: the function that feeds the column-parallel layer must all-reduce "
@@ -384,3 +494,21 @@ def _judge_collectives(check, rank, got, want, world_size, dims, where):
                               got=f"max difference {diff.abs().max().item():.3g}",
                               hint="all-reduce the tensor you compute, not a copy or zeros; the sum is what every rank "
                               "must use afterwards")
+    # what the all-reduces returned (the ranks' carried values, summed in the grader's process) must be what the
+    # rank used: its output is the forward's sum plus the bias, its x.grad the backward's sum
+    for phase, result, what in (("forward", got["y"], "output"), ("backward", got["x_grad"], "input's gradient")):
+        summed = got[f"summed_{phase}"]
+        if summed is None:
+            continue  # some rank's all-reduce was not seen carrying values: that rank's own verdict says so
+        rest = result - summed.reshape(result.shape) if isinstance(result, torch.Tensor) and \
+            result.numel() == summed.numel() else None
+        if phase == "forward" and rest is not None:
+            rest = rest - rest[0]  # the bias, added after the sum, is the same in every row
+        if rest is None or not bool(rest.abs().max() <= ATOL):
+            raise CheckFailed(check, f"the {what} is not what the {phase}'s all-reduce returned ({where})", ranks=[rank],
+                              expected=f"the {what} made of the sum of the values every rank's {phase} all-reduce "
+                              "carried" + (" (plus the second bias)" if phase == "forward" else ""),
+                              got="another tensor" if rest is None else f"max difference {rest.abs().max().item():.3g}",
+                              hint="use the result of the all-reduce: a collective whose result is thrown away while "
+                              "the rank computes the " + what + " some other way is not tensor parallelism (each rank "
+                              "holds only its own shards: the other ranks' parts reach it only through the sum)")

@@ -468,7 +468,8 @@ def tp_dtensor(mlp, rank, world_size):  # torch's own API: DTensor parameters, f
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world_size,))
-    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # each rank holds only its own shards (NaN elsewhere): keep them, instead of scattering rank 0's
+    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=None)
 
 
 class _BiasOnRankZero(_TPMLP):
@@ -574,8 +575,8 @@ def test_tensor_parallel_forged_collectives_lose_the_collectives_check():
 
 
 class _Whole(torch.autograd.Function):
-    """A forgery with no communication at all: every rank runs the whole MLP (a copy outside the module's
-    parameters) and writes its shards' gradients from the whole model's by hand."""
+    """A forgery with no communication at all: every rank runs the whole MLP it was given (a copy outside the
+    module's parameters) and writes its shards' gradients from the whole model's by hand."""
 
     @staticmethod
     def forward(ctx, x, holder):
@@ -616,7 +617,8 @@ def tp_forged_local(mlp, rank, world_size):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tensor_parallel_without_communication_loses_the_collectives_check():
-    """Right numbers everywhere, but no rank split any work: the collectives check says so."""
-    VALUES(tp_forged_local)
+def test_tensor_parallel_without_communication_loses_both_checks():
+    """No rank split any work, and none can: each holds only its own shards (NaN elsewhere), so the whole MLP it
+    keeps computes NaN; the collectives check says no all-reduce ran."""
+    fails(VALUES, tp_forged_local, "holds NaN", "outside this rank's shard")
     fails(COMM, tp_forged_local, "the forward ran no all-reduce of the output", "never summed")

@@ -1,0 +1,276 @@
+"""Forgeries of a student who read the public graders/ source (issue 37): one cheap forgery per kind of
+evidence a part's checks used to trust, written as a student would, each scoring 0 on the cells it targets.
+
+* exercise 1, part 4 (tensor parallelism by hand, :mod:`graders.ex1_tp`): a module that computes the whole
+  output locally and issues decoy all-reduces of the right partial values whose results it ignores (from
+  the MLP it is given, or from one rebuilt with the check's seed found in the caller's frames), and one
+  that replaces the grader's references (flight recorder, collective spy) from its own code;
+* exercise 2, the sampler (:mod:`graders.ex2_sampler`): torch's DistributedSampler with the grader's patch
+  undone (the module reloaded and the profile hook removed, or its source executed under another name);
+* exercise 2, DDP in practice (:mod:`graders.ex2_practice`): one big batch in place of the micro-batches,
+  and an evaluation that recomputes the metric locally from the labels the check's public seed (read from
+  the caller's frame) gives.
+
+Each forgery is called on the checks directly (in this process; the ranks are real) and, for one forgery
+per notebook, graded in its notebook, where it must lose exactly the cells it targets.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graders.ex1_tp as tp
+
+# The ranks get this module's functions by value: they cannot import a test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+fails = submissions.fails
+VALUES, COMM = tp.check_tensor_parallel, tp.check_tensor_parallel_collectives
+
+
+# --- exercise 1, part 4: tensor parallelism ------------------------------------------------------------
+
+
+class _Decoy(torch.autograd.Function):
+    """Forward: all-reduce a copy of this rank's partial output (the right values), ignore the result and hand
+    on the locally computed whole output. Backward: the identity."""
+
+    @staticmethod
+    def forward(ctx, y, partial):
+        dist.all_reduce(partial.detach().clone())  # the decoy the flight recorder and the spy see
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _DecoyBack(torch.autograd.Function):
+    """Forward: the identity on the input. Backward: all-reduce a copy of this rank's partial input gradient
+    (noted by a hook on the pre-activations), ignore the result, pass the whole local gradient on."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.holder = holder
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(ctx.holder["partial_in"].clone())
+        return grad, None
+
+
+class _LocalWithDecoys(nn.Module):
+    """Holds exactly its four shards as parameters, but computes the whole MLP locally from a whole copy kept
+    outside its parameters; the gradients reach the shards through the whole weights they are spliced into."""
+
+    def __init__(self, whole, rank, world_size):
+        super().__init__()
+        first, _, second = whole
+        k = first.out_features // world_size
+        self.blk = slice(rank * k, (rank + 1) * k)
+        self.w1 = nn.Parameter(first.weight.detach()[self.blk].clone())
+        self.b1 = nn.Parameter(first.bias.detach()[self.blk].clone())
+        self.w2 = nn.Parameter(second.weight.detach()[:, self.blk].clone())
+        self.b2 = nn.Parameter(second.bias.detach().clone())
+        self.whole = {"w1": first.weight.detach().clone(), "b1": first.bias.detach().clone(),
+                      "w2": second.weight.detach().clone()}  # a dict: not a parameter, not a buffer
+
+    def _spliced(self, name, shard, dim):
+        whole, blk = self.whole[name], self.blk
+        before = whole.narrow(dim, 0, blk.start)
+        after = whole.narrow(dim, blk.stop, whole.shape[dim] - blk.stop)
+        return torch.cat([before, shard, after], dim=dim)
+
+    def forward(self, x):
+        holder = {}
+        x = _DecoyBack.apply(x, holder)
+        w1, b1, w2 = self._spliced("w1", self.w1, 0), self._spliced("b1", self.b1, 0), self._spliced("w2", self.w2, 1)
+        z = F.linear(x, w1, b1)
+        if z.requires_grad:
+            z.register_hook(lambda g: holder.__setitem__("partial_in", g[:, self.blk] @ self.w1.detach()))
+        h = torch.tanh(z)
+        y = F.linear(h, w2, self.b2)
+        partial = h[:, self.blk].detach() @ self.w2.detach().T
+        return _Decoy.apply(y, partial)
+
+
+def tp_decoy(mlp, rank, world_size):
+    """Decoy collectives carrying the right values; the result computed locally from the MLP it was given."""
+    return _LocalWithDecoys(mlp, rank, world_size)
+
+
+def tp_decoy_from_frames(mlp, rank, world_size):
+    """The same, from the whole MLP rebuilt with the check's own seed and sizes, read in the caller's frame."""
+    caller = sys._getframe(1).f_locals
+    import graders.ex1_tp as grader
+
+    return _LocalWithDecoys(grader.make_mlp(caller["seed"], *caller["dims"][1:]), rank, world_size)
+
+
+class _Records:
+    """What the forged flight recorder and spy say: this rank's 'collectives', appended by the module."""
+
+    entries: list = []
+    carried: list = [[]]
+
+
+def _forged_collectives():
+    return list(_Records.entries)
+
+
+def _forged_spy():
+    import contextlib
+
+    _Records.carried[0] = []
+    return contextlib.nullcontext(), _Records.carried[0]
+
+
+class _Forged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, partial, partial_in_holder, batch_in):
+        ctx.holder, ctx.size = partial_in_holder, batch_in
+        _Records.entries.append({"op": "all_reduce", "seq": len(_Records.entries) + 1, "p2p_seq": None, "p2p": False,
+                                 "group": "0", "sizes": [list(y.shape)]})
+        _Records.carried[0].append({"op": "all_reduce", "values": [partial.reshape(-1).clone()]})
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Records.entries.append({"op": "all_reduce", "seq": len(_Records.entries) + 1, "p2p_seq": None, "p2p": False,
+                                 "group": "0", "sizes": [list(ctx.size)]})
+        return grad, None, None, None
+
+
+class _LocalWithForgedRecords(_LocalWithDecoys):
+    """No communication at all: the grader's flight recorder and collective spy are replaced, in the grader's own
+    modules, by functions that report one right all-reduce each way."""
+
+    def forward(self, x):
+        holder = {}
+        w1, b1, w2 = self._spliced("w1", self.w1, 0), self._spliced("b1", self.b1, 0), self._spliced("w2", self.w2, 1)
+        z = F.linear(x, w1, b1)
+        if z.requires_grad:
+            z.register_hook(lambda g: _Records.carried[0].append(
+                {"op": "all_reduce", "values": [(g[:, self.blk] @ self.w1.detach()).reshape(-1).clone()]}))
+        h = torch.tanh(z)
+        y = F.linear(h, w2, self.b2)
+        partial = h[:, self.blk].detach() @ self.w2.detach().T
+        return _Forged.apply(y, partial, holder, tuple(x.shape))
+
+
+def tp_patched_grader(mlp, rank, world_size):
+    import types
+
+    import graders.comm_spy as spy_module
+    import graders.ex1_tp as grader
+
+    real = grader._REAL
+    grader._REAL = types.SimpleNamespace(collectives=_forged_collectives, get_world_size=real.get_world_size)
+    spy_module.spy = _forged_spy
+    return _LocalWithForgedRecords(mlp, rank, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_decoys_over_a_local_result_lose_both_checks():
+    """Each rank holds only its own (random) shards, NaN elsewhere: the local whole output is NaN, and the
+    all-reduce's sum (the ranks' carried values, summed by the grader) is not what the rank returned."""
+    fails(VALUES, tp_decoy, "holds NaN", "outside this rank's shard")
+    fails(COMM, tp_decoy, "the output is not what the forward's all-reduce returned", "use the result")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_mlp_rebuilt_from_the_callers_seed_loses_both_checks():
+    """The seed in the caller's frame makes the MLP's public parts only: the shards are each rank's own, so the
+    rebuilt MLP's numbers are another MLP's, its decoy's too."""
+    fails(VALUES, tp_decoy_from_frames, "the output differs from the unsplit MLP's")
+    fails(COMM, tp_decoy_from_frames, "the forward's all-reduce did not carry this rank's partial output")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_grader_references_replaced_from_the_rank_lose_both_checks():
+    """The harness acts and observes with references bound when its module was imported, never looked up
+    again: replacing the module's _REAL and comm_spy.spy from the student's code reaches nothing."""
+    fails(VALUES, tp_patched_grader, "holds NaN")
+    fails(COMM, tp_patched_grader, "the forward ran no all-reduce of the output")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_decoy_loses_exactly_its_cells_in_the_notebook(tmp_path):
+    nb = submissions.load("ex1-parallelism")
+    source = submissions.answer(nb, "ex1_tensor_parallel")
+    head = source[:source.index("def tensor_parallel_mlp")]
+    forged = head + '''
+class _Decoy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, partial):
+        dist.all_reduce(partial.detach().clone())
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _DecoyBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.holder = holder
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(ctx.holder["partial_in"].clone())
+        return grad, None
+
+
+class Local(nn.Module):
+    def __init__(self, whole, rank, world_size):
+        super().__init__()
+        first, _, second = whole
+        k = first.out_features // world_size
+        self.blk = slice(rank * k, (rank + 1) * k)
+        self.w1 = nn.Parameter(first.weight.detach()[self.blk].clone())
+        self.b1 = nn.Parameter(first.bias.detach()[self.blk].clone())
+        self.w2 = nn.Parameter(second.weight.detach()[:, self.blk].clone())
+        self.b2 = nn.Parameter(second.bias.detach().clone())
+        self.whole = {"w1": first.weight.detach().clone(), "b1": first.bias.detach().clone(),
+                      "w2": second.weight.detach().clone()}
+
+    def spliced(self, name, shard, dim):
+        whole, blk = self.whole[name], self.blk
+        return torch.cat([whole.narrow(dim, 0, blk.start), shard,
+                          whole.narrow(dim, blk.stop, whole.shape[dim] - blk.stop)], dim=dim)
+
+    def forward(self, x):
+        holder = {}
+        x = _DecoyBack.apply(x, holder)
+        z = F.linear(x, self.spliced("w1", self.w1, 0), self.spliced("b1", self.b1, 0))
+        if z.requires_grad:
+            z.register_hook(lambda g: holder.__setitem__("partial_in", g[:, self.blk] @ self.w1.detach()))
+        h = torch.tanh(z)
+        y = F.linear(h, self.spliced("w2", self.w2, 1), self.b2)
+        return _Decoy.apply(y, h[:, self.blk].detach() @ self.w2.detach().T)
+
+
+def tensor_parallel_mlp(mlp, rank, world_size):
+    return Local(mlp, rank, world_size)
+'''
+    nb = submissions.replace_answer(nb, "ex1_tensor_parallel", forged)
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex1-parallelism"))
+    submissions.assert_loses_exactly(report, "ex1-parallelism",
+                                     ["ex1_test_tensor_parallel", "ex1_test_tensor_parallel_collectives"],
+                                     ["holds NaN"])
+
