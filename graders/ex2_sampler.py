@@ -15,12 +15,19 @@ seeds its augmentations with ``base + rank``: a sampler whose order comes from t
 not from its seed and epoch, splits the data differently on each rank, as it would in a real job. The
 sampler must be the student's own: torch's ``DistributedSampler`` code running during its calls (a
 subclass, a wrapped instance) fails every check (seen by a profile hook on code objects, whatever name
-the student's code reached the class by).
+the student's code reached the class by). Undoing the grader's watch does not hide it: the profile hook
+knows torch's methods by their bytecode (a copy of torch's source executed under another file name
+runs the same bytecode), and after the sampler's calls the harness looks through every function alive
+in the rank for a copy of torch's ``__init__`` or ``__iter__`` that is not torch's own (a reloaded
+``torch.utils.data.distributed``, an ``exec`` of its source), which a profile hook removed by the
+student's code does not hide. What the harness watches with (torch's original methods, the fingerprints,
+``gc.get_objects``) is bound when this module is imported, before any student code runs in a rank.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import random
@@ -59,6 +66,14 @@ def _own_random_state(rank: int) -> None:
 
 
 _TORCH_CALLS = [0]  # calls of torch's DistributedSampler methods in this process, counted by _watch_torch_sampler
+_ORIGINAL_CODES: set = set()  # id() of torch's own code objects of those methods (kept alive by the wrappers)
+#: (bytecode, names) of torch's DistributedSampler.__init__ and __iter__: a copy of them runs the same bytecode,
+#: whatever file it was compiled from (__len__ and set_epoch are one line each, which a student's own may equal)
+_FINGERPRINTS: set = set()
+
+
+def _fingerprint(code) -> tuple:
+    return code.co_code, code.co_names
 
 
 def _watch_torch_sampler() -> None:
@@ -71,7 +86,13 @@ def _watch_torch_sampler() -> None:
     cls = distributed.DistributedSampler
     for name in ("__init__", "__iter__", "__len__", "set_epoch"):
         original = cls.__dict__.get(name)
-        if original is None or getattr(original, "_ddp_course_counted", False):
+        if original is None:
+            continue
+        original = getattr(original, "_ddp_course_original", original)  # wrapped already (a reload of this module)
+        _ORIGINAL_CODES.add(id(original.__code__))
+        if name in ("__init__", "__iter__"):
+            _FINGERPRINTS.add(_fingerprint(original.__code__))
+        if getattr(cls.__dict__[name], "_ddp_course_counted", False):
             continue
 
         @functools.wraps(original)
@@ -79,39 +100,63 @@ def _watch_torch_sampler() -> None:
             _TORCH_CALLS[0] += 1
             return _original(*args, **kwargs)
 
+        del counted.__wrapped__  # no handle on the uncounted original
         counted._ddp_course_counted = True
+        counted._ddp_course_original = original
         setattr(cls, name, counted)
 
 
 _watch_torch_sampler()
 
 
+def _copies(_objects=gc.get_objects, _function=type(_watch_torch_sampler), _originals=_ORIGINAL_CODES,
+            _fingerprints=_FINGERPRINTS, _print=_fingerprint) -> bool:
+    """Whether a function alive in this process runs torch's DistributedSampler.__init__ or __iter__ bytecode
+    without being torch's own (a reloaded module's class, a class executed from its source under another name)."""
+    return any(type(obj) is _function and id(obj.__code__) not in _originals and _print(obj.__code__) in _fingerprints
+               for obj in _objects())
+
+
 class _TorchSamplerSpy:
     """Whether torch's DistributedSampler ran while the student's sampler was used: the counting wrappers above,
-    and a profile hook on code objects (the file tells, whatever name the code was reached by, also after a
-    reload of torch's module)."""
+    a profile hook on code objects (the file, or torch's bytecode, tells, whatever name the code was reached by,
+    also after a reload of torch's module or an exec of its source), and, on leaving, a copy of torch's
+    methods among the live functions (which removing the profile hook does not hide)."""
 
-    def __init__(self):
+    def __init__(self, _calls=_TORCH_CALLS, _fingerprints=_FINGERPRINTS, _print=_fingerprint, _copies=_copies,
+                 _getprofile=sys.getprofile, _setprofile=sys.setprofile):
         self._profiled = False
+        self._copied = False
         self._previous = None
-        self._calls = 0
+        self._counter, self._calls = _calls, 0
+        self._fingerprints, self._print, self._find_copies = _fingerprints, _print, _copies
+        self._getprofile, self._setprofile = _getprofile, _setprofile
+        self._known: dict = {}
 
     @property
     def seen(self) -> bool:
-        return self._profiled or _TORCH_CALLS[0] > self._calls
+        return self._profiled or self._copied or self._counter[0] > self._calls
 
     def _hook(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.endswith(_TORCH_SAMPLER_FILE):
+        if event != "call":
+            return
+        code = frame.f_code
+        known = self._known.get(id(code))
+        if known is None:  # each code object judged once (kept alive here, so its id is not reused)
+            known = self._known[id(code)] = (code, code.co_filename.endswith(_TORCH_SAMPLER_FILE)
+                                             or self._print(code) in self._fingerprints)
+        if known[1]:
             self._profiled = True
 
     def __enter__(self):
-        self._calls = _TORCH_CALLS[0]
-        self._previous = sys.getprofile()
-        sys.setprofile(self._hook)
+        self._calls = self._counter[0]
+        self._previous = self._getprofile()
+        self._setprofile(self._hook)
         return self
 
     def __exit__(self, *exc):
-        sys.setprofile(self._previous)
+        self._setprofile(self._previous)
+        self._copied = self._find_copies()
         return False
 
 
@@ -130,14 +175,14 @@ def _indices(sampler) -> list:
     return out
 
 
-def _contract_harness(rank, Sampler, cases):
+def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy):
     """Each case: this rank's indices in epochs 0 and 1 (set_epoch), epoch 1 again from a new sampler made
     after other random draws, and epoch 0 with another seed."""
     checks.join_job()
     world_size = _REAL.get_world_size()
     _own_random_state(rank)
     out = []
-    with _TorchSamplerSpy() as spy:
+    with _spy() as spy:
         for n, seed, drop_last in cases:
             dataset = IndexDataset(n)
             sampler = _make(Sampler, dataset, world_size, rank, seed, drop_last)
@@ -154,7 +199,7 @@ def _contract_harness(rank, Sampler, cases):
     return {"cases": out, "torch_sampler": spy.seen}
 
 
-def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed):
+def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_TorchSamplerSpy):
     """Train a DDP model with the student's sampler in a DataLoader; note what reached the model every step."""
     dev = checks.join_job()
     world_size = _REAL.get_world_size()
@@ -171,7 +216,7 @@ def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed):
     ddp_model = DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     per_epoch, lengths = [], []
-    with _TorchSamplerSpy() as spy:
+    with _spy() as spy:
         sampler = _make(Sampler, dataset, world_size, rank, seed, False)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
         for epoch in range(epochs):
@@ -203,7 +248,7 @@ def _own(check, values) -> None:
     if used:
         raise CheckFailed(check, "your sampler runs torch's DistributedSampler", ranks=used,
                           expected="a sampler of your own (torch.utils.data.Sampler, or any class with __iter__, "
-                          "__len__ and set_epoch)", got="code of torch/utils/data/distributed.py ran in its calls",
+                          "__len__ and set_epoch)", got="code of torch/utils/data/distributed.py ran in its calls, or a copy of it was made",
                           hint="this part is about writing the split yourself: shuffle with a generator, pad or "
                           "drop, then take this rank's share")
 

@@ -274,3 +274,102 @@ def tensor_parallel_mlp(mlp, rank, world_size):
                                      ["ex1_test_tensor_parallel", "ex1_test_tensor_parallel_collectives"],
                                      ["holds NaN"])
 
+
+# --- exercise 2, the sampler: torch's DistributedSampler with the grader's watch undone -----------------
+
+import graders.ex2_sampler as sampler_checks  # noqa: E402
+
+
+class ReloadedTorchSampler:
+    """torch's DistributedSampler behind a class of its own, with the grader's watch undone: the profile hook
+    removed in every call, torch's module reloaded (a class without the grader's counting wrappers)."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        import importlib
+
+        import torch.utils.data.distributed as module
+
+        sys.setprofile(None)
+        fresh = importlib.reload(module).DistributedSampler
+        self.inner = fresh(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+
+    def __iter__(self):
+        sys.setprofile(None)
+        return iter(list(self.inner))
+
+    def __len__(self):
+        sys.setprofile(None)
+        return len(self.inner)
+
+    def set_epoch(self, epoch):
+        sys.setprofile(None)
+        self.inner.set_epoch(epoch)
+
+
+def _torch_sampler_copy():
+    """torch's DistributedSampler, its module's source executed under another file name."""
+    import inspect
+
+    import torch.utils.data.distributed as module
+
+    namespace = {"__name__": "my_sampler"}
+    exec(compile(inspect.getsource(module), "my_sampler.py", "exec"), namespace)  # noqa: S102
+    return namespace["DistributedSampler"]
+
+
+class CopiedTorchSampler:
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.inner = _torch_sampler_copy()(dataset, num_replicas=num_replicas, rank=rank, seed=seed,
+                                           drop_last=drop_last)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torch_sampler_with_the_watch_undone_loses_every_sampler_check():
+    for forged in (ReloadedTorchSampler, CopiedTorchSampler):
+        for check in (sampler_checks.check_sampler_shards, sampler_checks.check_sampler_order,
+                      sampler_checks.check_sampler_training):
+            fails(check, forged, "your sampler runs torch's DistributedSampler", "a copy of it was made")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torch_sampler_copy_loses_exactly_its_cells_in_the_notebook(tmp_path):
+    nb = submissions.load("ex2-ddp-basics")
+    nb = submissions.replace_answer(nb, "ex2_sampler", '''
+import inspect as _inspect
+import torch.utils.data.distributed as _torch_module
+
+
+def _torch_sampler():
+    namespace = {"__name__": "my_sampler"}
+    exec(compile(_inspect.getsource(_torch_module), "my_sampler.py", "exec"), namespace)
+    return namespace["DistributedSampler"]
+
+
+class ShardSampler(Sampler):
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.inner = _torch_sampler()(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+''')
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex2-ddp-basics"))
+    submissions.assert_loses_exactly(report, "ex2-ddp-basics", ["ex2_test_sampler_shards", "ex2_test_sampler_order",
+                                                                "ex2_test_sampler_training"],
+                                     ["runs torch's DistributedSampler", "a copy of it was made"])
