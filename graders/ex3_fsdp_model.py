@@ -97,12 +97,10 @@ _INIT_PG = _c10d.init_process_group
 
 def _join() -> torch.device:
     """Join the job as the grader: gloo on the CPU, or the job's backend with this rank's GPU (selected first)."""
-    from course.launcher.job import backend
-
     dev = checks.device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        _INIT_PG(backend(), device_id=dev, timeout=PG_TIMEOUT)
+        _INIT_PG(checks.backend(), device_id=dev, timeout=PG_TIMEOUT)
     else:
         _INIT_PG("gloo", timeout=PG_TIMEOUT)
     return dev

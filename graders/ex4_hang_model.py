@@ -303,8 +303,6 @@ def report_rank0(folder: str):
     import glob
     import traceback
 
-    from course.launcher.rank import COLLECTIVE_CODE, JOINING
-
     path = os.path.join(folder, "rank0.state")
     main = threading.main_thread().ident
     done = threading.Event()
@@ -312,8 +310,7 @@ def report_rank0(folder: str):
     def state() -> str:
         frame = sys._current_frames().get(main)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        inside = any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-        return "waiting" if inside and not any(f.name in JOINING for f in stack) else "running"
+        return "waiting" if checks.waiting_in_collective(stack) else "running"
 
     def put(text: str) -> None:
         tmp = f"{path}.{threading.get_ident()}.tmp"  # each writer its own: the thread and returned() may overlap

@@ -32,7 +32,7 @@ import time
 import traceback
 
 from course.launcher import writes
-from course.launcher.rank import COLLECTIVE_CODE, JOINING, under
+from course.launcher.rank import under, waiting_in_collective
 
 #: torch.distributed code a rank runs on its way out, which waits for no peer (gloo's destroy returns at once)
 LEAVING = frozenset({"destroy_process_group", "_shutdown_backend", "_abort_process_group", "shutdown"})
@@ -78,8 +78,7 @@ def _main_thread_state(libraries: tuple[str, ...]) -> tuple[bool, dict | None]:
     """(whether the main thread waits in torch's collective code, its innermost frame of the student's)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     stack = traceback.extract_stack(frame) if frame is not None else []
-    waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-               and not any(f.name in JOINING or f.name in LEAVING for f in stack))
+    waiting = waiting_in_collective(stack, LEAVING)
     for f in reversed(stack):
         if f.filename.startswith(("<frozen", "<string>")) or under(f.filename, libraries):
             continue

@@ -69,6 +69,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from course.envnames import GRADING_ENV
 from course.errors import (
     MISMATCH_ADVICE,
     SAME_COLLECTIVES,
@@ -84,7 +85,8 @@ from course.errors import (
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
 from course.launcher.hold import Hold
-from course.launcher.job import JobResult, launch
+from course.launcher.job import JobResult, backend, launch, resolve_backend
+from course.launcher.rank import waiting_in_collective
 from course.launcher.writes import paused as grader_writes
 from course.launcher.writes import recording as record_writes
 
@@ -97,13 +99,16 @@ __all__ = [
     "Mistake",
     "REAL",
     "answer_source",
+    "backend",
     "collectives",
     "describe",
     "check_timeout",
     "device",
     "expect",
     "grader_writes",
+    "grading",
     "join_job",
+    "launch",
     "memo",
     "on_every_rank",
     "passed",
@@ -112,10 +117,12 @@ __all__ = [
     "rank_list",
     "require_written",
     "require_written_source",
+    "resolve_backend",
     "run",
     "stranded",
     "to_cpu",
     "unwritten",
+    "waiting_in_collective",
 ]
 
 # --------------------------------------------------------------------------- the checker side
@@ -435,12 +442,21 @@ def require_written_source(check: str, source: str, what: str, names: Iterable[s
 
 # --------------------------------------------------------------------------- the rank side
 
+# In __all__, the graders' one door into the engine: ``backend()`` (this job's backend, in a rank),
+# ``resolve_backend(backend, world_size)`` (what "auto" becomes), ``launch`` (a job of a harness, as :func:`run`
+# without the check's failure handling), ``waiting_in_collective(stack)`` (the one rule of "is this thread in a
+# collective": torch's collective code on its stack, not a rendezvous); :mod:`course.checks.torchrun` for scripts.
+
+
+def grading() -> bool:
+    """Whether this process runs inside a grading run (the verifier's checks, or a sandboxed kernel)."""
+    return os.environ.get(GRADING_ENV) == "1"
+
+
 
 def device():
     """This rank's device: its GPU under nccl, else the CPU."""
     import torch
-
-    from course.launcher.job import backend
 
     if backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -451,8 +467,6 @@ def join_job():
     """In a harness: join the job as the grader (not the student) and return this rank's device."""
     import torch
     import torch.distributed as dist
-
-    from course.launcher.job import backend
 
     dev = device()
     if dev.type == "cuda":  # as the lessons teach: select the GPU first, then bind the group to it
