@@ -9,7 +9,6 @@ are unpickled: reassigning torch attributes cannot fake an observation.
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 
 import torch
@@ -90,8 +89,7 @@ _DETACH = torch.Tensor.detach
 _CPU = torch.Tensor.cpu
 _SGD = torch.optim.SGD
 _OPTIMIZER = torch.optim.Optimizer
-_DUMP_FR = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-_LOADS = pickle.loads
+_RECORDED = checks.recorder()  # taken at import, before student code
 _INIT_PG = _c10d.init_process_group
 
 
@@ -126,9 +124,9 @@ def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _gathers_so_far() -> list[int] | None:
     """The per-rank sizes of every all-gather this rank ran so far (the flight recorder); None without one."""
-    if _DUMP_FR is None:
+    if _RECORDED is None:
         return None
-    entries = _LOADS(_DUMP_FR()).get("entries", [])
+    entries = _RECORDED()
     out = []
     for e in entries:
         name = str(e.get("profiling_name", "")).lower()

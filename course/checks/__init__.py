@@ -113,6 +113,7 @@ __all__ = [
     "on_every_rank",
     "passed",
     "record_writes",
+    "recorder",
     "reference",
     "rank_list",
     "require_written",
@@ -478,21 +479,15 @@ def join_job():
 
 
 def _flight_recorder() -> Callable[[], list[dict]]:
-    """:func:`collectives`, with torch's dump function, ``pickle.loads`` and the entry reader taken now.
+    """:func:`collectives`, with the recorder's reader (torch's dump functions, ``pickle.loads``) taken now.
 
     ``course.checks`` is imported in a rank (as a harness's import) before any student object is
     unpickled, so code the student runs later cannot swap what this closure calls: patching
     ``torch._C._distributed_c10d._dump_fr_trace``, ``pickle.loads`` or this module's globals changes
     nothing here."""
-    import pickle
+    from course.launcher.recorder import bind, entry_of
 
-    from course.launcher.stall import entry_of
-
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        _dump_fr_trace = None
-    loads = pickle.loads
+    recorded = bind()
 
     def collectives() -> list[dict]:
         """In a harness: the collectives this rank has issued so far, oldest first, as torch's flight recorder saw them.
@@ -502,19 +497,29 @@ def _flight_recorder() -> Callable[[], list[dict]]:
         to count what a student's step issued, take ``collectives()[-1]["seq"]`` before it and keep
         the entries with a higher sequence number afterwards. The launcher turns the recorder on
         (``TORCH_FR_BUFFER_SIZE``); what it records cannot be faked by patching ``torch.distributed``
-        (it is written by the process group itself), only by really communicating. On gloo the
+        (it is written by the process group itself), only by really communicating. Every backend's
+        recorder is read (:mod:`course.launcher.recorder`: gloo's and nccl's, merged). On gloo the
         entries stay "scheduled": they say what was issued, not when it completed. A torch without
         the flight recorder raises RuntimeError. The references it uses are taken when this module is
         imported (:func:`_flight_recorder`).
         """
-        if _dump_fr_trace is None:
+        if recorded is None:
             raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
-        return [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])]
+        return [entry_of(e) for e in recorded()]
 
     return collectives
 
 
 collectives = _flight_recorder()
+
+
+def recorder(stacks: bool = True) -> Callable[[], list[dict]] | None:
+    """In a harness module, at import (before student code): a reader of this rank's raw flight-recorder entries
+    (torch's dicts, every backend's recorder; ``stacks=False`` without stack traces), or None in a torch without
+    one. :func:`collectives` is the same record in the course's shape."""
+    from course.launcher.recorder import bind
+
+    return bind(stacks)
 
 
 @dataclass(frozen=True)

@@ -154,21 +154,16 @@ def start_stall_probe(spec: dict):
 
     libraries = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
     names = dict(spec.get("cell_names") or {})
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        _dump_fr_trace = None
-    import pickle
+    from course.launcher.recorder import bind, entry_of
 
-    from course.launcher.stall import entry_of
-
-    loads, exists, unlink, replace = pickle.loads, os.path.exists, os.unlink, os.replace
+    recorded = bind()
+    exists, unlink, replace = os.path.exists, os.unlink, os.replace
 
     def answer() -> None:
         entries = []
-        if _dump_fr_trace is not None:
+        if recorded is not None:
             try:
-                entries = [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])[-16:]]
+                entries = [entry_of(e) for e in recorded()[-16:]]
             except Exception:  # noqa: BLE001 - no flight recorder answer: the launcher decides nothing
                 entries = None
         frame = sys._current_frames().get(main)
