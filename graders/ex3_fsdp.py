@@ -76,8 +76,10 @@ SHARD_HINT = (f"make units of consecutive blocks, at most {BUDGET_BLOCKS} blocks
 def _job_env(world_size: int, extra: dict | None = None) -> dict:
     """The ranks' extra environment. A gloo job (no GPU per rank) hides the GPUs: fully_shard's default mesh is
     the accelerator's whenever one is visible, and the model and data of a gloo job are on the CPU."""
+    from course.launcher.job import resolve_backend
+
     env = dict(extra or {})
-    if checks.resolve_backend("auto", world_size) != "nccl":
+    if resolve_backend("auto", world_size) != "nccl":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
