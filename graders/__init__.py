@@ -8,4 +8,4 @@ mistakes named there), and compares what the ranks observed with a single-proces
 An exercise module holds its checks, their verdicts and data; where that grows large, what runs on
 the ranks and the references live next to it in ``exN_model`` (``graders.ex2_model``,
 ``graders.ex2_practice_model``, ``graders.ex3_model``, ``graders.ex3_fsdp_model``). Exercise 4's
-checks judge runs of the student's script under real torchrun (:mod:`course.launcher.torchrun`)."""
+checks judge runs of the student's script under real torchrun (:mod:`course.checks.torchrun`)."""

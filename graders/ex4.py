@@ -1,7 +1,7 @@
 """Checks for exercise 4: a training script launched with torchrun.
 
 Every check launches the student's script with real torchrun (``python -m
-torch.distributed.run``) through :mod:`course.launcher.torchrun`, whose probe records
+torch.distributed.run``) through :mod:`course.checks.torchrun`, whose probe records
 what each worker really did (its environment, checkpoint writes and renames,
 optimizer steps, ``destroy_process_group``). A launch costs several seconds, so
 a script is launched at most twice and every check reads those two runs
@@ -31,106 +31,50 @@ restarted ``--standalone`` job failing in "Gloo connectFullMesh").
 
 from __future__ import annotations
 
-import ast
-import functools
 import os
 
 import torch
-import torch.nn as nn
 
 from course import checks
-from course.checks import CheckFailed, expect, passed
+from course.checks import CheckFailed, expect, passed, torchrun
 from course.errors import rank_list
-from course.launcher import torchrun
-
-# The script's given parts (the notebook's train.py): tests keep the two in step.
-EPOCHS = 4
-STEPS_PER_EPOCH = 2
-LR = 0.05
-MOMENTUM = 0.9
+from graders.ex4_model import (  # noqa: F401 - the given parts and the reference, as graders.ex4 has named them
+    EPOCHS,
+    LR,
+    MOMENTUM,
+    STEPS_PER_EPOCH,
+    compare_weights,
+    expected_weights,
+    get_batch,
+    make_model,
+    top_level_stub,
+)
 
 ATOL = 1e-6
 
+# The launches (the exercise's settings; the launcher knows none of them)
+CRASH_RANK = 1
+CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
+NODES_WORKERS = (1, 2)  # workers per torchrun agent in the 2-node run
+RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 workers
 
-
-def make_model() -> nn.Module:
-    """The tiny model: the same initial weights in every process."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def get_batch(rank: int, epoch: int, step: int):
-    """This rank's batch for (epoch, step): different on every rank and in every epoch."""
-    g = torch.Generator().manual_seed(1000 * epoch + 10 * step + rank)
-    x = torch.randn(8, 4, generator=g)
-    return x, torch.sin(x.sum(dim=1, keepdim=True))
-
-
-@functools.cache
-def expected_weights(world_size: int, ranks: tuple[int, ...] | None = None,
-                     resume: tuple[int, int, bool] | None = None) -> dict:
-    """Final weights of an uninterrupted DDP run on ``world_size`` ranks, computed in one process.
-
-    DDP averages the ranks' gradients, which (equal batch sizes) is one process
-    training on all ranks' batches at once. ``ranks`` restricts the data to
-    those ranks (``(0,)``: what rank 0 computes when gradients are not averaged).
-    ``resume``: a run restarted as ``(restored, first, momentum_kept)``: the state after
-    epochs ``0..restored-1`` (0: none, a fresh model), then epochs ``first..EPOCHS-1``, the
-    optimizer's momentum kept or started afresh at the restart.
-    """
-    ranks = tuple(range(world_size)) if ranks is None else ranks
-    model = make_model()
-    params = list(model.parameters())
-    momentum = [None] * len(params)
-    epochs = list(range(EPOCHS))
-    if resume is not None:
-        restored, first, momentum_kept = resume
-        epochs = [*range(restored), None, *range(first, EPOCHS)]  # None: the restart
-    for epoch in epochs:
-        if epoch is None:
-            if not momentum_kept:
-                momentum = [None] * len(params)
-            continue
-        for step in range(STEPS_PER_EPOCH):
-            batches = [get_batch(rank, epoch, step) for rank in ranks]
-            x = torch.cat([b[0] for b in batches])
-            y = torch.cat([b[1] for b in batches])
-            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
-            with torch.no_grad():  # torch.optim.SGD's update, written out (importing torch.optim costs seconds)
-                for i, (p, g) in enumerate(zip(params, grads)):
-                    momentum[i] = g.clone() if momentum[i] is None else momentum[i].mul_(MOMENTUM).add_(g)
-                    p.sub_(LR * momentum[i])
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # --------------------------------------------------------------------------- the checks
-
-
-def _top_level_stub(source: str) -> bool:
-    """Whether the script still holds nbgrader's stub at module level: the released cell's bare
-    ``raise NotImplementedError()`` where the student writes the whole script."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return False  # require_written_source reports it
-    for node in tree.body:
-        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and not node.exc.args
-                and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "NotImplementedError"):
-            return True
-    return False
 
 
 def _run_script(script: str, scenario: torchrun.Scenario, check: str, **kwargs) -> torchrun.Run:
     """:func:`torchrun.run_script`, once train.py is written (no nbgrader stub left in it, nor in a ``main``)."""
     def vet(source: str) -> None:
         checks.require_written_source(check, source, "train.py", names=("main",))
-        if _top_level_stub(source):
+        if top_level_stub(source):
             raise CheckFailed(check, "train.py is not written yet: the script still runs nbgrader's "
                               "`raise NotImplementedError()`",
                               hint="write the script below `# ---- yours ----` to the specification (replace "
                               "`raise NotImplementedError()`), run that cell, then this one")
 
-    return torchrun.run_script(script, scenario, check, vet=vet, **kwargs)
+    kwargs.setdefault("layout", NODES_WORKERS)
+    return torchrun.run_script(check, script, scenario, vet=vet, **kwargs)
 
 
 def _check_reports(check: str, run: torchrun.Run, world_size: int) -> None:
@@ -200,13 +144,13 @@ def _graded_run(script: str, check: str, crash_rank: int | None, crash_step: int
     launch of its own."""
     if crash_rank is None and crash_step is None and layout is None:
         return _run_script(script, "nodes", check)
-    return _restart_run(script, check, torchrun.CRASH_RANK if crash_rank is None else crash_rank,
-                        torchrun.CRASH_STEP if crash_step is None else crash_step, layout)
+    return _restart_run(script, check, CRASH_RANK if crash_rank is None else crash_rank,
+                        CRASH_STEP if crash_step is None else crash_step, layout)
 
 
 def _restart_run(script: str, check: str, crash_rank: int, crash_step: int,
                  layout: tuple[int, ...] | None) -> torchrun.Run:
-    layout = tuple(layout or torchrun.RESTART_WORKERS)
+    layout = tuple(layout or RESTART_WORKERS)
     crash = _valid_crash(crash_rank, crash_step, sum(layout))
     return _run_script(script, "restart", check, crash=crash, layout=layout)
 
@@ -216,8 +160,8 @@ def _restart_context(run: torchrun.Run) -> str:
     return _crash_context(run.crash) if run.scenario == "restart" and run.crash else ""
 
 
-def check_standalone_ranks(script: str = "train.py", *, crash_rank: int = torchrun.CRASH_RANK,
-                           crash_step: int = torchrun.CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
+def check_standalone_ranks(script: str = "train.py", *, crash_rank: int = CRASH_RANK,
+                           crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
     """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size.
 
     It reads the restart run with the crash at (``crash_rank``, ``crash_step``) and ``layout``, the launch
@@ -355,13 +299,6 @@ def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None 
     passed(check)
 
 
-def _compare(final: dict, reference: dict) -> float | None:
-    """Max abs difference to ``reference``; None if the keys or shapes differ."""
-    if set(final) != set(reference) or any(final[k].shape != reference[k].shape for k in reference):
-        return None
-    return max(float((final[k].float() - reference[k]).abs().max()) for k in reference)
-
-
 def _final_weights(check: str, run: torchrun.Run) -> dict:
     if run.final is None:
         raise CheckFailed(check, "rank 0 did not write the final weights to OUT/final.pt", ranks=[0],
@@ -440,15 +377,15 @@ def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = Non
     world_size = run.world_size
     resumes = _resumes(run) if restart else [None]
     reference = expected_weights(world_size)
-    diff = _compare(final, reference)
+    diff = compare_weights(final, reference)
     if diff is None:
         raise CheckFailed(check, "final.pt does not hold this model's weights",
                           expected=sorted(reference), got=sorted(final), ranks=[0],
                           hint="save the model's state_dict (model.state_dict(), or ddp_model.module.state_dict())")
     if diff > ATOL:
-        diff = min(_compare(final, expected_weights(world_size, None, r)) for r in resumes)
+        diff = min(compare_weights(final, expected_weights(world_size, None, r)) for r in resumes)
     if diff > ATOL:
-        alone = min(_compare(final, expected_weights(world_size, (0,), r)) for r in resumes)
+        alone = min(compare_weights(final, expected_weights(world_size, (0,), r)) for r in resumes)
         hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
                 "averaged. Wrap the model in DDP and train through ddp_model (the model you give train_epoch)"
                 if alone is not None and alone <= ATOL else
@@ -485,7 +422,7 @@ def _restart_table(run: torchrun.Run) -> str:
             lines.append(f"  rank {w.rank}: {'loaded the checkpoint' if loaded else 'no checkpoint loaded'}, "
                          f"{steps} optimizer step(s) (~{steps / STEPS_PER_EPOCH:g} epoch(s)), {ended}")
     if isinstance(run.final, dict):
-        diff = _compare(run.final, expected_weights(run.world_size))
+        diff = compare_weights(run.final, expected_weights(run.world_size))
         verdict = ("equal to an uninterrupted run" if diff is not None and diff <= ATOL else
                    "different keys or shapes" if diff is None else f"differ from an uninterrupted run by {diff:.3g}")
         lines.append(f"final.pt: {verdict}")
@@ -503,8 +440,8 @@ def _valid_crash(crash_rank: int, crash_step: int, world_size: int = 2) -> tuple
     return crash_rank, crash_step
 
 
-def try_restart(script: str = "train.py", crash_rank: int = torchrun.CRASH_RANK,
-                crash_step: int = torchrun.CRASH_STEP, layout: tuple[int, ...] | None = None) -> torchrun.Run:
+def try_restart(script: str = "train.py", crash_rank: int = CRASH_RANK,
+                crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> torchrun.Run:
     """Run the grader's crash-and-restart launch and print, per attempt, what each rank did.
 
     The same launch :func:`check_restart_resume` grades (torchrun --standalone --nproc_per_node=2
@@ -520,8 +457,8 @@ def try_restart(script: str = "train.py", crash_rank: int = torchrun.CRASH_RANK,
     return run
 
 
-def check_restart_resume(script: str = "train.py", *, crash_rank: int = torchrun.CRASH_RANK,
-                         crash_step: int = torchrun.CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
+def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RANK,
+                         crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
     """A rank dies once mid-training; with --max-restarts=1 the job resumes from the checkpoint and ends right."""
     check = "check_restart_resume"
     run = _restart_run(script, check, crash_rank, crash_step, layout)
@@ -570,7 +507,7 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = torchrun
             )
     final = _final_weights(check, run)
     reference = expected_weights(run.world_size)
-    diff = _compare(final, reference)
+    diff = compare_weights(final, reference)
     if diff is None or diff > ATOL:
         steps = len(restarted[0].of("step")) if restarted else 0
         if steps != resumed_steps:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import sys
 import threading
 import time
@@ -174,17 +173,7 @@ def _watch_barriers() -> None:
 _watch_barriers()
 
 
-def _dump_fr():
-    """torch's flight recorder dump with stack traces, taken when this module is imported (before student code)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        return None
-    loads = pickle.loads
-    return lambda: loads(_dump_fr_trace(True, True, False)).get("entries", [])
-
-
-_DUMP = _dump_fr()
+_DUMP = checks.recorder()  # torch's flight recorder with stack traces, taken at import (before student code)
 
 
 class Journal:
@@ -303,8 +292,6 @@ def report_rank0(folder: str):
     import glob
     import traceback
 
-    from course.launcher.rank import COLLECTIVE_CODE, JOINING
-
     path = os.path.join(folder, "rank0.state")
     main = threading.main_thread().ident
     done = threading.Event()
@@ -312,8 +299,7 @@ def report_rank0(folder: str):
     def state() -> str:
         frame = sys._current_frames().get(main)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        inside = any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-        return "waiting" if inside and not any(f.name in JOINING for f in stack) else "running"
+        return "waiting" if checks.waiting_in_collective(stack) else "running"
 
     def put(text: str) -> None:
         tmp = f"{path}.{threading.get_ident()}.tmp"  # each writer its own: the thread and returned() may overlap

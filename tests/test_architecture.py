@@ -9,6 +9,9 @@
   exercises' checks. A layer imports only from its own and those below it.
 * The three subsystems and the verbs have rooms of their own, and the CLI's verbs
   point into them.
+* One front door: the exercises' checks import from the engine only the check API (``course.checks`` and
+  its modules), the errors and the cost model; the launcher, torchrun's included, raises no check failure.
+* No module of ``course/`` or ``graders/`` over :data:`MAX_LINES` lines.
 """
 
 from __future__ import annotations
@@ -225,7 +228,7 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux", "course.grading.kernel",
     "course.proc", "course.envnames",
     "course.instructor.autograde.run", "course.instructor.autograde.pool", "course.instructor.autograde.worker",
-    "course.checks", "course.errors", "graders.ex2", "course.launcher.torchrun",
+    "course.checks", "course.checks.torchrun", "course.errors", "graders.ex2", "course.launcher.torchrun",
 ])
 def test_each_subsystem_has_its_room(room):
     assert room in MODULES
@@ -258,3 +261,49 @@ def test_the_sandbox_hides_this_checkouts_sources():
     assert str(ROOT / "exercises") in default_hidden() and str(ROOT / "tests") in default_hidden()  # tests: whole answers
     assert str(ROOT / ".git") in default_hidden() or not (ROOT / ".git").exists()
     assert str(ROOT) in python_paths()
+
+
+#: what the exercises' checks may import from the engine: the check API (its package), the errors, the cost model
+FRONT_DOOR = ("course.checks", "course.errors", "course.costmodel")
+#: a module longer than this is two concerns (or more) in one file
+MAX_LINES = 600
+
+
+def front_door_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{grader module: the engine modules it imports past the front door}, for the modules that do."""
+    def inside(dep: str) -> bool:
+        return any(dep == door or dep.startswith(door + ".") for door in FRONT_DOOR)
+
+    found = {name: sorted(d for d in deps if d.split(".")[0] == "course" and not inside(d))
+             for name, deps in graph.items() if name.split(".")[0] == "graders"}
+    return {name: deps for name, deps in found.items() if deps}
+
+
+def test_graders_import_only_the_check_api_the_errors_and_the_cost_model():
+    assert front_door_violations(GRAPH) == {}
+
+
+def test_the_front_door_rule_can_fail():
+    graph = {"graders.a": {"course.checks", "course.checks.torchrun", "course.errors", "graders.b"},
+             "graders.b": {"course.launcher.job", "course"}, "course.checks": {"course.launcher.job"}}
+    assert front_door_violations(graph) == {"graders.b": ["course", "course.launcher.job"]}
+
+
+def verdicts_made(name: str) -> set[str]:
+    """The check verdicts (``CheckFailed(...)``, ``Mistake(...)``) a module constructs, by name."""
+    tree = ast.parse(MODULES[name].read_text())
+    return {ast.unparse(node.func).rsplit(".", 1)[-1] for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and ast.unparse(node.func).rsplit(".", 1)[-1] in {"CheckFailed", "Mistake"}}
+
+
+def test_the_launcher_makes_no_verdict():
+    """The launcher, torchrun's runner included, runs and reports (it may show a failure: display.py); turning a
+    run into a verdict is the check API's (course.checks.torchrun)."""
+    judging = {name: sorted(verdicts_made(name)) for name in MODULES if name.startswith("course.launcher")}
+    assert {k: v for k, v in judging.items() if v} == {}
+    assert verdicts_made("course.checks.torchrun") == {"CheckFailed"}  # the rule sees a verdict where one is made
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split these modules (at most {MAX_LINES} lines each): {long}"

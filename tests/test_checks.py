@@ -1,4 +1,4 @@
-"""The check API (course/checks.py) on its own: "not written yet", messages, failures of a job."""
+"""The check API (course/checks/) on its own: "not written yet", messages, failures of a job."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ import submissions
 import torch
 
 import graders.ex4 as ex4
-from course.launcher import torchrun
+from course.checks import torchrun
+from course.launcher.torchrun import runner
 
 A = "ex4-torchrun"
 SCRIPT_CELL = "ex4_train_script"
@@ -85,9 +86,9 @@ def test_a_workers_attempt_is_its_rendezvous_round_not_its_restart_count():
     the key does not read; a port drawn again in a later round still opens a new round."""
     a, b = ("2", "127.0.0.1", "4001"), ("2", "127.0.0.1", "4002")
     starts = [(10, 0, a, 1.0), (11, 1, a, 1.1), (12, 0, b, 5.0), (13, 1, b, 5.2), (14, 0, a, 9.0), (15, 1, a, 9.1)]
-    assert torchrun.runner.rounds(starts) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
-    assert torchrun.runner.rounds(list(reversed(starts))) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
-    assert torchrun.runner.rounds([]) == {}
+    assert runner.rounds(starts) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
+    assert runner.rounds(list(reversed(starts))) == {10: 0, 11: 0, 12: 1, 13: 1, 14: 2, 15: 2}
+    assert runner.rounds([]) == {}
 
 
 @pytest.mark.timeout(60)
@@ -124,7 +125,7 @@ def test_expected_weights_are_sgd_with_momentum_on_the_global_batch():
     expected = ex4.expected_weights(3)
     assert max(float((model.state_dict()[k] - expected[k]).abs().max()) for k in expected) < 1e-6
     # and rank 0 alone trains something else, so "no gradient averaging" shows
-    assert ex4._compare(ex4.expected_weights(3, (0,)), expected) > 1e-3
+    assert ex4.compare_weights(ex4.expected_weights(3, (0,)), expected) > 1e-3
 
 
 @pytest.mark.timeout(60)
@@ -132,11 +133,11 @@ def test_expected_weights_after_a_restart_follow_the_resume():
     """The hidden DDP variant's references: an exact resume is the uninterrupted run; an off-by-one resume or
     lost momentum is not (so a wrong resume is judged by check_restart_resume alone, not taken for DDP's)."""
     exact = ex4.expected_weights(2, None, (1, 1, True))
-    assert ex4._compare(exact, ex4.expected_weights(2)) == 0
-    assert ex4._compare(ex4.expected_weights(2, None, (0, 0, True)), ex4.expected_weights(2)) == 0  # never loaded
+    assert ex4.compare_weights(exact, ex4.expected_weights(2)) == 0
+    assert ex4.compare_weights(ex4.expected_weights(2, None, (0, 0, True)), ex4.expected_weights(2)) == 0  # never loaded
     for wrong in ((1, 0, True), (1, 1, False), (1, 2, True)):
-        assert ex4._compare(ex4.expected_weights(2, None, wrong), exact) > 1e-4, wrong
-    assert ex4._compare(ex4.expected_weights(2, (0,), (1, 1, True)), ex4.expected_weights(2, (0,))) == 0
+        assert ex4.compare_weights(ex4.expected_weights(2, None, wrong), exact) > 1e-4, wrong
+    assert ex4.compare_weights(ex4.expected_weights(2, (0,), (1, 1, True)), ex4.expected_weights(2, (0,))) == 0
 
 
 @pytest.mark.timeout(60)
@@ -254,7 +255,7 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
     for check in (ex4.check_standalone_ranks, ex4.check_checkpoint_rank0, ex4.check_atomic_checkpoint,
                   ex4.check_ddp_training, ex4.check_destroy, ex4.check_multinode_ranks):
         check(script, **HIDDEN)
-    assert [key[2:] for key in torchrun.runner._CACHE if key[0] == script] == [("restart", (0, 3), (1, 1))]
+    assert [key[2:] for key in runner._CACHE if key[0] == script] == [("restart", (0, 3), (1, 1))]
 
 
 @pytest.mark.slow
@@ -314,7 +315,7 @@ def test_the_hidden_variants_judge_the_hidden_restart_run_without_a_launch_of_th
     fails(ex4.check_multinode_ranks, script, "world_size=3, but torchrun set WORLD_SIZE=2", "never hard-code it",
           **HIDDEN)
     ex4.check_ddp_training(script, **HIDDEN)  # the weights are right
-    launched = [key for key in torchrun.runner._CACHE if key[0] == script]
+    launched = [key for key in runner._CACHE if key[0] == script]
     assert launched == [(script, launched[0][1], "restart", (0, 3), (1, 1))], launched
 
 
@@ -331,7 +332,7 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
     fails(ex4.check_ddp_training, script, "ranks 0, 1 did not average gradients with the other ranks",
           "all-reduced 0 values in 3 optimizer steps", "wrap the model in DDP", **HIDDEN)
     run = ex4.try_restart(script, **HIDDEN)
-    assert run.stranded and run.elapsed < torchrun.runner.STRANDED_AFTER + 30, run.elapsed
+    assert run.stranded and run.elapsed < runner.STRANDED_AFTER + 30, run.elapsed
     fails(ex4.check_restart_resume, script, "the 2-node restart run", "never ended",
           "the torchrun agents went on waiting for each other", "did not wait on it", **HIDDEN)
 
@@ -340,7 +341,7 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, monkeypatch):
     """Ranks 1 and 2 wait for a file nobody writes (world size 3 only): the 2-node run hangs."""
-    monkeypatch.setattr(torchrun.runner, "NODES_TIMEOUT", HANG_TIMEOUT)  # the runner reads it
+    monkeypatch.setattr(runner, "NODES_TIMEOUT", HANG_TIMEOUT)  # the runner reads it
     script = write_script(tmp_path, ("    dist.destroy_process_group()\n",
                                      "    while rank != 0 and world_size == 3:\n"
                                      "        time.sleep(0.1)  # waits for a file nobody writes\n"
@@ -371,7 +372,7 @@ def _processes() -> list[str]:
 
 
 #: a process that launches a job under torchrun, as a check does, and waits for it
-_LAUNCHER = "import sys\nfrom course.launcher import torchrun\ntorchrun.run_script(sys.argv[1], 'nodes')\n"
+_LAUNCHER = "import sys\nfrom course.launcher import torchrun\ntorchrun.run_script(sys.argv[1], 'nodes', layout=(1, 2))\n"
 
 
 def _cmdline(proc) -> str:
@@ -422,7 +423,7 @@ def test_no_agent_or_worker_outlives_the_process_that_launched_them(tmp_path, si
     tree: list = []
     try:
         launcher, end = psutil.Process(proc.pid), time.monotonic() + 150
-        while len([p for p in tree if "torchrun_probe" in _cmdline(p)]) < sum(torchrun.NODES_WORKERS):
+        while len([p for p in tree if "torchrun_probe" in _cmdline(p)]) < sum(ex4.NODES_WORKERS):
             assert proc.poll() is None, "the launching process ended before its workers ran"
             assert time.monotonic() < end, [_cmdline(p) for p in tree]
             time.sleep(0.2)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import sys
 import threading
@@ -32,7 +31,8 @@ import time
 import traceback
 
 from course.launcher import writes
-from course.launcher.rank import COLLECTIVE_CODE, JOINING, under
+from course.launcher.rank import under, waiting_in_collective
+from course.launcher.recorder import bind
 
 #: torch.distributed code a rank runs on its way out, which waits for no peer (gloo's destroy returns at once)
 LEAVING = frozenset({"destroy_process_group", "_shutdown_backend", "_abort_process_group", "shutdown"})
@@ -44,15 +44,13 @@ POLL = 0.005  # seconds between two looks at the others' state (rank 0) or two r
 
 
 def _flight_recorder():
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
+    reader = bind(stacks=False)  # no stack traces: cheaper, and this is polled
+    if reader is None:
         return lambda: []
-    loads = pickle.loads
 
     def entries() -> list[dict]:
         try:
-            return loads(_dump_fr_trace(True, False, False)).get("entries", [])  # no stack traces: cheaper
+            return reader()
         except Exception:  # noqa: BLE001 - no recorder answer: nothing is known to be waiting
             return []
 
@@ -78,8 +76,7 @@ def _main_thread_state(libraries: tuple[str, ...]) -> tuple[bool, dict | None]:
     """(whether the main thread waits in torch's collective code, its innermost frame of the student's)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     stack = traceback.extract_stack(frame) if frame is not None else []
-    waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-               and not any(f.name in JOINING or f.name in LEAVING for f in stack))
+    waiting = waiting_in_collective(stack, LEAVING)
     for f in reversed(stack):
         if f.filename.startswith(("<frozen", "<string>")) or under(f.filename, libraries):
             continue

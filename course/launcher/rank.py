@@ -154,27 +154,21 @@ def start_stall_probe(spec: dict):
 
     libraries = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
     names = dict(spec.get("cell_names") or {})
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        _dump_fr_trace = None
-    import pickle
+    from course.launcher.recorder import bind, entry_of
 
-    from course.launcher.stall import entry_of
-
-    loads, exists, unlink, replace = pickle.loads, os.path.exists, os.unlink, os.replace
+    recorded = bind()
+    exists, unlink, replace = os.path.exists, os.unlink, os.replace
 
     def answer() -> None:
         entries = []
-        if _dump_fr_trace is not None:
+        if recorded is not None:
             try:
-                entries = [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])[-16:]]
+                entries = [entry_of(e) for e in recorded()[-16:]]
             except Exception:  # noqa: BLE001 - no flight recorder answer: the launcher decides nothing
                 entries = None
         frame = sys._current_frames().get(main)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        waiting = (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
-                   and not any(f.name in JOINING for f in stack))  # a rendezvous may wait for a late peer
+        waiting = waiting_in_collective(stack)  # a rendezvous may wait for a late peer: not waiting
         site = None
         for f in reversed(stack):  # the innermost frame of the student's code
             if f.filename.startswith(("<frozen", "<string>")) or under(f.filename, hidden + libraries):
@@ -208,6 +202,13 @@ JOINING = frozenset({"init_process_group", "new_group", "new_subgroups", "_new_p
 #: an idle main thread in this code waits for a collective: torch.distributed's functions, DDP's forward
 #: (buffer broadcasts), and a backward (DDP's gradient all-reduce finishes inside it)
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/graph.py")
+
+
+def waiting_in_collective(stack, also_not: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether a thread with this ``stack`` (``traceback.extract_stack``) waits in torch's collective code, not in a
+    rendezvous (:data:`JOINING`) nor in a function of ``also_not``: the one rule of "is this rank in a collective"."""
+    return (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
+            and not any(f.name in JOINING or f.name in also_not for f in stack))
 
 
 def under(filename: str, places: tuple[str, ...]) -> bool:

@@ -61,16 +61,6 @@ class StallVerdict:
         return [f"rank {r} {self.lines[r]}" for r in sorted(self.lines)]
 
 
-def entry_of(raw: dict) -> dict:
-    """One flight-recorder entry (torch's dump) in the shape every reader here uses:
-    op, seq, group, sizes, dtypes, p2p, p2p_seq."""
-    group = raw.get("process_group") or ("", "")
-    return {"op": str(raw.get("profiling_name", "")).split(":")[-1], "seq": raw.get("collective_seq_id"),
-            "group": str(group[1] if len(group) > 1 else group), "sizes": raw.get("input_sizes"),
-            "dtypes": [str(d) for d in raw.get("input_dtypes") or []], "p2p": bool(raw.get("is_p2p")),
-            "p2p_seq": raw.get("p2p_seq_id")}
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of a process (all its threads), from /proc; None if unreadable."""
     try:

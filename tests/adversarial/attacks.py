@@ -373,9 +373,10 @@ import os, site
 fake = "def __getattr__(name):\\n    return lambda *a, **k: print('passed', name)\\n"
 hook = "import builtins\\nbuiltins.PWNED = True\\n"
 for folder in (os.getcwd(), site.getusersitepackages()):
-    for package in ("graders", "course"):
+    for package in ("graders", "course", "course/checks"):
         os.makedirs(os.path.join(folder, package), exist_ok=True)
     for name, text in (("graders/__init__.py", ""), ("graders/ex1.py", fake), ("course/checks.py", fake),
+                       ("course/checks/__init__.py", fake),
                        ("usercustomize.py", hook), ("sitecustomize.py", hook)):
         with open(os.path.join(folder, name), "w") as fh:
             fh.write(text)

@@ -1,26 +1,20 @@
-"""Run a script under real torchrun, with the same diagnosis as :func:`course.launcher.run_ranks`.
+"""Run a script under real torchrun and return what each worker did; nothing here knows a check or an exercise.
 
-How it works: :func:`run_script` starts ``python -m torch.distributed.run`` (one agent, or two
+How it works: :func:`run_script` starts ``python -m torch.distributed.run`` (one agent, or several
 joined by a c10d rendezvous) on :mod:`~course.launcher.torchrun.torchrun_probe`, which every
 worker runs: it records what the worker really did (its environment, checkpoint writes and
 renames, optimizer steps, ``destroy_process_group``, its collectives) and then runs the script as
 ``__main__``. While the job runs, the launcher's deadlock watch (:mod:`course.launcher.stall`)
 reads the workers' collectives and stops a job that can no longer finish. The result is a
 :class:`Run` of :class:`Worker` records (:mod:`~course.launcher.torchrun.runner`);
-:func:`failure` says why a run did not finish, the root cause first
-(:mod:`~course.launcher.torchrun.diagnosis`). Exercise 4's checks (:mod:`graders.ex4`) judge a
-run; nothing here knows about exercises.
+:mod:`~course.launcher.torchrun.elastic` runs a job whose nodes leave and join. Turning a run into
+verdicts (why it did not finish, the root cause first) is the check API's: :mod:`course.checks.torchrun`.
 """
 
-from course.launcher.torchrun.diagnosis import failure, require_ok, student_traceback
 from course.launcher.torchrun.runner import (
-    CRASH_RANK,
-    CRASH_STEP,
     NODES_TIMEOUT,
-    NODES_WORKERS,
     PROBE_SCRIPT,
     RESTART_TIMEOUT,
-    RESTART_WORKERS,
     Run,
     Scenario,
     Worker,
@@ -28,18 +22,11 @@ from course.launcher.torchrun.runner import (
 )
 
 __all__ = [
-    "CRASH_RANK",
-    "CRASH_STEP",
     "NODES_TIMEOUT",
-    "NODES_WORKERS",
     "PROBE_SCRIPT",
     "RESTART_TIMEOUT",
-    "RESTART_WORKERS",
     "Run",
     "Scenario",
     "Worker",
-    "failure",
-    "require_ok",
     "run_script",
-    "student_traceback",
 ]

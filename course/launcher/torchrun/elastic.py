@@ -3,7 +3,7 @@
 How it works: three torchrun agents on this machine share one c10d rendezvous on 127.0.0.1
 (``--nnodes=1:2``, ``--max-restarts=3``), each worker running the script through
 :mod:`~course.launcher.torchrun.torchrun_probe`; a :class:`Plan` says how many workers each node has and when
-things happen (:data:`PLAN`: the visible story, A 2 workers, B 1, C 1):
+things happen (the caller's story, e.g. A 2 workers, B 1, C 1):
 
 1. node A (it hosts the rendezvous store) and node B start together: world size ``a + b``;
 2. B's workers leave after their ``leave_step``-th optimizer step (mid-epoch): the first SIGKILLs its own agent,
@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from course.launcher.torchrun.runner import (
@@ -49,7 +48,6 @@ from course.launcher.torchrun.runner import (
 from course.proc import dies_with_caller
 
 ELASTIC_TIMEOUT = 150.0
-INPUT_FEATURES = 4  # the given model's first layer: the probe logs the rows it receives
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
 
 
@@ -84,21 +82,19 @@ class Plan:
                 f"alone for {self.hold_steps} step(s), then node C ({_workers(c)}) joins)")
 
 
-PLAN = Plan()  # the visible story: world size 3, then 2, then 3
-
 _CACHE: dict[tuple, Run] = {}
 
 
-def run_elastic(script: str, check: str = "elastic", *, plan: Plan = PLAN,
-                vet: Callable[[str], None] | None = None) -> Run:
+def run_elastic(script: str, *, plan: Plan, input_features: int = 0) -> Run:
     """Launch ``script`` elastically as ``plan`` says (see the module doc), or reuse the run of the same
-    content and plan."""
-    path, digest = _script(check, script, vet)
-    key = (path, digest, plan)
+    content and plan. ``input_features``: the probe logs the rows of every module input of that many features
+    (which samples each step trained on); 0 logs none. A missing script raises FileNotFoundError."""
+    path, digest = _script(script)
+    key = (path, digest, plan, input_features)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, plan)
+        _CACHE[key] = _launch(path, plan, input_features)
     return _CACHE[key]
 
 
@@ -122,7 +118,7 @@ def _held(probe_dir: str) -> bool:
     return False
 
 
-def _launch(script: str, plan: Plan) -> Run:
+def _launch(script: str, plan: Plan, input_features: int) -> Run:
     job = tempfile.mkdtemp(prefix="ddp-course-ex4-elastic-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
@@ -134,7 +130,7 @@ def _launch(script: str, plan: Plan) -> Run:
         workers = dict(zip("ABC", plan.nodes))
         env.update(DDP_COURSE_PROBE_LEAVE=f"B:{plan.leave_step}:{full}",
                    DDP_COURSE_PROBE_HOLD=f"{smaller}:{plan.hold_steps}",
-                   DDP_COURSE_PROBE_INPUT_FEATURES=str(INPUT_FEATURES))
+                   DDP_COURSE_PROBE_INPUT_FEATURES=str(input_features))
         port, run_id = _free_port(), uuid.uuid4().hex[:12]
         logs: list = []
         procs: dict[str, subprocess.Popen] = {}

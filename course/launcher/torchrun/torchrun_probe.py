@@ -259,22 +259,19 @@ def _collectives_recorder(real_initialized):
 
     Called after every optimizer step and at exit (so a worker that leaves with os._exit has still
     reported every step's collectives), with every function it uses taken now, before student code."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:  # a torch without the flight recorder: the checks say so
-        return lambda: None
-    import pickle
+    from course.launcher.recorder import bind
 
-    loads = pickle.loads
+    recorded = bind()
+    if recorded is None:  # a torch without the flight recorder: the checks say so
+        return lambda: None
 
     def dump() -> None:
         try:
-            trace = loads(_dump_fr_trace())
             entries = [{"op": str(e.get("profiling_name", "")).split(":")[-1],
                         "seq": e.get("collective_seq_id"),
                         "group": str((e.get("process_group") or ("", ""))[1]),
                         "numel": sum(_numel(s) for s in e.get("input_sizes") or [])}
-                       for e in trace.get("entries", [])]
+                       for e in recorded()]
             _log("collectives", entries=entries, still_initialized=real_initialized())
         except Exception as exc:  # noqa: BLE001 - never fail the student's code
             _log("collectives", error=f"{type(exc).__name__}: {exc}")

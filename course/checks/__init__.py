@@ -69,6 +69,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from course.envnames import GRADING_ENV
 from course.errors import (
     MISMATCH_ADVICE,
     SAME_COLLECTIVES,
@@ -84,7 +85,8 @@ from course.errors import (
 from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
 from course.grading.student import answer_source, describe
 from course.launcher.hold import Hold
-from course.launcher.job import JobResult, launch
+from course.launcher.job import JobResult, backend, launch, resolve_backend
+from course.launcher.rank import waiting_in_collective
 from course.launcher.writes import paused as grader_writes
 from course.launcher.writes import recording as record_writes
 
@@ -97,25 +99,31 @@ __all__ = [
     "Mistake",
     "REAL",
     "answer_source",
+    "backend",
     "collectives",
     "describe",
     "check_timeout",
     "device",
     "expect",
     "grader_writes",
+    "grading",
     "join_job",
+    "launch",
     "memo",
     "on_every_rank",
     "passed",
     "record_writes",
+    "recorder",
     "reference",
     "rank_list",
     "require_written",
     "require_written_source",
+    "resolve_backend",
     "run",
     "stranded",
     "to_cpu",
     "unwritten",
+    "waiting_in_collective",
 ]
 
 # --------------------------------------------------------------------------- the checker side
@@ -435,12 +443,21 @@ def require_written_source(check: str, source: str, what: str, names: Iterable[s
 
 # --------------------------------------------------------------------------- the rank side
 
+# In __all__, the graders' one door into the engine: ``backend()`` (this job's backend, in a rank),
+# ``resolve_backend(backend, world_size)`` (what "auto" becomes), ``launch`` (a job of a harness, as :func:`run`
+# without the check's failure handling), ``waiting_in_collective(stack)`` (the one rule of "is this thread in a
+# collective": torch's collective code on its stack, not a rendezvous); :mod:`course.checks.torchrun` for scripts.
+
+
+def grading() -> bool:
+    """Whether this process runs inside a grading run (the verifier's checks, or a sandboxed kernel)."""
+    return os.environ.get(GRADING_ENV) == "1"
+
+
 
 def device():
     """This rank's device: its GPU under nccl, else the CPU."""
     import torch
-
-    from course.launcher.job import backend
 
     if backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -452,8 +469,6 @@ def join_job():
     import torch
     import torch.distributed as dist
 
-    from course.launcher.job import backend
-
     dev = device()
     if dev.type == "cuda":  # as the lessons teach: select the GPU first, then bind the group to it
         torch.cuda.set_device(dev)
@@ -464,21 +479,15 @@ def join_job():
 
 
 def _flight_recorder() -> Callable[[], list[dict]]:
-    """:func:`collectives`, with torch's dump function, ``pickle.loads`` and the entry reader taken now.
+    """:func:`collectives`, with the recorder's reader (torch's dump functions, ``pickle.loads``) taken now.
 
     ``course.checks`` is imported in a rank (as a harness's import) before any student object is
     unpickled, so code the student runs later cannot swap what this closure calls: patching
     ``torch._C._distributed_c10d._dump_fr_trace``, ``pickle.loads`` or this module's globals changes
     nothing here."""
-    import pickle
+    from course.launcher.recorder import bind, entry_of
 
-    from course.launcher.stall import entry_of
-
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        _dump_fr_trace = None
-    loads = pickle.loads
+    recorded = bind()
 
     def collectives() -> list[dict]:
         """In a harness: the collectives this rank has issued so far, oldest first, as torch's flight recorder saw them.
@@ -488,19 +497,29 @@ def _flight_recorder() -> Callable[[], list[dict]]:
         to count what a student's step issued, take ``collectives()[-1]["seq"]`` before it and keep
         the entries with a higher sequence number afterwards. The launcher turns the recorder on
         (``TORCH_FR_BUFFER_SIZE``); what it records cannot be faked by patching ``torch.distributed``
-        (it is written by the process group itself), only by really communicating. On gloo the
+        (it is written by the process group itself), only by really communicating. Every backend's
+        recorder is read (:mod:`course.launcher.recorder`: gloo's and nccl's, merged). On gloo the
         entries stay "scheduled": they say what was issued, not when it completed. A torch without
         the flight recorder raises RuntimeError. The references it uses are taken when this module is
         imported (:func:`_flight_recorder`).
         """
-        if _dump_fr_trace is None:
+        if recorded is None:
             raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
-        return [entry_of(e) for e in loads(_dump_fr_trace()).get("entries", [])]
+        return [entry_of(e) for e in recorded()]
 
     return collectives
 
 
 collectives = _flight_recorder()
+
+
+def recorder(stacks: bool = True) -> Callable[[], list[dict]] | None:
+    """In a harness module, at import (before student code): a reader of this rank's raw flight-recorder entries
+    (torch's dicts, every backend's recorder; ``stacks=False`` without stack traces), or None in a torch without
+    one. :func:`collectives` is the same record in the course's shape."""
+    from course.launcher.recorder import bind
+
+    return bind(stacks)
 
 
 @dataclass(frozen=True)

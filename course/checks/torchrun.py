@@ -1,13 +1,18 @@
-"""Why a torchrun run did not finish: the root cause first, the other workers named as its consequences.
+"""A script run under real torchrun, as checks judge it: launched once it is written, and why it did not finish.
 
-:func:`failure` reads a :class:`~course.launcher.torchrun.runner.Run` (each worker's output,
-exit record and stack, torchrun's own report) and says who crashed, died or hung, with that
-worker's own traceback or last output, as :func:`course.launcher.run_ranks` does for its ranks.
+The launcher (:mod:`course.launcher.torchrun`) runs a script on a layout, crashes a worker when asked and returns
+what ran, knowing no check. Here that becomes a check's business: :func:`run_script` and :func:`run_elastic`
+fail the check when the script is missing or not written (``vet``), and :func:`failure` reads a
+:class:`~course.launcher.torchrun.runner.Run` (each worker's output, exit record and stack, torchrun's own
+report) and says who crashed, died or hung, the root cause first, with that worker's own traceback or last
+output, as :func:`course.launcher.run_ranks` does for its ranks.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 
 from course.errors import (
     SAME_COLLECTIVES,
@@ -19,7 +24,37 @@ from course.errors import (
     signal_of,
     were,
 )
-from course.launcher.torchrun.runner import Run, Worker
+from course.launcher.torchrun import elastic, runner
+from course.launcher.torchrun.elastic import Plan, node, rounds
+from course.launcher.torchrun.runner import NODES_TIMEOUT, RESTART_TIMEOUT, Run, Scenario, Worker, describe
+
+__all__ = ["NODES_TIMEOUT", "RESTART_TIMEOUT", "Plan", "Run", "Scenario", "Worker", "describe", "failure", "node",
+           "require_ok", "rounds", "run_elastic", "run_script", "student_traceback"]
+
+
+def _written(check: str, script: str, vet: Callable[[str], None] | None) -> str:
+    """The script's absolute path, once it exists and ``vet`` (a check's "is it written?") accepts its text."""
+    path = os.path.abspath(script)
+    if not os.path.isfile(path):
+        raise CheckFailed(check, f"there is no training script at {path}",
+                          hint=f"run the %%writefile cell that writes {os.path.basename(path)} first")
+    if vet is not None:
+        with open(path, "rb") as fh:
+            vet(fh.read().decode("utf-8", "replace"))
+    return path
+
+
+def run_script(check: str, script: str, scenario: Scenario, *, layout: tuple[int, ...],
+               crash: tuple[int, int] | None = None, vet: Callable[[str], None] | None = None) -> Run:
+    """:func:`course.launcher.torchrun.runner.run_script` for ``check``: a missing or unwritten script fails it."""
+    return runner.run_script(_written(check, script, vet), scenario, layout=layout, crash=crash)
+
+
+def run_elastic(check: str, script: str, *, plan: Plan, input_features: int = 0,
+                vet: Callable[[str], None] | None = None) -> Run:
+    """:func:`course.launcher.torchrun.elastic.run_elastic` for ``check``: a missing or unwritten script fails it."""
+    return elastic.run_elastic(_written(check, script, vet), plan=plan, input_features=input_features)
+
 
 _STUDENT_FRAME_SKIP = ("torchrun_probe.py", "<frozen runpy>")
 
