@@ -9,12 +9,15 @@ process says about itself:
   the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
   where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
   all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
-  second run on other labels, each rank's copy relabelled again outside its share, must evaluate the same
-  split and return the new accuracy);
+  second run calls it again and again on the same inputs, each time with labels every rank draws for
+  itself from the OS's randomness (no other rank, and no seed, knows them; each rank's copy is labelled
+  otherwise outside its share): it must evaluate the same split and return each call's accuracy, the sum
+  of the ranks' own numbers right, added up in the grader's process);
 * ``accumulate_grads(ddp_model, micro_batches)``: the forward and backward passes of micro-batches of unequal
   sizes, their number changing from call to call, after which the given code takes one optimizer step
   (:func:`check_accumulation`: the weights equal one process's step on the mean loss over all ranks' samples
-  together; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
+  together, each micro-batch through the model on its own: the model's BatchNorm makes one big batch in their
+  place give another step, an effect no hook or record of the student's process decides; :func:`check_no_sync`: torch's flight recorder counts the all-reduces of the gradients
   the rank issued, one per step; a communication hook the grader registers on the DDP model sees in
   which backward; what that all-reduce carried (a spy on the collectives, :mod:`graders.comm_spy`)
   is the sum of all k micro-batches' gradients, and no other collective carried gradients);
@@ -49,6 +52,7 @@ from graders import comm_spy
 from graders.ex2_model import make_net
 from graders.ex2_practice_model import (
     SAVED_FROM,
+    SECOND_CALLS,
     _accumulate_harness,
     _accumulate_reference,
     _accumulated,
@@ -57,7 +61,6 @@ from graders.ex2_practice_model import (
     _eval_case,
     _evaluate_harness,
     _load_harness,
-    _second_case,
     _uneven_harness,
     _uneven_reference,
     loss_weights,
@@ -93,9 +96,10 @@ def _require_same_weights(check: str, states: list[dict], where: str, hint: str)
 
 def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     """evaluate() returns, on every rank, the accuracy over the whole dataset (1e-6), and each rank's
-    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them; run
-    again on the same inputs with new labels (each rank's copy wrong in yet another way outside its share),
-    every rank evaluates the same share and returns the new accuracy."""
+    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them; called
+    again on the same inputs with new labels, each rank's share labelled by that rank alone (each rank's copy
+    wrong in yet another way outside its share), every rank evaluates the same share and returns the new
+    accuracy, every time."""
     check = "check_evaluate"
     checks.require_written(check, evaluate=evaluate)
     where = f"{n} samples on {world_size} ranks"
@@ -149,39 +153,47 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
 
 
 def _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, where, hints):
-    """Run evaluate again with other labels (the same inputs): each rank's share must be the same samples,
-    and the result the new accuracy, on every rank."""
+    """Call evaluate again, SECOND_CALLS times on the same inputs, each time with labels every rank drew itself
+    (:func:`graders.ex2_practice_model._private_labels`): each rank's share must be the same samples in every call,
+    and the result, on every rank, each call's accuracy: the sum of the ranks' own numbers right (as their harnesses
+    drew them), summed here."""
     again = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed, shares),
                        expected="evaluate() returns a float on every rank", hints=hints).values
-    moved = [r for r, o in enumerate(again) if sorted(set(o["seen"])) != shares[r]]
-    if moved:
-        r = moved[0]
-        raise CheckFailed(check, f"the samples each rank evaluated changed when only the labels changed ({where})",
-                          ranks=moved, expected="the same share on each rank in every run: a split chosen from rank, "
-                          "world_size and len(dataset) only (a stride, chunks, DistributedSampler, a seeded permutation)",
-                          got=f"rank {r} evaluated samples {shares[r]}, then {sorted(set(again[r]['seen']))}",
-                          hint="split the samples by their index, never by the data's labels or values; a grader (or "
-                          "a colleague) who runs your evaluation again on other labels expects the same split")
-    _, second = _second_case(n, world_size, seed)
-    want = sum(second) / n
-    wrong = [r for r, o in enumerate(again) if isinstance(o["accuracy"], str) or abs(o["accuracy"] - want) > ATOL]
-    if not wrong:
-        return
-    values = [o["accuracy"] for o in again]
-    if all(not isinstance(v, str) and abs(v - true) <= ATOL for v in (values[r] for r in wrong)):
-        problem = f"evaluate() returned the first run's accuracy again, although the labels had changed ({where})"
-        hint = "compute the accuracy on every call, from this call's model and dataset: do not return a value kept " \
-               "from an earlier call (a file, a global, a cache)"
-    else:
-        whose = "its" if len(wrong) == 1 else "their"
-        problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
-        hint = ("count right / evaluated over this rank's own share only, with count_correct(model, share), and "
-                "combine the ranks' counts with dist.all_reduce (not by evaluating the other ranks' samples on this "
-                "one)")
-    raise CheckFailed(check, problem, ranks=wrong,
-                      expected=f"{want:.6f} on every rank ({sum(second)} of {n} right with the new labels), also when "
-                      "each rank's copy of the dataset has other labels for the samples outside its own share",
-                      got=f"{[_rounded(v) for v in values]} with the labels changed", hint=hint)
+    for call in range(SECOND_CALLS):
+        moved = [r for r, o in enumerate(again) if sorted(set(o["calls"][call]["seen"])) != shares[r]]
+        if moved:
+            r = moved[0]
+            raise CheckFailed(check, f"the samples each rank evaluated changed when only the labels changed ({where})",
+                              ranks=moved, expected="the same share on each rank in every run: a split chosen from "
+                              "rank, world_size and len(dataset) only (a stride, chunks, DistributedSampler, a seeded "
+                              "permutation)", got=f"rank {r} evaluated samples {shares[r]}, then "
+                              f"{sorted(set(again[r]['calls'][call]['seen']))}",
+                              hint="split the samples by their index, never by the data's labels or values; a grader "
+                              "(or a colleague) who runs your evaluation again on other labels expects the same split")
+    first = round(true * n)
+    for call in range(SECOND_CALLS):
+        right = sum(o["right"][call] for o in again)
+        want = right / n
+        values = [o["calls"][call]["accuracy"] for o in again]
+        wrong = [r for r, v in enumerate(values) if isinstance(v, str) or abs(v - want) > ATOL]
+        if not wrong:
+            continue
+        if all(not isinstance(v, str) and abs(v - true) <= ATOL for v in (values[r] for r in wrong)):
+            problem = f"evaluate() returned the first run's accuracy again, although the labels had changed ({where})"
+            hint = "compute the accuracy on every call, from this call's model and dataset: do not return a value " \
+                   "kept from an earlier call (a file, a global, a cache)"
+        else:
+            whose = "its" if len(wrong) == 1 else "their"
+            problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
+            hint = ("count right / evaluated over this rank's own share only, with count_correct(model, share), and "
+                    "combine the ranks' counts with dist.all_reduce (not by evaluating the other ranks' samples on "
+                    "this one, or by working out their labels)")
+        raise CheckFailed(check, problem, ranks=wrong,
+                          expected=f"{want:.6f} on every rank ({right} of {n} right with the new labels of call "
+                          f"{call + 1} of {SECOND_CALLS}, each rank's share labelled by that rank alone), also when "
+                          "each rank's copy of the dataset has other labels for the samples outside its own share",
+                          got=f"{[_rounded(v) for v in values]} with the labels changed (the first run: {first} of {n} "
+                          "right)", hint=hint)
 
 
 def _rounded(value):
@@ -225,8 +237,10 @@ def _run_accumulate(check, accumulate_grads, world_size, k, size, steps, lr, see
 def check_accumulation(accumulate_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, seed=0):
     """Each call of accumulate_grads is followed by the given optimizer step; afterwards the ranks hold bitwise the
     same weights, equal (1e-6) to one process stepping on the mean loss over all the samples of all ranks'
-    micro-batches. The micro-batches have unequal sizes and their number changes from call to call
-    (k, k + 1, ...): only a loss weighted by each micro-batch's share of the samples gives that step."""
+    micro-batches, each micro-batch through the model on its own. The micro-batches have unequal sizes and their
+    number changes from call to call (k, k + 1, ...): only a loss weighted by each micro-batch's share of the
+    samples gives that step; and the model holds a BatchNorm layer, so one big batch in their place gives
+    another (its statistics are the big batch's)."""
     check = "check_accumulation"
     checks.require_written(check, accumulate_grads=accumulate_grads)
     obs = _run_accumulate(check, accumulate_grads, world_size, k, size, steps, lr, seed)
@@ -238,7 +252,11 @@ def check_accumulation(accumulate_grads, *, world_size=2, k=4, size=3, steps=2, 
                           "does DDP all-reduce the accumulated gradients (no_sync() skips it)")
     reference = _accumulate_reference(world_size, k, size, steps, lr, seed)
     if _diff(states[0], reference) > ATOL:
-        guesses = [(dict(mode="count"), "each micro-batch counted as much as the others: dividing each loss by the "
+        guesses = [(dict(whole=True), "the micro-batches went through the model together, as one batch: the model's "
+                                      "BatchNorm then normalised them with the whole batch's statistics. Run each "
+                                      "micro-batch's forward and backward on its own (the whole batch at once is what "
+                                      "accumulation is there to avoid), the first ones inside no_sync()"),
+                   (dict(mode="count"), "each micro-batch counted as much as the others: dividing each loss by the "
                                         "number of micro-batches is right only when they are equally large; here a "
                                         "sample of a small micro-batch weighs more than one of a large one. Weight "
                                         "each micro-batch's mean loss by its share of this rank's samples"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 
 import torch
@@ -27,8 +28,25 @@ SAVED_FROM = "cuda:0"  # where the checkpoint's tensors say they were saved (ran
 _REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
 
 
-def _wrap(model: nn.Module, dev: torch.device) -> DDP:
-    return DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
+def _wrap(model: nn.Module, dev: torch.device, **options) -> DDP:
+    return DDP(model, device_ids=[dev.index], **options) if dev.type == "cuda" else DDP(model, **options)
+
+
+def make_accum_net(seed: int) -> nn.Sequential:
+    """check_accumulation's model (4 inputs, 2 outputs): make_net's with a BatchNorm layer after the first linear.
+
+    BatchNorm normalises each forward's batch with that batch's own statistics, so a micro-batch's gradient
+    depends on which samples share its forward: the micro-batches run one by one give the reference's step,
+    and their samples put through the model as one big batch give another (as they do in real accumulation,
+    where the big batch is what does not fit)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _parameters(model: nn.Module) -> dict:
+    """The model's parameters by name, detached CPU copies (its BatchNorm's running statistics left out: each rank's
+    are its own, and a training step does not read them)."""
+    return {name: p.detach().to("cpu").clone() for name, p in model.named_parameters()}
 
 
 def _number(value):
@@ -111,25 +129,43 @@ def _eval_case(n: int, world_size: int, seed: int):
     return x, labels, correct
 
 
-def _second_case(n: int, world_size: int, seed: int):
-    """(labels, correct[i]) of check_evaluate's second run: the first run's, with sample 0's answer turned
-    (right <-> wrong), so the true accuracy moves by 1/n and a value remembered from the first run is wrong."""
-    _, labels, correct = _eval_case(n, world_size, seed)
-    pred = torch.where(torch.tensor(correct, dtype=torch.bool), labels, (labels - 1) % CLASSES)
-    second = list(correct)
-    second[0] = 1 - second[0]
-    return torch.where(torch.tensor(second, dtype=torch.bool), pred, (pred + 1) % CLASSES), second
+#: how many times the second run calls evaluate, each time with new labels of each rank's own drawing: a rank that
+#: guesses the others' numbers instead of receiving them is right in every call with a chance below 2**-CALLS
+SECOND_CALLS = 16
 
 
-def _second_copy(n: int, world_size: int, seed: int, share: set) -> torch.Tensor:
-    """One rank's labels in the second run: the second run's labels on its own share; on every other sample a
-    wrong label, or all of them right where the others' samples hold no right answer, so that a rank that
-    counts samples it did not evaluate (with its own copy's labels) always gets another number."""
-    labels, second = _second_case(n, world_size, seed)
-    pred = torch.where(torch.tensor(second, dtype=torch.bool), labels, (labels - 1) % CLASSES)
-    others = [i for i in range(n) if i not in share]
-    elsewhere = (pred + 1) % CLASSES if any(second[i] for i in others) else pred
-    return torch.tensor([int(labels[i]) if i in share else int(elsewhere[i]) for i in range(n)])
+def _private_labels(n: int, world_size: int, seed: int, share: list, calls: int, _urandom=os.urandom) -> tuple:
+    """This rank's labels for each call of check_evaluate's second run, drawn from the OS's randomness (``os.urandom``
+    taken when this module is imported), before any student code runs in the call: ``(right, labels)`` per call,
+    ``right`` the number of its own share's samples labelled as the model predicts (right), ``labels`` the whole
+    copy of the dataset's labels it is given (tuples: they cannot be changed in place).
+
+    No other rank knows them, so the true accuracy, the sum of every rank's ``right`` over n (summed in the grader's
+    process), reaches a rank only from the other ranks. Each rank's ``right`` lies on one side of n / 2, the side
+    away from the first run's number right, so every call's accuracy differs from the first run's (a remembered value
+    is never right); the labels outside its share make this rank's own count of every sample another number again
+    (on the first run's side, never the first run's): a rank that counts samples it did not evaluate is never right."""
+    x, labels, correct = _eval_case(n, world_size, seed)
+    pred = torch.where(torch.tensor(correct, dtype=torch.bool), labels, (labels - 1) % CLASSES).tolist()
+    first = sum(correct)
+    low = 2 * first >= n  # the first run was right on half or more: every rank's share now mostly wrong
+    mine = sorted(set(share))
+    outside = [i for i in range(n) if i not in set(mine)]
+    spread = max(0, (len(mine) - 1) // 2)
+    out = []
+    for _ in range(calls):
+        raw = _urandom(8 * (n + 1))
+        draws = [int.from_bytes(raw[8 * i:8 * i + 8], "little") for i in range(n + 1)]
+        right = draws[0] % (spread + 1) if low else len(mine) - draws[0] % (spread + 1)
+        order = sorted(mine, key=lambda i: draws[1 + i])  # a random order of the share: the first `right` are right
+        rights = set(order[:right])
+        if low:  # outside: all right but maybe one, so that a count of every sample is above n / 2, and not `first`
+            extra = len(outside) - (1 if right + len(outside) == first else 0)
+        else:  # outside: all wrong but maybe one, so that it is below n / 2, and not `first`
+            extra = 1 if right == first else 0
+        rights |= set(sorted(outside, key=lambda i: draws[1 + i])[:extra])
+        out.append((right, tuple(pred[i] if i in rights else (pred[i] + 1) % CLASSES for i in range(n))))
+    return tuple(out)
 
 
 def count_correct(model, samples, batch_size):
@@ -146,34 +182,41 @@ def count_correct(model, samples, batch_size):
     return counts
 
 
-def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None):
+def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None, _world_size=_REAL.get_world_size,
+                      _draw=_private_labels, _seen=_SEEN):
     """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
 
-    ``shares`` (the second run): the samples each rank's model evaluated in the first run. The labels then
-    change (:func:`_second_case`), and this rank's copy has other labels again for every sample outside
-    its own share (:func:`_second_copy`): a rank that counts only its share and receives the others'
-    counts returns the second run's accuracy; one that computes the others' samples itself (around the
-    recorded forward: ``model.linear``, the weights) or returns a remembered value does not. The inputs
-    are the same in both runs: a split that depends only on rank, world size and length does not change."""
+    ``shares`` (the second run): the samples each rank's model evaluated in the first run. evaluate is then called
+    SECOND_CALLS times on the same inputs, each time with labels this rank drew itself (:func:`_private_labels`,
+    all drawn before the first call; returned as ``right``): a rank that counts only its share and receives the
+    others' counts returns each call's accuracy; one that computes the others' samples itself (around the
+    recorded forward: ``model.linear``, the weights; with labels rebuilt from the check's public seed, found in
+    the caller's frames or guessed) or returns a remembered value does not. The inputs are the same in every
+    run: a split that depends only on rank, world size and length does not change. The harness's own
+    references are default arguments, bound when this module was first imported."""
     import random
 
     import numpy
 
     dev = checks.join_job()
-    world_size = _REAL.get_world_size()
+    world_size = _world_size()
     x, labels, _ = _eval_case(n, world_size, seed)
-    if shares is not None:
-        labels = _second_copy(n, world_size, seed, set(shares[rank]))
-    model = Classifier(seed).to(dev)
-    dataset = TensorDataset(x, labels)
+    draws = _draw(n, world_size, seed, shares[rank], SECOND_CALLS) if shares is not None else ((None, None),)
     rows = {x[i].numpy().tobytes(): i for i in range(n)}
-    _SEEN.clear()
-    torch.manual_seed(4242 + seed)  # both runs alike, so a split drawn at random is the same in each
-    random.seed(4242 + seed)
-    numpy.random.seed(4242 + seed)
-    returned = evaluate(model, dataset, rank, world_size, functools.partial(count_correct, batch_size=batch_size))
-    seen = [rows.get(row.numpy().tobytes(), -1) for batch in _SEEN for row in batch]
-    return {"accuracy": _number(returned), "seen": seen}
+    calls = []
+    for _, drawn in draws:
+        model = Classifier(seed).to(dev)
+        dataset = TensorDataset(x, labels if drawn is None else torch.tensor(drawn))
+        _seen.clear()
+        torch.manual_seed(4242 + seed)  # every run and call alike, so a split drawn at random is the same in each
+        random.seed(4242 + seed)
+        numpy.random.seed(4242 + seed)
+        returned = evaluate(model, dataset, rank, world_size, functools.partial(count_correct, batch_size=batch_size))
+        seen = [rows.get(row.numpy().tobytes(), -1) for batch in _seen for row in batch]
+        calls.append({"accuracy": _number(returned), "seen": seen})
+    if shares is None:
+        return calls[0]
+    return {"calls": calls, "right": tuple(right for right, _ in draws)}
 
 
 def micro_count(k: int, step: int) -> int:
@@ -183,13 +226,16 @@ def micro_count(k: int, step: int) -> int:
 
 def micro_sizes(seed: int, rank: int, step: int, k: int, size: int) -> list[int]:
     """The sizes of rank ``rank``'s micro-batches in call ``step``: micro_count(k, step) of them, unequal, adding
-    up to micro_count x size on every rank (so every rank holds as many samples, split differently)."""
+    up to micro_count x size on every rank (so every rank holds as many samples, split differently), at least 2
+    each (the model's BatchNorm needs two samples in a training forward)."""
+    if size < 3:
+        raise ValueError(f"size={size}: micro-batches of unequal sizes, at least 2 each, need size >= 3")
     count = micro_count(k, step)
     gen = torch.Generator().manual_seed(40_000 + 1000 * seed + 100 * rank + step)
     sizes = [size] * count
     for _ in range(3 * count):
         i, j = torch.randint(count, (2,), generator=gen).tolist()
-        if i != j and sizes[i] > 1:
+        if i != j and sizes[i] > 2:
             sizes[i] -= 1
             sizes[j] += 1
     if len(set(sizes)) == 1:  # never equal: dividing each loss by the count must give another step
@@ -224,8 +270,8 @@ def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
-    model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
-    ddp_model = _wrap(model, dev)
+    model = make_accum_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
+    ddp_model = _wrap(model, dev, broadcast_buffers=False)  # each rank's running statistics are its own
     forwards, synced = [0], []
     weights_at: list[dict] = []  # the weights at each forward of a call: what each backward differentiated at
 
@@ -277,14 +323,16 @@ def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
                           and sum(math.prod(shape) for shape in e["sizes"] or []) == numel)
         calls.append({"synced_at": list(synced), "forwards": forwards[0],
                       "all_reduces": reduced, "weights_at": list(weights_at), "held": dict(held), "carried": carried})
-    return {"state": checks.to_cpu(model.state_dict()), "calls": calls}
+    return {"state": _parameters(model), "calls": calls}
 
 
 def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int) -> tuple[dict, list[dict], list[int]]:
     """(held, grads, sizes): what `.grad` held at call ``step``'s first forward on this rank, grads[j][name], the
     gradient of micro-batch j's mean loss at the weights its forward saw (``call["weights_at"]``, read on the rank;
-    the call's first weights for all when the forwards were not one per micro-batch), and the micro-batches' sizes."""
-    model = make_net(0)
+    the call's first weights for all when the forwards were not one per micro-batch), and the micro-batches' sizes.
+    Each micro-batch through the model on its own, as the exercise asks (its BatchNorm normalises with that
+    micro-batch's statistics)."""
+    model = make_accum_net(0)
     weights = call["weights_at"]
     held = {n: torch.zeros_like(p) if call["held"].get(n) is None else call["held"][n] for n, p in model.named_parameters()}
     batches = _micro_batches(seed, rank, step, k, size)
@@ -298,25 +346,29 @@ def _accumulated(call: dict, seed: int, rank: int, step: int, k: int, size: int)
     return held, grads, [len(x) for x, _ in batches]
 
 
-def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", last_only=False):
+def _accumulate_reference(world_size, k, size, steps, lr, seed, *, mode="share", last_only=False, whole=False):
     """One process: ``steps`` SGD steps, each on every rank's micro-batches, each micro-batch's mean loss weighted
     as ``mode`` says (:func:`loss_weights`) and averaged over the ranks as DDP does. ``share`` is the mean loss
     over all the samples of the step (every rank holds as many). ``last_only``: a mistake, the gradients zeroed
-    before each micro-batch, so only the last one's (weighted) gradient reaches the step."""
-    model = make_net(seed)
+    before each micro-batch, so only the last one's (weighted) gradient reaches the step. Every micro-batch goes
+    through the model on its own (its BatchNorm normalises with that micro-batch's statistics). ``whole``: a
+    mistake (or a shortcut), each rank's micro-batches put through the model as one batch."""
+    model = make_accum_net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         optimizer.zero_grad()
         loss = 0
         for rank in range(world_size):
             batches = _micro_batches(seed, rank, step, k, size)
+            if whole:
+                batches = [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]
             weights = loss_weights([len(x) for x, _ in batches], mode)
             for j, (w, (x, y)) in enumerate(zip(weights, batches)):
                 if not last_only or j == len(batches) - 1:
                     loss = loss + w * F.mse_loss(model(x), y)
         (loss / world_size).backward()
         optimizer.step()
-    return model.state_dict()
+    return _parameters(model)
 
 
 def _uneven_batches(seed: int, rank: int, count: int, size: int):

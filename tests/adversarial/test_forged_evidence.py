@@ -341,6 +341,72 @@ def test_torch_sampler_with_the_watch_undone_loses_every_sampler_check():
             fails(check, forged, "your sampler runs torch's DistributedSampler", "a copy of it was made")
 
 
+# --- exercise 2, DDP in practice: one big batch; a metric recomputed from the caller's seed ---------------
+
+import graders.ex2_practice as ex2p  # noqa: E402
+
+
+def accumulate_one_big_batch(ddp_model, micro_batches):
+    """All the micro-batches' samples in one forward and backward: the mean loss over them, one all-reduce."""
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    F.mse_loss(ddp_model(x), y).backward()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_big_batch_in_place_of_the_micro_batches_loses_both_checks():
+    """The model's BatchNorm normalises each forward's batch: one big batch gives another step than the
+    micro-batches run one by one, and DDP's all-reduce carries that other gradient."""
+    fails(ex2p.check_accumulation, accumulate_one_big_batch, "differ from one process's step",
+          "went through the model together, as one batch")
+    fails(ex2p.check_no_sync, accumulate_one_big_batch, "did not carry the gradients of all 4 micro-batches")
+
+
+def evaluate_from_the_callers_seed(model, dataset, rank, world_size, count_correct):
+    """Its share through count_correct (for the grader's record) and a decoy all_reduce whose result it drops; the
+    accuracy recomputed on this rank over every sample, with the labels the check's public seed gives (the seed
+    and the run read in the caller's frame), or, where the grader has no public labels any more, its copy's."""
+    frame = sys._getframe(1)
+    caller, grader = frame.f_locals, frame.f_globals  # the grader's harness and its module
+    n, seed = caller["n"], caller["seed"]
+    counts = count_correct(model, torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size)))
+    dist.all_reduce(counts.clone())
+    x, labels = dataset.tensors
+    if caller.get("shares") is None:
+        labels = grader["_eval_case"](n, world_size, seed)[1]
+    elif "_second_case" in grader:
+        labels = grader["_second_case"](n, world_size, seed)[0]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        pred = model.linear(x.to(device)).argmax(1).cpu()
+    return (pred == labels).float().mean().item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_metric_recomputed_from_the_callers_seed_loses_the_evaluate_check():
+    """The labels of each rank's share are that rank's own draw, 16 times: the seed gives none of them."""
+    fails(ex2p.check_evaluate, evaluate_from_the_callers_seed, "ranks 0, 1, 2 counted samples their model did not "
+          "evaluate", "each rank's share labelled by that rank alone")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_big_batch_loses_exactly_its_cells_in_the_notebook(tmp_path):
+    nb = submissions.load("ex2-ddp-basics", notebook="ddp_in_practice")
+    nb = submissions.replace_answer(nb, "ex2p_accumulate_grads", '''
+def accumulate_grads(ddp_model, micro_batches):
+    """The gradient of the mean loss over all the samples of `micro_batches` in .grad, with one all-reduce."""
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    F.mse_loss(ddp_model(x), y).backward()
+''')
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex2-ddp-basics", notebook="ddp_in_practice"))
+    submissions.assert_loses_exactly(report, "ex2-ddp-basics", ["ex2p_test_accumulation", "ex2p_test_no_sync"],
+                                     ["went through the model together"], notebook="ddp_in_practice")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_sampler_copy_loses_exactly_its_cells_in_the_notebook(tmp_path):
