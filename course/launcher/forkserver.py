@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 
+from course.launcher import gpus
 from course.launcher.settings import SETTINGS
 from course.proc import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_process_name
 
@@ -77,7 +78,8 @@ def _fork_forkserver(server) -> bool:
     only the listener, the "alive" pipe and stdin/stdout/stderr (every other descriptor of this process is
     closed, its private channels included), is made dumpable again (as a freshly started forkserver is), and
     serves with nothing left to preload. Unsafe, so refused: another Python thread in this process (a fork
-    copies locks it may hold), CUDA initialised (a rank forked after cuInit cannot use the GPU), a preload
+    copies locks it may hold), the CUDA driver used (a rank forked after cuInit cannot use the GPU; torch's
+    ``is_initialized`` misses a ``torch.cuda.is_available()``, so :func:`~course.launcher.gpus.driver_used` asks), a preload
     module not imported yet, or a multiprocessing whose forkserver lacks the attributes used here.
     """
     from multiprocessing import connection, resource_tracker, util
@@ -86,7 +88,7 @@ def _fork_forkserver(server) -> bool:
     if threading.active_count() != 1 or not all(name in sys.modules for name in PRELOAD):
         return False
     torch = sys.modules["torch"]
-    if torch.cuda.is_initialized() or not all(
+    if torch.cuda.is_initialized() or gpus.driver_used() or not all(
             hasattr(server, a) for a in ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")):
         return False
     with server._lock:

@@ -233,9 +233,9 @@ def resolve_backend(name: str, world_size: int) -> str:
         raise ValueError(f"unknown backend {name!r}: use 'auto', 'gloo' or 'nccl'")
     if name not in ("auto", "nccl"):
         return name
-    import torch
+    from course.launcher.gpus import gpu_count
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()  # never torch.cuda.is_available(): it initialises CUDA in a process that forks ranks
     if name == "nccl" and gpus == 0:
         raise ValueError(
             "backend 'nccl' needs CUDA GPUs, one per rank, but torch sees none. "

@@ -1,0 +1,63 @@
+"""How many GPUs a job may use, asked without touching the CUDA driver in this process, and whether it was touched.
+
+A rank forked from a process that initialised the CUDA driver cannot use the GPU, and torch's
+``torch.cuda.is_available()`` initialises it (``cudaGetDeviceCount`` calls ``cuInit``) unless
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``; ``torch.cuda.is_initialized()`` still says False afterwards. So the
+launcher never asks torch that in a process that forks ranks: :func:`gpu_count` asks NVML (the management
+library: no driver context), and where NVML cannot answer, a short-lived child process, where the driver may
+be initialised at no cost to this one. :func:`driver_used` says whether this process loaded the driver
+anyway (someone else asked): a forkserver is then started fresh instead of forked from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+#: the driver's library: a process that mapped it has used the CUDA driver (torch's runtime loads it on first use)
+DRIVER_LIBRARY = "libcuda.so"
+
+
+def gpu_count() -> int:
+    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` counted), found without initialising CUDA here."""
+    import torch
+
+    if not torch.cuda._is_compiled():  # a CPU build of torch: no GPU whatever the machine has
+        return 0
+    if torch.cuda.is_initialized():  # CUDA is in use here already: torch's own count costs nothing more
+        return torch.cuda.device_count()
+    count = _nvml_count()
+    return count if count >= 0 else _count_in_child(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _nvml_count() -> int:
+    """NVML's count of the visible GPUs (torch's own reading of it), or -1 where NVML cannot answer."""
+    import torch
+
+    try:
+        return int(torch.cuda._device_count_nvml())
+    except Exception:  # noqa: BLE001 - a torch without the helper, a broken NVML: the child answers
+        return -1
+
+
+@functools.cache
+def _count_in_child(visible: str | None) -> int:
+    """torch's count in a child process (the driver is initialised there, never here); 0 when it cannot say."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False)
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+def driver_used(maps: str = "/proc/self/maps") -> bool:
+    """Whether this process has loaded the CUDA driver (whoever asked it: ``torch.cuda.is_available()``, a
+    ``cudaGetDeviceCount``, a tensor on a GPU). A process forked from it could not use the GPU."""
+    try:
+        with open(maps, "rb") as fh:
+            return DRIVER_LIBRARY.encode() in fh.read()
+    except OSError:
+        return False
