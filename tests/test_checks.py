@@ -211,3 +211,19 @@ def test_a_deadlocked_check_fails_in_seconds_naming_every_rank_and_line(kind, wo
     assert 'test_checks.py", line' in message  # each rank's own line
     assert "try:      every rank must call the same collectives" in message and "why: " in message
     assert time.monotonic() - start < 15, message
+
+
+def _what_the_rank_sees(rank):
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), course.backend()
+
+
+@pytest.mark.slow
+def test_a_check_runs_on_gloo_with_the_gpus_hidden_unless_it_asks_for_auto():
+    """The backend policy: by default a check's job is gloo with no GPU visible to its ranks, so the same submission
+    is judged the same on a grader with GPUs; ``backend="auto"`` leaves the GPUs (and nccl, with one per rank)."""
+    job = checks.run("check_policy", _what_the_rank_sees, 2)
+    assert job.values == [("", "gloo"), ("", "gloo")]
+    job = checks.run("check_policy", _what_the_rank_sees, 2, backend="auto", env={"CUDA_VISIBLE_DEVICES": "7"})
+    assert job.values == [("7", "gloo"), ("7", "gloo")]  # no GPU on this machine: auto is gloo here too

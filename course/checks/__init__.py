@@ -174,8 +174,13 @@ def run(
     timeout: float | None = None,
     env: dict | None = None,
     stall_window: float | None = None,
+    backend: str = "gloo",
 ) -> JobResult:
     """Run ``harness(rank, *args)`` on ``world_size`` real ranks for ``check``; their results are ``.values``.
+
+    ``backend``: the check's backend policy. ``"gloo"`` (the default): gloo with the GPUs hidden from the ranks,
+    so a submission is judged the same on every grader, with or without GPUs, at any world size; ``"auto"``: nccl
+    when the machine has a GPU per rank (for a check that is about the GPU), else gloo.
 
     A rank that raises, dies or hangs (past ``timeout``, default :func:`check_timeout`)
     becomes a :class:`CheckFailed` that leads with the first rank that failed and shows
@@ -188,9 +193,11 @@ def run(
     ``expected``: what the check expected of the student's function, shown with any failure of the job.
     ``stall_window``: see :func:`~course.launcher.job.launch` (only for a job the check knows will hang).
     """
+    if backend == "gloo":
+        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
     try:
         return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env,
-                      stall_window=stall_window)
+                      stall_window=stall_window, backend=backend)
     except LaunchError as err:
         problem, ranks, hint, detail = _describe_failure(world_size, err)
         hung = isinstance(err, RankTimeoutError)
