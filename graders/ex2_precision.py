@@ -145,6 +145,20 @@ def _judge_bf16(check, obs, k, size, seed, where):
         bf16, fp32 = (sum(g for batches in per_rank for g in micro_grads(c["start"], batches, k, bf16=b)) / world_size
                       for b in (True, False))
         near, far = _residual(used, bf16), _residual(used, fp32)
+        # each rank's micro-batches through the model as one batch: the same numbers but for bf16's rounding, whose
+        # pattern (the rounding of that one batch's forward) tells it from the micro-batches' own
+        whole = sum(micro_grads(c["start"], [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))],
+                                1)[0] for batches in per_rank) / world_size
+        together = _residual(used, whole)
+        if together < 0.5 * min(near, far):
+            raise CheckFailed(check, f"the micro-batches went through the model as one batch ({where})",
+                              ranks=range(world_size), expected=f"in call {call + 1}, the gradients of the {k} "
+                              "micro-batches' forwards, each under bf16 autocast on its own (as the grader recomputes "
+                              "them at the call's weights)",
+                              got=f"{together:.3g} from one forward of all of them, {near:.3g} from the micro-batches' "
+                              "own", hint="for each micro-batch: its forward and loss under autocast, (loss / k)."
+                              "backward(), the first k - 1 inside no_sync(): the micro-batches are there because the "
+                              "whole batch at once does not fit")
         if near > 0.5 * far:
             raise CheckFailed(check, f"the gradients do not carry bf16's rounding: the forward ran in float32 ({where})",
                               ranks=range(world_size), expected=f"in call {call + 1}, the gradients of a forward under "

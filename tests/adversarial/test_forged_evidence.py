@@ -439,3 +439,27 @@ class ShardSampler(Sampler):
     submissions.assert_loses_exactly(report, "ex2-ddp-basics", ["ex2_test_sampler_shards", "ex2_test_sampler_order",
                                                                 "ex2_test_sampler_training"],
                                      ["runs torch's DistributedSampler", "a copy of it was made"])
+
+
+import graders.ex2_precision as amp  # noqa: E402
+
+
+def amp_one_big_batch(ddp_model, micro_batches, max_norm):
+    """Part 5 with one big batch: every micro-batch's samples in one bf16 forward and one backward, then the clip."""
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+        loss = F.mse_loss(ddp_model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_big_batch_in_the_mixed_precision_step_loses_the_step_cell():
+    """The gradients the step used carry the rounding of one bf16 forward of the whole batch, not of the
+    micro-batches' own forwards (the grader recomputes both): the step's cell says so. One all-reduce, after the
+    only backward, and the clip to the global norm are what check_amp_sync and check_clip judge, and hold."""
+    fails(amp.check_amp_step, amp_one_big_batch, "the micro-batches went through the model as one batch")
+    amp.check_clip(amp_one_big_batch)
+    amp.check_amp_sync(amp_one_big_batch)
