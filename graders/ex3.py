@@ -198,7 +198,9 @@ def check_syncbn_running_stats(bn_cls, hidden: bool = False) -> None:
                       (reference[step - 1]["running_mean"], reference[step - 1]["running_var"]))
             for rank, obs in enumerate(values):
                 for key in ("running_mean", "running_var"):
-                    got = obs["steps"][step][key]
+                    seen = obs["steps"][step]
+                    got = seen[key]  # what the layer's own buffer tensor holds: "in place" is judged on it
+                    _in_place(check, ws, sizes, tail, step, rank, key, seen, ref[key])
                     if _close(got, ref[key]):
                         continue
                     if _close(got, before[0 if key == "running_mean" else 1]):
@@ -219,6 +221,25 @@ def check_syncbn_running_stats(bn_cls, hidden: bool = False) -> None:
                         "(an empty one too)",
                     )
     passed(check)
+
+
+def _in_place(check: str, ws: int, sizes, tail, step: int, rank: int, key: str, seen: dict, want) -> None:
+    """The layer's own ``key`` buffer (the tensor it was built with) holds the statistics, outside autograd."""
+    where = f"{_where(ws, sizes, tail)}, forward #{step + 1}"
+    hint = (f"update the buffer itself, in place and without gradient: with torch.no_grad(): "
+            f"self.{key}.mul_(1 - self.momentum).add_(self.momentum * batch_value) (or .copy_(...))")
+    replaced = seen.get(f"{key}_replaced")
+    if replaced is not None:
+        right = replaced.shape == want.shape and _close(replaced, want)
+        raise CheckFailed(check, f"{key} was replaced by a new tensor instead of being updated in place ({where})",
+                          ranks=[rank], expected=f"the layer's own {key} tensor, changed in place (whatever holds "
+                          "it, DDP's buffer broadcast for one, sees the update only then)",
+                          got="a new tensor assigned to self." + key + (" (with the right values)" if right else ""),
+                          hint=hint)
+    if seen.get(f"{key}_graph"):
+        raise CheckFailed(check, f"{key} became part of the autograd graph ({where})", ranks=[rank],
+                          expected=f"{key} updated without gradient (requires_grad False, no grad_fn)",
+                          got="a buffer that requires grad: the statistics were not detached", hint=hint)
 
 
 def _fmt(t: torch.Tensor) -> str:
@@ -267,7 +288,10 @@ def check_syncbn_accuracy(bn_cls, hidden: bool = False) -> None:
     for ws, sizes, tail, offset, values, reference in _run_bn(check, bn_cls, accuracy=True, hidden=hidden):
         for step, ref in enumerate(reference):
             for rank, obs in enumerate(values):
-                got = obs["steps"][step]
+                got = dict(obs["steps"][step])
+                for key in ("running_mean", "running_var"):  # accuracy only: where they are kept is judged elsewhere
+                    if got.get(f"{key}_replaced") is not None:
+                        got[key] = got[f"{key}_replaced"]
                 worst = {key: _error(got[key], ref[key][rank] if key == "y" else ref[key], key)
                          for key in ("y", "running_mean", "running_var")}
                 bad = {k: e for k, e in worst.items() if e > ACCURACY_ATOL[k]}

@@ -66,14 +66,22 @@ def _bn_case(rank: int, bn_cls, sizes, tail, offset) -> dict:
         bn.running_mean.copy_(torch.tensor(RUNNING_MEAN))
         bn.running_var.copy_(torch.tensor(RUNNING_VAR))
     bn.train()
+    # the buffers the layer was built with: "updated in place" is judged on these very tensors (a forward that
+    # puts new tensors in their place leaves them as they were), and "without gradient" on their autograd state
+    buffers = {"running_mean": bn.running_mean, "running_var": bn.running_var}
     record = []
     for step in range(BN_STEPS):
         x = _bn_input(rank, sizes, tail, step, offset).requires_grad_()
         y = bn(x)
         if not isinstance(y, torch.Tensor):
             return {"error": f"forward returned {type(y).__name__}, not a tensor"}
-        obs = {"y": y.detach().clone(), "running_mean": bn.running_mean.detach().clone(),
-               "running_var": bn.running_var.detach().clone()}
+        obs = {"y": y.detach().clone()}
+        for key, buffer in buffers.items():
+            current = bn._buffers.get(key)
+            obs[key] = buffer.detach().clone()
+            obs[f"{key}_replaced"] = None if current is buffer or not isinstance(current, torch.Tensor) else \
+                current.detach().clone()
+            obs[f"{key}_graph"] = bool(buffer.requires_grad or buffer.grad_fn is not None)
         if y.shape == x.shape and y.requires_grad:
             bn.zero_grad()
             try:

@@ -587,3 +587,57 @@ def test_a_collective_only_rank0_calls_is_graded_within_the_timeout(tmp_path):
         message = submissions.messages(report)[gid]
         assert "[rank 0]" in message and "never joined" in message, message
     assert seconds < 2 * (ex3_model.PG_TIMEOUT.total_seconds() + 30), f"grading took {seconds:.0f} s"
+
+
+# --- issue 37: forgeries of a student who read graders/ (each scored full marks on its cell before) ----------
+
+#: running statistics computed right but kept in new tensors: the layer's own buffers never change
+BN_REPLACED_BUFFERS = bn_class(BN_SOURCE, (
+    "                buffer.mul_(1 - self.momentum).add_(self.momentum * batch_value)  # running_var: unbiased, global count",
+    "                pass\n"
+    "            self.running_mean = (1 - self.momentum) * self.running_mean + self.momentum * mean\n"
+    "            self.running_var = (1 - self.momentum) * self.running_var + self.momentum * var * total / (total - 1)"))
+#: running statistics updated in place but with gradient: the buffers join the autograd graph
+BN_RUNNING_IN_GRAPH = bn_class(BN_SOURCE, ("        with torch.no_grad():\n            for buffer", "        if True:\n            for buffer"))
+
+#: the values themselves gathered (padded to the largest rank), then one process's float32 BatchNorm on all of
+#: them: an exchange the part's recipe does not make, numerically right; the part now states that the checks
+#: judge what the layer computes, and this passes them (as two passes and float64 sums do)
+GATHER_VALUES_SOURCE = _EVAL + '''        c = x.shape[1]
+        flat = x.transpose(0, 1).reshape(c, -1)
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, torch.tensor([flat.shape[1]]))
+        top = max(int(k) for k in counts)
+        padded = torch.cat([flat, flat.new_zeros(c, top - flat.shape[1])], dim=1)
+        every = torch.cat([t[:, :int(k)] for t, k in zip(dist_fn.all_gather(padded), counts)], dim=1)
+        var, mean = torch.var_mean(every, dim=1, correction=0)
+        n = every.shape[1]
+        with torch.no_grad():
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var * n / (n - 1))
+        shape = [1, c] + [1] * (x.dim() - 2)
+        return (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps) * self.weight.view(shape) \\
+            + self.bias.view(shape)
+'''
+BN_GATHER_VALUES = bn_class(GATHER_VALUES_SOURCE)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_running_statistics_are_judged_in_the_layers_own_buffers():
+    """Right values in new tensors, or right values in the buffers with gradient: only the running-statistics check
+    fails, naming what happened; the other checks keep passing."""
+    fails(ex3.check_syncbn_running_stats, BN_REPLACED_BUFFERS, "replaced by a new tensor", "in place", "[rank 0]")
+    fails(ex3.check_syncbn_running_stats, BN_RUNNING_IN_GRAPH, "part of the autograd graph", "torch.no_grad()")
+    for bn in (BN_REPLACED_BUFFERS, BN_RUNNING_IN_GRAPH):
+        for check in (ex3.check_syncbn_output, ex3.check_syncbn_backward, ex3.check_syncbn_accuracy):
+            check(bn)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_values_gathered_pass_as_the_part_states():
+    """An exchange the recipe does not make (every value gathered) is numerically right: the part says the checks
+    judge what the layer computes, and they do, the accuracy check included."""
+    for check in BN_CHECKS:
+        check(BN_GATHER_VALUES)
