@@ -5,7 +5,10 @@ parameters, gradients and optimizer state. The check runs the real thing on that
 ``ZeroRedundancyOptimizer`` over Adam; FSDP2 ``fully_shard`` with Adam), trains one step, and counts what each
 rank really holds: ``nbytes`` of every parameter, gradient and optimizer-state tensor, and of a DTensor's
 local shard. Only then, in rank 0, is the student's function called (so it cannot change what was measured);
-its answer must equal the measurement exactly. Wrong answers are recognised by recomputing the usual wrong
+its answer must equal the measurement exactly. A prediction must not measure: rank 0 calls it under a seccomp
+filter that forbids starting processes (no subprocess can run the job), and the job's own process group must
+still be the default one afterwards (a prediction that destroyed it to simulate the ranks with torch's fake
+process group is named; one that also puts c10d's private tables back is not seen). Wrong answers are recognised by recomputing the usual wrong
 models of sharding (an even split, padded shards, a forgotten step counter, ...) and named.
 """
 
@@ -53,12 +56,60 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _no_new_processes() -> str | None:
+    """Forbid this process, from now on and for good, to start processes: a seccomp filter (the kernel's; nothing
+    run afterwards can lift it) makes fork, vfork, execve and a clone that is not a new thread fail with EPERM
+    (clone3, which glibc tries first, with ENOSYS: glibc then makes its threads with clone). Returns why it could
+    not, or None. A helper of this module, not of the check API: only a prediction needs it so far."""
+    import ctypes
+    import platform
+    import struct
+
+    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322}, 56, 435),
+               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281}, 220, 435)}
+    machine = platform.machine()
+    if machine not in numbers:
+        return f"no seccomp filter for {machine}"
+    arch, deny, clone, clone3 = numbers[machine]
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    # [code, jt, jf, k]; a jump's targets are the names of the three returns at the end
+    prog = [[ld, 0, 0, 4], [jeq, 0, "eperm", arch], [ld, 0, 0, 0]]  # another ABI's calls: refused
+    if machine == "x86_64":
+        prog += [[0x35, "eperm", 0, 0x40000000]]  # x32's numbers (nr | 0x40000000): refused
+    prog += [[jeq, "eperm", 0, nr] for nr in deny.values()]
+    prog += [[jeq, "enosys", 0, clone3], [jeq, 0, "allow", clone], [ld, 0, 0, 16], [jset, "allow", "eperm", 0x00010000]]
+    ends = {"allow": len(prog), "eperm": len(prog) + 1, "enosys": len(prog) + 2}
+    prog += [[ret, 0, 0, allow], [ret, 0, 0, eperm], [ret, 0, 0, enosys]]
+    raw = b""
+    for i, (code, jt, jf, k) in enumerate(prog):
+        jt, jf = (ends[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
+        raw += struct.pack("HBBI", code, jt, jf, k)
+    buffer = ctypes.create_string_buffer(raw)
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    program = Program(len(prog), ctypes.addressof(buffer))
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: what an unprivileged filter needs
+        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}"
+    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        return f"prctl(PR_SET_SECCOMP) failed: errno {ctypes.get_errno()}"
+    return None
+
+
 def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, widths: tuple, seed: int) -> dict:
     """Measure what this rank holds after one Adam step under ``kind`` ("zero" or "fsdp"); then, on rank 0
-    only, ask the student's ``predict`` (after the measurement: nothing it does can change it)."""
+    only, ask the student's ``predict`` (after the measurement: nothing it does can change it), in a process that
+    can no longer start processes (:func:`_no_new_processes`); afterwards the job's own process group must still be
+    the default one (a prediction that destroyed it to simulate the ranks with torch's fake process group left it
+    gone)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     _init_pg()
+    group, world = dist.group.WORLD, c10d._world  # the job's own, taken before any student code runs
     model = memory_model(vocab, widths, seed)
     if kind == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -87,10 +138,12 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
     dist.barrier()
     obs = {"measured": measured}
     if rank == 0:
+        obs["sandbox"] = _no_new_processes()
         try:
             obs["predicted"] = _plain(predict(memory_model(vocab, widths, seed), world_size))
         except Exception as exc:  # noqa: BLE001 - shown to the student
             obs["error"] = f"{type(exc).__name__}: {exc}"
+        obs["group_kept"] = world.default_pg is group and group in world.pg_map
     return obs
 
 
@@ -220,6 +273,20 @@ def _check_memory(check: str, kind: str, predict, name: str, world_size: int, vo
     job = checks.memo(check, ("memory", kind, predict, world_size, vocab, widths, seed), lambda: checks.run(
         check, _memory_harness, world_size, args=(kind, predict, world_size, vocab, widths, seed)))
     where = f"{world_size} ranks, float32 parameters shaped {_shapes(vocab, widths, seed)}"
+    if not job.values[0].get("group_kept", True):
+        raise CheckFailed(check, f"while {name} ran on rank 0, rank 0 left the job's process group ({where})",
+                          ranks=[0],
+                          expected=f"{name} computes from the model's parameter shapes, without process groups (a "
+                          "prediction is made before any job exists)",
+                          got="the job's process group was destroyed or replaced during the prediction (torch's fake "
+                          "process group to simulate the ranks?)",
+                          hint="predict from the shapes: p.numel(), p.element_size(), and the sharding rules")
+    error = job.values[0].get("error") or ""
+    if "Operation not permitted" in error or "[Errno 1]" in error:
+        raise CheckFailed(check, f"{name} tried to start a process ({where})", ranks=[0],
+                          expected=f"{name} computes from the model's parameter shapes; it is called in a process "
+                          "that may not start others (a prediction runs nothing)", got=error[:300],
+                          hint="predict from the shapes: p.numel(), p.element_size(), and the sharding rules")
     if "error" in job.values[0]:
         raise CheckFailed(check, f"{name} raised {job.values[0]['error']} ({where})", ranks=[0],
                           hint="compute from the parameters' shapes (p.shape, p.numel(), p.element_size())")

@@ -641,3 +641,78 @@ def test_the_values_gathered_pass_as_the_part_states():
     judge what the layer computes, and they do, the accuracy check included."""
     for check in BN_CHECKS:
         check(BN_GATHER_VALUES)
+
+
+def _simulated(kind: str, model, world_size: int, rank: int) -> dict:
+    """What ``rank`` holds after one step, measured in this process with torch's fake process group."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        model = copy.deepcopy(model)
+        tokens = torch.zeros(6, dtype=torch.long)
+        if kind == "zero":
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+            model(tokens).square().mean().backward()  # DDP's all-reduce adds nothing a fake group could count
+            optimizer.step()
+            held = optimizer.optim
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            held = torch.optim.Adam(model.parameters(), lr=1e-3)
+            model(tokens).square().mean().backward()
+            held.step()
+
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        return {"params": sum(local(p).nbytes for p in model.parameters()),
+                "grads": sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None),
+                "optimizer": sum(local(v).nbytes for s in held.state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor))}
+    finally:
+        dist.destroy_process_group()
+
+
+def _predict_with_a_fake_group(kind: str):
+    def predict(model, world_size):
+        """A forgery: the job's process group destroyed, each rank simulated with torch's fake process group."""
+        dist.destroy_process_group()
+        return [_simulated(kind, model, world_size, rank) for rank in range(world_size)]
+    return predict
+
+
+def _predict_in_a_subprocess(kind: str):
+    def predict(model, world_size):
+        """A forgery: a new interpreter simulates the ranks (torch's fake process group there) and prints the bytes."""
+        import json
+        import subprocess
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as fh:
+            cloudpickle.dump((_simulated, kind, model, world_size), fh)
+        script = ("import cloudpickle, json, sys; f, kind, model, ws = cloudpickle.load(open(sys.argv[1], 'rb')); "
+                  "print(json.dumps([f(kind, model, ws, r) for r in range(ws)]))")
+        out = subprocess.run([sys.executable, "-c", script, fh.name], capture_output=True, text=True, check=True,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    return predict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_prediction_that_measures_fails():
+    """Measuring instead of predicting: in a subprocess (the predicting process may not start one) or in the
+    predicting process with torch's fake process group (the job's group, which the other ranks wait in, must
+    survive the prediction)."""
+    fails(mem.check_zero_memory, _predict_in_a_subprocess("zero"), "tried to start a process", "Operation not permitted")
+    fails(mem.check_fsdp_memory, _predict_in_a_subprocess("fsdp"), "tried to start a process")
+    fails(mem.check_zero_memory, _predict_with_a_fake_group("zero"), "left the job's process group", "[rank 0]")
+    fails(mem.check_fsdp_memory, _predict_with_a_fake_group("fsdp"), "left the job's process group")
