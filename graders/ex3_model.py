@@ -199,15 +199,6 @@ def _zero_batch(rank: int, step: int, seed: int):
     return x, torch.cos(x.sum(dim=1, keepdim=True)) * (1 + rank)
 
 
-def _zero_train(ddp_model, optimizer, rank: int, seed: int) -> None:
-    for step in range(ZERO_STEPS):
-        x, y = _zero_batch(rank, step, seed)
-        loss = F.mse_loss(ddp_model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
 def _next_grads(model: nn.Module, seed: int) -> list[torch.Tensor]:
     """The gradients of the step after loading, the same in the reference and in the load harness."""
     g = torch.Generator().manual_seed(7 + seed)
@@ -239,23 +230,73 @@ def _zero_reference(world_size: int, seed: int):
     return state, trained, [p.detach().clone() for p in model.parameters()]
 
 
-def _zero_save_harness(rank: int, save_shard, ckpt_dir: str, seed: int) -> dict:
-    """Train with ZeRO (Adam), then call the student's save; observe every file this rank wrote and every
-    collective it issued during the call (torch's flight recorder: what crossed between the ranks)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
+# What the save harness trains and observes with, taken when this module is imported: in a rank that is while the
+# job's payload is unpickled, before the student's objects, so code that runs as they are unpickled (or in an
+# earlier save) cannot change how the grader trains, what it puts in the optimizer, or what it reads back.
+from torch.distributed.optim import ZeroRedundancyOptimizer as _ZERO  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as _DDP  # noqa: E402
 
+_ZERO_STEP = _ZERO.step
+_ZERO_ZERO_GRAD = _ZERO.zero_grad
+_ADAM = torch.optim.Adam
+_BACKWARD = torch.Tensor.backward
+_MSE = F.mse_loss
+_COPY_ = torch.Tensor.copy_
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_RAND = torch.rand
+_IS_TENSOR = torch.is_tensor
+_PARAMETERS = nn.Module.parameters
+
+#: the two saves of the save job: first with every rank's Adam state changed (a "decoy" only that rank holds),
+#: then with the trained state, the checkpoint the load check reads
+SAVE_ROUNDS = ("decoy", "trained")
+
+
+def _local_share(optimizer, model) -> list[tuple[int, str, torch.Tensor]]:
+    """(index in model.parameters(), state key, tensor) of every tensor this rank's own Adam holds, the tensors
+    themselves (not copies): ZeRO gives each rank the whole state of some parameters."""
+    index = {id(p): i for i, p in enumerate(_PARAMETERS(model))}
+    out = []
+    for p, state in optimizer.optim.state.items():
+        for key, value in state.items():
+            if _IS_TENSOR(value):
+                out.append((index[id(p)], key, value))
+    return out
+
+
+def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, nonce: int) -> dict:
+    """Train with ZeRO (Adam), then call the student's save twice: into ``folders[0]`` with this rank's share of
+    the state replaced by a decoy of its own (random, known only to this rank and returned to the grader), then,
+    the trained share put back, into ``folders[1]``. Observe every file this rank wrote in each save and every
+    collective it issued (torch's flight recorder: what crossed between the ranks)."""
     _init_pg()
     model = _zero_model(seed)
-    ddp_model = DDP(model)
-    optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.Adam, lr=ZERO_LR)
-    _zero_train(ddp_model, optimizer, rank, seed)
-    seen = {(e["group"], e["seq"], e["p2p"]) for e in checks.REAL.collectives()}
-    with checks.record_writes() as writes:  # every file this rank writes, however it writes it
-        save_shard(optimizer, model, rank, ckpt_dir)
-    issued = [e for e in checks.REAL.collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
-    moved = sum(_entry_bytes(e) for e in issued)
-    return {"writes": sorted({e["path"] for e in writes}), "moved": moved, "ops": [e["op"] for e in issued]}
+    ddp_model = _DDP(model)
+    optimizer = _ZERO(ddp_model.parameters(), optimizer_class=_ADAM, lr=ZERO_LR)
+    for step in range(ZERO_STEPS):
+        x, y = _zero_batch(rank, step, seed)
+        loss = _MSE(ddp_model(x), y)
+        _ZERO_ZERO_GRAD(optimizer)
+        _BACKWARD(loss)
+        _ZERO_STEP(optimizer)
+    share = [(i, key, t) for i, key, t in _local_share(optimizer, model) if t.dim() > 0]  # exp_avg, exp_avg_sq
+    trained = [_CLONE(_DETACH(t)) for _, _, t in share]
+    g = torch.Generator().manual_seed(nonce + 7919 * rank)
+    decoys = [t + 1.0 + _RAND(t.shape, generator=g) for t in trained]  # >= 1 away from the trained values
+    rounds = []
+    for name, folder in zip(SAVE_ROUNDS, folders):
+        with torch.no_grad():
+            for (_, _, t), value in zip(share, decoys if name == "decoy" else trained):
+                _COPY_(t, value)
+        seen = {(e["group"], e["seq"], e["p2p"]) for e in checks.REAL.collectives()}
+        with checks.record_writes() as writes:  # every file this rank writes, however it writes it
+            save_shard(optimizer, model, rank, folder)
+        issued = [e for e in checks.REAL.collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
+        rounds.append({"round": name, "writes": sorted({e["path"] for e in writes}),
+                       "moved": sum(_entry_bytes(e) for e in issued), "ops": [e["op"] for e in issued]})
+    held = [[i, key] for i, key, _ in share]
+    return {"rounds": rounds, "held": held, "trained": trained, "decoys": decoys}
 
 
 _ITEMSIZE = {"Float": 4, "Double": 8, "Long": 8, "Int": 4, "Byte": 1, "Char": 1, "Bool": 1, "Half": 2,
@@ -268,24 +309,39 @@ def _entry_bytes(entry: dict) -> int:
                for size, dtype in zip(entry.get("sizes") or [], entry.get("dtypes") or []))
 
 
-def _zero_load_harness(rank: int, load_full_state, ckpt_dir: str, seed: int, trained: list) -> dict:
-    """In one process, no process group: the student's loader builds the state dict; a plain Adam over the model
-    loads it and makes one more step. Returns what Adam holds and the parameters after that step."""
-    model = _zero_model(seed)
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), trained):
-            p.copy_(value)
-    state = load_full_state(ckpt_dir, model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=ZERO_LR)
-    try:
-        optimizer.load_state_dict(state)
-    except Exception as exc:  # noqa: BLE001 - shown to the student
-        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    loaded = checks.to_cpu(optimizer.state_dict())
-    for p, grad in zip(model.parameters(), _next_grads(model, seed)):
-        p.grad = grad
-    try:
-        optimizer.step()
-    except Exception as exc:  # noqa: BLE001
-        return {"state": loaded, "step_error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {"state": loaded, "after": [p.detach().clone() for p in model.parameters()]}
+def _zero_load_harness(rank: int, load_full_state, folders: list[str], seed: int, trained: list) -> list[dict]:
+    """In one process, no process group: for each folder, the student's loader builds the state dict and a plain Adam
+    over the model loads it. For the first folder, Adam then makes one more step. Returns, per folder, what Adam
+    holds (and, for the first, the parameters after that step), or the error."""
+    out = []
+    for n, folder in enumerate(folders):
+        model = _zero_model(seed)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), trained):
+                p.copy_(value)
+        try:
+            state = load_full_state(folder, model)
+        except Exception as exc:  # noqa: BLE001 - shown to the student
+            if n == 0:
+                raise
+            out.append({"load_error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        optimizer = torch.optim.Adam(model.parameters(), lr=ZERO_LR)
+        try:
+            optimizer.load_state_dict(state)
+        except Exception as exc:  # noqa: BLE001 - shown to the student
+            out.append({"error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        loaded = checks.to_cpu(optimizer.state_dict())
+        if n:
+            out.append({"state": loaded})
+            continue
+        for p, grad in zip(model.parameters(), _next_grads(model, seed)):
+            p.grad = grad
+        try:
+            optimizer.step()
+        except Exception as exc:  # noqa: BLE001
+            out.append({"state": loaded, "step_error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        out.append({"state": loaded, "after": [p.detach().clone() for p in model.parameters()]})
+    return out

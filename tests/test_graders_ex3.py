@@ -716,3 +716,129 @@ def test_a_prediction_that_measures_fails():
     fails(mem.check_fsdp_memory, _predict_in_a_subprocess("fsdp"), "tried to start a process")
     fails(mem.check_zero_memory, _predict_with_a_fake_group("zero"), "left the job's process group", "[rank 0]")
     fails(mem.check_fsdp_memory, _predict_with_a_fake_group("fsdp"), "left the job's process group")
+
+
+def save_gathered_point_to_point(optimizer, model, rank, ckpt_dir):
+    """A forgery: every rank sends its share to rank 0 with dist.send (point-to-point: gloo's flight recorder lists
+    no such traffic), rank 0 writes the whole state, the others an empty shard."""
+    import pickle
+
+    index = {p: i for i, p in enumerate(model.parameters())}
+    local = optimizer.optim
+    mine = {index[p]: {k: v.clone() for k, v in s.items()} for p, s in local.state.items()}
+    hyperparameters = {k: v for k, v in local.param_groups[0].items() if k != "params"}
+    if rank == 0:
+        for src in range(1, dist.get_world_size()):
+            size = torch.zeros(1, dtype=torch.long)
+            dist.recv(size, src)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(data, src)
+            mine.update(pickle.loads(data.numpy().tobytes()))
+    else:
+        data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+        dist.send(torch.tensor([data.numel()]), 0)
+        dist.send(data, 0)
+        mine = {}
+    torch.save({"state": mine, "hyperparameters": hyperparameters}, os.path.join(ckpt_dir, f"shard-{rank}.pt"))
+
+
+class _GatherWhileTraining:
+    """Runs as the answer is unpickled in each rank, before the grader trains (cloudpickle ships the save function's
+    globals by value): a global optimizer hook gathers ZeRO's whole state on rank 0 after every step, so the
+    collectives happen before the save, where nobody counts them."""
+
+    def __reduce__(self):
+        return (exec, ('''
+import torch.optim.optimizer as _o
+from torch.distributed.optim import ZeroRedundancyOptimizer as _Z
+_made = []
+_init = _Z.__init__
+def _remember(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    _made.append(self)
+_Z.__init__ = _remember
+def _gather(opt, args, kwargs):
+    for z in _made:
+        if z.optim is opt:
+            z.consolidate_state_dict(to=0)
+_o.register_optimizer_step_post_hook(_gather)
+''', {}))
+
+
+_GATHER_WHILE_TRAINING = _GatherWhileTraining()
+
+
+def save_gathered_before(optimizer, model, rank, ckpt_dir):
+    """A forgery: the whole state was gathered on rank 0 during training (:class:`_GatherWhileTraining`); rank 0 writes
+    it, the others a marker file."""
+    assert _GATHER_WHILE_TRAINING is None  # unpickled as exec's result: the hook is in place
+    if rank == 0:
+        torch.save(optimizer.state_dict(), os.path.join(ckpt_dir, "optimizer.pt"))
+    else:
+        open(os.path.join(ckpt_dir, f"rank{rank}.done"), "w").close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_save_that_gathers_fails_however_it_moves_the_state():
+    """Point-to-point traffic, or a gather during training: rank 0's files then hold other ranks' state, which the
+    second save (every rank's state changed) shows; the load check, which reads the trained save, still passes."""
+    save, load = shard_functions()
+    fails(ex3.check_shard_save, save_gathered_point_to_point, "rank 0's files changed the state of parameters",
+          "other ranks hold", "a gather", "[rank 0]", load_full_state=load)
+    ex3.check_shard_load(save_gathered_point_to_point, load_full_state=load)
+    fails(ex3.check_shard_save, save_gathered_before, "did not follow the state rank", load_full_state=load_consolidated)
+    ex3.check_shard_load(save_gathered_before, load_full_state=load_consolidated)
+
+
+FORGED = [  # (answer cell, old text, new text): one forgery per part, in the notebook a student hands in
+    (_BN, "                buffer.mul_(1 - self.momentum).add_(self.momentum * batch_value)",
+     '                setattr(self, "running_mean" if buffer is self.running_mean else "running_var",\n'
+     "                        (1 - self.momentum) * buffer + self.momentum * batch_value)"),
+    ("ex3_predict_memory", "    params = list(model.parameters())\n    everything",
+     "    import copy\n"
+     "    from torch.distributed.optim import ZeroRedundancyOptimizer\n"
+
+     "    dist.destroy_process_group()  # the job's group: torch's fake one simulates each rank instead\n"
+     "    out = []\n"
+     "    for rank in range(world_size):\n"
+     '        dist.init_process_group("fake", rank=rank, world_size=world_size)\n'
+     "        m = copy.deepcopy(model)\n"
+     "        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)\n"
+     "        m(torch.zeros(6, dtype=torch.long)).square().mean().backward()\n"
+     "        opt.step()\n"
+     "        size = sum(p.nbytes for p in m.parameters())\n"
+     '        out.append({"params": size, "grads": size,\n'
+     '                    "optimizer": sum(v.nbytes for s in opt.optim.state.values() for v in s.values())})\n'
+     "        dist.destroy_process_group()\n"
+     "    return out\n"
+     "    params = list(model.parameters())\n    everything"),
+    ("ex3_shard_checkpoint", '    torch.save(shard, os.path.join(ckpt_dir, f"shard-{rank}.pt"))',
+     "    import pickle\n"
+     "    if rank == 0:  # every share sent to rank 0, point to point\n"
+     "        for src in range(1, dist.get_world_size()):\n"
+     "            size = torch.zeros(1, dtype=torch.long)\n"
+     "            dist.recv(size, src)\n"
+     "            data = torch.empty(int(size), dtype=torch.uint8)\n"
+     "            dist.recv(data, src)\n"
+     '            shard["state"].update(pickle.loads(data.numpy().tobytes()))\n'
+     "    else:\n"
+     '        data = torch.frombuffer(bytearray(pickle.dumps(shard["state"])), dtype=torch.uint8)\n'
+     "        dist.send(torch.tensor([data.numel()]), 0)\n"
+     "        dist.send(data, 0)\n"
+     '        shard["state"] = {}\n'
+     '    torch.save(shard, os.path.join(ckpt_dir, f"shard-{rank}.pt"))'),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_forgeries_lose_exactly_their_cells_in_the_notebook(tmp_path):
+    """Running statistics in new tensors, a prediction simulated with torch's fake process group, a save that sends
+    every share to rank 0 point to point: each loses its own test cell, and only that."""
+    report = submissions.grade_edited(A, tmp_path, *FORGED)
+    submissions.assert_mistakes_lose_exactly(report, A, [
+        (["ex3_test_syncbn_running_stats"], ["replaced by a new tensor"]),
+        (["ex3_test_zero_memory"], ["left the job's process group"]),
+        (["ex3_test_shard_save"], ["changed the state of parameters"]),
+    ])
