@@ -207,12 +207,25 @@ WRONG = {
 }
 
 
-#: each mistake alone: on the hidden story they fail both cells but one, which shares no cell with the others
+#: each mistake alone: on the hidden story they fail both cells but one, which edits the same text as another
 GRADED_TOGETHER = [(name,) for name in WRONG]
 
 
-def test_the_mistakes_graded_together_are_independent():
+def could_share_a_grade(a: str, b: str) -> bool:
+    """Whether two mistakes could be graded in one submission: they fail no common cell and edit different text."""
+    (edits_a, cells_a, _), (edits_b, cells_b, _) = WRONG[a], WRONG[b]
+    olds_a, olds_b = [old for old, _ in edits_a], [old for old, _ in edits_b]
+    return not set(cells_a) & set(cells_b) and not any(x in y or y in x for x in olds_a for y in olds_b)
+
+
+def test_each_mistake_is_graded_alone_because_no_two_could_share_a_grade():
+    """Every mistake is graded once, and in a launch of its own only because no other could join it: a mistake
+    that fails other cells than another, editing other text, must be graded with it (a launch saved)."""
     submissions.disjoint_mistakes(GRADED_TOGETHER, WRONG)
+    alone = [group[0] for group in GRADED_TOGETHER if len(group) == 1]
+    joinable = [(a, b) for i, a in enumerate(alone) for b in alone[i + 1:] if could_share_a_grade(a, b)]
+    assert joinable == [], f"grade these together: {joinable}"
+    assert could_share_a_grade("no resume at all", "the epoch resumed from its start") is False  # a common cell
 
 
 @pytest.mark.slow
