@@ -17,8 +17,12 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
   every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
   rank and sharded on the saved world size (:mod:`graders.ex3_fsdp_dcp`): it must hold the trained weights
-  and momentum; a last job loads what the grader read, written again by DCP on one rank, into a fresh
-  sharded model and optimizer: the weights, the momentum and one more step equal the uninterrupted run's);
+  and momentum, each rank's rows a piece of their own (.metadata) in a file that rank wrote (the save job
+  records every rank's writes): nothing gathered before the save; a last job loads what the grader read, every
+  tensor moved by a random nudge only the grader knows, written again by DCP on one rank, into a fresh sharded
+  model and optimizer: the weights and momentum must be the nudged ones (a replayed training cannot give them),
+  and one more step SGD's from them; the load harness observes with references bound before the student's code
+  runs, so reloading or re-executing the grader's module changes nothing it sees);
 * ``export_weights(model, path)``: the full state dict, gathered on every rank, saved by rank 0
   alone (:func:`check_export`: the file loads into a plain :class:`Net` with ``strict=True`` and
   holds the trained weights; no other rank wrote; a gather on rank 0 only is named as such, within
@@ -42,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from course import checks
 from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stranded
 from course.costmodel import fsdp_padded_numel, fsdp_shard_rows
-from graders.ex3_fsdp_dcp import _read_harness, _read_verdict
+from graders.ex3_fsdp_dcp import _pieces_verdict, _read_harness, _read_verdict, nudge
 from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     LR,
     MOMENTUM,
@@ -54,6 +58,7 @@ from graders.ex3_fsdp_model import (  # Net: the notebook imports it from here
     _save_harness,
     _shard_harness,
     _shard_of,
+    _step_reference,
     _training_harness,
     _training_reference,
     make_net,
@@ -76,10 +81,8 @@ SHARD_HINT = (f"make units of consecutive blocks, at most {BUDGET_BLOCKS} blocks
 def _job_env(world_size: int, extra: dict | None = None) -> dict:
     """The ranks' extra environment. A gloo job (no GPU per rank) hides the GPUs: fully_shard's default mesh is
     the accelerator's whenever one is visible, and the model and data of a gloo job are on the CPU."""
-    from course.launcher.job import resolve_backend
-
     env = dict(extra or {})
-    if resolve_backend("auto", world_size) != "nccl":
+    if checks.resolve_backend("auto", world_size) != "nccl":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
@@ -371,7 +374,9 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
-def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec: tuple, ws: int, steps: int) -> None:
+def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec: tuple, ws: int, steps: int,
+                        expected: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``expected``: the full weights and momenta of the copy load_checkpoint was given (the saved ones, nudged)."""
     where = _where(ws)
     set_hint = ("dcp.load fills the tensors of the dict you give it, in place: load into get_state_dict(model, "
                 "optimizer) (the model's and optimizer's own tensors), then set_state_dict(model, optimizer, "
@@ -379,16 +384,22 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
 
     def restored(rank, after):
         before = saved[rank]
-        wrong = [n for n in before["params"] if not _same(after["params"][n], before["params"][n])]
+        want = {kind: {n: _shard_of(t, ws, rank) for n, t in expected[kind].items()} for kind in expected}
+        wrong = [n for n in before["params"] if not _same(after["params"][n], want["params"][n])]
         if wrong:
             fresh = all(_same(after["params"][n], after["fresh"][n]) for n in wrong)
+            replayed = all(_same(after["params"][n], before["params"][n]) for n in wrong)
             raise CheckFailed(
-                check, f"after load_checkpoint, the model does not hold the weights that were saved ({where})", ranks=[rank],
-                expected="the saved shards of every parameter, in the fresh sharded model",
-                got=(f"the fresh model's weights, unchanged ({len(wrong)} parameters)" if fresh
-                     else f"other values in {len(wrong)} parameters, e.g. {wrong[0]}"),
-                hint=set_hint if fresh else "save and load with torch.distributed.checkpoint on every rank, each "
-                "rank its own shard: " + set_hint)
+                check, f"after load_checkpoint, the model does not hold the weights that were saved in the checkpoint it "
+                f"was given ({where})", ranks=[rank],
+                expected="the checkpoint's shard of every parameter, in the fresh sharded model (the grader's copy of "
+                "your checkpoint, every value moved a little: only reading it gives them)",
+                got=(f"the fresh model's weights, unchanged ({len(wrong)} parameters)" if fresh else
+                     "the weights of the training that was saved, without the copy's changes: they did not come from "
+                     "the checkpoint (the training replayed?)" if replayed else
+                     f"other values in {len(wrong)} parameters, e.g. {wrong[0]}"),
+                hint=set_hint if fresh else "load what the checkpoint at `path` holds, with dcp.load on every rank: "
+                + set_hint)
         lost = [n for n, m in after["momentum"].items() if m is None]
         if lost:
             raise CheckFailed(
@@ -398,7 +409,7 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
                 hint="load the optimizer too. A fresh optimizer's own state_dict() is empty, so dcp.load has nothing "
                 "to fill: load into get_state_dict(model, optimizer), which creates the state, then "
                 "set_state_dict(model, optimizer, ...)")
-        off = [n for n in before["momentum"] if not _same(after["momentum"][n], before["momentum"][n])]
+        off = [n for n in before["momentum"] if not _same(after["momentum"][n], want["momentum"][n])]
         if off:
             zeros = all(float(after["momentum"][n].abs().max()) == 0 if after["momentum"][n].numel() else True
                         for n in off)
@@ -414,11 +425,12 @@ def _checkpoint_verdict(check: str, saved: list[dict], loaded: list[dict], spec:
                               hint="load the saved optimizer state dict as it is: " + set_hint)
 
     checks.on_every_rank(loaded, restored)
-    want = _training_reference(spec, ws, steps + 1)
+    want = _step_reference(spec, ws, steps, expected["params"], expected["momentum"])
     bad = [r for r, obs in enumerate(loaded)
            if not all(torch.allclose(obs["next"][n], _shard_of(want[n], ws, r), atol=ATOL, rtol=0) for n in want)]
-    expect(not bad, check, f"one more training step after load_checkpoint differs from the uninterrupted run ({where})",
-           ranks=bad, expected=f"the weights of {steps + 1} steps without a checkpoint, within {ATOL:g}",
+    expect(not bad, check, f"one more training step after load_checkpoint differs from SGD's from the checkpoint's "
+           f"state ({where})",
+           ranks=bad, expected=f"one SGD step (momentum) from the checkpoint's weights and momentum, within {ATOL:g}",
            got=f"max |diff| {_max_diff(_full([obs['next'] for obs in loaded]), want):.3g}",
            hint="load into the model and optimizer you are given (do not replace their parameters): " + set_hint)
 
@@ -437,12 +449,17 @@ def check_checkpoint(save_checkpoint, load_checkpoint, world_size: int = 2, seed
         saved = checks.run(check, _save_harness, world_size, args=(save_checkpoint, path, spec, steps),
                            mistakes=_SAVE_MISTAKES, env=_job_env(world_size)).values
         _checkpoint_files(check, path, world_size)
-        copy = os.path.join(root, "copy")  # what the grader read, written again by DCP at world size 1
-        read = checks.run(check, _read_harness, world_size, args=(path, copy), env=_job_env(world_size)).values
-        _read_verdict(check, read, saved, world_size)
+        copy = os.path.join(root, "copy")  # what the grader read, every tensor nudged, written again by DCP on 1 rank
+        nonce = int.from_bytes(os.urandom(4), "little")  # the nudges: only the copy holds them
+        read = checks.run(check, _read_harness, world_size, args=(path, copy, nonce), env=_job_env(world_size)).values
+        keys = _read_verdict(check, read, saved, world_size)
+        shapes = {name: tuple(p.shape) for name, p in make_net(spec).named_parameters()}
+        _pieces_verdict(check, read[0]["chunks"], keys, saved, path, shapes, world_size)
+        expected = {kind: {name: _full([obs[kind] for obs in saved])[name] + nudge(key, shapes[name], nonce)
+                           for name, key in keys[kind].items()} for kind in ("params", "momentum")}
         loaded = checks.run(check, _load_harness, world_size, args=(load_checkpoint, copy, spec, steps),
                             mistakes=_LOAD_MISTAKES, env=_job_env(world_size)).values
-        _checkpoint_verdict(check, saved, loaded, spec, world_size, steps)
+        _checkpoint_verdict(check, saved, loaded, spec, world_size, steps, expected)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     passed(check)

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -146,8 +146,35 @@ def _sharded(metadata: Metadata, mesh, rank: int, world_size: int, dev) -> dict[
     return out
 
 
-def _read_harness(rank: int, path: str, copy_path: str) -> dict:
-    """Read the checkpoint at ``path`` whole (alone) and sharded (all ranks); rank 0 writes the copy."""
+#: how far :func:`nudge` moves each value of the copy the loader is given (uniform in +-NUDGE)
+NUDGE = 0.1
+
+
+def nudge(key: str, shape, nonce: int) -> torch.Tensor:
+    """What the grader adds to the tensor ``key`` of the checkpoint before giving it to the student's loader: values
+    drawn from ``nonce`` (the grader's, drawn anew for every check) and the key, so that only reading the checkpoint
+    gives them; replaying the training cannot."""
+    import zlib
+
+    g = torch.Generator().manual_seed((nonce * 1_000_003 + zlib.crc32(key.encode())) % (2 ** 62))
+    return (torch.rand(tuple(shape), generator=g) * 2 - 1) * NUDGE
+
+
+def _chunks(metadata: Metadata) -> dict[str, list[dict]]:
+    """Per tensor of the checkpoint, the pieces .metadata says it was saved in: offsets, sizes and the file holding it."""
+    storage = metadata.storage_data or {}
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            out[key] = [{"offsets": [int(o) for o in c.offsets], "sizes": [int(n) for n in c.sizes],
+                         "file": str(getattr(storage.get(MetadataIndex(key, c.offsets)), "relative_path", ""))}
+                        for c in meta.chunks]
+    return out
+
+
+def _read_harness(rank: int, path: str, copy_path: str, nonce: int) -> dict:
+    """Read the checkpoint at ``path`` whole (alone) and sharded (all ranks); rank 0 writes the copy, every tensor
+    moved by :func:`nudge`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dev = _join()
@@ -168,10 +195,16 @@ def _read_harness(rank: int, path: str, copy_path: str) -> dict:
     tensors = {k: v for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)}  # by DCP's key
     obs = {"files": files, "error": None, "whole": {k: checks.to_cpu(v) for k, v in tensors.items()}}
     mesh = init_device_mesh(dev.type, (world_size,))
-    sharded = _sharded(_Reader(path).read_metadata(), mesh, rank, world_size, dev)
+    metadata = _Reader(path).read_metadata()
+    sharded = _sharded(metadata, mesh, rank, world_size, dev)
     _LOAD(sharded, storage_reader=_Reader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     obs["shards"] = {k: checks.to_cpu(_TO_LOCAL(v)) for k, v in sharded.items()}
     if rank == 0:
+        obs["chunks"] = _chunks(metadata)
+        with torch.no_grad():
+            for key, t in tensors.items():  # the same tensors as in `whole`
+                if t.is_floating_point() and t.dim() > 0:
+                    t.add_(nudge(key, t.shape, nonce).to(t.dtype))
         _SAVE(whole, storage_writer=FileSystemWriter(copy_path), planner=_CopyPlanner(), no_dist=True)
     return obs
 
@@ -179,9 +212,10 @@ def _read_harness(rank: int, path: str, copy_path: str) -> dict:
 # --------------------------------------------------------------------------- the grader's side
 
 
-def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> None:
+def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> dict[str, dict[str, str]]:
     """What the grader's own DCP read of the folder found (:mod:`graders.ex3_fsdp_dcp`): the trained weights and
-    SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size)."""
+    SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size).
+    Returns where it found them: {"params" / "momentum": {parameter name: the checkpoint's key}}."""
     where = f"{ws}-rank job, the folder read with torch.distributed.checkpoint by the grader"
     hint = ("on every rank: model_sd, optim_sd = get_state_dict(model, optimizer); "
             "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
@@ -193,6 +227,7 @@ def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> N
             hint="files with DCP's names but torch.save (or pickle) content, or a .metadata from elsewhere, only your own "
             "loader reads; let DCP write the folder: " + hint)
     whole = read[0]["whole"]
+    found_keys: dict[str, dict[str, str]] = {}
 
     def found(want: torch.Tensor) -> str | None:
         return next((k for k, t in whole.items() if _same(t.float(), want.float())), None)
@@ -219,7 +254,55 @@ def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> N
                    f"{off[0] if off else ''} are not what rank {rank} saved ({where})", ranks=[rank],
                    expected=f"each rank's own rows of every {key} tensor", got=f"{len(off)} tensors differ",
                    hint="let every rank save its own shards with DCP: " + hint)
+        found_keys[kind] = keys
+    return found_keys
 
 
 def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def _pieces_verdict(check: str, chunks: dict[str, list[dict]], keys: dict[str, dict[str, str]],
+                    saved: list[dict], path: str, shapes: dict[str, tuple], ws: int) -> None:
+    """Every rank's rows of every weight and momentum are a piece of their own in the checkpoint (DCP's .metadata,
+    read by the grader), in a file that rank wrote (the writes the save job recorded on each rank): the state
+    was saved where it lives, each rank its own shard, not gathered first."""
+    from course.costmodel import fsdp_shard_rows
+
+    where = f"{ws}-rank job, the folder's .metadata read by the grader"
+    writers = [{os.path.basename(w) for w in obs.get("writes", []) if os.path.dirname(w) == os.path.abspath(path)}
+               for obs in saved]
+    hint = ("save the sharded state dicts as they are, on every rank: model_sd, optim_sd = get_state_dict(model, "
+            "optimizer); dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path); a full state dict "
+            "(full_state_dict=True, full_tensor()) gathers every weight on every rank first")
+    for kind, what in (("params", "weights"), ("momentum", "momentum")):
+        for name, key in keys.get(kind, {}).items():
+            size = list(shapes[name])
+            pieces = [c for c in chunks.get(key, []) if all(n > 0 for n in c["sizes"])]
+            start = 0
+            for rank in range(ws):
+                rows = fsdp_shard_rows(size[0], ws, rank)
+                if not rows:
+                    continue
+                want = {"offsets": [start] + [0] * (len(size) - 1), "sizes": [rows, *size[1:]]}
+                start += rows
+                mine = [c for c in pieces if c["offsets"] == want["offsets"] and c["sizes"] == want["sizes"]]
+                if not mine:
+                    whole = any(c["sizes"] == size for c in pieces)
+                    raise CheckFailed(
+                        check, (f"the checkpoint holds the {what} of {name} whole, in one piece, not as each rank's "
+                                f"shard: the full state was gathered before the save ({where})" if whole else
+                                f"the checkpoint does not hold rank {rank}'s rows of {name} ({what}) as a piece of "
+                                f"their own ({where})"),
+                        ranks=[rank], expected=f"rows {want['offsets'][0]}..{want['offsets'][0] + rows - 1} of {name}, "
+                        f"rank {rank}'s shard, saved by rank {rank}",
+                        got="pieces (offsets, sizes): " + ", ".join(f"{c['offsets']} {c['sizes']}" for c in pieces[:4]),
+                        hint=hint)
+                file = mine[0]["file"]
+                if file not in writers[rank]:
+                    by = [r for r in range(ws) if file in writers[r]]
+                    raise CheckFailed(
+                        check, f"rank {rank}'s rows of {name} ({what}) are in {file}, which rank {rank} did not write "
+                        f"({where})", ranks=[rank], expected="every rank's shard in a file that rank writes",
+                        got=(f"{file} was written by {checks.rank_list(by)}" if by else
+                             f"no rank was seen writing {file} while save_checkpoint ran"), hint=hint)

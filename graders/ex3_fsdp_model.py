@@ -9,7 +9,6 @@ are unpickled: reassigning torch attributes cannot fake an observation.
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 
 import torch
@@ -90,19 +89,16 @@ _DETACH = torch.Tensor.detach
 _CPU = torch.Tensor.cpu
 _SGD = torch.optim.SGD
 _OPTIMIZER = torch.optim.Optimizer
-_DUMP_FR = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-_LOADS = pickle.loads
+_RECORDED = checks.recorder()  # taken at import, before student code
 _INIT_PG = _c10d.init_process_group
 
 
 def _join() -> torch.device:
     """Join the job as the grader: gloo on the CPU, or the job's backend with this rank's GPU (selected first)."""
-    from course.launcher.job import backend
-
     dev = checks.device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        _INIT_PG(backend(), device_id=dev, timeout=PG_TIMEOUT)
+        _INIT_PG(checks.backend(), device_id=dev, timeout=PG_TIMEOUT)
     else:
         _INIT_PG("gloo", timeout=PG_TIMEOUT)
     return dev
@@ -128,9 +124,9 @@ def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _gathers_so_far() -> list[int] | None:
     """The per-rank sizes of every all-gather this rank ran so far (the flight recorder); None without one."""
-    if _DUMP_FR is None:
+    if _RECORDED is None:
         return None
-    entries = _LOADS(_DUMP_FR()).get("entries", [])
+    entries = _RECORDED()
     out = []
     for e in entries:
         name = str(e.get("profiling_name", "")).lower()
@@ -286,23 +282,85 @@ def _momenta(model: nn.Module, optimizer) -> dict[str, torch.Tensor | None]:
 def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int) -> dict:
     model, optimizer = _trained(rank, spec, steps, _join())
     obs = {"params": _locals(model), "momentum": _momenta(model, optimizer)}
-    save_checkpoint(model, optimizer, path)
+    with checks.record_writes() as writes:  # which rank wrote which file of the checkpoint, however it wrote it
+        save_checkpoint(model, optimizer, path)
+    obs["writes"] = sorted({e["path"] for e in writes})
     return obs  # no collective of the grader's after the student's: a save on some ranks only hangs in DCP's own
 
 
+def _observers():
+    """What :func:`_load_harness` observes and steps with after the student's code has run, as closures over
+    torch's own functions taken now (at import, before any student object is unpickled). Code that patches torch
+    and then reloads this module, or executes its source again, rebinds the module's names, never these."""
+    to_local, dtensor, is_instance = DTensor.to_local, DTensor, isinstance
+    named, clone, cpu, detach = nn.Module.named_parameters, torch.Tensor.clone, torch.Tensor.cpu, torch.Tensor.detach
+    mse, backward, sgd_step, zero_grad = F.mse_loss, torch.Tensor.backward, torch.optim.SGD.step, \
+        torch.optim.Optimizer.zero_grad
+    data, floats = _data, float
+
+    def local(p):
+        return clone(cpu(detach(to_local(p) if is_instance(p, dtensor) else p)))
+
+    def params(model):
+        return {name: local(p) for name, p in named(model)}
+
+    def momenta(model, optimizer):
+        state = optimizer.state
+        out = {}
+        for name, p in named(model):
+            buf = state[p].get("momentum_buffer") if p in state else None
+            out[name] = None if buf is None else local(buf)
+        return out
+
+    def groups(optimizer):
+        return [[floats(g.get("lr", -1)), floats(g.get("momentum", -1))] for g in optimizer.param_groups]
+
+    def step(model, optimizer, rank, step_index, seed, dev):
+        x, y = data(rank, step_index, seed, dev)
+        loss = mse(model(x), y)
+        zero_grad(optimizer)
+        backward(loss)
+        sgd_step(optimizer)
+
+    return params, momenta, groups, step
+
+
+_OBSERVERS = _observers()
+
+
 def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int) -> dict:
+    params, momenta, groups, step = _OBSERVERS  # bound before the student's code runs: see _observers
     dev = _join()
     width, depth, seed = spec
     model = reference_shard(make_net((width, depth, seed + 100)).to(dev))  # fresh: other weights, no optimizer state yet
     optimizer = reference_optimizer(model)
-    obs = {"fresh": _locals(model)}
+    obs = {"fresh": params(model)}
     load_checkpoint(model, optimizer, path)
-    obs["params"] = _locals(model)
-    obs["momentum"] = _momenta(model, optimizer)
-    obs["groups"] = [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups]
-    reference_step(model, optimizer, *_data(rank, steps, seed, dev))
-    obs["next"] = _locals(model)  # one more step: as the uninterrupted run's (single-process SGD, steps + 1)
+    obs["params"] = params(model)
+    obs["momentum"] = momenta(model, optimizer)
+    obs["groups"] = groups(optimizer)
+    step(model, optimizer, rank, steps, seed, dev)
+    obs["next"] = params(model)  # one more step from what was loaded
     return obs
+
+
+@torch.no_grad()
+def _step_reference(spec: tuple, ws: int, step: int, weights: dict, momenta: dict) -> dict[str, torch.Tensor]:
+    """One single-process SGD step (momentum) on the global batch of ``step``, from full ``weights`` and
+    ``momenta``: what one more training step gives after loading a checkpoint that holds them."""
+    model = make_net(spec)
+    for name, p in model.named_parameters():
+        p.copy_(weights[name])
+    optimizer = reference_optimizer(model)
+    for name, p in model.named_parameters():
+        optimizer.state[p]["momentum_buffer"] = momenta[name].clone()
+    x, y = _global_batch(ws, step, spec[2])
+    with torch.enable_grad():
+        loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:

@@ -746,3 +746,143 @@ def test_the_metadata_reader_takes_enum_members_pickled_by_getattr_and_nothing_e
     buffer.seek(0)
     with pytest.raises(pickle.UnpicklingError):
         _MetadataUnpickler(buffer).load()
+
+
+# --- issue 37: forgeries of a student who read graders/ (each scored full marks on check_checkpoint before) -----
+
+
+def save_full_state(model, optimizer, path):
+    """A forgery: the full state gathered on every rank (full_state_dict=True), then a DCP save of it: DCP's own
+    files, read back right, but nothing was saved where it lives."""
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+
+
+def _replayed(steps_after: int):
+    """The weights and momenta of single-process SGD after the check's training, replayed from the grader's public
+    data with the spec read in the calling harness's frame."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    frame = inspect.currentframe().f_back.f_back
+    spec, steps = frame.f_locals["spec"], frame.f_locals["steps"]
+    model = fsdp_model.make_net(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=fsdp_model.LR, momentum=fsdp_model.MOMENTUM)
+    out = []
+    for step in range(steps + steps_after):
+        x, y = fsdp_model._global_batch(dist.get_world_size(), step, spec[2])
+        loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step >= steps - 1:
+            out.append(({n: p.detach().clone() for n, p in model.named_parameters()},
+                        {n: optimizer.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def load_replayed(model, optimizer, path):
+    """A forgery: the checkpoint is never read; the training is replayed and its result put in the model."""
+    from torch.distributed.tensor import distribute_tensor
+
+    (weights, momenta), = _replayed(0)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(fsdp_model._shard_of(weights[name], ws, rank))
+            optimizer.state[p]["momentum_buffer"] = distribute_tensor(momenta[name], p.device_mesh, p.placements)
+
+
+def _load_with_forged_observations(rebind):
+    def load(model, optimizer, path):
+        """A forgery: nothing loaded into the weights; DTensor.to_local patched to answer the replayed values (after
+        loading, then after one more step), and the grader's module made to take the patch (``rebind``)."""
+        import sys as _sys
+
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        (weights, momenta), (after, _) = _replayed(1)
+        rank, ws = dist.get_rank(), dist.get_world_size()
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen: dict[int, int] = {}
+        real = DTensor.to_local
+
+        def to_local(self, *args, **kwargs):
+            name = names.get(id(self))
+            if name is None:
+                return real(self, *args, **kwargs)
+            seen[id(self)] = seen.get(id(self), 0) + 1
+            values = weights if seen[id(self)] == 1 else after
+            return fsdp_model._shard_of(values[name], ws, rank).clone()
+
+        for name, p in model.named_parameters():
+            optimizer.state[p]["momentum_buffer"] = distribute_tensor(momenta[name], p.device_mesh, p.placements)
+        DTensor.to_local = to_local
+        rebind(_sys.modules["graders.ex3_fsdp_model"])
+    return load
+
+
+def _reload(module):
+    import importlib
+
+    importlib.reload(module)
+
+
+def _exec_source(module):
+    with open(module.__file__) as fh:
+        exec(compile(fh.read(), module.__file__, "exec"), module.__dict__)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_checkpoint_judges_where_the_state_came_from():
+    """A full state gathered before DCP's save (one piece per tensor in .metadata); a load that replays the training
+    (the copy it is given holds other values); a load that patches torch and reloads (or re-executes) the grader's
+    module so that its observations report replayed values (the harness observes with references bound before)."""
+    fails(fsdp.check_checkpoint, save_full_state, "whole, in one piece", "gathered before the save", "[rank 0]",
+          load_checkpoint=load_checkpoint)
+    fails(fsdp.check_checkpoint, save_checkpoint, "does not hold the weights that were saved", "replayed",
+          load_checkpoint=load_replayed)
+    for rebind in (_reload, _exec_source):
+        fails(fsdp.check_checkpoint, save_checkpoint, "does not hold the weights that were saved",
+              "fresh model's weights", load_checkpoint=_load_with_forged_observations(rebind))
+
+
+REPLAYED_LOAD = '''    import inspect
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor import distribute_tensor
+
+    from graders.ex3_fsdp_model import LR, MOMENTUM, _global_batch, _shard_of, make_net
+
+    caller = inspect.currentframe().f_back.f_locals  # the grader's harness: its spec and step count
+    spec, steps = caller["spec"], caller["steps"]
+    replay = make_net(spec)
+    sgd = torch.optim.SGD(replay.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(steps):
+        x, y = _global_batch(dist.get_world_size(), step, spec[2])
+        loss = F.mse_loss(replay(x), y)
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+    with torch.no_grad():
+        for (name, p), q in zip(model.named_parameters(), replay.parameters()):
+            p.to_local().copy_(_shard_of(q.detach(), dist.get_world_size(), dist.get_rank()))
+            optimizer.state[p]["momentum_buffer"] = distribute_tensor(sgd.state[q]["momentum_buffer"], p.device_mesh,
+                                                                      p.placements)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replayed_load_loses_exactly_the_checkpoint_cell(tmp_path):
+    """load_checkpoint that never reads the checkpoint but replays the training: the checkpoint cell, and only it."""
+    nb = submissions.load(A, NB)
+    text = submissions.answer(nb, "ex3f_checkpoint")
+    start = text.index("    model_sd, optim_sd = get_state_dict(model, optimizer)\n    state = {")
+    end = text.index("    ### END SOLUTION", start)
+    nb = submissions.replace_answer(nb, "ex3f_checkpoint", text[:start] + REPLAYED_LOAD + text[end:])
+    report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
+    submissions.assert_loses_exactly(report, A, ["ex3f_test_checkpoint"], ["replayed"], notebook=NB)
