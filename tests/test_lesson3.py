@@ -55,6 +55,9 @@ def test_syncbatchnorm_on_cpu_raises_in_training_and_works_in_eval(nb):
         else:
             assert f"[rank {rank}] rank {rank}: training forward ran on cuda" in text
         assert f"[rank {rank}] rank {rank}: eval forward ran" in text
+    # the closing line says what happened: an error caught on gloo, the forward run on GPUs (never both)
+    caught, ran = "the error above was caught inside each rank" in text, "on GPUs the training forward ran" in text
+    assert (caught, ran) == ((True, False) if "backend=gloo" in text else (False, True)), text[-400:]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -276,7 +276,8 @@ def _load(path: str, safe: bool) -> dict | None:
             if safe:
                 import torch
 
-                obj = torch.load(fh, weights_only=True)
+                # on the CPU: a rank's GPU tensors must not initialise CUDA in the process that forks ranks
+                obj = torch.load(fh, map_location="cpu", weights_only=True)
                 return obj if isinstance(obj, dict) else None
             return cloudpickle.loads(fh.read())
     except FileNotFoundError:
