@@ -12,7 +12,9 @@ check's max_norm. Each check judges its own property and leaves the others' to t
   and the weights within the bf16 tolerance of one process on the global batch (:func:`weight_tolerance`);
 * :func:`check_clip`: the gradients the optimizer used are DDP's all-reduced gradient scaled by
   min(1, max_norm / its norm), the same factor on every rank, and what each rank sent to the all-reduce
-  was its unclipped accumulated gradient (no clipping per rank before the all-reduce, none per micro-step);
+  was its unclipped accumulated gradient (no clipping per rank before the all-reduce, none per micro-step;
+  in the first call, the very values it sends when no gradient reaches max_norm, so no factor worked out
+  before the all-reduce, from the other ranks' data recomputed locally say, passes for the clip);
 * :func:`check_amp_sync`: one all-reduce of the gradients per call, in the backward of the last micro-batch
   (torch's flight recorder counts them), and no other collective carrying more than a scalar.
 """
@@ -201,7 +203,8 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
     gradients within bf16 rounding (4 x 2**-8 x their sum of absolute values); the ranks end bitwise equal, with
     the weights of one process's clipped steps on the global batch within :func:`weight_tolerance`."""
     check = "check_clip"
-    obs = [o["clipped"] for o in _job(check, amp_clip_grads, world_size, k, size, steps, lr, max_norm, seed)]
+    job = _job(check, amp_clip_grads, world_size, k, size, steps, lr, max_norm, seed)
+    obs = [o["clipped"] for o in job]
     where = f"{world_size} ranks, {k} micro-batches per step, max_norm={max_norm:g}"
     cast = _cast(obs)
     if cast:
@@ -224,6 +227,7 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
             local[rank] = micro_grads(c["start"], batches, k)
         _judge_sent(check, obs, call, local, order, shapes, max_norm, where)
         _judge_clipped(check, obs, call, order, shapes, max_norm, where)
+    _judge_unscaled(check, [o["free"] for o in job], obs, order, shapes, max_norm, where)
     states = [o["state"] for o in obs]
     differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][n], states[r][n]) for n in states[0])]
     if differ:
@@ -280,6 +284,30 @@ def _judge_sent(check, obs, call, local, order, shapes, max_norm, where):
     raise CheckFailed(check, problem, ranks=ranks, expected=f"in call {call + 1}, DDP's all-reduce carries each "
                       "rank's unclipped accumulated gradient (the sum of its micro-batches' gradients)",
                       got="it carried other values: the accumulation was scaled before the all-reduce", hint=hint)
+
+
+def _judge_unscaled(check, free, clipped, order, shapes, max_norm, where):
+    """In the first call, what each rank sent to DDP's all-reduce is the same with the check's max_norm as with one no
+    gradient reaches (the job's two phases start from the same weights, with the same micro-batches): the clip comes
+    after the all-reduce. A rank that scales its losses or gradients before it, by a factor worked out beforehand
+    (from the other ranks' data recomputed on this rank, say), sends that multiple, which an all-reduce of multiples
+    and a clip factor of about 1 afterwards would otherwise pass for the clipped global gradient."""
+    for rank, (a, b) in enumerate(zip(free, clipped)):
+        before, after = a["calls"][0]["synced"], b["calls"][0]["synced"]
+        if len(before) != 1 or len(after) != 1:
+            continue  # synced more than once: check_amp_sync's business
+        plain = _unflatten(before[0]["sent"], before[0]["params"], order, shapes)
+        sent = _unflatten(after[0]["sent"], after[0]["params"], order, shapes)
+        if plain.shape == sent.shape and bool(((sent - plain).abs() <= FP32_REL * plain.abs().max() + 1e-7).all()):
+            continue
+        ratio = float(sent @ plain / (plain @ plain).clamp_min(1e-30))
+        raise CheckFailed(check, f"each rank scaled its gradients before DDP's all-reduce ({where})", ranks=[rank],
+                          expected=f"in call 1, what rank {rank} sends to DDP's all-reduce with max_norm={max_norm:g} is "
+                          "what it sends when no gradient reaches max_norm (the same weights and micro-batches): its "
+                          "unclipped accumulated gradient", got=f"{ratio:.4g} x that",
+                          hint="clip after the last micro-batch's backward, with the norm of the all-reduced gradients "
+                          "(clip_grad_norm_ does it): a clip factor worked out before the all-reduce (from this rank's "
+                          "own gradients, or from the other ranks' data recomputed here) is not the synced gradient's")
 
 
 def _judge_clipped(check, obs, call, order, shapes, max_norm, where):

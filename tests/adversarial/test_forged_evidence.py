@@ -463,3 +463,41 @@ def test_one_big_batch_in_the_mixed_precision_step_loses_the_step_cell():
     fails(amp.check_amp_step, amp_one_big_batch, "the micro-batches went through the model as one batch")
     amp.check_clip(amp_one_big_batch)
     amp.check_amp_sync(amp_one_big_batch)
+
+
+def amp_clip_factor_worked_out_beforehand(ddp_model, micro_batches, max_norm):
+    """The global gradient recomputed on this rank from every rank's micro-batches (the grader's public data function
+    and the call's arguments, read in the caller's frame), and its norm's clip factor applied to each loss before
+    DDP's all-reduce: the all-reduce then returns the clipped global gradient, and a clip after it is a no-op."""
+    import contextlib
+    import copy
+
+    frame = sys._getframe(1)
+    caller, grader = frame.f_locals, frame.f_globals
+    seed, k, size, step = caller["seed"], caller["k"], caller["size"], caller["step"]
+    world_size = dist.get_world_size()
+    twin = copy.deepcopy(ddp_model.module)
+    for r in range(world_size):
+        for x, y in grader["amp_batches"](seed, r, step, k, size):
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(twin(x), y)
+            (loss / k / world_size).backward()
+    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in twin.parameters()))
+    factor = min(1.0, max_norm / (float(norm) + 1e-6))
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss * factor / k).backward()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_clip_factor_worked_out_before_the_all_reduce_loses_the_clip_cell():
+    """Numerically the clipped step, but the clip was not taken from the all-reduced gradient: what the rank sent in
+    the first call is a multiple of what it sends when no clipping happens (the job's other phase, same weights and
+    data). The weights (no clipping) and the one all-reduce keep their cells."""
+    fails(amp.check_clip, amp_clip_factor_worked_out_beforehand, "each rank scaled its gradients before DDP's "
+          "all-reduce", "x that")
+    amp.check_amp_step(amp_clip_factor_worked_out_beforehand)
+    amp.check_amp_sync(amp_clip_factor_worked_out_beforehand)
