@@ -14,12 +14,29 @@ The student predicts, without running anything, what one training step communica
   real jobs ran, for links of real machines.
 
 The student's functions run in a rank of their own (they are the student's code), where the course's
-own cost model is replaced by a function that refuses: the answer must be the student's arithmetic.
+own cost model refuses: the answer must be the student's arithmetic. A prediction must not measure, nor
+use the grader's model (issue 37); what the rank does so that it cannot, all set up before the student's
+first call:
+
+* every function of :mod:`course.costmodel` has its code replaced by a refusal (``__code__``: a reference the
+  student's code bound earlier, at the notebook's top level, refuses too);
+* the student's calls run in a thread under a seccomp filter (the kernel's, irreversible, inherited by any
+  thread it starts) that refuses to start processes (fork, vfork, execve, a clone that is not a thread),
+  to open files (open, openat, openat2, creat: no ``importlib.reload`` or exec of a module's source, no
+  import of a module not loaded yet) and to change resource limits; the process's address space is
+  limited (:data:`MEMORY_LIMIT` above what it used): no job, no subprocess, no copy of the grader's model;
+* ``check_step_plan`` also asks for models drawn at random in the grader's process (``os.urandom``), each
+  with layers of 10^10 to 10^11 parameters on dozens of ranks: too large for any step to be run, in torch's
+  fake process group or elsewhere, and for any table; only arithmetic gives their plans. They are judged
+  against :func:`course.costmodel.step_collectives` (which ``tests/test_costmodel.py`` holds to real jobs).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import random
+import threading
 from collections import Counter
 
 import torch
@@ -100,17 +117,104 @@ def _refuse(*args, **kwargs):
     raise RuntimeError("course.costmodel is the grader's model: compute the cost from the formulas yourself")
 
 
-def _ask_harness(rank, fn, calls):
-    """Call the student's ``fn`` on each argument tuple; plain data back (or the error's text)."""
-    for name in ("collective_cost", "step_cost", "step_collectives", "ddp_buckets", "fsdp_padded_numel"):
-        setattr(costmodel, name, _refuse)
-    answers = []
-    for args in calls:
+MEMORY_LIMIT = 2 * 2**30  # bytes of address space the asking rank may add to what it holds before the calls
+_SEALED = "refused by the grader's sandbox"  # in the error text of a call the filter refused
+
+
+def _seal_thread() -> str | None:
+    """Forbid the calling thread (and every thread it starts), for good, to start processes, open files or change
+    resource limits: a seccomp filter, the kernel's (:func:`graders.ex3_memory._no_new_processes` does the first
+    part for a whole rank). Returns why it could not, or None. A helper of this module, not of the check API."""
+    import ctypes
+    import platform
+    import struct
+
+    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "open": 2,
+                                       "creat": 85, "openat": 257, "openat2": 437, "setrlimit": 160,
+                                       "prlimit64": 302}, 56, 435),
+               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "openat": 56, "openat2": 437,
+                                        "setrlimit": 164, "prlimit64": 261}, 220, 435)}
+    machine = platform.machine()
+    if machine not in numbers:
+        return f"no seccomp filter for {machine}"
+    arch, deny, clone, clone3 = numbers[machine]
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [[ld, 0, 0, 4], [jeq, 0, "eperm", arch], [ld, 0, 0, 0]]  # another ABI's calls: refused
+    if machine == "x86_64":
+        prog += [[0x35, "eperm", 0, 0x40000000]]  # x32's numbers: refused
+    prog += [[jeq, "eperm", 0, nr] for nr in deny.values()]
+    prog += [[jeq, "enosys", 0, clone3], [jeq, 0, "allow", clone], [ld, 0, 0, 16], [jset, "allow", "eperm", 0x00010000]]
+    ends = {"allow": len(prog), "eperm": len(prog) + 1, "enosys": len(prog) + 2}
+    prog += [[ret, 0, 0, allow], [ret, 0, 0, eperm], [ret, 0, 0, enosys]]
+    raw = b""
+    for i, (code, jt, jf, k) in enumerate(prog):
+        jt, jf = (ends[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
+        raw += struct.pack("HBBI", code, jt, jf, k)
+    buffer = ctypes.create_string_buffer(raw)
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    program = Program(len(prog), ctypes.addressof(buffer))
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}"
+    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER (this thread)
+        return f"prctl(PR_SET_SECCOMP) failed: errno {ctypes.get_errno()}"
+    return None
+
+
+def _disarm_costmodel() -> None:
+    """Every function of course.costmodel refuses, whoever holds it: its code object is replaced in place."""
+    for name in ("collective_cost", "step_cost", "step_collectives", "ddp_buckets", "fsdp_padded_numel",
+                 "fsdp_shard_rows"):
+        fn = getattr(costmodel, name, None)
+        if fn is None:
+            continue
         try:
-            answers.append(("ok", _plain(fn(*args))))
-        except Exception as err:  # noqa: BLE001 - the student's error is the answer to report
-            answers.append(("error", f"{type(err).__name__}: {err}"))
-    return answers
+            fn.__code__ = _refuse.__code__
+        except ValueError:  # a closure of another shape: the module attribute at least
+            pass
+        setattr(costmodel, name, _refuse)
+
+
+def _limit_memory() -> None:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    cap = used + MEMORY_LIMIT
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _ask_harness(rank, fn, calls):
+    """Call the student's ``fn`` on each argument tuple, sealed (see the module's docstring); plain data back
+    (or the error's text)."""
+    _disarm_costmodel()
+    _limit_memory()
+    box: dict = {}
+
+    def ask():
+        box["sandbox"] = _seal_thread()
+        answers = []
+        for args in calls:
+            try:
+                answers.append(("ok", _plain(fn(*args))))
+            except BaseException as err:  # noqa: BLE001 - the student's error is the answer to report
+                text = f"{type(err).__name__}: {err}"
+                if isinstance(err, (PermissionError, MemoryError)) or "Operation not permitted" in text \
+                        or "can't allocate memory" in text:
+                    text += f" ({_SEALED}: no process, no file, no more memory)"
+                answers.append(("error", text))
+        box["answers"] = answers
+
+    thread = threading.Thread(target=ask, name="student")
+    thread.start()
+    thread.join()
+    if box.get("sandbox"):
+        raise RuntimeError(f"the grader could not seal the student's calls: {box['sandbox']}")
+    return box["answers"]
 
 
 def _plain(value):
@@ -166,27 +270,64 @@ def check_step_plan(plan_step, widths=(12, 32, 20, 6), world_size=2, bucket_cap_
     checks.require_written(check, plan_step=plan_step)
     layers = layer_shapes(widths)
     truth = measured(check, widths, world_size, bucket_cap_mb, seed)
-    answers = _ask(check, plan_step, [(layers, world_size, s, bucket_cap_mb) for s in STRATEGIES])
-    for strategy, (status, answer) in zip(STRATEGIES, answers):
-        where = (f"for strategy={strategy!r}, world_size={world_size}, bucket_cap_mb={bucket_cap_mb}, "
-                 f"layers={layers}")
-        if status == "error":
-            raise CheckFailed(check, f"plan_step raised {answer} {where}", expected="a list of (op, numel) pairs",
-                              got=answer, hint="run plan_step on this model by hand and read the traceback")
-        want, got = Counter(truth[strategy]), _as_plan(answer)
-        if got is None:
-            raise CheckFailed(check, f"plan_step did not return (op, numel) pairs {where}",
-                              expected="a list like [('all_reduce', 1234), ...]", got=repr(answer)[:300],
-                              hint="return one (op name, number of values) pair per collective")
-        if got != want:
-            missing, extra = want - got, got - want
-            raise CheckFailed(
-                check, f"the plan for {strategy} is not what a real {strategy} step ran {where}",
-                expected=f"what the job ran: {_describe(want)}",
-                got=f"your plan: {_describe(got)}" + (f"; never ran: {_describe(extra)}" if extra else "")
-                + (f"; missing: {_describe(missing)}" if missing else ""),
-                hint=_plan_hint(strategy, want, got, world_size))
+    cases = [(layers, world_size, s, bucket_cap_mb, truth[s], False) for s in STRATEGIES]
+    for big_layers, big_ws, big_cap in giant_models():
+        cases += [(big_layers, big_ws, s, big_cap, costmodel.step_collectives(big_layers, big_ws, s, big_cap), True)
+                  for s in STRATEGIES]
+    answers = _ask(check, plan_step, [c[:4] for c in cases])
+    for (layers, world_size, strategy, bucket_cap_mb, want, giant), (status, answer) in zip(cases, answers):
+        _judge_plan(check, layers, world_size, strategy, bucket_cap_mb, want, giant, status, answer)
     passed(check)
+
+
+GIANT_MODELS = 2  # models check_step_plan draws at random, too large to run: their plans are arithmetic
+
+
+def giant_models(count: int = GIANT_MODELS) -> list[tuple]:
+    """``count`` models drawn from os.urandom in the grader's process: (layer shapes, world size, bucket cap).
+    Each layer has 10^10 to 10^11 parameters (40 to 400 GB of float32): no step of them can run anywhere
+    the grader runs, in a real job or in torch's fake process group. Dim 0 is never a multiple of the world
+    size: FSDP2's padding always shows."""
+    rng = random.Random(os.urandom(16))
+    out = []
+    for _ in range(count):
+        world_size = rng.randrange(16, 130)
+        widths = [rng.randrange(100_000, 320_000) for _ in range(rng.randrange(3, 6))]
+        widths = [w + 1 if w % world_size == 0 else w for w in widths]
+        out.append((layer_shapes(widths), world_size, rng.choice((25.0, 50.0, 100.0, 250.0, 1000.0))))
+    return out
+
+
+def _judge_plan(check, layers, world_size, strategy, bucket_cap_mb, want, giant, status, answer):
+    where = (f"for strategy={strategy!r}, world_size={world_size}, bucket_cap_mb={bucket_cap_mb}, "
+             f"layers={layers}")
+    ran = "a real" if not giant else "such a"
+    if status == "error":
+        raise CheckFailed(check, f"plan_step raised {answer} {where}", expected="a list of (op, numel) pairs",
+                          got=answer, hint=(_GIANT_HINT if giant or _SEALED in answer else
+                                            "run plan_step on this model by hand and read the traceback"))
+    want, got = Counter(want), _as_plan(answer)
+    if got is None:
+        raise CheckFailed(check, f"plan_step did not return (op, numel) pairs {where}",
+                          expected="a list like [('all_reduce', 1234), ...]", got=repr(answer)[:300],
+                          hint="return one (op name, number of values) pair per collective")
+    if got != want:
+        missing, extra = want - got, got - want
+        raise CheckFailed(
+            check, f"the plan for {strategy} is not what {ran} {strategy} step runs {where}",
+            expected=(f"what the job ran: {_describe(want)}" if not giant else
+                      f"what such a step runs (a model too large to run: torch's behaviour, by arithmetic): "
+                      f"{_describe(want)}"),
+            got=f"your plan: {_describe(got)}" + (f"; never ran: {_describe(extra)}" if extra else "")
+            + (f"; missing: {_describe(missing)}" if missing else ""),
+            hint=_plan_hint(strategy, want, got, world_size))
+
+
+_GIANT_HINT = (
+    "plan_step must predict, not measure: it is also asked about models far too large to build or run (layers of "
+    "10^10 parameters and more, on dozens of ranks), in a process that may not start processes, open files or use "
+    "more memory, where the course's cost model refuses. Compute the plan from the shapes alone: DDP's buckets, "
+    "ZeRO's broadcasts and FSDP2's padded sizes are arithmetic on the numbers of values")
 
 
 # --- 2. the cost ------------------------------------------------------------------------------------------
