@@ -49,6 +49,7 @@ from graders.ex4_model import (  # noqa: F401 - the given parts and the referenc
     make_model,
     top_level_stub,
 )
+from graders.ex4_probe import atomic_from_the_probe, commits_of, writes_of
 
 ATOL = 1e-6
 
@@ -186,34 +187,6 @@ def check_multinode_ranks(script: str = "train.py", *, crash_rank: int | None = 
     passed(check)
 
 
-def _writes(w: torchrun.Worker, run: torchrun.Run) -> list[str]:
-    """What a worker wrote that only rank 0 may write: every file it saved, created or moved into place, wherever
-    and under whatever name, apart from its own report-<pid>.json in OUT."""
-    report = os.path.join(run.out_dir, "report-")
-
-    def shown(path: str) -> str:
-        return os.path.basename(path) if os.path.dirname(path) in (run.out_dir, os.path.dirname(run.ckpt_path)) else path
-
-    found = []
-    for e in w.events:
-        path = e.get("path") or ""
-        if e["event"] == "save" and path:
-            found.append(f"torch.save(..., {shown(path)!r})")
-        elif e["event"] == "rename" and e.get("dst"):
-            found.append(f"os.replace({shown(e.get('src') or '?')!r}, {shown(e['dst'])!r})")
-        elif (e["event"] == "open" and e.get("write") and path
-              and not (path.startswith(report) and path.endswith(".json"))):
-            found.append(f"open({shown(path)!r}) for writing")
-    return found
-
-
-def _commits(w: torchrun.Worker, run: torchrun.Run) -> list[dict]:
-    """The moments the checkpoint file was (re)placed: a rename onto it, or a save straight into it."""
-    return [e for e in w.events
-            if (e["event"] == "rename" and e.get("dst") == run.ckpt_path)
-            or (e["event"] == "save" and e.get("path") == run.ckpt_path)]
-
-
 def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None = None,
                            crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
     """Only rank 0 writes the checkpoint (after every epoch) and the final weights.
@@ -223,7 +196,7 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
     check = "check_checkpoint_rank0"
     run = _graded_run(script, check, crash_rank, crash_step, layout)
     context = _restart_context(run)
-    others = {w.rank: _writes(w, run) for w in run.workers if w.rank != 0}
+    others = {w.rank: writes_of(w, run) for w in run.workers if w.rank != 0}
     others = {r: found for r, found in others.items() if found}
     if others:
         rank, found = sorted(others.items())[0]
@@ -241,9 +214,9 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
     rank0 = [w for w in run.workers if w.rank == 0]
     if run.scenario == "restart" and any(w.of("step") for w in rank0):
         # each attempt's rank 0: one checkpoint per epoch it finished (the crashed one too, before the crash)
-        owed = [(w, len(_commits(w, run)), len(w.of("step")) // STEPS_PER_EPOCH) for w in rank0]
+        owed = [(w, len(commits_of(w, run)), len(w.of("step")) // STEPS_PER_EPOCH) for w in rank0]
     else:
-        owed = [(rank0[0] if rank0 else None, len(_commits(rank0[0], run)) if rank0 else 0, EPOCHS)]
+        owed = [(rank0[0] if rank0 else None, len(commits_of(rank0[0], run)) if rank0 else 0, EPOCHS)]
     for w, written, epochs in owed:
         attempt = f" (attempt {w.attempt})" if run.scenario == "restart" and w is not None else ""
         expect(
@@ -262,37 +235,53 @@ def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None 
                             crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
     """The checkpoint is written to a temporary file in the same folder and moved into place with os.replace.
 
-    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, rank 0 of every attempt."""
+    Judged on what the kernel saw happen to the checkpoint's folder (the grader's inotify watch, outside the
+    workers: nothing a worker writes about itself counts): the checkpoint's own name is never created, written,
+    or deleted in place, only moved into place whole from a file of the same folder. With ``crash_rank``/
+    ``crash_step`` (hidden test): judged on that restart run, every attempt."""
     check = "check_atomic_checkpoint"
     run = _graded_run(script, check, crash_rank, crash_step, layout)
     name = os.path.basename(run.ckpt_path)
     hint = ("write to a temporary file next to it, then move it into place in one step: "
             "tmp = ckpt_path + '.tmp'; torch.save(state, tmp); os.replace(tmp, ckpt_path)")
-    writers = [w for w in run.workers if w.rank == 0] or run.workers
-    direct = [e for w in writers for e in w.events
-              if (e["event"] == "save" and e.get("path") == run.ckpt_path)
-              or (e["event"] == "open" and e.get("write") and e.get("path") == run.ckpt_path)]
+    if run.files is None:  # no inotify on this grader (not Linux): what the probe saw in the workers
+        atomic_from_the_probe(check, run, name, hint)
+        passed(check)
+        return
+    folder = os.path.dirname(run.ckpt_path)
+    seen = [e for e in run.files if e.folder == folder]
+    mine = [e for e in seen if e.name == name]
+    written = [e for e in mine if e.kind in ("create", "modify", "close_write")]
     expect(
-        not direct,
+        not written,
         check,
-        f"rank 0 wrote the checkpoint in place ({'torch.save' if direct and direct[0]['event'] == 'save' else 'open'}"
-        f" straight into {name!r}): a crash or kill during that write leaves a truncated checkpoint, "
-        "and the restart cannot load it",
+        _restart_context(run) + f"the job wrote the checkpoint in place: {name!r} itself was "
+        f"{'created and ' if any(e.kind == 'create' for e in written) else ''}written to (the grader watched its "
+        "folder), so a crash or kill during that write leaves a truncated checkpoint, and the restart cannot load it",
         ranks=[0],
         hint=hint,
     )
-    renames = [e for w in writers for e in w.events if e["event"] == "rename" and e.get("dst") == run.ckpt_path]
-    if not renames:
+    expect(
+        not any(e.kind == "delete" for e in mine),
+        check,
+        _restart_context(run) + f"{name!r} was deleted before the new checkpoint took its place: a crash between "
+        "the two leaves no checkpoint at all",
+        ranks=[0],
+        hint="os.replace(tmp, ckpt_path) replaces the old file in one step: no need to remove it first",
+    )
+    moved_in = [e for e in mine if e.kind == "moved_to"]
+    if not moved_in:
         if not run.ok:
             raise torchrun.failure(check, run, "no checkpoint was written: ")
         raise CheckFailed(check, f"rank 0 never moved a finished file into {name!r} with os.replace",
                           ranks=[0], hint=hint)
-    far = [e for e in renames if os.path.dirname(e.get("src") or "") != os.path.dirname(run.ckpt_path)]
+    here = {e.cookie for e in seen if e.kind == "moved_from"}
+    far = [e for e in moved_in if e.cookie not in here]
     expect(
         not far,
         check,
-        f"the temporary file {far[0]['src'] if far else ''} is not in the checkpoint's folder: os.replace is "
-        "atomic only within one file system (across file systems it fails or copies)",
+        f"the temporary file is not in the checkpoint's folder (it was moved into {name!r} from another folder): "
+        "os.replace is atomic only within one file system (across file systems it fails or copies)",
         ranks=[0],
         hint="put the temporary file next to the checkpoint: tmp = ckpt_path + '.tmp'",
     )

@@ -768,3 +768,40 @@ def test_a_right_script_in_another_style_scores_full_marks(tmp_path, body):
     nb = submissions.replace_answer(submissions.load(A), SCRIPT_CELL, other_style(body))
     report = submissions.grade(submissions.write(nb, tmp_path, A))
     assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_forged_probe_record_cannot_pass_an_in_place_checkpoint(tmp_path):
+    """Forgery (issue 37): the script saves the checkpoint straight into place, then rewrites its worker's probe
+    record (the events file its environment names) so that it shows a save to a temporary file and an os.replace.
+    The atomicity check reads the kernel's account of the checkpoint's folder, taken by the grader: it fails."""
+    forge = (
+        "    torch.save(state, ckpt_path)  # in place\n"
+        "    import glob, json\n"
+        "    for log in glob.glob(os.path.join(os.environ['DDP_COURSE_PROBE_DIR'], '*')):\n"
+        "        try:\n"
+        "            lines = [json.loads(x) for x in open(log)]\n"
+        "        except (OSError, ValueError):\n"
+        "            continue\n"
+        "        kept = [e for e in lines if not (e.get('path') == ckpt_path\n"
+        "                                       and (e.get('event') == 'save' or e.get('write')))]\n"
+        "        kept.append({'event': 'rename', 't': 0, 'src': ckpt_path + '.tmp', 'dst': ckpt_path, 'sha': None})\n"
+        "        with open(log, 'w') as fh:\n"
+        "            fh.write(''.join(json.dumps(e) + '\\n' for e in kept))\n"
+    )
+    script = write_script(
+        tmp_path,
+        ('    tmp_path = ckpt_path + ".tmp"  # same folder, so os.replace stays on one file system\n'
+         "    torch.save(state, tmp_path)\n"
+         "    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n",
+         forge))
+    run = ex4.try_restart(script)
+    assert run.files is not None, run.files_problem  # Linux: the kernel's account is there
+    assert any(e["event"] == "rename" and e.get("dst") == run.ckpt_path for w in run.workers for e in w.events)
+    from graders.ex4_probe import atomic_from_the_probe
+
+    atomic_from_the_probe("check_atomic_checkpoint", run, "ckpt.pt", "")  # the forged record alone would pass
+    fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", "'ckpt.pt' itself was",
+          crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP, layout=ex4.RESTART_WORKERS)
+    ex4.check_restart_resume(script)  # the training itself is right

@@ -41,6 +41,7 @@ from typing import Literal
 
 import torch
 
+from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
 from course.proc import dies_with_caller
 
@@ -111,6 +112,10 @@ class Run:
     alive_at_deadline: set = field(default_factory=set)  # pids of the job's processes still running when it timed out
     stranded: bool = False  # timed_out early: the agents waited for each other with no worker left (STRANDED_AFTER)
     stall: StallVerdict | None = None  # the deadlock the grader found in the workers' collectives (it stopped the run)
+    #: what happened to the files of OUT and of the checkpoint's folder, as the kernel told the launcher (inotify):
+    #: the workers cannot forge it; None where it could not be watched (``files_problem`` says why)
+    files: list[FileEvent] | None = None
+    files_problem: str = ""
 
     @property
     def world_size(self) -> int:
@@ -238,6 +243,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         tail = [PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
         commands = _commands(scenario, layout, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
+        watch = FolderWatch([ckpt_dir, out_dir])  # from this process, before any worker exists
         started = time.monotonic()
         logs, procs = [], []
         for i, cmd in enumerate(commands):
@@ -255,6 +261,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
             for fh in logs:
                 fh.close()
         elapsed = time.monotonic() - started
+        files = watch.stop()
         run = Run(
             scenario=scenario,
             crash=crash,
@@ -270,6 +277,8 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
             alive_at_deadline=alive if timed_out else set(),
             stall=stall,
             stranded=stranded,
+            files=files,
+            files_problem=watch.problem,
         )
         _observe(run, probe_dir)
         return run

@@ -1,0 +1,44 @@
+"""The launcher's watch on a job's folders (course/launcher/fswatch.py): the kernel's account of what was done to each
+file, which the job's workers cannot forge."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from course.launcher.fswatch import FileEvent, FolderWatch
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="inotify is Linux's")
+
+
+def _kinds(events, name):
+    return [e.kind for e in events if e.name == name]
+
+
+def test_an_atomic_replace_and_a_write_in_place_look_different(tmp_path):
+    folder, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    watch = FolderWatch([str(folder)])
+    (folder / "ckpt.pt.tmp").write_bytes(b"new")
+    os.replace(folder / "ckpt.pt.tmp", folder / "ckpt.pt")  # atomic
+    (folder / "between").write_bytes(b"")  # the kernel would merge two unread moves onto one name (cookie aside)
+    (elsewhere / "far.tmp").write_bytes(b"far")
+    os.replace(elsewhere / "far.tmp", folder / "ckpt.pt")  # moved in from another folder
+    (folder / "final.pt").write_bytes(b"in place")
+    (folder / "final.pt").unlink()
+    events = watch.stop()
+    assert events is not None, watch.problem
+    assert _kinds(events, "ckpt.pt.tmp") == ["create", "modify", "close_write", "moved_from"]
+    assert _kinds(events, "ckpt.pt") == ["moved_to", "moved_to"]
+    first, second = [e for e in events if e.name == "ckpt.pt"]
+    assert first.cookie and first.cookie in {e.cookie for e in events if e.kind == "moved_from"}
+    assert second.cookie not in {e.cookie for e in events if e.kind == "moved_from"}  # its source was not watched
+    assert _kinds(events, "final.pt") == ["create", "modify", "close_write", "delete"]
+    assert all(isinstance(e, FileEvent) and e.folder == str(folder) for e in events)
+
+
+def test_a_folder_that_cannot_be_watched_says_why(tmp_path):
+    watch = FolderWatch([str(tmp_path / "missing")])
+    assert watch.stop() is None and "cannot watch" in watch.problem
