@@ -6,9 +6,13 @@ parameters, gradients and optimizer state. The check runs the real thing on that
 rank really holds: ``nbytes`` of every parameter, gradient and optimizer-state tensor, and of a DTensor's
 local shard. Only then, in rank 0, is the student's function called (so it cannot change what was measured);
 its answer must equal the measurement exactly. A prediction must not measure: rank 0 calls it under a seccomp
-filter that forbids starting processes (no subprocess can run the job), and the job's own process group must
-still be the default one afterwards (a prediction that destroyed it to simulate the ranks with torch's fake
-process group is named; one that also puts c10d's private tables back is not seen). Wrong answers are recognised by recomputing the usual wrong
+filter that forbids starting processes (no subprocess can run the job) and changing its limits, and the job's own
+process group must still be the default one afterwards (a prediction that destroyed it to simulate the ranks with
+torch's fake process group is named). Then it asks about hundreds of other models and world sizes, drawn from
+os.urandom for every check (no table covers them), judged by :func:`rule` (the rules the measurement shows, held
+to torch by the tests), all the predictions within :data:`PREDICT_CPU_S` of CPU time (the kernel's RLIMIT_CPU):
+arithmetic on shapes needs hundredths of that, a simulation of every rank (torch's fake process group, c10d's
+tables put back afterwards) far more, and is killed. Wrong answers are recognised by recomputing the usual wrong
 models of sharding (an even split, padded shards, a forgotten step counter, ...) and named.
 """
 
@@ -57,16 +61,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _no_new_processes() -> str | None:
-    """Forbid this process, from now on and for good, to start processes: a seccomp filter (the kernel's; nothing
-    run afterwards can lift it) makes fork, vfork, execve and a clone that is not a new thread fail with EPERM
-    (clone3, which glibc tries first, with ENOSYS: glibc then makes its threads with clone). Returns why it could
-    not, or None. A helper of this module, not of the check API: only a prediction needs it so far."""
+    """Forbid this process, from now on and for good, to start processes or change its limits: a seccomp filter (the
+    kernel's; nothing run afterwards can lift it) makes fork, vfork, execve, setrlimit, prlimit64 and a clone that is
+    not a new thread fail with EPERM (clone3, which glibc tries first, with ENOSYS: glibc then makes its threads with
+    clone). Returns why it could not, or None. A helper of this module, not of the check API: only a prediction needs it so far."""
     import ctypes
     import platform
     import struct
 
-    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322}, 56, 435),
-               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281}, 220, 435)}
+    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "setrlimit": 160,
+                                       "prlimit64": 302}, 56, 435),
+               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "setrlimit": 164, "prlimit64": 261}, 220, 435)}
     machine = platform.machine()
     if machine not in numbers:
         return f"no seccomp filter for {machine}"
@@ -99,7 +104,28 @@ def _no_new_processes() -> str | None:
     return None
 
 
-def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, widths: tuple, seed: int) -> dict:
+#: CPU seconds rank 0 may spend on all its predictions (one per model: the measured one, then :func:`_others`).
+#: Arithmetic on the shapes takes milliseconds for all of them (on our 2-core test machine: the reference rule
+#: 0.03 s for ZeRO's 600 models, the slowest right answer the tests know, torch.chunk of meta tensors for every
+#: rank, 0.17 s for FSDP2's 120); building the sharded model and stepping it for every rank with torch's fake
+#: process group costs a few milliseconds a ZeRO rank and ten times more an FSDP2 one: well over the limit
+PREDICT_CPU_S = 3
+#: how many models and world sizes (12 to 24 ranks) the check asks about besides the one it measures
+OTHERS = {"zero": 600, "fsdp": 120}
+
+
+def _limit_cpu(seconds: int) -> None:
+    """End this process (SIGKILL) once it has used ``seconds`` more of CPU time (whole seconds, the kernel's)."""
+    import math
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    limit = math.ceil(used.ru_utime + used.ru_stime) + seconds
+    resource.setrlimit(resource.RLIMIT_CPU, (limit, limit))  # soft = hard: SIGKILL, which nothing can catch
+
+
+def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, widths: tuple, seed: int,
+                    others: tuple = ()) -> dict:
     """Measure what this rank holds after one Adam step under ``kind`` ("zero" or "fsdp"); then, on rank 0
     only, ask the student's ``predict`` (after the measurement: nothing it does can change it), in a process that
     can no longer start processes (:func:`_no_new_processes`); afterwards the job's own process group must still be
@@ -138,13 +164,40 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
     dist.barrier()
     obs = {"measured": measured}
     if rank == 0:
+        asked = [(memory_model(vocab, widths, seed), world_size)] + [
+            (memory_model(v, w, 0), ws) for v, w, ws in others]
+        _limit_cpu(PREDICT_CPU_S)
         obs["sandbox"] = _no_new_processes()
-        try:
-            obs["predicted"] = _plain(predict(memory_model(vocab, widths, seed), world_size))
-        except Exception as exc:  # noqa: BLE001 - shown to the student
-            obs["error"] = f"{type(exc).__name__}: {exc}"
+        answers = []
+        for model_asked, ws in asked:
+            try:
+                answers.append(_plain(predict(model_asked, ws)))
+            except Exception as exc:  # noqa: BLE001 - shown to the student
+                answers.append(None)
+                obs["error"] = f"{type(exc).__name__}: {exc}"
+                break
+        obs["predicted"], obs["others"] = (answers[0] if answers else None), answers[1:]
         obs["group_kept"] = world.default_pg is group and group in world.pg_map
     return obs
+
+
+def _others(n: int) -> tuple:
+    """``n`` (vocab, widths, world size) the check asks predictions for besides the one it measures, drawn anew for
+    every check from os.urandom: no table covers them, and simulating each one's ranks costs far more CPU time than
+    a rank gets for its predictions (:data:`PREDICT_CPU_S`)."""
+    import os
+    import random
+
+    draw = random.Random(os.urandom(8))
+    return tuple((draw.randint(3, 40), tuple(draw.randint(1, 20) for _ in range(draw.randint(2, 4))),
+                  draw.randint(12, 24)) for _ in range(n))
+
+
+def rule(kind: str, shapes, world_size: int) -> list[dict]:
+    """What each rank holds by the rules the check measured (ZeroRedundancyOptimizer's greedy assignment, FSDP2's
+    torch.chunk rows, Adam's two moments and float32 step): the truth for the models it does not run
+    (tests/test_graders_ex3.py runs some, to hold this to what torch does)."""
+    return _zero_variant(shapes, world_size, "greedy") if kind == "zero" else _fsdp_variant(shapes, world_size, "right")
 
 
 def _plain(value):
@@ -270,8 +323,20 @@ def _check_memory(check: str, kind: str, predict, name: str, world_size: int, vo
                   seed: int) -> None:
     checks.require_written(check, **{name: predict})
     widths = tuple(widths)
-    job = checks.memo(check, ("memory", kind, predict, world_size, vocab, widths, seed), lambda: checks.run(
-        check, _memory_harness, world_size, args=(kind, predict, world_size, vocab, widths, seed)))
+    others = _others(OTHERS[kind])
+    killed = checks.Mistake(
+        lambda rank, text: rank == 0 and "killed by SIGKILL" in text,
+        f"rank 0 was killed while {name} ran: it used up the CPU time the check gives all its predictions "
+        f"({PREDICT_CPU_S} s for {1 + len(others)} models and world sizes of up to 24 ranks)",
+        "predict from the shapes (p.shape, p.numel(), p.element_size()) and the sharding rules: a prediction is "
+        "arithmetic; building the sharded model and stepping it for every rank (torch's fake process group) is "
+        "running it")
+
+    def job():
+        return others, checks.run(check, _memory_harness, world_size, mistakes=[killed],
+                                  args=(kind, predict, world_size, vocab, widths, seed, others))
+
+    others, job = checks.memo(check, ("memory", kind, predict, world_size, vocab, widths, seed), job)
     where = f"{world_size} ranks, float32 parameters shaped {_shapes(vocab, widths, seed)}"
     if not job.values[0].get("group_kept", True):
         raise CheckFailed(check, f"while {name} ran on rank 0, rank 0 left the job's process group ({where})",
@@ -292,11 +357,12 @@ def _check_memory(check: str, kind: str, predict, name: str, world_size: int, vo
                           hint="compute from the parameters' shapes (p.shape, p.numel(), p.element_size())")
     predicted = _valid(check, job.values[0]["predicted"], world_size, name)
     measured = [obs["measured"] for obs in job.values]
-    if predicted == measured:
-        passed(check)
-        return
     shapes = _shapes(vocab, widths, seed)
     variants, mistakes = ((_zero_variant, _ZERO_MISTAKES) if kind == "zero" else (_fsdp_variant, _FSDP_MISTAKES))
+    if predicted == measured:
+        _judge_others(check, kind, name, others, job.values[0]["others"], variants, mistakes)
+        passed(check)
+        return
     known = [text for variant, text in mistakes.items() if variants(shapes, world_size, variant) == predicted]
     wrong = [(r, k) for r in range(world_size) for k in KEYS if predicted[r][k] != measured[r][k]]
     rank, key = wrong[0]
@@ -309,6 +375,28 @@ def _check_memory(check: str, kind: str, predict, name: str, world_size: int, vo
         got=f"rank {rank}: {predicted[rank][key]}" + (f": {known[0]}" if known else ""),
         hint="look at one rank's real objects after a step (the parameters, their gradients, the optimizer's "
         "state, a DTensor's local shard) and count every tensor's numel() * element_size()")
+
+
+def _judge_others(check: str, kind: str, name: str, others: tuple, answers: list, variants, mistakes) -> None:
+    """The predictions for the models the check did not run equal what the same rules give (:func:`rule`)."""
+    for (vocab, widths, ws), answer in zip(others, answers):
+        shapes = _shapes(vocab, widths, 0)
+        predicted = _valid(check, answer, ws, name)
+        want = rule(kind, shapes, ws)
+        if predicted == want:
+            continue
+        known = [text for variant, text in mistakes.items() if variants(shapes, ws, variant) == predicted]
+        wrong = [(r, k) for r in range(ws) for k in KEYS if predicted[r][k] != want[r][k]]
+        rank, key = wrong[0]
+        raise CheckFailed(
+            check, f"right for the model the check measured, but the predicted {key} bytes differ from the same rules "
+            f"for another model it asked about ({ws} ranks, float32 parameters shaped {shapes})", ranks=[0],
+            expected=f"rank {rank}: {want[rank][key]} bytes of {key}, as the rules give (and torch does)",
+            got=f"rank {rank}: {predicted[rank][key]}" + (f": {known[0]}" if known else ""),
+            hint="compute from the shapes for any model and world size: every rank holds what the sharding rules "
+            "give it, including ranks that get nothing to shard")
+    if len(answers) < len(others):
+        raise CheckFailed(check, f"{name} gave no answer for some of the models the check asked about", ranks=[0])
 
 
 def check_zero_memory(predict_zero_bytes, world_size: int = 3, vocab: int = 11, widths=(6, 5, 7),

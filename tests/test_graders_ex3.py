@@ -689,6 +689,26 @@ def _predict_with_a_fake_group(kind: str):
     return predict
 
 
+def _predict_with_a_fake_group_put_back(kind: str):
+    def predict(model, world_size):
+        """A forgery: c10d's tables saved, each rank simulated with torch's fake process group, the tables put back
+        (the job's group stays the default one)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        def snapshot(space):
+            return {name: value.copy() if isinstance(value, (dict, list)) else value for name, value in space.items()
+                    if name.startswith("_") and not callable(value)}
+
+        module, world = snapshot(vars(c10d)), snapshot(vars(c10d._world))
+        c10d._world.default_pg = None
+        try:
+            return [_simulated(kind, model, world_size, rank) for rank in range(world_size)]
+        finally:
+            vars(c10d).update(module)
+            vars(c10d._world).update(world)
+    return predict
+
+
 def _predict_in_a_subprocess(kind: str):
     def predict(model, world_size):
         """A forgery: a new interpreter simulates the ranks (torch's fake process group there) and prints the bytes."""
@@ -716,6 +736,41 @@ def test_a_prediction_that_measures_fails():
     fails(mem.check_fsdp_memory, _predict_in_a_subprocess("fsdp"), "tried to start a process")
     fails(mem.check_zero_memory, _predict_with_a_fake_group("zero"), "left the job's process group", "[rank 0]")
     fails(mem.check_fsdp_memory, _predict_with_a_fake_group("fsdp"), "left the job's process group")
+    # c10d's tables put back: the job's group looks untouched, but simulating every rank of every model the check
+    # asks about costs more CPU time than predictions get
+    for check, kind in ((mem.check_zero_memory, "zero"), (mem.check_fsdp_memory, "fsdp")):
+        fails(check, _predict_with_a_fake_group_put_back(kind), "[rank 0]", "was killed", "used up the CPU time")
+
+
+def _by_the_rule(kind: str):
+    def predict(model, world_size):
+        return mem.rule(kind, [tuple(p.shape) for p in model.parameters()], world_size)
+    return predict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rule_for_unmeasured_models_is_what_torch_does():
+    """The models the check asks about without running them are judged by graders.ex3_memory.rule: on real ranks,
+    for models and world sizes like those it draws (a rank with nothing to shard included), it is what torch holds."""
+    for vocab, widths, ws in ((3, (1, 4), 5), (29, (17, 2, 9, 3), 6), (7, (20, 1, 13), 4)):
+        mem.check_zero_memory(_by_the_rule("zero"), world_size=ws, vocab=vocab, widths=widths)
+        mem.check_fsdp_memory(_by_the_rule("fsdp"), world_size=ws, vocab=vocab, widths=widths)
+
+
+def predict_table(model, world_size):
+    """A table of the visible and the hidden case's answers (what the reference gives), zeros elsewhere."""
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    known = {(str(mem._shapes(11, (6, 5, 7), 0)), 3): predict_zero_bytes(model, world_size),
+             (str(mem._shapes(13, (10, 3, 9, 5), 1)), 4): predict_zero_bytes(model, world_size)}
+    return known.get((str(shapes), world_size), [{"params": 0, "grads": 0, "optimizer": 0}] * world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_table_of_the_checks_cases_fails():
+    """Right for the model the check measures, but no rule: the models it draws anew each time show it."""
+    fails(mem.check_zero_memory, predict_table, "another model it asked about", "[rank 0]")
 
 
 def save_gathered_point_to_point(optimizer, model, rank, ckpt_dir):
