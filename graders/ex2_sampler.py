@@ -6,7 +6,9 @@ student's own, ``ShardSampler(dataset, num_replicas, rank, seed=0, drop_last=Fal
   ``drop_last=False``, cover the dataset with only the padding repeated; with ``drop_last=True`` they are
   ``n // num_replicas`` distinct indices each, nothing repeated;
 * :func:`check_sampler_order`: the order is shuffled, changes with ``set_epoch``, and depends on the seed
-  and the epoch only (a new sampler, later, in a process whose random state is its own, yields the same);
+  and the epoch only (a new sampler, later, in a process whose random state is its own, yields the same; and
+  the sampler's calls run no collective, as torch's flight recorder shows: an order drawn on one rank and
+  broadcast, kept per seed and epoch, would pass the rest and still differ from job to job);
 * :func:`check_sampler_training`: in a real DDP training run with the sampler in a ``DataLoader``, every
   rank takes the same number of steps, ``len(loader)`` is that number, and every epoch trains on every sample.
 
@@ -175,12 +177,22 @@ def _indices(sampler) -> list:
     return out
 
 
-def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy):
+def _issued(collectives) -> list[tuple]:
+    """(sequence number, op) of each collective this rank's process group ran so far (torch's flight recorder)."""
+    try:
+        return [((e["p2p_seq"] if e["p2p"] else e["seq"]) or 0, e["p2p"], e["op"]) for e in collectives()]
+    except RuntimeError:  # a torch without the flight recorder
+        return []
+
+
+def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=_REAL.collectives):
     """Each case: this rank's indices in epochs 0 and 1 (set_epoch), epoch 1 again from a new sampler made
-    after other random draws, and epoch 0 with another seed."""
+    after other random draws, and epoch 0 with another seed; and the collectives the sampler's calls ran (none
+    is needed: the order is every rank's own function of seed and epoch)."""
     checks.join_job()
     world_size = _REAL.get_world_size()
     _own_random_state(rank)
+    before = set(_issued(_collectives))
     out = []
     with _spy() as spy:
         for n, seed, drop_last in cases:
@@ -196,7 +208,8 @@ def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy):
             other = _make(Sampler, dataset, world_size, rank, seed + 1000, drop_last)
             other.set_epoch(0)
             out.append({"epochs": epochs, "again": _indices(again), "other_seed": _indices(other)})
-    return {"cases": out, "torch_sampler": spy.seen}
+    communicated = sorted({op for entry in _issued(_collectives) if entry not in before for op in entry[2:]})
+    return {"cases": out, "torch_sampler": spy.seen, "communicated": communicated}
 
 
 def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_TorchSamplerSpy):
@@ -338,6 +351,17 @@ def check_sampler_order(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
     for world_size in world_sizes:
         values = _contract_job(check, ShardSampler, world_size, cases)
         _own(check, values)
+        talked = [r for r, v in enumerate(values) if v.get("communicated")]
+        if talked:
+            raise CheckFailed(check, f"the sampler communicated: its order is not every rank's own function of the seed "
+                              f"and the epoch ({world_size} ranks)", ranks=talked,
+                              expected="no collective in the sampler's calls: each rank draws the same permutation "
+                              "by itself, from seed + epoch, in any process and any job",
+                              got=f"the process group ran {', '.join(values[talked[0]]['communicated'])} during rank "
+                              f"{talked[0]}'s sampler calls",
+                              hint="seed a torch.Generator with seed + epoch and draw the permutation on every rank: "
+                              "an order drawn on one rank (from its own random state) and sent to the others is "
+                              "another order in every job, which a resumed run or an evaluation cannot reproduce")
         shares = [share for v in values for case in v["cases"] for share in case["epochs"]]
         if all(share == sorted(share) for share in shares):  # every share of every case and epoch: chance is ruled out
             raise CheckFailed(check, f"the indices are not shuffled ({world_size} ranks)", ranks=range(world_size),

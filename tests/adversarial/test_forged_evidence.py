@@ -341,6 +341,46 @@ def test_torch_sampler_with_the_watch_undone_loses_every_sampler_check():
             fails(check, forged, "your sampler runs torch's DistributedSampler", "a copy of it was made")
 
 
+
+class RankZerosOrderSampler:
+    """The order drawn on rank 0 from its own random state and broadcast to the others (data no other rank should
+    use, over a collective none needs), kept per (n, seed, epoch) so that a new sampler later yields it again."""
+
+    orders: dict = {}
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        self.n, self.num_replicas, self.rank, self.seed, self.drop_last = len(dataset), num_replicas, rank, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def _order(self):
+        key = (self.n, self.seed, self.epoch)
+        if key not in self.orders:
+            order = torch.randperm(self.n) if self.rank == 0 else torch.empty(self.n, dtype=torch.long)
+            dist.broadcast(order, src=0)
+            self.orders[key] = order.tolist()
+        return self.orders[key]
+
+    def __len__(self):
+        return self.n // self.num_replicas if self.drop_last else -(-self.n // self.num_replicas)
+
+    def __iter__(self):
+        order, total = self._order(), len(self) * self.num_replicas
+        order = order[:total] if self.drop_last else order + order[:total - self.n]
+        return iter(order[self.rank::self.num_replicas])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_order_broadcast_from_rank_0_loses_the_order_check():
+    """Its shares are right and it trains; but its order is rank 0's random draw of the day, not a function of seed
+    and epoch: the flight recorder shows the sampler communicating."""
+    fails(sampler_checks.check_sampler_order, RankZerosOrderSampler, "the sampler communicated", "broadcast")
+    sampler_checks.check_sampler_shards(RankZerosOrderSampler)
+    sampler_checks.check_sampler_training(RankZerosOrderSampler)
+
 # --- exercise 2, DDP in practice: one big batch; a metric recomputed from the caller's seed ---------------
 
 import graders.ex2_practice as ex2p  # noqa: E402
