@@ -6,10 +6,12 @@ evidence a part's checks used to trust, written as a student would, each scoring
   the MLP it is given, or from one rebuilt with the check's seed found in the caller's frames), and one
   that replaces the grader's references (flight recorder, collective spy) from its own code;
 * exercise 2, the sampler (:mod:`graders.ex2_sampler`): torch's DistributedSampler with the grader's patch
-  undone (the module reloaded and the profile hook removed, or its source executed under another name);
-* exercise 2, DDP in practice (:mod:`graders.ex2_practice`): one big batch in place of the micro-batches,
-  and an evaluation that recomputes the metric locally from the labels the check's public seed (read from
-  the caller's frame) gives.
+  undone (the module reloaded and the profile hook removed, or its source executed under another name), and
+  an order drawn on rank 0 from its own random state and broadcast (kept per seed and epoch);
+* exercise 2, DDP in practice (:mod:`graders.ex2_practice`, :mod:`graders.ex2_precision`): one big batch in
+  place of the micro-batches (accumulation, and the mixed-precision step), an evaluation that recomputes the
+  metric locally from the labels the check's public seed (read in the caller's frame) gives, and a clip factor
+  worked out before the all-reduce from every rank's data recomputed locally (numerically the clipped step).
 
 Each forgery is called on the checks directly (in this process; the ranks are real) and, for one forgery
 per notebook, graded in its notebook, where it must lose exactly the cells it targets.
