@@ -16,9 +16,17 @@ optimizer, and judges what happened, never what the student's objects say:
 
 * :func:`check_broadcast`: ranks seeded differently hold rank 0's weights once the wrapper exists;
 * :func:`check_naive` and :func:`check_bucketed`: the gradients the optimizer saw at every step
-  (its own step pre-hook, registered by the grader) and the weights after it equal one process's
-  training on all ranks' batches together, which is what torch's DDP computes; on three models: a
-  plain MLP, one with a parameter that forward never uses, one with tied weights;
+  (its own step pre-hook, registered by the grader) are the ranks' average of what each rank's backward
+  computed from the weights the step started with (what torch's DDP computes), as the collectives
+  delivered it, and the weights after it are one SGD step with them; on three models: a plain MLP, one
+  with a parameter that forward never uses, one with tied weights. "As the collectives delivered it"
+  (issue 37): the harness's marker (:func:`graders.ex2_scratch_model.marker`) adds to every value an
+  all-reduce, all-gather or send carries a number each rank draws from ``os.urandom``, so the result of
+  the step's k-th collective holds the sum of every rank's k-th number on top of the gradients; the
+  grader, which gets every rank's numbers, requires each parameter's gradient to be the average moved by
+  one such sum (or the sum over the world size). An average made any other way (right values sent in
+  decoy all-reduces whose results are dropped, with the gradients sent through the job's store, or every
+  rank's batch read from the harness's frames and the average recomputed locally) carries no such sum;
 * :func:`check_buckets`: what each step communicated: every collective the flight recorder lists
   (written by the process group itself; any kind, any size) is one all-reduce per bucket the size
   limit implies, and what each carried (the harness's spy on the collectives' dispatcher ops) is
@@ -50,6 +58,7 @@ from course import checks
 from course.checks import CheckFailed, passed
 from graders import comm_spy
 from graders.ex2_scratch_model import (  # noqa: F401  (make_model, buckets_of, reference: the tests' vocabulary)
+    LR,
     MiB,
     buckets_of,
     local_grads,
@@ -67,10 +76,10 @@ LATE = 3.0  # seconds check_overlap holds a rank back at most, until the others'
 # (a right answer's ~1 ms backward lets it go at once; only an answer whose backward blocks waits it out)
 
 
-def _run(check, wrapper_cls, kwargs, world_size, kinds, width, seed, same_seed, steps, hint, watch=None):
+def _run(check, wrapper_cls, kwargs, world_size, kinds, width, seed, same_seed, steps, hint, watch=None, mark=False):
     timeout = min(checks.check_timeout(), JOB_TIMEOUT)
     job = checks.run(check, train_harness, world_size,
-                     args=(wrapper_cls, kwargs, tuple(kinds), width, seed, same_seed, steps, watch),
+                     args=(wrapper_cls, kwargs, tuple(kinds), width, seed, same_seed, steps, watch, mark),
                      hints=[("timeout", hint), ("NoneType", _NONE_HINT), ("did not match the collective", _ORDER_HINT)],
                      timeout=timeout)
     return job.values
@@ -100,10 +109,22 @@ _HANG_HINT = (
 # --- judging ------------------------------------------------------------------------------------
 
 
-def _close(a, b) -> bool:
-    if a is None or b is None:  # an unused parameter: None, or zeros, both leave plain SGD's weight alone
-        return (a is None or not a.abs().max().item() > 0) and (b is None or not b.abs().max().item() > 0)
-    return a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= ATOL
+def _close(a, b, offsets=None) -> bool:
+    """Whether gradient ``a`` is ``b`` (None: zeros); with ``offsets``, ``b`` plus one number of ``offsets`` on
+    every value (``"any"``: any one number)."""
+    if a is None or b is None:  # an unused parameter: None, or zeros (moved as its bucket was), leave SGD's weight alone
+        if a is None:
+            return b is None or not b.abs().max().item() > 0
+        if b is None:
+            b = torch.zeros_like(a)
+    if a.shape != b.shape:
+        return False
+    diff = a.float() - b.float()
+    if offsets is None:
+        return diff.abs().max().item() <= ATOL
+    if (diff - diff.reshape(-1)[0]).abs().max().item() > ATOL:
+        return False
+    return offsets == "any" or any(abs(diff.reshape(-1)[0].item() - o) <= ATOL for o in offsets)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -115,31 +136,69 @@ _MODEL = {"mlp": "a 3-layer MLP", "unused": "an MLP with a layer forward never u
           "tied": "a language model whose output layer shares the embedding's weight"}
 
 
+def _marked_sums(obs: list[dict], kind: str, step: int, world_size: int) -> list[float]:
+    """What the k-th marked collective of the step added on top of the gradients, for each k: the sum of every
+    rank's k-th number (a result used as it came), or that sum over the world size (averaged after)."""
+    numbers = [o[kind]["steps"][step]["marks"] for o in obs]
+    sums = [sum(n[k] for n in numbers) for k in range(min(len(n) for n in numbers))]
+    return sums + [t / world_size for t in sums]
+
+
 def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, kwargs):
-    ref = reference(kind, world_size, width, seed, steps)
+    """Per step and rank, the gradients the optimizer used must be the ranks' average of the gradients each rank's
+    backward computed from the weights the step started with, plus what the step's collectives delivered of the
+    ranks' secret numbers (:func:`graders.ex2_scratch_model.marker`): each parameter's average moved by the sum
+    of the numbers of one collective (or that sum / world size). An average made without the collectives'
+    results (sent another way, recomputed locally) carries no such sum."""
     model = _MODEL[kind]
+    batches = make_batches(kind, seed, world_size, steps)
+    initial = make_model(kind, seed, width).state_dict()
     for step in range(steps):
+        sums = _marked_sums(obs, kind, step, world_size)
         for rank, o in enumerate(obs):
             mine = o[kind]["steps"][step]
-            want = ref[step]
+            start = mine["start"]
+            before = initial if step == 0 else o[kind]["steps"][step - 1]["state"]
+            if _max_diff(start, before) > ATOL:
+                raise CheckFailed(check, f"the weights changed between steps {step} and {step + 1} ({model})",
+                                  ranks=[rank], expected="the weights optimizer.step() left, unchanged until the "
+                                  "next step's backward", got=f"max difference {_max_diff(start, before):.3g}",
+                                  hint="the wrapper must not change the weights itself after construction; only "
+                                  "the gradients, before optimizer.step()")
+            local = [local_grads(kind, {"start": start}, width, batches[step][r], held=False) for r in range(world_size)]
+            want = {"grads": {n: None if all(loc[n] is None for loc in local) else
+                              sum(loc[n] for loc in local) / world_size for n in local[0]}, "local": local}
             grads = mine["grads"]
             if grads is None:
                 raise CheckFailed(check, f"the optimizer did not step at step {step + 1} ({model})", ranks=[rank],
                                   expected="finish_gradient_synchronization() returns, then the grader's optimizer.step()",
                                   hint="do not call optimizer methods from the wrapper")
-            wrong = [n for n in want["grads"] if not _close(grads.get(n), want["grads"][n])]
+            wrong = [n for n in want["grads"] if not _close(grads.get(n), want["grads"][n], sums)]
             if wrong:
                 raise CheckFailed(check, f"the gradients the optimizer used at step {step + 1} are not the ranks' average "
                                   f"({model}, {world_size} ranks)", ranks=[rank],
-                                  expected="every gradient averaged over the ranks (what DDP gives) when optimizer.step() runs",
+                                  expected="every gradient averaged over the ranks (what DDP gives) by the collectives "
+                                  "when optimizer.step() runs",
                                   got=_what_grads(want, wrong),
                                   hint=_grads_hint(grads, want, wrong, rank, world_size, kind, kwargs, width))
-            if _max_diff(mine["state"], want["state"]) > ATOL:
+            after = _stepped(kind, width, start, grads)
+            if _max_diff(mine["state"], after) > ATOL:
                 raise CheckFailed(check, f"the weights after step {step + 1} differ from DDP's ({model})", ranks=[rank],
                                   expected="the weights one SGD step with the averaged gradients gives",
-                                  got=f"max difference {_max_diff(mine['state'], want['state']):.3g}",
+                                  got=f"max difference {_max_diff(mine['state'], after):.3g}",
                                   hint="the wrapper must not change the weights itself after construction; only "
                                   "the gradients, before optimizer.step()")
+
+
+def _stepped(kind, width, start: dict, grads: dict) -> dict:
+    """The weights one plain SGD step from ``start`` with ``grads`` gives (tied weights: one parameter)."""
+    twin = make_model(kind, 0, width)
+    twin.load_state_dict(start)
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            if grads.get(n) is not None:
+                p -= LR * grads[n]
+    return twin.state_dict()
 
 
 def _what_grads(want, wrong) -> str:
@@ -148,9 +207,15 @@ def _what_grads(want, wrong) -> str:
 
 
 def _grads_hint(grads, want, wrong, rank, world_size, kind, kwargs, width) -> str:
-    def all_like(target) -> bool:
-        return all(_close(grads.get(n), target[n]) for n in wrong)
+    def all_like(target, offsets="any") -> bool:
+        return all(_close(grads.get(n), target[n], offsets) for n in wrong)
 
+    if all_like(want["grads"], None):
+        return ("these are the ranks' average, but not the values your collectives delivered: the grader moves every "
+                "value an all-reduce carries by a secret number of each rank's (the sum of them all comes out of the "
+                "all-reduce), and these gradients carry none. Copy each bucket's all-reduced values (after "
+                "`work.wait()`, divided by the world size) back into its parameters' `.grad`: no other way of "
+                "averaging (the job's store, a file, a local computation) counts")
     if all_like({n: None if g is None else g * world_size for n, g in want["grads"].items()}):
         return (f"these gradients are the SUM over the {world_size} ranks: all_reduce adds; divide by the world size "
                 "(after the all-reduce, or each gradient before it)")
@@ -161,7 +226,7 @@ def _grads_hint(grads, want, wrong, rank, world_size, kind, kwargs, width) -> st
             return ("the parameters that share a bucket with `spare` (a layer forward never uses: its gradient hooks "
                     "never fire) were not averaged: those buckets never filled. In finish_gradient_synchronization, "
                     "all-reduce every bucket not launched yet, with zeros for the gradients that are None, then wait")
-    if all_like(want["local"][rank]):
+    if all_like(want["local"][rank], None):
         return ("these are this rank's own gradients, not yet averaged: the optimizer stepped before the all-reduce's "
                 "result was in `.grad`. finish_gradient_synchronization must wait on every handle (`work.wait()`) and "
                 "copy the averaged values into each `.grad` before it returns")
@@ -225,7 +290,7 @@ def _check_training(check, cls, kwargs, world_size, width, seed, steps):
         if not shared:
             raise ValueError(f"width={width}, bucket_size_mb={kwargs['bucket_size_mb']}: no bucket mixes `spare` with "
                              "used parameters; choose others")
-    obs = _run(check, cls, kwargs, world_size, KINDS, width, seed, True, steps, _HANG_HINT)
+    obs = _run(check, cls, kwargs, world_size, KINDS, width, seed, True, steps, _HANG_HINT, mark=True)
     for kind in KINDS:
         _judge_steps(check, obs, kind, world_size, width, seed, steps, kwargs)
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import random
 import time
 
 import torch
@@ -201,14 +203,55 @@ def _issued(entries: list[dict]) -> list[dict]:
 # --- the harness (runs on every rank) -------------------------------------------------------------
 
 
-def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, steps, watch=None):
+#: the collectives whose every sent value the marker moves (each rank sends what it passes)
+MARKED = ("all_reduce", "all_gather", "send")
+_RANDOM = random.Random
+_URANDOM = os.urandom
+_NO_GRAD = torch.no_grad
+
+
+def marker():
+    """(a dispatch mode, the list it fills): each all-reduce, all-gather or send dispatched while the mode is on
+    first has a number added to every value it sends, in place, drawn on this rank from ``os.urandom``
+    (``[0.5, 1)``), and the number is appended to the list. The k-th collective of a step therefore delivers
+    the sum of every rank's k-th number on top of the gradients: the ranks' numbers are secret to each other,
+    so only a result that came out of the collective carries their sum, and the grader, which gets every
+    rank's numbers, checks for it. Gradients sent another way (the job's store, a file, point to point from
+    another thread) or recomputed locally carry none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops, tensors, draw, no_grad, marked = comm_spy._OPS, comm_spy._tensors, _RANDOM(_URANDOM(16)).random, _NO_GRAD, []
+
+    class Marker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            found = ops.get(id(func))
+            if found is not None and found[0] is func and found[1] in MARKED:
+                _, kind, at = found
+                sent = [t for t in tensors(args[at] if len(args) > at else kwargs.get(func._schema.arguments[at].name))
+                        if t.is_floating_point()]  # gradients (a count or a flag, e.g. DDP's, is left alone)
+                if sent:
+                    number = 0.5 + draw() / 2
+                    with no_grad():
+                        for t in sent:
+                            t.add_(number)
+                    marked.append(number)
+            return func(*args, **kwargs)
+
+    return Marker(), marked
+
+
+def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, steps, watch=None, marked_step=False):
     """Wrap each kind of model in the student's class and train ``steps`` steps; per step, what the
     optimizer saw, the weights after it and the collectives the flight recorder lists.
 
     ``watch = (offset, wait)``: also spy on the collectives (:func:`graders.comm_spy.spy`), keep the weights
     each step started from and the times backward started and reached the first layer; with an ``offset``,
     at step s rank (offset + s) % world_size is late: between its forward and its backward it waits until
-    every other rank's backward has reached the first layer, at most ``wait`` seconds."""
+    every other rank's backward has reached the first layer, at most ``wait`` seconds.
+
+    ``marked_step``: each step runs under :func:`marker` (every value an all-reduce, all-gather or send carries is moved
+    by a number of this rank's own); the step's record holds the numbers and the weights it started from."""
     real = _REAL
     dev = checks.join_job()
     world_size = real.get_world_size()
@@ -239,18 +282,20 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
 
         first_layer(model).register_hook(on_first)
         spy, carried = comm_spy.spy() if watch else (contextlib.nullcontext(), [])
+        marks, numbers = marker() if marked_step else (contextlib.nullcontext(), [])
         record = []
         for step, batches in enumerate(make_batches(kind, seed, world_size, steps)):
             x, y = (t.to(dev) for t in batches[rank])
             optimizer.zero_grad(set_to_none=True)
-            start = checks.to_cpu(model.state_dict()) if watch else None
+            start = checks.to_cpu(model.state_dict()) if watch or marked_step else None
+            marked = len(numbers)
             mark = _mark(real)
             del at_first[:]
             first = len(carried)
             late = watch is not None and watch[0] is not None and rank == (watch[0] + step) % world_size
             keys = [f"ex2s/{kind}/{step}/{r}" for r in range(world_size)]
             signal[0] = keys[rank] if watch is not None and watch[0] is not None and not late else None
-            with spy:
+            with marks, spy:  # the spy, innermost, copies what was sent before the marker moves it
                 loss = loss_of(kind, wrapper(x), y)
                 if late:
                     _wait_for(store, [k for r, k in enumerate(keys) if r != rank], watch[1])
@@ -264,7 +309,7 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
                            "state": checks.to_cpu(model.state_dict()),
                            "issued": _issued(_since(real.collectives(), mark)), "start": start, "held": held,
                            "carried": carried[first:], "backward_at": backward_at,
-                           "first_calls": list(at_first)})
+                           "first_calls": list(at_first), "marks": numbers[marked:]})
         out[kind] = {"before": before, "after": after, "steps": record}
     return out
 

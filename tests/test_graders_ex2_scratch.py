@@ -700,7 +700,8 @@ def test_overlap_is_judged_by_concurrency_not_issue_order():
 def test_collectives_are_judged_by_what_they_carry():
     """Issue 24, class 1: padding, decoys of zeros and another collective each lose check_buckets, and only it
     when the real buckets still overlap; decoys in place of the buckets (the gradients sent another way) lose
-    check_buckets on what the all-reduces carried."""
+    check_buckets on what the all-reduces carried, and check_bucketed when the way is not a collective (the
+    store: the average carries none of the numbers the grader's marker put on what the collectives sent)."""
     for cls in (Padded, ZeroDecoys, AllGatherBuckets):
         ex2s.check_bucketed(cls)
         ex2s.check_overlap(cls)
@@ -714,7 +715,8 @@ def test_collectives_are_judged_by_what_they_carry():
     fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", "x send", "x recv")
     fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", **HIDDEN)
     fails(ex2s.check_overlap, SendRecvWithDecoys, "no all-reduce carrying this step's gradients had started")
-    ex2s.check_bucketed(StoreDecoys)
+    # the gradients went through the store: the average carries none of what the all-reduces delivered (issue 37)
+    fails(ex2s.check_bucketed, StoreDecoys, "not the ranks' average", "not the values your collectives delivered")
     fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", "only zeros", "synchronises nothing")
     fails(ex2s.check_buckets, StoreDecoys, "did not carry its bucket's gradients", **HIDDEN)
     fails(ex2s.check_overlap, StoreDecoys, "no all-reduce carrying this step's gradients had started")

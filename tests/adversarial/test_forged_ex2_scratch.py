@@ -1,0 +1,182 @@
+"""Forgeries of ddp_from_scratch parts 1-2 (DDP without DDP, :mod:`graders.ex2_scratch`; issue 37), written as a
+student who read the public graders/ source would: the right collectives, carrying the right values, issued at
+the right moments (asynchronously, from the gradient hooks), whose results are thrown away, while the
+gradients the optimizer uses are made another way:
+
+* :class:`LocalFromFrames`: computed locally, every rank's batch read from the grader's harness through the
+  caller's frames (``batches``, the list of every rank's inputs for this step), averaged in this process;
+* :class:`StoreAveraged`: sent through the job's key-value store after backward, synchronously.
+
+Each must lose check_bucketed (the weights) and keep the reference's other cells.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import graders.ex2_scratch as ex2s
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+fails = submissions.fails
+
+
+def _buckets(params, bucket_size_mb):
+    limit = bucket_size_mb * 2**20
+    buckets, current, size = [], [], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _Decoys(nn.Module):
+    """Broadcast at construction; each bucket's real gradients all-reduced asynchronously from its hooks (what
+    every check of the collectives sees); finish_gradient_synchronization waits for them and drops the results."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        self.buckets = _buckets(module.parameters(), bucket_size_mb)
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.waiting, self.works = [len(b) for b in self.buckets], {}
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _flat(self, i):
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.buckets[i]])
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0:
+            self.works[i] = dist.all_reduce(self._flat(i).clone(), async_op=True)  # right values, result dropped
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for i in range(len(self.buckets)):
+            if i not in self.works:
+                self.works[i] = dist.all_reduce(self._flat(i).clone(), async_op=True)
+        for work in self.works.values():
+            work.wait()
+        self.waiting, self.works = [len(b) for b in self.buckets], {}
+        self._average()
+
+
+class LocalFromFrames(_Decoys):
+    def _average(self):
+        import copy
+
+        frame = sys._getframe()
+        while frame is not None and "batches" not in frame.f_locals:
+            frame = frame.f_back
+        batches, kind = frame.f_locals["batches"], frame.f_locals["kind"]
+        from graders.ex2_scratch_model import loss_of
+
+        params = list(self.module.parameters())
+        total = [torch.zeros_like(p) for p in params]
+        for x, y in batches:
+            twin = copy.deepcopy(self.module)
+            for q in twin.parameters():
+                q.grad = None
+            loss_of(kind, twin(x), y).backward()
+            for t, q in zip(total, twin.parameters()):
+                if q.grad is not None:
+                    t += q.grad
+        for p, t in zip(params, total):
+            if p.grad is not None:
+                p.grad = t / len(batches)
+
+
+class StoreAveraged(_Decoys):
+    made = 0
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        StoreAveraged.made += 1
+        self.name, self.round = f"sa{StoreAveraged.made}", 0
+
+    def _average(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        store, rank, n = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        self.round += 1
+        for i, bucket in enumerate(self.buckets):
+            key = f"{self.name}-{self.round}-{i}"
+            store.set(f"{key}-{rank}", self._flat(i).numpy().tobytes())
+            total = sum(torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32) for r in range(n))
+            offset = 0
+            for p in bucket:
+                if p.grad is not None:
+                    p.grad = (total[offset:offset + p.numel()] / n).view_as(p).clone()
+                offset += p.numel()
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forgery", [LocalFromFrames, StoreAveraged])
+def test_right_values_in_decoys_with_the_average_made_elsewhere_lose_the_weights_cell(forgery):
+    fails(ex2s.check_bucketed, forgery, "not the ranks' average", "not the values your collectives delivered")
+    fails(ex2s.check_bucketed, forgery, "not the ranks' average", bucket_size_mb=0.0015, world_size=3, width=24,
+          seed=1)
+    # what they communicate is right: the other cells keep the reference's points
+    ex2s.check_broadcast(forgery, bucket_size_mb=0.001)
+    ex2s.check_buckets(forgery)
+    ex2s.check_overlap(forgery)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_naive_average_through_the_store_loses_check_naive():
+    fails(ex2s.check_naive, NaiveThroughStore, "not the ranks' average", "not the values your collectives delivered")
+
+
+class NaiveThroughStore(nn.Module):
+    """Part 1 forged: one all-reduce per gradient (of a copy, result dropped); the average through the store."""
+
+    made = 0
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        NaiveThroughStore.made += 1
+        self.name, self.round = f"nts{NaiveThroughStore.made}", 0
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        store, rank, n = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        self.round += 1
+        for i, p in enumerate(self.module.parameters()):
+            if p.grad is None:
+                continue
+            dist.all_reduce(p.grad.clone())
+            key = f"{self.name}-{self.round}-{i}"
+            store.set(f"{key}-{rank}", p.grad.reshape(-1).numpy().tobytes())
+            total = sum(torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32) for r in range(n))
+            p.grad = (total / n).view_as(p).clone()
