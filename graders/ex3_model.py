@@ -6,6 +6,7 @@ Adam on the global batch).
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 
 import torch
@@ -247,6 +248,7 @@ _DETACH = torch.Tensor.detach
 _RAND = torch.rand
 _IS_TENSOR = torch.is_tensor
 _PARAMETERS = nn.Module.parameters
+_URANDOM = os.urandom
 
 #: the two saves of the save job: first with every rank's Adam state changed (a "decoy" only that rank holds),
 #: then with the trained state, the checkpoint the load check reads
@@ -267,7 +269,7 @@ def _local_share(optimizer, model) -> list[tuple[int, str, torch.Tensor]]:
 
 def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, nonce: int) -> dict:
     """Train with ZeRO (Adam), then call the student's save twice: into ``folders[0]`` with this rank's share of
-    the state replaced by a decoy of its own (random, known only to this rank and returned to the grader), then,
+    the state replaced by a decoy of its own (random, drawn in this rank and returned to the grader), then,
     the trained share put back, into ``folders[1]``. Observe every file this rank wrote in each save and every
     collective it issued (torch's flight recorder: what crossed between the ranks)."""
     _init_pg()
@@ -282,7 +284,8 @@ def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, non
         _ZERO_STEP(optimizer)
     share = [(i, key, t) for i, key, t in _local_share(optimizer, model) if t.dim() > 0]  # exp_avg, exp_avg_sq
     trained = [_CLONE(_DETACH(t)) for _, _, t in share]
-    g = torch.Generator().manual_seed(nonce + 7919 * rank)
+    # drawn here, from this rank's own os.urandom: no other rank can know them (the grader gets them with the result)
+    g = torch.Generator().manual_seed(int.from_bytes(_URANDOM(7), "little") ^ nonce)
     decoys = [t + 1.0 + _RAND(t.shape, generator=g) for t in trained]  # >= 1 away from the trained values
     rounds = []
     for name, folder in zip(SAVE_ROUNDS, folders):
