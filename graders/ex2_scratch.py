@@ -43,8 +43,10 @@ optimizer, and judges what happened, never what the student's objects say:
 
 How the harness observes (and what torch's flight recorder gives and does not give) is in
 :mod:`graders.ex2_scratch_model`. Everything it calls to observe (the flight recorder, the
-collectives' ops, the clock) is taken when that module is imported, before any student code runs in
-the rank.
+collectives' ops, the clock, the marker's random source) is taken when that module is imported, and the spy
+and the marker are made when the harness starts, before any of the student's code runs in it (a wrapper whose
+``__init__`` patched ``graders.comm_spy._CLOCK`` to date its after-backward all-reduces before backward scored
+full marks on check_overlap before).
 """
 
 from __future__ import annotations

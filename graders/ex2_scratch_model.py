@@ -257,6 +257,11 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
     world_size = real.get_world_size()
     store = _STORE()
     out = {}
+    # the observers are made here, before any of the student's code runs in this harness (a wrapper's __init__
+    # that patches graders.comm_spy's clock or ops, or this module's random source, changes nothing they hold)
+    spy, carried = comm_spy.spy() if watch else (contextlib.nullcontext(), [])
+    marks, numbers = marker() if marked_step else (contextlib.nullcontext(), [])
+    clock, sleep = _CLOCK, _SLEEP
     for kind in kinds:
         model = make_model(kind, seed + (0 if same_seed else 1 + rank), width).to(dev)
         before = checks.to_cpu(model.state_dict())
@@ -275,14 +280,12 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
 
         def on_first(grad, at_first=at_first, signal=signal):
             # the checker keeps the calls whose gradient is the true one: a call made by hand, early, is not backward
-            at_first.append((_CLOCK(), grad.detach().to("cpu", torch.float32).clone() if watch else None))
+            at_first.append((clock(), grad.detach().to("cpu", torch.float32).clone() if watch else None))
             if signal[0] is not None:
                 store.set(signal[0], "1")
             return grad
 
         first_layer(model).register_hook(on_first)
-        spy, carried = comm_spy.spy() if watch else (contextlib.nullcontext(), [])
-        marks, numbers = marker() if marked_step else (contextlib.nullcontext(), [])
         record = []
         for step, batches in enumerate(make_batches(kind, seed, world_size, steps)):
             x, y = (t.to(dev) for t in batches[rank])
@@ -298,10 +301,10 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
             with marks, spy:  # the spy, innermost, copies what was sent before the marker moves it
                 loss = loss_of(kind, wrapper(x), y)
                 if late:
-                    _wait_for(store, [k for r, k in enumerate(keys) if r != rank], watch[1])
+                    _wait_for(store, [k for r, k in enumerate(keys) if r != rank], watch[1], clock, sleep)
                 held = {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32).clone()
                         for n, p in params.items()} if watch else None  # what backward will add to
-                backward_at = _CLOCK()
+                backward_at = clock()
                 loss.backward()
                 wrapper.finish_gradient_synchronization()
                 optimizer.step()
@@ -314,8 +317,8 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
     return out
 
 
-def _wait_for(store, keys: list[str], wait: float) -> None:
+def _wait_for(store, keys: list[str], wait: float, clock, sleep) -> None:
     """Until every key is in the store, at most ``wait`` seconds."""
-    deadline = _CLOCK() + wait
-    while _CLOCK() < deadline and not store.check(keys):
-        _SLEEP(0.002)
+    deadline = clock() + wait
+    while clock() < deadline and not store.check(keys):
+        sleep(0.002)

@@ -5,9 +5,13 @@ gradients the optimizer uses are made another way:
 
 * :class:`LocalFromFrames`: computed locally, every rank's batch read from the grader's harness through the
   caller's frames (``batches``, the list of every rank's inputs for this step), averaged in this process;
-* :class:`StoreAveraged`: sent through the job's key-value store after backward, synchronously.
+* :class:`StoreAveraged`: sent through the job's key-value store after backward, synchronously;
+* :class:`NaiveThroughStore`: part 1's NaiveDDP, the same way.
 
-Each must lose check_bucketed (the weights) and keep the reference's other cells.
+Each must lose check_bucketed (check_naive) and keep the reference's other cells. And one that patches what
+the grader observes with: :class:`ClockPatched` (the buckets all-reduced after backward, synchronously; the
+grader's spy told, from the wrapper's ``__init__``, that every collective was issued at time 0) must lose
+check_overlap.
 """
 
 from __future__ import annotations
@@ -180,3 +184,39 @@ class NaiveThroughStore(nn.Module):
             store.set(f"{key}-{rank}", p.grad.reshape(-1).numpy().tobytes())
             total = sum(torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32) for r in range(n))
             p.grad = (total / n).view_as(p).clone()
+
+
+class ClockPatched(_Decoys):
+    """Overlap forged by patching the grader's spy before the harness makes it: the buckets all-reduced after
+    backward, synchronously (blocking), their results used; the spy's clock (``graders.comm_spy._CLOCK``, which the
+    harness's ``comm_spy.spy()`` read after the wrapper was made) set to say every collective was issued at time 0,
+    before backward reached the first layer."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        import graders.comm_spy as spy_module
+
+        spy_module._CLOCK = lambda: 0.0
+
+    def _ready(self, p):  # nothing from the hooks
+        pass
+
+    def finish_gradient_synchronization(self):
+        n = dist.get_world_size()
+        for bucket in self.buckets:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+            dist.all_reduce(flat)
+            flat /= n
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_spy_s_clock_patched_in_init_loses_the_overlap_cell():
+    fails(ex2s.check_overlap, ClockPatched, "no all-reduce carrying this step's gradients had started")
+    # a right answer otherwise (the buckets all-reduced after backward): the other cells keep their points
+    ex2s.check_bucketed(ClockPatched)
+    ex2s.check_buckets(ClockPatched)
