@@ -73,8 +73,8 @@ def _no_new_processes() -> str | None:
                                        "prlimit64": 302}, 56, 435),
                "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "setrlimit": 164, "prlimit64": 261}, 220, 435)}
     machine = platform.machine()
-    if machine not in numbers:
-        return f"no seccomp filter for {machine}"
+    if not platform.system() == "Linux" or machine not in numbers:
+        return f"no seccomp filter for {platform.system()} on {machine}"
     arch, deny, clone, clone3 = numbers[machine]
     ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
@@ -95,7 +95,11 @@ def _no_new_processes() -> str | None:
     class Program(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl  # noqa: B018 - a libc without prctl: no filter
+    except (OSError, AttributeError) as exc:
+        return f"no prctl: {exc}"
     program = Program(len(prog), ctypes.addressof(buffer))
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: what an unprivileged filter needs
         return f"prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}"
