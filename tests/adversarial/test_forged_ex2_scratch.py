@@ -220,3 +220,49 @@ def test_the_spy_s_clock_patched_in_init_loses_the_overlap_cell():
     # a right answer otherwise (the buckets all-reduced after backward): the other cells keep their points
     ex2s.check_bucketed(ClockPatched)
     ex2s.check_buckets(ClockPatched)
+
+
+# --- in the notebook ------------------------------------------------------------------------------------
+
+A, NB = "ex2-ddp-basics", "ddp_from_scratch"
+
+#: the reference's BucketedDDP, forged: it all-reduces a copy of each bucket (right values, from the hooks,
+#: asynchronously) and averages the buckets through the job's store after backward
+STORE_FORGERY = [
+    ("ex2s_bucketed", "            self.launched[i] = (dist.all_reduce(flat, async_op=True), flat)",
+     "            self.launched[i] = (dist.all_reduce(flat.clone(), async_op=True), flat)"),
+    ("ex2s_bucketed", "            work.wait()\n            flat /= world_size\n",
+     "            work.wait()\n"
+     "            from torch.distributed import distributed_c10d as c10d\n"
+     "            if not hasattr(self, 'tag'):\n"
+     "                BucketedDDP.made = getattr(BucketedDDP, 'made', 0) + 1\n"
+     "                self.tag, self.round = BucketedDDP.made, 0\n"
+     "            self.round += 1 if i == min(self.launched) else 0\n"
+     "            key = f'forged-{self.tag}-{self.round}-{i}'\n"
+     "            c10d._get_default_store().set(f'{key}-{dist.get_rank()}', flat.numpy().tobytes())\n"
+     "            flat = sum(torch.frombuffer(bytearray(c10d._get_default_store().get(f'{key}-{r}')),\n"
+     "                                        dtype=torch.float32) for r in range(world_size))\n"
+     "            flat /= world_size\n"),
+]
+
+#: the reference's plan_step, forged: the course's cost model executed from its file
+EXEC_FORGERY = [
+    ("ex2s_step_cost", '    """The collectives of one settled training step: a list of (op, numel of the whole tensor)."""\n',
+     '    """The collectives of one settled training step: a list of (op, numel of the whole tensor)."""\n'
+     "    import course.costmodel as cm\n"
+     "    space = {'__name__': 'cm_copy'}\n"
+     "    exec(compile(open(cm.__file__).read(), 'cm_copy.py', 'exec'), space)\n"
+     "    return space['step_collectives'](layers, world_size, strategy, bucket_cap_mb)\n"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_in_the_notebook_each_forgery_loses_exactly_its_cell(tmp_path):
+    """One submission: BucketedDDP averaging through the store (loses ex2s_test_bucketed) and plan_step executing
+    the course's model from its file (loses ex2s_test_step_plan); every other cell keeps the reference's points."""
+    report = submissions.grade_edited(A, tmp_path, *STORE_FORGERY, *EXEC_FORGERY, notebook=NB)
+    submissions.assert_mistakes_lose_exactly(report, A, [
+        (["ex2s_test_bucketed"], ["not the values your collectives delivered"]),
+        (["ex2s_test_step_plan"], ["refused by the grader's sandbox"]),
+    ], notebook=NB)
