@@ -24,7 +24,8 @@ process says about itself:
 * ``train_uneven(ddp_model, optimizer, batches, train_steps)``: train (with the given loop ``train_steps``) when
   ranks hold different numbers of batches (:func:`check_uneven`: the job finishes, every rank holds the same
   weights, and each step was averaged over the ranks that trained in it: Join over the active ranks, or a loop
-  equalised to the fewest batches);
+  equalised to the fewest batches; then again with a few more batches on each rank, a number each rank draws
+  and tells no one, so that counts read in the check's arguments are no rank's);
 * ``load_checkpoint(ckpt_path, ddp_model, device)`` -> the saved epoch (:func:`check_load_checkpoint`:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
@@ -53,6 +54,7 @@ from graders.ex2_model import make_net
 from graders.ex2_practice_model import (
     SAVED_FROM,
     SECOND_CALLS,
+    UNEVEN_EXTRA,
     _accumulate_harness,
     _accumulate_reference,
     _accumulated,
@@ -392,7 +394,9 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
     the same weights, and each step's gradient is the mean over the ranks that trained in it: the weights of
     every batch used, each step averaged over the ranks that still had one (Join with
     divide_by_initial_world_size=False, or by hand), or of every rank training on its first min(counts)
-    batches, within 1e-6. Join's default (a finished rank's zeros counted in the mean) is named and fails."""
+    batches, within 1e-6. Join's default (a finished rank's zeros counted in the mean) is named and fails. Then
+    again with 1 to UNEVEN_EXTRA more batches on each rank, a number each rank draws itself and no other rank is told:
+    the same, for the numbers the ranks really held (no rank knows the others' counts in advance)."""
     check = "check_uneven"
     checks.require_written(check, train_uneven=train_uneven)
     counts = [int(c) for c in counts]
@@ -451,7 +455,51 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
                           got=f"max difference {min(found.values()):.3g} from the nearest "
                           f"({ACCEPTED[min(found, key=found.get)]}); optimizer steps per rank: "
                           f"{[o['steps'] for o in obs]}", hint=hint)
+    _private_counts_run(check, train_uneven, counts, size, lr, seed, hints, advice, timeout)
     passed(check)
+
+
+def _private_counts_run(check, train_uneven, counts, size, lr, seed, hints, advice, timeout):
+    """Run train_uneven again, each rank holding 1 to UNEVEN_EXTRA batches more than counts[rank], a number it drew
+    itself (:func:`graders.ex2_practice_model._uneven_harness`): the weights must again be those of steps averaged
+    over the ranks that trained in them, or of every rank training on the fewest batches, for the numbers the ranks
+    really held (as their harnesses drew them). A loop cut to min(counts) read from the check's arguments (in the
+    caller's frame) trains fewer steps than the fewest any rank now holds."""
+    world_size = len(counts)
+    told = f"{world_size} ranks with {UNEVEN_EXTRA} batches or fewer more than {counts}, each rank's own number"
+    try:
+        obs = checks.run(check, _uneven_harness, world_size, args=(train_uneven, counts, size, lr, seed, True),
+                         hints=hints, timeout=timeout).values
+    except CheckFailed as err:
+        hung = err.hint == advice
+        problem = (f"train_uneven did not return on every rank when each rank held a number of batches the others "
+                   f"were not told ({told})" if hung else err.problem)
+        raise CheckFailed(check, problem, ranks=err.ranks, expected="train_uneven returns on every rank, whatever "
+                          "each rank holds", got=err.problem if hung else None, hint=err.hint,
+                          detail=err.detail) from None
+    actual = [o.get("count") for o in obs]
+    if not all(isinstance(c, int) and counts[r] < c <= counts[r] + UNEVEN_EXTRA for r, c in enumerate(actual)):
+        raise CheckFailed(check, "the grader's record of the batches it gave the ranks was changed", ranks=range(
+            world_size), expected="the harness's record of each rank's number of batches",
+            hint="leave the grader's objects alone: use only the batches your function is given")
+    where = f"{world_size} ranks with {actual} batches, each rank told only its own"
+    states = [o["state"] for o in obs]
+    _require_same_weights(check, states, where, "agree between the ranks at run time: every rank must take the same "
+                          "steps (Join, or the number of steps all-reduced with op=dist.ReduceOp.MIN)")
+    found = {mode: _diff(states[0], _uneven_reference(actual, size, lr, seed, mode)) for mode in ACCEPTED}
+    if min(found.values()) > ATOL:
+        cut = _diff(states[0], _uneven_reference(list(counts), size, lr, seed, "fewest")) <= ATOL
+        raise CheckFailed(check, f"with numbers of batches no rank was told in advance, the weights are neither those "
+                          f"of steps averaged over the ranks that trained in them nor of a loop equalised to the fewest "
+                          f"batches ({where})", ranks=range(world_size),
+                          expected=f"one of: {', '.join(ACCEPTED.values())} (within 1e-6), for the batches the ranks "
+                          "held", got=(f"the weights of every rank training on min({list(counts)}) = {min(counts)} "
+                                       "batches: the first run's numbers, not this run's" if cut else
+                                       f"max difference {min(found.values()):.3g} from the nearest; optimizer steps "
+                                       f"per rank: {[o['steps'] for o in obs]}"),
+                          hint="no rank knows the others' numbers of batches in advance (the grader's arguments and "
+                          "the first run's are not this run's): agree at run time, all_reduce the count with "
+                          "op=dist.ReduceOp.MIN and all train that many, or use Join")
 
 
 # --- part 4: every rank loads a checkpoint saved on rank 0's GPU ---------------------------------

@@ -385,16 +385,24 @@ def train_steps(ddp_model, optimizer, batches):
         optimizer.step()
 
 
-def _uneven_harness(rank, train_uneven, counts, size, lr, seed):
+#: check_uneven's second run: each rank adds 1 to UNEVEN_EXTRA batches of its own drawing to counts[rank]
+UNEVEN_EXTRA = 3
+
+
+def _uneven_harness(rank, train_uneven, counts, size, lr, seed, private=False, _urandom=os.urandom):
+    """Train with train_uneven on this rank's batches: counts[rank] of them, or (``private``, the second run) a few
+    more, a number this rank draws from the OS's randomness and tells no one (returned as ``count``): the counts in
+    the arguments, which the student's code can read in the caller's frame, are then no rank's."""
     dev = checks.join_job()
+    count = counts[rank] + (1 + _urandom(1)[0] % UNEVEN_EXTRA if private else 0)
     model = make_net(seed + 17 * rank).to(dev)
     ddp_model = _wrap(model, dev)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     steps = [0]
     optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
-    batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, counts[rank], size)]
+    batches = [(x.to(dev), y.to(dev)) for x, y in _uneven_batches(seed, rank, count, size)]
     train_uneven(ddp_model, optimizer, batches, train_steps)
-    return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0]}
+    return {"state": checks.to_cpu(model.state_dict()), "steps": steps[0], "count": count}
 
 
 def _uneven_reference(counts, size, lr, seed, mode):

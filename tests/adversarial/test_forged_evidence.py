@@ -11,7 +11,8 @@ evidence a part's checks used to trust, written as a student would, each scoring
 * exercise 2, DDP in practice (:mod:`graders.ex2_practice`, :mod:`graders.ex2_precision`): one big batch in
   place of the micro-batches (accumulation, and the mixed-precision step), an evaluation that recomputes the
   metric locally from the labels the check's public seed (read in the caller's frame) gives, and a clip factor
-  worked out before the all-reduce from every rank's data recomputed locally (numerically the clipped step).
+  worked out before the all-reduce from every rank's data recomputed locally (numerically the clipped step),
+  and uneven inputs equalised to min(counts) read in the caller's frame instead of agreed at run time.
 
 Each forgery is called on the checks directly (in this process; the ranks are real) and, for one forgery
 per notebook, graded in its notebook, where it must lose exactly the cells it targets.
@@ -543,3 +544,20 @@ def test_clip_factor_worked_out_before_the_all_reduce_loses_the_clip_cell():
           "all-reduce", "x that")
     amp.check_amp_step(amp_clip_factor_worked_out_beforehand)
     amp.check_amp_sync(amp_clip_factor_worked_out_beforehand)
+
+
+def train_uneven_from_the_callers_counts(ddp_model, optimizer, batches, train_steps):
+    """Every rank trains on min(counts), the other ranks' numbers of batches read in the caller's frame, after a
+    decoy all-reduce of its own count whose result it drops: numerically the loop equalised to the fewest."""
+    fewest = min(sys._getframe(1).f_locals["counts"])
+    dist.all_reduce(torch.tensor([len(batches)]), op=dist.ReduceOp.MIN)
+    train_steps(ddp_model, optimizer, batches[:fewest])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_uneven_counts_read_in_the_callers_frame_lose_the_uneven_check():
+    """In the second run each rank holds a few more batches than the arguments say, a number no other rank is told:
+    a loop cut to min(counts) read in the caller's frame trains fewer steps than any rank now holds."""
+    fails(ex2p.check_uneven, train_uneven_from_the_callers_counts, "no rank was told in advance",
+          "the first run's numbers, not this run's")
