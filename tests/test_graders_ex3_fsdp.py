@@ -57,11 +57,9 @@ def test_the_training_data_tells_the_mistakes_apart():
 
 def test_a_gloo_job_hides_the_gpus(monkeypatch):
     """fully_shard's default mesh is the accelerator's whenever one is visible: a gloo job must not see it."""
-    import course.launcher.job as job
-
-    monkeypatch.setattr(job, "resolve_backend", lambda name, world_size: "gloo")
+    monkeypatch.setattr(fsdp.checks, "resolve_backend", lambda name, world_size: "gloo")  # what _job_env asks
     assert fsdp._job_env(2, fsdp.FR_ENV) == {**fsdp.FR_ENV, "CUDA_VISIBLE_DEVICES": ""}
-    monkeypatch.setattr(job, "resolve_backend", lambda name, world_size: "nccl")
+    monkeypatch.setattr(fsdp.checks, "resolve_backend", lambda name, world_size: "nccl")
     assert fsdp._job_env(2) == {}
 
 
