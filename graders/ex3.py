@@ -5,7 +5,8 @@ through a harness (:mod:`graders.ex3_model`), which returns plain observations; 
 computed here, against single-process references: BatchNorm on the global
 batch (in float64), Adam on the global batch. Per-rank data differ in mean, scale and batch
 size (one rank may hold one sample, or none), so a missing combination or a local count cannot pass by
-accident; values far from zero judge numerical accuracy; the running statistics are read from the very buffer
+accident, and each rank's batch carries a shift drawn in that rank (returned with its observations), so no
+rank can rebuild another's batch from the public seeds instead of communicating; values far from zero judge numerical accuracy; the running statistics are read from the very buffer
 tensors the layer was built with (updated in place, outside autograd). The memory part's checks are in
 :mod:`graders.ex3_memory`.
 
@@ -137,7 +138,8 @@ def _run_bn(check: str, bn_cls, accuracy: bool = False, hidden: bool = False):
                 if "error" in obs:
                     raise CheckFailed(check, f"rank {rank}: {obs['error']}", ranks=[rank],
                                       hint="forward must return the normalised tensor, shaped like its input")
-            yield ws, sizes, tail, offset, values, _bn_reference(sizes, tail, BN_STEPS, offset)
+            shifts = tuple(float(obs["shift"]) for obs in values)  # each rank's own, drawn in the rank
+            yield ws, sizes, tail, offset, values, _bn_reference(sizes, tail, BN_STEPS, offset, shifts)
 
 
 def _count(sizes, tail) -> int:

@@ -38,12 +38,18 @@ def _init_pg() -> None:
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
 
 
-def _bn_input(rank: int, sizes, tail, step: int, offset: float = 0.0) -> torch.Tensor:
+#: each rank's inputs are moved by a shift of its own in [0, SHIFT), drawn in the rank from os.urandom for every job
+#: (and returned to the grader): no rank can work out another's batch from the public seeds, so the global
+#: statistics can only come from the ranks' exchange, never from replaying the grader's data generator
+SHIFT = 0.5
+
+
+def _bn_input(rank: int, sizes, tail, step: int, offset: float = 0.0, shift: float = 0.0) -> torch.Tensor:
     """Rank ``rank``'s float32 input: its own mean and spread, plus a common ``offset`` (a large offset is
-    where E[x^2] - E[x]^2 cancels in float32)."""
+    where E[x^2] - E[x]^2 cancels in float32) and its own ``shift``."""
     g = torch.Generator().manual_seed(100 * step + rank + 7)
     x = torch.randn((sizes[rank], C, *tail), generator=g)
-    return x * (1.0 + rank) + 2.0 * rank - step + offset
+    return x * (1.0 + rank) + 2.0 * rank - step + offset + shift
 
 
 def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
@@ -52,12 +58,14 @@ def _bn_coef(rank: int, sizes, tail, step: int) -> torch.Tensor:
 
 
 def _bn_harness(rank: int, bn_cls, cases) -> list[dict]:
-    """Every case in one job (a job costs more than a case): a fresh layer per case."""
+    """Every case in one job (a job costs more than a case): a fresh layer per case, and this rank's shift (one
+    per job, :data:`SHIFT`) in every observation."""
     _init_pg()
-    return [_bn_case(rank, bn_cls, sizes, tail, offset) for sizes, tail, offset in cases]
+    shift = int.from_bytes(_URANDOM(4), "little") / 2 ** 32 * SHIFT
+    return [{**_bn_case(rank, bn_cls, sizes, tail, offset, shift), "shift": shift} for sizes, tail, offset in cases]
 
 
-def _bn_case(rank: int, bn_cls, sizes, tail, offset) -> dict:
+def _bn_case(rank: int, bn_cls, sizes, tail, offset, shift: float = 0.0) -> dict:
     """BN_STEPS training forwards, each followed by a backward (whose error, if any, is recorded, not raised:
     the forward's observations still serve the output and running-statistics checks)."""
     bn = bn_cls(C, eps=EPS, momentum=MOMENTUM)
@@ -72,7 +80,7 @@ def _bn_case(rank: int, bn_cls, sizes, tail, offset) -> dict:
     buffers = {"running_mean": bn.running_mean, "running_var": bn.running_var}
     record = []
     for step in range(BN_STEPS):
-        x = _bn_input(rank, sizes, tail, step, offset).requires_grad_()
+        x = _bn_input(rank, sizes, tail, step, offset, shift).requires_grad_()
         y = bn(x)
         if not isinstance(y, torch.Tensor):
             return {"error": f"forward returned {type(y).__name__}, not a tensor"}
@@ -102,9 +110,9 @@ def _clone(t):
 
 
 @checks.reference
-def _bn_reference(sizes, tail, steps: int, offset: float = 0.0) -> list[dict]:
-    """nn.BatchNorm's own functional form on the global batch (all ranks' float32 inputs concatenated),
-    computed in float64: the truth a float32 recipe is measured against."""
+def _bn_reference(sizes, tail, steps: int, offset: float = 0.0, shifts: tuple | None = None) -> list[dict]:
+    """nn.BatchNorm's own functional form on the global batch (all ranks' float32 inputs concatenated, each moved
+    by its rank's ``shifts``), computed in float64: the truth a float32 recipe is measured against."""
     ws = len(sizes)
     running_mean = torch.tensor(RUNNING_MEAN, dtype=torch.float64)
     running_var = torch.tensor(RUNNING_VAR, dtype=torch.float64)
@@ -112,7 +120,7 @@ def _bn_reference(sizes, tail, steps: int, offset: float = 0.0) -> list[dict]:
     bias = torch.tensor(BIAS, dtype=torch.float64, requires_grad=True)
     out = []
     for step in range(steps):
-        xs = [_bn_input(r, sizes, tail, step, offset) for r in range(ws)]
+        xs = [_bn_input(r, sizes, tail, step, offset, shifts[r] if shifts else 0.0) for r in range(ws)]
         x = torch.cat(xs).double().requires_grad_()
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, MOMENTUM, EPS)
         ys = list(y.split(list(sizes)))
