@@ -138,17 +138,20 @@ _MODEL = {"mlp": "a 3-layer MLP", "unused": "an MLP with a layer forward never u
           "tied": "a language model whose output layer shares the embedding's weight"}
 
 
-def _marked_sums(obs: list[dict], kind: str, step: int, world_size: int) -> list[float]:
-    """What the k-th marked collective of the step added on top of the gradients, for each k: the sum of every
-    rank's k-th number (a result used as it came), or that sum over the world size (averaged after)."""
+def _marked_sums(obs: list[dict], kind: str, step: int, world_size: int, rank: int) -> list[float]:
+    """What the k-th marked collective of the step can have added on top of rank ``rank``'s gradients, for each k:
+    the sum of every rank's k-th number (a result used as it came), or that sum over the world size (averaged
+    after); for gradients sent point to point (a rank's own part never crosses), the other ranks' numbers only."""
     numbers = [o[kind]["steps"][step]["marks"] for o in obs]
-    sums = [sum(n[k] for n in numbers) for k in range(min(len(n) for n in numbers))]
-    return sums + [t / world_size for t in sums]
+    count = min(len(n) for n in numbers)
+    sums = [sum(n[k] for n in numbers) for k in range(count)]
+    others = [sums[k] - numbers[rank][k] for k in range(count)]
+    return [t / d for t in sums + others for d in (1, world_size)]
 
 
 def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, kwargs):
     """Per step and rank, the gradients the optimizer used must be the ranks' average of the gradients each rank's
-    backward computed from the weights the step started with, plus what the step's collectives delivered of the
+    backward computed from the weights its step started with, plus what the step's collectives delivered of the
     ranks' secret numbers (:func:`graders.ex2_scratch_model.marker`): each parameter's average moved by the sum
     of the numbers of one collective (or that sum / world size). An average made without the collectives'
     results (sent another way, recomputed locally) carries no such sum."""
@@ -156,8 +159,8 @@ def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, k
     batches = make_batches(kind, seed, world_size, steps)
     initial = make_model(kind, seed, width).state_dict()
     for step in range(steps):
-        sums = _marked_sums(obs, kind, step, world_size)
         for rank, o in enumerate(obs):
+            sums = _marked_sums(obs, kind, step, world_size, rank)
             mine = o[kind]["steps"][step]
             start = mine["start"]
             before = initial if step == 0 else o[kind]["steps"][step - 1]["state"]
@@ -167,7 +170,10 @@ def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, k
                                   "next step's backward", got=f"max difference {_max_diff(start, before):.3g}",
                                   hint="the wrapper must not change the weights itself after construction; only "
                                   "the gradients, before optimizer.step()")
-            local = [local_grads(kind, {"start": start}, width, batches[step][r], held=False) for r in range(world_size)]
+            # each rank's backward, from the weights that rank started the step with (the same on every rank, unless
+            # the marker's numbers reached the ranks unevenly, as with point-to-point sends)
+            local = [local_grads(kind, {"start": obs[r][kind]["steps"][step]["start"]}, width, batches[step][r],
+                                 held=False) for r in range(world_size)]
             want = {"grads": {n: None if all(loc[n] is None for loc in local) else
                               sum(loc[n] for loc in local) / world_size for n in local[0]}, "local": local}
             grads = mine["grads"]

@@ -6,7 +6,10 @@ gradients the optimizer uses are made another way:
 * :class:`LocalFromFrames`: computed locally, every rank's batch read from the grader's harness through the
   caller's frames (``batches``, the list of every rank's inputs for this step), averaged in this process;
 * :class:`StoreAveraged`: sent through the job's key-value store after backward, synchronously;
-* :class:`NaiveThroughStore`: part 1's NaiveDDP, the same way.
+* :class:`NaiveThroughStore`: part 1's NaiveDDP, the same way;
+* :class:`StoreWithItsNumber`: StoreAveraged that also reads, right after launching each all-reduce, the number
+  the grader's marker added to its tensor and sends it through the store too (it got through the MLPs when the
+  marker moved the caller's own tensor; the marker now sends a moved copy, so a rank never sees its number).
 
 Each must lose check_bucketed (check_naive) and keep the reference's other cells. And one that patches what
 the grader observes with: :class:`ClockPatched` (the buckets all-reduced after backward, synchronously; the
@@ -266,3 +269,51 @@ def test_in_the_notebook_each_forgery_loses_exactly_its_cell(tmp_path):
         (["ex2s_test_bucketed"], ["not the values your collectives delivered"]),
         (["ex2s_test_step_plan"], ["refused by the grader's sandbox"]),
     ], notebook=NB)
+
+
+class StoreWithItsNumber(StoreAveraged):
+    """StoreAveraged, one step deeper: each bucket's all-reduce is of the bucket's own flat tensor, and right after
+    launching it the rank reads what the grader's marker added to it (the tensor minus a copy taken before) and sends
+    that through the store too, to add every rank's number to the store's average."""
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0:
+            self._launch(i)
+
+    def _launch(self, i):
+        flat = self._flat(i)
+        before = flat.clone()
+        self.works[i] = dist.all_reduce(flat, async_op=True)
+        self.numbers = getattr(self, "numbers", {})
+        self.numbers[i] = float((flat - before).mean())  # the marker's number, if it shows
+
+    def finish_gradient_synchronization(self):
+        for i in range(len(self.buckets)):
+            if i not in self.works:
+                self._launch(i)
+        for work in self.works.values():
+            work.wait()
+        self.waiting, self.works = [len(b) for b in self.buckets], {}
+        from torch.distributed import distributed_c10d as c10d
+
+        store, rank, n = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        self.round += 1
+        for i, bucket in enumerate(self.buckets):
+            key = f"{self.name}-{self.round}-{i}"
+            mine = torch.cat([self._flat(i), torch.tensor([self.numbers[i]])])
+            store.set(f"{key}-{rank}", mine.numpy().tobytes())
+            total = sum(torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32) for r in range(n))
+            values = total[:-1] + total[-1]
+            offset = 0
+            for p in bucket:
+                if p.grad is not None:
+                    p.grad = (values[offset:offset + p.numel()] / n).view_as(p).clone()
+                offset += p.numel()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_cannot_read_its_own_number_to_send_it_along():
+    fails(ex2s.check_bucketed, StoreWithItsNumber, "not the ranks' average")
