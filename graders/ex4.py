@@ -47,6 +47,7 @@ from graders.ex4_model import (  # noqa: F401 - the given parts and the referenc
     expected_weights,
     get_batch,
     make_model,
+    shift_checkpoint,
     top_level_stub,
 )
 from graders.ex4_probe import atomic_from_the_probe, commits_of, writes_of
@@ -153,7 +154,7 @@ def _restart_run(script: str, check: str, crash_rank: int, crash_step: int,
                  layout: tuple[int, ...] | None) -> torchrun.Run:
     layout = tuple(layout or RESTART_WORKERS)
     crash = _valid_crash(crash_rank, crash_step, sum(layout))
-    return _run_script(script, "restart", check, crash=crash, layout=layout)
+    return _run_script(script, "restart", check, crash=crash, layout=layout, on_crash=shift_checkpoint)
 
 
 def _restart_context(run: torchrun.Run) -> str:
@@ -344,7 +345,7 @@ def _resumes(run: torchrun.Run) -> list[tuple[int, int, bool] | None]:
     loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
     restored = (run.crash[1] - 1) // STEPS_PER_EPOCH if loaded else 0
     first = max(EPOCHS - len(w.of("step")) // STEPS_PER_EPOCH, 0)
-    return [None, (restored, first, True), (restored, first, False)]
+    return [None, (restored, first, True, run.crash_note), (restored, first, False, run.crash_note)]
 
 
 def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = None,
@@ -411,9 +412,13 @@ def _restart_table(run: torchrun.Run) -> str:
             lines.append(f"  rank {w.rank}: {'loaded the checkpoint' if loaded else 'no checkpoint loaded'}, "
                          f"{steps} optimizer step(s) (~{steps / STEPS_PER_EPOCH:g} epoch(s)), {ended}")
     if isinstance(run.final, dict):
-        diff = compare_weights(run.final, expected_weights(run.world_size))
-        verdict = ("equal to an uninterrupted run" if diff is not None and diff <= ATOL else
-                   "different keys or shapes" if diff is None else f"differ from an uninterrupted run by {diff:.3g}")
+        crash_epoch = (run.crash[1] - 1) // STEPS_PER_EPOCH if run.crash else 0
+        shifted = run.crash_note is not None
+        resumed = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
+        diff = compare_weights(run.final, resumed)
+        what = "a run resumed from the checkpoint" + (" (the grader shifted its weights)" if shifted else "")
+        verdict = (f"equal to {what}" if diff is not None and diff <= ATOL else
+                   "different keys or shapes" if diff is None else f"differs from {what} by {diff:.3g}")
         lines.append(f"final.pt: {verdict}")
     else:
         lines.append("final.pt: " + ("not written" if run.final is None else run.final))
@@ -495,11 +500,18 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RA
                 detail=table,
             )
     final = _final_weights(check, run)
-    reference = expected_weights(run.world_size)
+    # an honest resume: the uninterrupted run's state at the crash's epoch, shifted as the grader shifted the
+    # checkpoint while the job was down (run.crash_note: the secret seed; None where the file could not be shifted)
+    reference = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
     diff = compare_weights(final, reference)
     if diff is None or diff > ATOL:
         steps = len(restarted[0].of("step")) if restarted else 0
-        if steps != resumed_steps:
+        replayed = run.crash_note is not None and compare_weights(final, expected_weights(run.world_size)) <= ATOL
+        if replayed:
+            hint = ("load the model and the optimizer state from CKPT after a restart, and train on from there: "
+                    "never recompute the epochs before it (the grader changed the weights in the checkpoint while "
+                    "the job was down, and a job that resumes from it carries that change to the end)")
+        elif steps != resumed_steps:
             hint = (f"after the restart rank 0 trained {steps} steps, not {resumed_steps}: resume at the epoch after "
                     "the one saved in the checkpoint (off by one?)")
         else:
@@ -508,10 +520,13 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RA
                     "last step")
         raise CheckFailed(
             check,
-            context + f"the final weights differ from an uninterrupted {run.world_size}-rank run "
-            + (f"(max |diff| {diff:.3g})" if diff is not None else "(different keys or shapes)"),
+            context + ("the final weights are those of a run that never resumed from the checkpoint: the restarted "
+                       "job recomputed the epochs before the crash instead of loading them" if replayed else
+                       f"the final weights differ from a {run.world_size}-rank run resumed from the checkpoint "
+                       + (f"(max |diff| {diff:.3g})" if diff is not None else "(different keys or shapes)")),
             ranks=[0],
-            expected=f"equal within {ATOL:g} (check_ddp_training compares the uninterrupted run; fix that first if it fails)",
+            expected=f"equal within {ATOL:g} to a run that loads the checkpoint as the grader left it "
+            "(check_ddp_training judges the training itself; fix that first if it fails)",
             got=f"max |diff| = {diff:.3g}" if diff is not None else sorted(final),
             hint=hint,
             detail=table,

@@ -17,6 +17,7 @@ import submissions
 import torch
 
 import graders.ex4 as ex4
+import graders.ex4_model as ex4_model
 from course.checks import torchrun
 from course.launcher.torchrun import runner
 
@@ -138,6 +139,11 @@ def test_expected_weights_after_a_restart_follow_the_resume():
     for wrong in ((1, 0, True), (1, 1, False), (1, 2, True)):
         assert ex4.compare_weights(ex4.expected_weights(2, None, wrong), exact) > 1e-4, wrong
     assert ex4.compare_weights(ex4.expected_weights(2, (0,), (1, 1, True)), ex4.expected_weights(2, (0,))) == 0
+    # the grader's shift of the checkpoint is carried by a run that loaded it, and only by one that did
+    shifted = ex4.expected_weights(2, None, (1, 1, True, 1234))
+    assert ex4.compare_weights(shifted, exact) > 1e-3
+    assert ex4.compare_weights(ex4.expected_weights(2, None, (1, 1, True, None)), exact) == 0
+    assert ex4.compare_weights(ex4.expected_weights(2, None, (0, 0, True, 1234)), ex4.expected_weights(2)) == 0
 
 
 @pytest.mark.timeout(60)
@@ -244,7 +250,7 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
     assert "killed by the grader" in out and "attempt 1 (torchrun's restart):" in out, out
     # off by one: resumed at the saved epoch 0 again, so 8 steps instead of 6, and the weights are wrong
     assert "rank 1: loaded the checkpoint, 8 optimizer step(s)" in out, out
-    assert "final.pt: differ from an uninterrupted run by" in out, out
+    assert "final.pt: differs from a run resumed from the checkpoint (the grader shifted its weights) by" in out, out
     fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3",
           "trained 8 steps: it started from epoch 0 again", "(6 steps)", "saved epoch + 1", **HIDDEN)
     with pytest.raises(ValueError, match="middle of an epoch"):
@@ -271,7 +277,7 @@ def test_check_atomic_checkpoint_wants_the_temporary_file_next_to_the_checkpoint
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
     script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
-    fails(ex4.check_restart_resume, script, "final weights differ from an uninterrupted 2-rank run",
+    fails(ex4.check_restart_resume, script, "final weights differ from a 2-rank run resumed from the checkpoint",
           "trained 6 steps, not 4", "off by one")
     ex4.check_standalone_ranks(script)
 
@@ -805,3 +811,62 @@ def test_a_forged_probe_record_cannot_pass_an_in_place_checkpoint(tmp_path):
     fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", "'ckpt.pt' itself was",
           crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP, layout=ex4.RESTART_WORKERS)
     ex4.check_restart_resume(script)  # the training itself is right
+
+
+#: Forgery (issue 37): after the restart the script reads only the epoch from the checkpoint (so the probe sees a
+#: load) and recomputes the epochs before it by hand, every rank's batches in one process with SGD's momentum
+#: written out (no optimizer step the probe would count); the weights equal an honest resume's, had the checkpoint
+#: held what the job wrote. The grader shifts the checkpoint's weights while the job is down: only a resume carries it.
+REPLAYED = (
+    '        model.load_state_dict(saved["model"])\n'
+    '        optimizer.load_state_dict(saved["optimizer"])\n',
+    '        fresh = make_model().to(device)\n'
+    '        params, momentum = list(fresh.parameters()), [None] * 4\n'
+    '        for e in range(saved["epoch"] + 1):\n'
+    '            for s in range(STEPS_PER_EPOCH):\n'
+    '                batches = [get_batch(r, e, s) for r in range(world_size)]\n'
+    '                x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])\n'
+    '                grads = torch.autograd.grad(loss_fn(fresh(x), y), params)\n'
+    '                with torch.no_grad():\n'
+    '                    for i, (p, g) in enumerate(zip(params, grads)):\n'
+    '                        momentum[i] = g.clone() if momentum[i] is None else momentum[i].mul_(MOMENTUM).add_(g)\n'
+    '                        p.sub_(LR * momentum[i])\n'
+    '        model.load_state_dict(fresh.state_dict())\n'
+    '        for p, buf in zip(model.parameters(), momentum):\n'
+    '            optimizer.state[p]["momentum_buffer"] = buf.clone()\n',
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_training_replayed_by_hand_instead_of_resumed_loses_the_resume(tmp_path):
+    script = write_script(tmp_path, REPLAYED)
+    run = ex4.try_restart(script)
+    assert run.crash_note is not None  # the grader shifted the checkpoint's weights while the job was down
+    restarted = [w for w in run.attempt(1) if w.rank == 0][0]
+    assert any(e.get("path") == run.ckpt_path for e in restarted.of("load"))  # the probe saw a load
+    assert len(restarted.of("step")) == 4  # and the right number of optimizer steps
+    assert ex4.compare_weights(run.final, ex4.expected_weights(2)) <= ex4.ATOL  # an unshifted resume's weights
+    fails(ex4.check_restart_resume, script, "never resumed from the checkpoint", "recomputed the epochs",
+          "never recompute the epochs before it")
+    ex4.check_ddp_training(script, crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP,
+                           layout=ex4.RESTART_WORKERS)  # the training itself is right
+
+
+def test_the_grader_shifts_every_copy_of_the_weights_in_a_checkpoint_and_nothing_else(tmp_path):
+    model = ex4.make_model()
+    state = {"model": model.state_dict(), "ddp": {f"module.{k}": v for k, v in model.state_dict().items()},
+             "optimizer": {"state": {0: {"momentum_buffer": torch.ones(8, 4)}}}, "epoch": 1}
+    path = str(tmp_path / "ckpt.pt")
+    torch.save(state, path)
+    seed = ex4_model.shift_checkpoint(path)
+    shifted = torch.load(path, weights_only=True)
+    shift = ex4_model.shift_of(seed)
+    for name, value in model.state_dict().items():
+        assert torch.allclose(shifted["model"][name], value + shift[name])
+        assert torch.allclose(shifted["ddp"][f"module.{name}"], value + shift[name])
+    assert torch.equal(shifted["optimizer"]["state"][0]["momentum_buffer"], torch.ones(8, 4)) and shifted["epoch"] == 1
+    assert max(float(d.abs().max()) for d in shift.values()) > 100 * ex4.ATOL
+    torch.save({"weights": list(model.parameters())}, path)  # no named weights: left alone, judged unshifted
+    assert ex4_model.shift_checkpoint(path) is None
+    assert ex4_model.shift_checkpoint(str(tmp_path / "missing.pt")) is None

@@ -45,9 +45,10 @@ def _written(check: str, script: str, vet: Callable[[str], None] | None) -> str:
 
 
 def run_script(check: str, script: str, scenario: Scenario, *, layout: tuple[int, ...],
-               crash: tuple[int, int] | None = None, vet: Callable[[str], None] | None = None) -> Run:
+               crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None,
+               vet: Callable[[str], None] | None = None) -> Run:
     """:func:`course.launcher.torchrun.runner.run_script` for ``check``: a missing or unwritten script fails it."""
-    return runner.run_script(_written(check, script, vet), scenario, layout=layout, crash=crash)
+    return runner.run_script(_written(check, script, vet), scenario, layout=layout, crash=crash, on_crash=on_crash)
 
 
 def run_elastic(check: str, script: str, *, plan: Plan, input_features: int = 0,

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -116,6 +117,8 @@ class Run:
     #: the workers cannot forge it; None where it could not be watched (``files_problem`` says why)
     files: list[FileEvent] | None = None
     files_problem: str = ""
+    #: what the caller's ``on_crash`` returned (it ran in this process while the crashed worker waited)
+    crash_note: object = None
 
     @property
     def world_size(self) -> int:
@@ -147,12 +150,14 @@ def _script(script: str) -> tuple[str, str]:
 
 
 def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
-               crash: tuple[int, int] | None = None) -> Run:
+               crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None) -> Run:
     """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content.
 
     ``layout``: the workers of each agent (one number: one agent, ``--standalone`` in a restart run; several:
     agents joined by a c10d rendezvous). ``crash``: in the restart run, the (rank, optimizer step) after which
-    that worker is killed once. A missing script raises FileNotFoundError."""
+    that worker is killed once; ``on_crash(ckpt_path)`` runs in this process at that moment, before the worker
+    dies and so before torchrun restarts the job (``Run.crash_note`` keeps what it returns). A missing script
+    raises FileNotFoundError."""
     path, digest = _script(script)
     layout = tuple(int(n) for n in layout)
     if scenario == "restart":
@@ -169,7 +174,7 @@ def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, scenario, crash, layout)
+        _CACHE[key] = _launch(path, scenario, crash, layout, on_crash)
     return _CACHE[key]
 
 
@@ -232,7 +237,28 @@ def _commands(scenario: Scenario, layout: tuple[int, ...], job: str, tail: list[
     ]
 
 
-def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layout: tuple[int, ...]) -> Run:
+class _crash_handover:  # noqa: N801 - a callable with a result, used as a function
+    """The crashing worker waits (its probe wrote ``crash.ready``) while this process runs ``on_crash(ckpt_path)``,
+    then lets it die (``crash.go``): whatever ``on_crash`` does to the checkpoint happens between the crash and
+    the restart, outside every worker."""
+
+    def __init__(self, probe_dir: str, ckpt_path: str, on_crash: Callable[[str], object] | None):
+        self.ready, self.go = os.path.join(probe_dir, "crash.ready"), os.path.join(probe_dir, "crash.go")
+        self.ckpt_path, self.on_crash, self.note, self.done = ckpt_path, on_crash, None, False
+
+    def __call__(self) -> None:
+        if self.done or not os.path.exists(self.ready):
+            return
+        self.done = True
+        try:
+            if self.on_crash is not None:
+                self.note = self.on_crash(self.ckpt_path)
+        finally:
+            open(self.go, "w").close()  # noqa: SIM115 - a marker
+
+
+def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layout: tuple[int, ...],
+            on_crash: Callable[[str], object] | None = None) -> Run:
     job = tempfile.mkdtemp(prefix=f"ddp-course-ex4-{scenario}-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
@@ -253,8 +279,9 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         timed_out, stall, stranded = False, None, False
         alive: set[int] = set()
+        handover = _crash_handover(probe_dir, ckpt_path, on_crash) if crash else None
         try:
-            stall, stranded = _wait(procs, probe_dir, started + timeout)
+            stall, stranded = _wait(procs, probe_dir, started + timeout, tick=handover)
             timed_out = stall is None and any(proc.poll() is None for proc in procs)
         finally:
             alive = _stop(procs, dump_stacks=timed_out or stall is not None)
@@ -279,6 +306,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
             stranded=stranded,
             files=files,
             files_problem=watch.problem,
+            crash_note=handover.note if handover else None,
         )
         _observe(run, probe_dir)
         return run
@@ -286,15 +314,19 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         shutil.rmtree(job, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float) -> tuple[StallVerdict | None, bool]:
+def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float,
+          tick: Callable[[], None] | None = None) -> tuple[StallVerdict | None, bool]:
     """Wait for the agents to end or the deadline; a deadlock in the workers' collectives ends it at once, and so
-    do several agents left with no worker for :data:`STRANDED_AFTER` s (the second value: True)."""
+    do several agents left with no worker for :data:`STRANDED_AFTER` s (the second value: True). ``tick`` is
+    called every 50 ms (the crash's hand-over: :func:`_crash_handover`)."""
     watch, members, starts, next_look = None, None, {}, 0.0
     busy = None  # when an agent last had a worker (None: none yet)
     while time.monotonic() < deadline:
         if all(proc.poll() is not None for proc in procs):
             return None, False
         time.sleep(0.05)
+        if tick is not None:
+            tick()
         if time.monotonic() < next_look:
             continue  # the agents are polled often; the workers' logs only as often as the watch samples
         next_look = time.monotonic() + SAMPLE

@@ -186,6 +186,7 @@ def _patch_torch() -> None:
         record_collectives()
         if crash_here and _steps == crash_step and _first_crash():
             _log("crash", step=_steps)
+            _hand_over_the_crash()
             os._exit(CRASH_EXIT_CODE)
         if leave_here and str(_steps) == leave_step:
             _log("leave", step=_steps)
@@ -223,6 +224,16 @@ def _learning_rates(optimizer) -> list | None:
         return [float(group["lr"]) for group in optimizer.param_groups]
     except Exception:  # noqa: BLE001 - never fail the student's code
         return None
+
+
+def _hand_over_the_crash(limit: float = 30.0) -> None:
+    """Tell the launcher this worker is about to die (``crash.ready``) and wait until it has done what it does at a
+    crash (``crash.go``), at most ``limit`` s: the job cannot restart before this worker is gone."""
+    ready, go = os.path.join(_probe_dir, "crash.ready"), os.path.join(_probe_dir, "crash.go")
+    os.close(os.open(ready, os.O_CREAT | os.O_WRONLY, 0o600))
+    until = time.time() + limit
+    while not os.path.exists(go) and time.time() < until:
+        time.sleep(0.02)
 
 
 def _first_crash() -> bool:
