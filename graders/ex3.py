@@ -10,25 +10,16 @@ rank can rebuild another's batch from the public seeds instead of communicating;
 tensors the layer was built with (updated in place, outside autograd). The memory part's checks are in
 :mod:`graders.ex3_memory`.
 
-The sharded save of ZeRO's state is judged on what the files hold, not on what the ranks say they moved: the
-save runs twice in one job, first with every rank's share of Adam's state replaced by random values of its own,
-then with the trained state; read back by the student's loader, the trained checkpoint with one rank's files
-taken from the first save must differ exactly in that rank's parameters, by exactly its values. A rank that wrote
-state it received (point to point, which gloo's flight recorder does not list, or gathered before the save) or
-recomputed shows it there.
+The sharded save of ZeRO's state is judged in :mod:`graders.ex3_zero` (its checks are named here too, as the
+notebook calls them).
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
-
 import torch
 
 from course import checks
-from course.checks import CheckFailed, Mistake, expect, passed, stranded
+from course.checks import CheckFailed, Mistake, passed, stranded
 from graders.ex3_model import (
     BIAS,
     BN_STEPS,
@@ -36,17 +27,14 @@ from graders.ex3_model import (
     MOMENTUM,
     RUNNING_MEAN,
     RUNNING_VAR,
-    SAVE_ROUNDS,
     WEIGHT,
     C,
     _bn_harness,
     _bn_reference,
     _bn_sums,
     _bn_variant,
-    _zero_load_harness,
-    _zero_reference,
-    _zero_save_harness,
 )
+from graders.ex3_zero import check_shard_load, check_shard_save  # noqa: F401 - the notebook's names
 
 BN_RTOL, BN_ATOL = 1e-4, 1e-5  # float32 against the float64 truth, data of mean and spread about 1
 
@@ -57,7 +45,6 @@ ACCURACY_OFFSET = 1000.0
 #: float32 sums recipe by 1e-2 to 2e-1 (measured in tests/test_graders_ex3.py)
 ACCURACY_ATOL = {"y": 2e-3, "running_mean": 1e-5 * ACCURACY_OFFSET, "running_var": 2e-3}
 
-ZERO_ATOL = 1e-6
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -358,283 +345,3 @@ def _sums_error(xs, rank: int) -> float | None:
     w, b = torch.tensor(WEIGHT).view(shape), torch.tensor(BIAS).view(shape)
     y = (xs[rank] - mean.view(shape)) / torch.sqrt(var.view(shape) + EPS) * w + b
     return _error(y, truth, "y")
-
-
-
-# =========================================================================== ZeRO: a sharded checkpoint
-
-#: what the ranks may exchange while saving, as a share of Adam's whole state: a barrier or a few small
-#: messages (file names, metadata) pass; a gather of the state (consolidate_state_dict moves every other
-#: rank's share, at least half of it with 2 to 4 ranks) does not
-MOVED_SHARE = 1 / 8
-ADAM_MATH = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-
-
-def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
-    """Why ``state_dict`` (what a plain Adam holds after loading) differs from ``reference``, or None."""
-    state, ref_state = state_dict.get("state", {}), reference["state"]
-    missing = sorted(set(ref_state) - set(state))
-    if missing:
-        return f"no state for parameters {missing} (of {len(ref_state)})"
-    for index, ref in ref_state.items():
-        for key, value in ref.items():
-            got = state[index].get(key)
-            if not isinstance(got, torch.Tensor) or got.shape != value.shape:
-                what = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-                return f"parameter {index}: {key} is {what}, expected a tensor of shape {tuple(value.shape)}"
-            if not torch.allclose(got.float(), value.float(), rtol=0, atol=ZERO_ATOL):
-                return f"parameter {index}: {key} differs by {float((got.float() - value.float()).abs().max()):.3g}"
-    for group, ref_group in zip(state_dict.get("param_groups", []), reference["param_groups"]):
-        for key in ADAM_MATH:  # the hyperparameters that change the update (not foreach, fused, ...)
-            value = ref_group.get(key)
-            if group.get(key) != value and not (isinstance(value, tuple) and tuple(group.get(key) or ()) == value):
-                return f"param_groups: {key} is {group.get(key)!r}, expected {value!r}"
-    return None
-
-
-def _state_bytes(world_size: int, seed: int) -> int:
-    state = _zero_reference(world_size, seed)[0]["state"]
-    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if t.dim() > 0)
-
-
-def _saved(check: str, save_shard, world_size: int, seed: int) -> tuple[list[str], list[dict]]:
-    """One save job per (answer, world size, seed): the folder of each save (:data:`SAVE_ROUNDS`: with every rank's
-    state changed to a decoy of its own, then trained) and each rank's observations."""
-
-    def job():
-        root = tempfile.mkdtemp(prefix="ddp-course-ex3-ckpt-")
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        folders = [os.path.join(root, name) for name in SAVE_ROUNDS]
-        for folder in folders:
-            os.makedirs(folder)
-        nonce = int.from_bytes(os.urandom(4), "little")  # the decoys: nobody can compute them in advance
-        values = checks.run(check, _zero_save_harness, world_size, args=(save_shard, folders, seed, nonce),
-                            mistakes=_SAVE_MISTAKES).values
-        return folders, values
-
-    return checks.memo(check, ("zero-save", save_shard, world_size, seed), job)
-
-
-def _round(values: list[dict], name: str) -> list[dict]:
-    """Each rank's observations of one save (``name``: one of :data:`SAVE_ROUNDS`)."""
-    index = SAVE_ROUNDS.index(name)
-    return [obs["rounds"][index] for obs in values]
-
-
-def _composites(folders: list[str], values: list[dict]) -> list[str]:
-    """For each rank r, a checkpoint folder made of the trained save's files, except that rank r's own files are
-    those it wrote in the decoy save: what the checkpoint must be if every rank's files hold its own state, and
-    only that."""
-    decoy, trained = _round(values, "decoy"), _round(values, "trained")
-    root = os.path.dirname(folders[0])
-    out = []
-    for rank in range(len(values)):
-        folder = os.path.join(root, f"rank{rank}-decoy")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        own = set(trained[rank]["writes"])
-        for name in sorted(os.listdir(folders[1])):
-            path = os.path.join(folders[1], name)
-            if path not in own and os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(folder, name))
-        for path in decoy[rank]["writes"]:
-            if os.path.dirname(path) == folders[0] and os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(folder, os.path.basename(path)))
-        out.append(folder)
-    return out
-
-
-def _loaded(check: str, save_shard, load_full_state, world_size: int, seed: int):
-    """One load job per (answers, world size, seed), in one process: the trained checkpoint, then each rank's
-    composite (:func:`_composites`), each read by load_full_state and loaded by a plain Adam."""
-    folders, values = _saved(check, save_shard, world_size, seed)
-    trained = _zero_reference(world_size, seed)[1]
-
-    def job():
-        every = [folders[1], *_composites(folders, values)]
-        return checks.run(check, _zero_load_harness, 1, args=(load_full_state, every, seed, trained)).values[0]
-
-    return checks.memo(check, ("zero-load", save_shard, load_full_state, world_size, seed), job)
-
-
-def _same_tensor(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and torch.allclose(a.float(), b.float(), rtol=0, atol=ZERO_ATOL))
-
-
-def _decoy_expected(state: dict, held: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """``state`` (what Adam held after loading the trained checkpoint) with each tensor that is one of a rank's trained
-    tensors replaced by the decoy that rank held in the decoy save."""
-    def swap(t):
-        for trained, decoy in held:
-            if _same_tensor(t, trained):
-                return decoy
-        return t
-    return {i: {k: swap(v) for k, v in s.items()} for i, s in state.items()}
-
-
-def _changed(got: dict, want: dict) -> list[int]:
-    """The parameter indices whose state in ``got`` differs from ``want`` (missing on either side counts)."""
-    out = []
-    for i in sorted(set(got) | set(want), key=str):
-        a, b = got.get(i, {}), want.get(i, {})
-        if set(a) != set(b) or any(not (_same_tensor(a[k], b[k]) if isinstance(b[k], torch.Tensor) else a[k] == b[k])
-                                   for k in b):
-            out.append(i)
-    return out
-
-
-def _judge_attribution(check: str, save_shard, load_full_state, values: list[dict], world_size: int,
-                       seed: int) -> None:
-    """Each rank's files hold the state that rank holds, and only that: read back by load_full_state, the
-    checkpoint made of rank r's decoy-save files and the other ranks' trained-save files holds rank r's decoys
-    where the trained checkpoint holds rank r's trained state, and nothing else differs."""
-    where = f"({world_size}-rank job)"
-    try:
-        obs = _loaded(check, save_shard, load_full_state, world_size, seed)
-    except CheckFailed as err:
-        raise CheckFailed(check, f"the save is judged by reading it back with load_full_state, which failed {where}: "
-                          f"{err.problem}", ranks=err.ranks, got=err.got, detail=err.detail,
-                          hint="make check_shard_load pass first: " + (err.hint or "")) from None
-    base = obs[0]
-    if "error" in base:
-        raise CheckFailed(check, f"the save is judged by reading it back with load_full_state, and a plain Adam "
-                          f"refused what it returned {where}", got=base["error"],
-                          hint="make check_shard_load's loading work: a state dict of the form "
-                          "torch.optim.Adam(model.parameters()).state_dict() returns")
-    for rank in range(world_size):
-        got = obs[1 + rank]
-        mine = values[rank]
-        held = [(t, d) for t, d in zip(mine["trained"], mine["decoys"])]
-        what = (f"the checkpoint whose files come from the trained save, except rank {rank}'s, which come from a save "
-                f"in which rank {rank} held other Adam state (its own decoy) {where}")
-        if "state" not in got:
-            raise CheckFailed(check, f"load_full_state could not read {what}", ranks=[rank],
-                              expected="rank r's files read as the state rank r held when it saved, whatever it was",
-                              got=got.get("load_error") or got.get("error"),
-                              hint="each rank writes what its own local optimizer holds, and the loader reads "
-                              "every rank's files")
-        want = _decoy_expected(base["state"].get("state", {}), held)
-        off = _changed(got["state"].get("state", {}), want)
-        if not off:
-            continue
-        own = sorted({int(i) for i, _ in mine["held"]})
-        others = [i for i in off if i not in own]
-        followed = [i for i in off if i in own]
-        if others:
-            problem = (f"read back, rank {rank}'s files changed the state of parameters {others}, which other ranks "
-                       f"hold: rank {rank} wrote state it received (a gather) or computed, not only its own")
-        else:
-            problem = (f"read back, rank {rank}'s files did not follow the state rank {rank} held (parameters "
-                       f"{followed}): what it wrote was not what its optimizer held when it saved")
-        raise CheckFailed(check, f"{problem} {where}", ranks=[rank],
-                          expected=f"{what}: rank {rank}'s decoy state for parameters {own}, the trained state "
-                          "everywhere else",
-                          got=f"parameters {off} differ from that",
-                          hint="a sharded save writes, on every rank, exactly what that rank's own local optimizer "
-                          "holds (optimizer.optim.state), nothing received from other ranks and nothing "
-                          "recomputed")
-
-
-_SAVE_MISTAKES = [
-    Mistake(lambda rank, text: "not been consolidated" in text,
-            "rank {rank} asked the ZeroRedundancyOptimizer for its full state_dict(), which it does not hold: "
-            "each rank has only its own share",
-            "each rank saves what its own local optimizer holds (lesson 3: which parameters a rank's share covers)"),
-    Mistake(lambda rank, text: stranded(text),
-            "rank {rank} waited in a collective that the other ranks never joined ({ws}-rank job)",
-            "saving a shard needs no communication: each rank writes what it already holds"),
-]
-
-
-def _no_shared_file(check: str, values: list[dict], where: str) -> None:
-    """Fail ``check`` when two ranks wrote the same file: one overwrote (or corrupted) the other's share."""
-    owners: dict[str, list[int]] = {}
-    for r, obs in enumerate(values):
-        for path in obs["writes"]:
-            owners.setdefault(path, []).append(r)
-    shared = {path: ranks for path, ranks in owners.items() if len(ranks) > 1}
-    if shared:
-        path, ranks = next(iter(shared.items()))
-        raise CheckFailed(check, f"{checks.rank_list(ranks)} wrote the same file {where}: one overwrote (or "
-                          f"corrupted) the others' shares", ranks=ranks, expected="one file (or more) per rank, "
-                          "named by rank", got=f"ranks {ranks} all wrote {os.path.basename(path)}",
-                          hint="put the rank in the file's name, for example shard-<rank>.pt")
-
-
-def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed: int = 3) -> None:
-    """Each rank writes the share of Adam's state it holds, into the folder, in files no other rank writes; nothing is
-    gathered on the way (the collectives of the call move almost nothing), and each rank's files hold what that rank
-    holds and only that (judged by saving twice, once with every rank's state changed, and reading the files back)."""
-    check = "check_shard_save"
-    checks.require_written(check, save_shard=save_shard)
-    folders, values = _saved(check, save_shard, world_size, seed)
-    where = f"({world_size}-rank job)"
-    limit = _state_bytes(world_size, seed) * MOVED_SHARE
-    for name, folder in zip(SAVE_ROUNDS, folders):
-        seen = _round(values, name)
-        gathered = [r for r, obs in enumerate(seen) if obs["moved"] > limit]
-        if gathered:
-            obs = seen[gathered[0]]
-            ops = ", ".join(sorted(set(obs["ops"])))
-            raise CheckFailed(check, f"the ranks exchanged the optimizer state while saving {where}: a gather, "
-                              f"which a sharded checkpoint exists to avoid", ranks=gathered,
-                              expected=f"collectives that move at most {limit:,.0f} bytes (1/8 of Adam's whole state) "
-                              "during the save: a sharded save communicates nothing or almost nothing",
-                              got=f"rank {gathered[0]}'s collectives ({ops}) moved {obs['moved']:,} bytes",
-                              hint="do not consolidate: each rank writes what its own local optimizer holds")
-        outside = [(r, [w for w in obs["writes"] if os.path.dirname(os.path.abspath(w)) != folder])
-                   for r, obs in enumerate(seen)]
-        outside = [(r, paths) for r, paths in outside if paths]
-        expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} wrote outside ckpt_dir {where}",
-               ranks=[r for r, _ in outside], expected="every file of the checkpoint directly in ckpt_dir",
-               got=f"rank {outside[0][0]} wrote {outside[0][1][0]}" if outside else None,
-               hint="build every file name with os.path.join(ckpt_dir, ...)")
-        silent = [r for r, obs in enumerate(seen) if not obs["writes"]]
-        expect(not silent, check, f"{checks.rank_list(silent)} wrote no file {where}", ranks=silent,
-               expected="every rank writes the share of the optimizer state it holds: no other rank has it",
-               got=f"rank {silent[0]} wrote nothing" if silent else None,
-               hint="under ZeRO only rank r holds rank r's share: every rank must save its own, not only rank 0")
-        _no_shared_file(check, seen, where)
-    checks.require_written(check, load_full_state=load_full_state)  # what the files hold, it reads back
-    _judge_attribution(check, save_shard, load_full_state, values, world_size, seed)
-    passed(check)
-
-
-def check_shard_load(save_shard, load_full_state, world_size: int = 3, seed: int = 3) -> None:
-    """The checkpoint the ranks saved, read in one process by load_full_state, is the whole Adam state of
-    single-process training on the global batch, and a plain Adam that loads it steps exactly as that one."""
-    check = "check_shard_load"
-    checks.require_written(check, save_shard=save_shard, load_full_state=load_full_state)
-    folders, values = _saved(check, save_shard, world_size, seed)
-    _no_shared_file(check, _round(values, "trained"), f"(a {world_size}-rank job's save)")
-    reference, trained, after = _zero_reference(world_size, seed)
-    obs = _loaded(check, save_shard, load_full_state, world_size, seed)[0]
-    where = f"(the checkpoint of a {world_size}-rank job)"
-    if "error" in obs:
-        raise CheckFailed(check, f"torch.optim.Adam(model.parameters()).load_state_dict refused what "
-                          f"load_full_state returned {where}", expected="a state dict of the form "
-                          "optimizer.state_dict() returns for a plain Adam over model.parameters(): 'state' keyed "
-                          "by each parameter's index in model.parameters(), and 'param_groups'", got=obs["error"],
-                          hint="compare with torch.optim.Adam(model.parameters()).state_dict() of a fresh model")
-    why = _zero_state_diff(obs["state"], reference)
-    missing = why is not None and why.startswith("no state for parameters")
-    expect(why is None, check, f"the loaded state is not single-process Adam's after the same training {where}",
-           expected=f"every parameter's Adam state (exp_avg, exp_avg_sq, step) within {ZERO_ATOL:g}, under its "
-           "index in model.parameters(), and the same hyperparameters", got=why,
-           hint=("every rank's share must reach the loader: files named by rank, all read back; and a rank's local "
-                 "optimizer numbers its own parameters from 0, so map each one to its index in model.parameters() "
-                 "(the same tensor objects) before merging") if missing else
-           "a rank's local optimizer numbers its own parameters from 0: map each one to its index in "
-           "model.parameters() (the same tensor objects) before merging")
-    if "step_error" in obs:
-        raise CheckFailed(check, f"Adam could not step after loading {where}", got=obs["step_error"],
-                          hint="keep the state's tensors as Adam saved them (step included)")
-    off = [i for i, (got, want) in enumerate(zip(obs["after"], after))
-           if not torch.allclose(got, want, rtol=0, atol=ZERO_ATOL)]
-    expect(not off, check, f"after loading, one more Adam step moved parameters {off} differently from the "
-           f"uninterrupted optimizer {where}", expected="the same update as the optimizer that was saved",
-           got=f"parameter {off[0]} differs" if off else None,
-           hint="save and restore everything Adam's state holds, and the param_groups' hyperparameters")
-    passed(check)
-
