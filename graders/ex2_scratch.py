@@ -14,7 +14,9 @@ the same interface, ``Wrapper(module, ...)``, ``wrapper(x)`` (the module's forwa
 Each check runs the class on real ranks, in a harness that builds the model, the data and the
 optimizer, and judges what happened, never what the student's objects say:
 
-* :func:`check_broadcast`: ranks seeded differently hold rank 0's weights once the wrapper exists;
+* :func:`check_broadcast`: ranks seeded differently hold rank 0's weights once the wrapper exists (each
+  rank's seed drawn in the rank from ``os.urandom``: rank 0's weights exist nowhere else, so no rank can
+  rebuild them from a seed read in the harness's frames, as a forgery did with the public seed before);
 * :func:`check_naive` and :func:`check_bucketed`: the gradients the optimizer saw at every step
   (its own step pre-hook, registered by the grader) are the ranks' average of what each rank's backward
   computed from the weights the step started with (what torch's DDP computes), as the collectives
@@ -255,7 +257,7 @@ def check_broadcast(wrapper_cls, *, bucket_size_mb=None, world_size=2, width=16,
                "a rank waited forever while the wrapper was made: every rank must call the same broadcasts, in the "
                "same order (one per parameter of `module.parameters()`, from rank 0)")
     for kind in KINDS:
-        want = make_model(kind, seed + 1, width).state_dict()  # rank 0's weights
+        want = obs[0][kind]["before"]  # rank 0's weights, drawn in rank 0 from os.urandom: no other rank can make them
         for rank, o in enumerate(obs):
             got = o[kind]["after"]
             differ = [k for k in want if not torch.equal(got[k].float(), want[k].float())]

@@ -296,9 +296,10 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
     # that patches graders.comm_spy's clock or ops, or this module's random source, changes nothing they hold)
     spy, carried = comm_spy.spy() if watch else (contextlib.nullcontext(), [])
     marks, numbers = marker() if marked_step else (contextlib.nullcontext(), [])
-    clock, sleep = _CLOCK, _SLEEP
+    clock, sleep, urandom = _CLOCK, _SLEEP, _URANDOM
     for kind in kinds:
-        model = make_model(kind, seed + (0 if same_seed else 1 + rank), width).to(dev)
+        # ranks seeded differently draw their seed here, from os.urandom: rank 0's weights are nowhere but in rank 0
+        model = make_model(kind, seed if same_seed else int.from_bytes(urandom(8), "little"), width).to(dev)
         before = checks.to_cpu(model.state_dict())
         wrapper = wrapper_cls(model, **kwargs)
         after = checks.to_cpu(model.state_dict())

@@ -11,7 +11,9 @@ gradients the optimizer uses are made another way:
   the grader's marker added to its tensor and sends it through the store too (it got through the MLPs when the
   marker moved the caller's own tensor; the marker now sends a moved copy, so a rank never sees its number).
 
-Each must lose check_bucketed (check_naive) and keep the reference's other cells. And one that patches what
+Each must lose check_bucketed (check_naive) and keep the reference's other cells. :class:`BroadcastFromFrames`
+(no broadcast: every rank rebuilds rank 0's model from the seed read in the harness's frame) must lose
+check_broadcast. And one that patches what
 the grader observes with: :class:`ClockPatched` (the buckets all-reduced after backward, synchronously; the
 grader's spy told, from the wrapper's ``__init__``, that every collective was issued at time 0) must lose
 check_overlap.
@@ -317,3 +319,32 @@ class StoreWithItsNumber(StoreAveraged):
 @pytest.mark.timeout(300)
 def test_a_rank_cannot_read_its_own_number_to_send_it_along():
     fails(ex2s.check_bucketed, StoreWithItsNumber, "not the ranks' average")
+
+
+class BroadcastFromFrames(_Decoys):
+    """check_broadcast forged: no broadcast; each rank rebuilds rank 0's model itself from the seed it reads in the
+    harness's frame (rank 0's model is seeded ``seed + 1``: public source), with decoy broadcasts of its own values."""
+
+    def __init__(self, module, bucket_size_mb):
+        nn.Module.__init__(self)
+        self.module = module
+        frame = sys._getframe()
+        while frame is not None and "same_seed" not in frame.f_locals:
+            frame = frame.f_back
+        f = frame.f_locals
+        from graders.ex2_scratch_model import make_model
+
+        twin = make_model(f["kind"], f["seed"] + 1, f["width"])
+        with torch.no_grad():
+            for p, q in zip(module.parameters(), twin.parameters()):
+                dist.broadcast(p.data.clone(), src=0)  # decoy
+                p.copy_(q)
+        self.buckets = _buckets(module.parameters(), bucket_size_mb)
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.waiting, self.works = [len(b) for b in self.buckets], {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_0_s_weights_rebuilt_from_the_seed_lose_the_broadcast_cell():
+    fails(ex2s.check_broadcast, BroadcastFromFrames, "does not hold rank 0's weights", bucket_size_mb=0.001)
