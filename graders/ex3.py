@@ -16,10 +16,12 @@ notebook calls them).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from course import checks
-from course.checks import CheckFailed, Mistake, passed, stranded
+from course.checks import CheckFailed, Mistake, expect, passed, stranded
 from graders.ex3_model import (
     BIAS,
     BN_STEPS,
@@ -27,14 +29,26 @@ from graders.ex3_model import (
     MOMENTUM,
     RUNNING_MEAN,
     RUNNING_VAR,
+    SAVE_ROUNDS,
     WEIGHT,
     C,
     _bn_harness,
     _bn_reference,
     _bn_sums,
     _bn_variant,
+    _zero_reference,
 )
-from graders.ex3_zero import check_shard_load, check_shard_save  # noqa: F401 - the notebook's names
+from graders.ex3_zero import (
+    MOVED_SHARE,
+    ZERO_ATOL,
+    judge_attribution,
+    loaded_state,
+    no_shared_file,
+    round_of,
+    saved_files,
+    state_bytes,
+    zero_state_diff,
+)
 
 BN_RTOL, BN_ATOL = 1e-4, 1e-5  # float32 against the float64 truth, data of mean and spread about 1
 
@@ -345,3 +359,84 @@ def _sums_error(xs, rank: int) -> float | None:
     w, b = torch.tensor(WEIGHT).view(shape), torch.tensor(BIAS).view(shape)
     y = (xs[rank] - mean.view(shape)) / torch.sqrt(var.view(shape) + EPS) * w + b
     return _error(y, truth, "y")
+
+
+# =========================================================================== ZeRO: a sharded checkpoint
+
+
+def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed: int = 3) -> None:
+    """Each rank writes the share of Adam's state it holds, into the folder, in files no other rank writes; nothing is
+    gathered on the way (the collectives of the call move almost nothing), and each rank's files hold what that rank
+    holds and only that (judged by saving twice, once with every rank's state changed, and reading the files back)."""
+    check = "check_shard_save"
+    checks.require_written(check, save_shard=save_shard)
+    folders, values = saved_files(check, save_shard, world_size, seed)
+    where = f"({world_size}-rank job)"
+    limit = state_bytes(world_size, seed) * MOVED_SHARE
+    for name, folder in zip(SAVE_ROUNDS, folders):
+        seen = round_of(values, name)
+        gathered = [r for r, obs in enumerate(seen) if obs["moved"] > limit]
+        if gathered:
+            obs = seen[gathered[0]]
+            ops = ", ".join(sorted(set(obs["ops"])))
+            raise CheckFailed(check, f"the ranks exchanged the optimizer state while saving {where}: a gather, "
+                              f"which a sharded checkpoint exists to avoid", ranks=gathered,
+                              expected=f"collectives that move at most {limit:,.0f} bytes (1/8 of Adam's whole state) "
+                              "during the save: a sharded save communicates nothing or almost nothing",
+                              got=f"rank {gathered[0]}'s collectives ({ops}) moved {obs['moved']:,} bytes",
+                              hint="do not consolidate: each rank writes what its own local optimizer holds")
+        outside = [(r, [w for w in obs["writes"] if os.path.dirname(os.path.abspath(w)) != folder])
+                   for r, obs in enumerate(seen)]
+        outside = [(r, paths) for r, paths in outside if paths]
+        expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} wrote outside ckpt_dir {where}",
+               ranks=[r for r, _ in outside], expected="every file of the checkpoint directly in ckpt_dir",
+               got=f"rank {outside[0][0]} wrote {outside[0][1][0]}" if outside else None,
+               hint="build every file name with os.path.join(ckpt_dir, ...)")
+        silent = [r for r, obs in enumerate(seen) if not obs["writes"]]
+        expect(not silent, check, f"{checks.rank_list(silent)} wrote no file {where}", ranks=silent,
+               expected="every rank writes the share of the optimizer state it holds: no other rank has it",
+               got=f"rank {silent[0]} wrote nothing" if silent else None,
+               hint="under ZeRO only rank r holds rank r's share: every rank must save its own, not only rank 0")
+        no_shared_file(check, seen, where)
+    checks.require_written(check, load_full_state=load_full_state)  # what the files hold, it reads back
+    judge_attribution(check, save_shard, load_full_state, values, world_size, seed)
+    passed(check)
+
+
+def check_shard_load(save_shard, load_full_state, world_size: int = 3, seed: int = 3) -> None:
+    """The checkpoint the ranks saved, read in one process by load_full_state, is the whole Adam state of
+    single-process training on the global batch, and a plain Adam that loads it steps exactly as that one."""
+    check = "check_shard_load"
+    checks.require_written(check, save_shard=save_shard, load_full_state=load_full_state)
+    folders, values = saved_files(check, save_shard, world_size, seed)
+    no_shared_file(check, round_of(values, "trained"), f"(a {world_size}-rank job's save)")
+    reference, trained, after = _zero_reference(world_size, seed)
+    obs = loaded_state(check, save_shard, load_full_state, world_size, seed)[0]
+    where = f"(the checkpoint of a {world_size}-rank job)"
+    if "error" in obs:
+        raise CheckFailed(check, f"torch.optim.Adam(model.parameters()).load_state_dict refused what "
+                          f"load_full_state returned {where}", expected="a state dict of the form "
+                          "optimizer.state_dict() returns for a plain Adam over model.parameters(): 'state' keyed "
+                          "by each parameter's index in model.parameters(), and 'param_groups'", got=obs["error"],
+                          hint="compare with torch.optim.Adam(model.parameters()).state_dict() of a fresh model")
+    why = zero_state_diff(obs["state"], reference)
+    missing = why is not None and why.startswith("no state for parameters")
+    expect(why is None, check, f"the loaded state is not single-process Adam's after the same training {where}",
+           expected=f"every parameter's Adam state (exp_avg, exp_avg_sq, step) within {ZERO_ATOL:g}, under its "
+           "index in model.parameters(), and the same hyperparameters", got=why,
+           hint=("every rank's share must reach the loader: files named by rank, all read back; and a rank's local "
+                 "optimizer numbers its own parameters from 0, so map each one to its index in model.parameters() "
+                 "(the same tensor objects) before merging") if missing else
+           "a rank's local optimizer numbers its own parameters from 0: map each one to its index in "
+           "model.parameters() (the same tensor objects) before merging")
+    if "step_error" in obs:
+        raise CheckFailed(check, f"Adam could not step after loading {where}", got=obs["step_error"],
+                          hint="keep the state's tensors as Adam saved them (step included)")
+    off = [i for i, (got, want) in enumerate(zip(obs["after"], after))
+           if not torch.allclose(got, want, rtol=0, atol=ZERO_ATOL)]
+    expect(not off, check, f"after loading, one more Adam step moved parameters {off} differently from the "
+           f"uninterrupted optimizer {where}", expected="the same update as the optimizer that was saved",
+           got=f"parameter {off[0]} differs" if off else None,
+           hint="save and restore everything Adam's state holds, and the param_groups' hyperparameters")
+    passed(check)
+

@@ -5,7 +5,8 @@ first with every rank's share of Adam's state replaced by random values of its o
 read back by the student's loader, the trained checkpoint with one rank's files taken from the first save must
 differ exactly in that rank's parameters, by exactly its values. A rank that wrote state it received (point to
 point, which gloo's flight recorder does not list, or gathered before the save) or recomputed shows it there.
-The notebook calls these checks as ``graders.ex3.check_shard_save`` and ``graders.ex3.check_shard_load``.
+The checks themselves are in :mod:`graders.ex3` (``check_shard_save``, ``check_shard_load``), which the notebook
+calls; here are the pieces they judge with.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 import torch
 
 from course import checks
-from course.checks import CheckFailed, Mistake, expect, passed, stranded
+from course.checks import CheckFailed, Mistake, stranded
 from graders.ex3_model import SAVE_ROUNDS, _zero_load_harness, _zero_reference, _zero_save_harness
 
 ZERO_ATOL = 1e-6
@@ -33,7 +34,7 @@ MOVED_SHARE = 1 / 8
 ADAM_MATH = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
-def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
+def zero_state_diff(state_dict: dict, reference: dict) -> str | None:
     """Why ``state_dict`` (what a plain Adam holds after loading) differs from ``reference``, or None."""
     state, ref_state = state_dict.get("state", {}), reference["state"]
     missing = sorted(set(ref_state) - set(state))
@@ -55,12 +56,12 @@ def _zero_state_diff(state_dict: dict, reference: dict) -> str | None:
     return None
 
 
-def _state_bytes(world_size: int, seed: int) -> int:
+def state_bytes(world_size: int, seed: int) -> int:
     state = _zero_reference(world_size, seed)[0]["state"]
     return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if t.dim() > 0)
 
 
-def _saved(check: str, save_shard, world_size: int, seed: int) -> tuple[list[str], list[dict]]:
+def saved_files(check: str, save_shard, world_size: int, seed: int) -> tuple[list[str], list[dict]]:
     """One save job per (answer, world size, seed): the folder of each save (:data:`SAVE_ROUNDS`: with every rank's
     state changed to a decoy of its own, then trained) and each rank's observations."""
 
@@ -78,7 +79,7 @@ def _saved(check: str, save_shard, world_size: int, seed: int) -> tuple[list[str
     return checks.memo(check, ("zero-save", save_shard, world_size, seed), job)
 
 
-def _round(values: list[dict], name: str) -> list[dict]:
+def round_of(values: list[dict], name: str) -> list[dict]:
     """Each rank's observations of one save (``name``: one of :data:`SAVE_ROUNDS`)."""
     index = SAVE_ROUNDS.index(name)
     return [obs["rounds"][index] for obs in values]
@@ -88,7 +89,7 @@ def _composites(folders: list[str], values: list[dict]) -> list[str]:
     """For each rank r, a checkpoint folder made of the trained save's files, except that rank r's own files are
     those it wrote in the decoy save: what the checkpoint must be if every rank's files hold its own state, and
     only that."""
-    decoy, trained = _round(values, "decoy"), _round(values, "trained")
+    decoy, trained = round_of(values, "decoy"), round_of(values, "trained")
     root = os.path.dirname(folders[0])
     out = []
     for rank in range(len(values)):
@@ -107,10 +108,10 @@ def _composites(folders: list[str], values: list[dict]) -> list[str]:
     return out
 
 
-def _loaded(check: str, save_shard, load_full_state, world_size: int, seed: int):
+def loaded_state(check: str, save_shard, load_full_state, world_size: int, seed: int):
     """One load job per (answers, world size, seed), in one process: the trained checkpoint, then each rank's
     composite (:func:`_composites`), each read by load_full_state and loaded by a plain Adam."""
-    folders, values = _saved(check, save_shard, world_size, seed)
+    folders, values = saved_files(check, save_shard, world_size, seed)
     trained = _zero_reference(world_size, seed)[1]
 
     def job():
@@ -147,14 +148,14 @@ def _changed(got: dict, want: dict) -> list[int]:
     return out
 
 
-def _judge_attribution(check: str, save_shard, load_full_state, values: list[dict], world_size: int,
+def judge_attribution(check: str, save_shard, load_full_state, values: list[dict], world_size: int,
                        seed: int) -> None:
     """Each rank's files hold the state that rank holds, and only that: read back by load_full_state, the
     checkpoint made of rank r's decoy-save files and the other ranks' trained-save files holds rank r's decoys
     where the trained checkpoint holds rank r's trained state, and nothing else differs."""
     where = f"({world_size}-rank job)"
     try:
-        obs = _loaded(check, save_shard, load_full_state, world_size, seed)
+        obs = loaded_state(check, save_shard, load_full_state, world_size, seed)
     except CheckFailed as err:
         raise CheckFailed(check, f"the save is judged by reading it back with load_full_state, which failed {where}: "
                           f"{err.problem}", ranks=err.ranks, got=err.got, detail=err.detail,
@@ -210,7 +211,7 @@ _SAVE_MISTAKES = [
 ]
 
 
-def _no_shared_file(check: str, values: list[dict], where: str) -> None:
+def no_shared_file(check: str, values: list[dict], where: str) -> None:
     """Fail ``check`` when two ranks wrote the same file: one overwrote (or corrupted) the other's share."""
     owners: dict[str, list[int]] = {}
     for r, obs in enumerate(values):
@@ -223,81 +224,3 @@ def _no_shared_file(check: str, values: list[dict], where: str) -> None:
                           f"corrupted) the others' shares", ranks=ranks, expected="one file (or more) per rank, "
                           "named by rank", got=f"ranks {ranks} all wrote {os.path.basename(path)}",
                           hint="put the rank in the file's name, for example shard-<rank>.pt")
-
-
-def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed: int = 3) -> None:
-    """Each rank writes the share of Adam's state it holds, into the folder, in files no other rank writes; nothing is
-    gathered on the way (the collectives of the call move almost nothing), and each rank's files hold what that rank
-    holds and only that (judged by saving twice, once with every rank's state changed, and reading the files back)."""
-    check = "check_shard_save"
-    checks.require_written(check, save_shard=save_shard)
-    folders, values = _saved(check, save_shard, world_size, seed)
-    where = f"({world_size}-rank job)"
-    limit = _state_bytes(world_size, seed) * MOVED_SHARE
-    for name, folder in zip(SAVE_ROUNDS, folders):
-        seen = _round(values, name)
-        gathered = [r for r, obs in enumerate(seen) if obs["moved"] > limit]
-        if gathered:
-            obs = seen[gathered[0]]
-            ops = ", ".join(sorted(set(obs["ops"])))
-            raise CheckFailed(check, f"the ranks exchanged the optimizer state while saving {where}: a gather, "
-                              f"which a sharded checkpoint exists to avoid", ranks=gathered,
-                              expected=f"collectives that move at most {limit:,.0f} bytes (1/8 of Adam's whole state) "
-                              "during the save: a sharded save communicates nothing or almost nothing",
-                              got=f"rank {gathered[0]}'s collectives ({ops}) moved {obs['moved']:,} bytes",
-                              hint="do not consolidate: each rank writes what its own local optimizer holds")
-        outside = [(r, [w for w in obs["writes"] if os.path.dirname(os.path.abspath(w)) != folder])
-                   for r, obs in enumerate(seen)]
-        outside = [(r, paths) for r, paths in outside if paths]
-        expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} wrote outside ckpt_dir {where}",
-               ranks=[r for r, _ in outside], expected="every file of the checkpoint directly in ckpt_dir",
-               got=f"rank {outside[0][0]} wrote {outside[0][1][0]}" if outside else None,
-               hint="build every file name with os.path.join(ckpt_dir, ...)")
-        silent = [r for r, obs in enumerate(seen) if not obs["writes"]]
-        expect(not silent, check, f"{checks.rank_list(silent)} wrote no file {where}", ranks=silent,
-               expected="every rank writes the share of the optimizer state it holds: no other rank has it",
-               got=f"rank {silent[0]} wrote nothing" if silent else None,
-               hint="under ZeRO only rank r holds rank r's share: every rank must save its own, not only rank 0")
-        _no_shared_file(check, seen, where)
-    checks.require_written(check, load_full_state=load_full_state)  # what the files hold, it reads back
-    _judge_attribution(check, save_shard, load_full_state, values, world_size, seed)
-    passed(check)
-
-
-def check_shard_load(save_shard, load_full_state, world_size: int = 3, seed: int = 3) -> None:
-    """The checkpoint the ranks saved, read in one process by load_full_state, is the whole Adam state of
-    single-process training on the global batch, and a plain Adam that loads it steps exactly as that one."""
-    check = "check_shard_load"
-    checks.require_written(check, save_shard=save_shard, load_full_state=load_full_state)
-    folders, values = _saved(check, save_shard, world_size, seed)
-    _no_shared_file(check, _round(values, "trained"), f"(a {world_size}-rank job's save)")
-    reference, trained, after = _zero_reference(world_size, seed)
-    obs = _loaded(check, save_shard, load_full_state, world_size, seed)[0]
-    where = f"(the checkpoint of a {world_size}-rank job)"
-    if "error" in obs:
-        raise CheckFailed(check, f"torch.optim.Adam(model.parameters()).load_state_dict refused what "
-                          f"load_full_state returned {where}", expected="a state dict of the form "
-                          "optimizer.state_dict() returns for a plain Adam over model.parameters(): 'state' keyed "
-                          "by each parameter's index in model.parameters(), and 'param_groups'", got=obs["error"],
-                          hint="compare with torch.optim.Adam(model.parameters()).state_dict() of a fresh model")
-    why = _zero_state_diff(obs["state"], reference)
-    missing = why is not None and why.startswith("no state for parameters")
-    expect(why is None, check, f"the loaded state is not single-process Adam's after the same training {where}",
-           expected=f"every parameter's Adam state (exp_avg, exp_avg_sq, step) within {ZERO_ATOL:g}, under its "
-           "index in model.parameters(), and the same hyperparameters", got=why,
-           hint=("every rank's share must reach the loader: files named by rank, all read back; and a rank's local "
-                 "optimizer numbers its own parameters from 0, so map each one to its index in model.parameters() "
-                 "(the same tensor objects) before merging") if missing else
-           "a rank's local optimizer numbers its own parameters from 0: map each one to its index in "
-           "model.parameters() (the same tensor objects) before merging")
-    if "step_error" in obs:
-        raise CheckFailed(check, f"Adam could not step after loading {where}", got=obs["step_error"],
-                          hint="keep the state's tensors as Adam saved them (step included)")
-    off = [i for i, (got, want) in enumerate(zip(obs["after"], after))
-           if not torch.allclose(got, want, rtol=0, atol=ZERO_ATOL)]
-    expect(not off, check, f"after loading, one more Adam step moved parameters {off} differently from the "
-           f"uninterrupted optimizer {where}", expected="the same update as the optimizer that was saved",
-           got=f"parameter {off[0]} differs" if off else None,
-           hint="save and restore everything Adam's state holds, and the param_groups' hyperparameters")
-    passed(check)
-

@@ -155,3 +155,18 @@ def test_a_notebook_that_writes_files_leaves_the_sources_first(path):
     moves = [i for i, c in enumerate(cells[: writes[0]]) if c.cell_type == "code"
              and c.metadata.get("nbgrader", {}).get("locked") and re.search(r"^leave_the_sources\(\)", c.source, re.M)]
     assert moves, f"{path.name}: cell {writes[0] + 1} writes a file but no locked cell before it calls leave_the_sources()"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_every_check_a_test_cell_calls_is_defined_where_the_call_names_it(path):
+    """The verifier re-runs only a check defined in the module the call names (a name imported there from elsewhere
+    is refused: course/grading/verifier.py), so moving a check out of its module breaks its cell in grading."""
+    import importlib
+
+    from course.grading import checkcalls
+
+    for cell in nbformat.read(str(path), as_version=4).cells:
+        calls = checkcalls.parse(cell.source) if cell.cell_type == "code" else None
+        for call in calls or []:
+            fn = getattr(importlib.import_module(call.module), call.function, None)
+            assert callable(fn) and fn.__module__ == call.module, f"{path.name}: {call.module}.{call.function}"
