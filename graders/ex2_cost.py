@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from course import checks, costmodel
 from course.checks import CheckFailed, passed
+from course.checks.seal import seal
 from graders import comm_spy
 
 STRATEGIES = ("ddp", "zero", "fsdp")
@@ -121,53 +122,6 @@ MEMORY_LIMIT = 2 * 2**30  # bytes of address space the asking rank may add to wh
 _SEALED = "refused by the grader's sandbox"  # in the error text of a call the filter refused
 
 
-def _seal_thread() -> str | None:
-    """Forbid the calling thread (and every thread it starts), for good, to start processes, open files or change
-    resource limits: a seccomp filter, the kernel's (:func:`graders.ex3_memory._no_new_processes` does the first
-    part for a whole rank). Returns why it could not on Linux, or None (sealed; or a platform without seccomp,
-    where nothing is sealed). A helper of this module, not of the check API."""
-    import ctypes
-    import platform
-    import struct
-
-    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "open": 2,
-                                       "creat": 85, "openat": 257, "openat2": 437, "setrlimit": 160,
-                                       "prlimit64": 302}, 56, 435),
-               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "openat": 56, "openat2": 437,
-                                        "setrlimit": 164, "prlimit64": 261}, 220, 435)}
-    machine = platform.machine()
-    if platform.system() != "Linux" or machine not in numbers:
-        # no seccomp here (a student's self-check on a Mac): the calls run unsealed rather than failing every right
-        # answer; graders run on Linux, where a filter that cannot be installed fails the check (it was tampered with)
-        return None
-    arch, deny, clone, clone3 = numbers[machine]
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    prog = [[ld, 0, 0, 4], [jeq, 0, "eperm", arch], [ld, 0, 0, 0]]  # another ABI's calls: refused
-    if machine == "x86_64":
-        prog += [[0x35, "eperm", 0, 0x40000000]]  # x32's numbers: refused
-    prog += [[jeq, "eperm", 0, nr] for nr in deny.values()]
-    prog += [[jeq, "enosys", 0, clone3], [jeq, 0, "allow", clone], [ld, 0, 0, 16], [jset, "allow", "eperm", 0x00010000]]
-    ends = {"allow": len(prog), "eperm": len(prog) + 1, "enosys": len(prog) + 2}
-    prog += [[ret, 0, 0, allow], [ret, 0, 0, eperm], [ret, 0, 0, enosys]]
-    raw = b""
-    for i, (code, jt, jf, k) in enumerate(prog):
-        jt, jf = (ends[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
-        raw += struct.pack("HBBI", code, jt, jf, k)
-    buffer = ctypes.create_string_buffer(raw)
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    program = Program(len(prog), ctypes.addressof(buffer))
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}"
-    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER (this thread)
-        return f"prctl(PR_SET_SECCOMP) failed: errno {ctypes.get_errno()}"
-    return None
-
-
 def _disarm_costmodel() -> None:
     """Every function of course.costmodel refuses, whoever holds it: its code object is replaced in place."""
     for name in ("collective_cost", "step_cost", "step_collectives", "ddp_buckets", "fsdp_padded_numel",
@@ -185,7 +139,7 @@ def _disarm_costmodel() -> None:
 def _limit_memory() -> None:
     import resource
 
-    if not os.path.exists("/proc/self/statm"):  # not Linux: no cap, as no seal (_seal_thread)
+    if not os.path.exists("/proc/self/statm"):  # not Linux: no cap, as no seal (course.checks.seal)
         return
     with open("/proc/self/statm") as f:
         used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -201,7 +155,10 @@ def _ask_harness(rank, fn, calls):
     box: dict = {}
 
     def ask():
-        box["sandbox"] = _seal_thread()
+        try:  # where the platform has no seccomp (a self-check on a Mac) the calls run unsealed (see seal)
+            seal(files=True)
+        except OSError as err:  # on Linux a filter that cannot be installed fails the check (it was tampered with)
+            box["sandbox"] = str(err)
         answers = []
         for args in calls:
             try:

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from course import checks
 from course.checks import CheckFailed, passed
+from course.checks.seal import seal
 from course.costmodel import fsdp_shard_rows
 from graders.ex3_model import _init_pg
 
@@ -60,54 +61,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _no_new_processes() -> str | None:
-    """Forbid this process, from now on and for good, to start processes or change its limits: a seccomp filter (the
-    kernel's; nothing run afterwards can lift it) makes fork, vfork, execve, setrlimit, prlimit64 and a clone that is
-    not a new thread fail with EPERM (clone3, which glibc tries first, with ENOSYS: glibc then makes its threads with
-    clone). Returns why it could not, or None. A helper of this module, not of the check API: only a prediction needs it so far."""
-    import ctypes
-    import platform
-    import struct
-
-    numbers = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "setrlimit": 160,
-                                       "prlimit64": 302}, 56, 435),
-               "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "setrlimit": 164, "prlimit64": 261}, 220, 435)}
-    machine = platform.machine()
-    if not platform.system() == "Linux" or machine not in numbers:
-        return f"no seccomp filter for {platform.system()} on {machine}"
-    arch, deny, clone, clone3 = numbers[machine]
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    # [code, jt, jf, k]; a jump's targets are the names of the three returns at the end
-    prog = [[ld, 0, 0, 4], [jeq, 0, "eperm", arch], [ld, 0, 0, 0]]  # another ABI's calls: refused
-    if machine == "x86_64":
-        prog += [[0x35, "eperm", 0, 0x40000000]]  # x32's numbers (nr | 0x40000000): refused
-    prog += [[jeq, "eperm", 0, nr] for nr in deny.values()]
-    prog += [[jeq, "enosys", 0, clone3], [jeq, 0, "allow", clone], [ld, 0, 0, 16], [jset, "allow", "eperm", 0x00010000]]
-    ends = {"allow": len(prog), "eperm": len(prog) + 1, "enosys": len(prog) + 2}
-    prog += [[ret, 0, 0, allow], [ret, 0, 0, eperm], [ret, 0, 0, enosys]]
-    raw = b""
-    for i, (code, jt, jf, k) in enumerate(prog):
-        jt, jf = (ends[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
-        raw += struct.pack("HBBI", code, jt, jf, k)
-    buffer = ctypes.create_string_buffer(raw)
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl  # noqa: B018 - a libc without prctl: no filter
-    except (OSError, AttributeError) as exc:
-        return f"no prctl: {exc}"
-    program = Program(len(prog), ctypes.addressof(buffer))
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: what an unprivileged filter needs
-        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}"
-    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-        return f"prctl(PR_SET_SECCOMP) failed: errno {ctypes.get_errno()}"
-    return None
-
-
 #: CPU seconds rank 0 may spend on all its predictions (one per model: the measured one, then :func:`_others`).
 #: Arithmetic on the shapes takes milliseconds for all of them (on our 2-core test machine: the reference rule
 #: 0.03 s for ZeRO's 600 models, the slowest right answer the tests know, torch.chunk of meta tensors for every
@@ -132,7 +85,7 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
                     others: tuple = ()) -> dict:
     """Measure what this rank holds after one Adam step under ``kind`` ("zero" or "fsdp"); then, on rank 0
     only, ask the student's ``predict`` (after the measurement: nothing it does can change it), in a process that
-    can no longer start processes (:func:`_no_new_processes`); afterwards the job's own process group must still be
+    can no longer start processes (:func:`course.checks.seal.seal`); afterwards the job's own process group must still be
     the default one (a prediction that destroyed it to simulate the ranks with torch's fake process group left it
     gone)."""
     import torch.distributed as dist
@@ -171,7 +124,10 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
         asked = [(memory_model(vocab, widths, seed), world_size)] + [
             (memory_model(v, w, 0), ws) for v, w, ws in others]
         _limit_cpu(PREDICT_CPU_S)
-        obs["sandbox"] = _no_new_processes()
+        try:  # no new process from here on (where the platform can say so: see course.checks.seal)
+            obs["sandbox"] = None if seal() else "no seccomp filter on this platform"
+        except OSError as err:
+            obs["sandbox"] = str(err)
         answers = []
         for model_asked, ws in asked:
             try:
