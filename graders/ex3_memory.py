@@ -22,8 +22,7 @@ import torch
 import torch.nn as nn
 
 from course import checks
-from course.checks import CheckFailed, passed
-from course.checks.seal import seal
+from course.checks import CheckFailed, passed, seal
 from course.costmodel import fsdp_shard_rows
 from graders.ex3_model import _init_pg
 
@@ -85,7 +84,7 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
                     others: tuple = ()) -> dict:
     """Measure what this rank holds after one Adam step under ``kind`` ("zero" or "fsdp"); then, on rank 0
     only, ask the student's ``predict`` (after the measurement: nothing it does can change it), in a process that
-    can no longer start processes (:func:`course.checks.seal.seal`); afterwards the job's own process group must still be
+    can no longer start processes (:func:`course.checks.seal`); afterwards the job's own process group must still be
     the default one (a prediction that destroyed it to simulate the ranks with torch's fake process group left it
     gone)."""
     import torch.distributed as dist

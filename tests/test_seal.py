@@ -1,4 +1,4 @@
-"""The check API's seal (course/checks/seal.py): a thread that calls a student's prediction can start no process,
+"""The check API's seal (course/checks/sealing.py): a thread that calls a student's prediction can start no process,
 change no limit and, when asked, open no file; the threads it starts are sealed too; elsewhere it says it could not."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from course.checks.seal import seal
+from course.checks import seal
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
                                 reason="seccomp filters are Linux's, on these processors")

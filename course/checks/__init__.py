@@ -69,6 +69,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from course.checks.sealing import seal
 from course.envnames import GRADING_ENV
 from course.errors import (
     MISMATCH_ADVICE,
@@ -120,6 +121,7 @@ __all__ = [
     "require_written_source",
     "resolve_backend",
     "run",
+    "seal",
     "stranded",
     "to_cpu",
     "unwritten",
