@@ -251,12 +251,8 @@ def _training_reference(spec: tuple, ws: int, steps: int) -> dict[str, torch.Ten
     model = make_net(spec)
     optimizer = reference_optimizer(model)
     for step in range(steps):
-        x, y = _global_batch(ws, step, spec[2])
-        with torch.enable_grad():
-            loss = F.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-        optimizer.step()
+        with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
+            reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -354,12 +350,8 @@ def _step_reference(spec: tuple, ws: int, step: int, weights: dict, momenta: dic
     optimizer = reference_optimizer(model)
     for name, p in model.named_parameters():
         optimizer.state[p]["momentum_buffer"] = momenta[name].clone()
-    x, y = _global_batch(ws, step, spec[2])
-    with torch.enable_grad():
-        loss = F.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-    optimizer.step()
+    with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
+        reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
