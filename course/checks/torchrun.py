@@ -52,9 +52,11 @@ def run_script(check: str, script: str, scenario: Scenario, *, layout: tuple[int
 
 
 def run_elastic(check: str, script: str, *, plan: Plan, input_features: int = 0,
-                vet: Callable[[str], None] | None = None) -> Run:
+                vet: Callable[[str], None] | None = None,
+                on_round: Callable[[str, bool], object] | None = None) -> Run:
     """:func:`course.launcher.torchrun.elastic.run_elastic` for ``check``: a missing or unwritten script fails it."""
-    return elastic.run_elastic(_written(check, script, vet), plan=plan, input_features=input_features)
+    return elastic.run_elastic(_written(check, script, vet), plan=plan, input_features=input_features,
+                               on_round=on_round)
 
 
 _STUDENT_FRAME_SKIP = ("torchrun_probe.py", "<frozen runpy>")

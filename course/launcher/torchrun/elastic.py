@@ -13,6 +13,10 @@ things happen (the caller's story, e.g. A 2 workers, B 1, C 1):
    starts node C, and A restarts its workers with C's: world size ``a + c`` (a membership change: it does not
    count against ``--max-restarts``, and C's workers start with TORCHELASTIC_RESTART_COUNT=0).
 
+Every worker waits at the probe's gate before it runs the script: at the first worker of each new rendezvous round
+(the old round's workers all gone), the caller's ``on_round`` runs here, in the launcher's process (the check
+reads, and may change, the checkpoint the new round will load), and ``Run.round_notes`` keeps what it returned.
+
 The rendezvous settings are those :mod:`benchmarks.elastic_bench` measured here: ``last_call_timeout=2`` (an
 integer: "2.0" makes the agent exit at once) and keep-alive 1 s x 4 (1 s x 2 let a joining node form a job of
 its own under load). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agent's shared store a grown job waits
@@ -23,6 +27,7 @@ worker of every round; the workers of one round share WORLD_SIZE and MASTER_PORT
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from course.launcher.torchrun.runner import (
@@ -41,6 +47,7 @@ from course.launcher.torchrun.runner import (
     _job_env,
     _observe,
     _read,
+    _round_key,
     _script,
     _stop,
     _working,
@@ -85,16 +92,20 @@ class Plan:
 _CACHE: dict[tuple, Run] = {}
 
 
-def run_elastic(script: str, *, plan: Plan, input_features: int = 0) -> Run:
+def run_elastic(script: str, *, plan: Plan, input_features: int = 0,
+                on_round: Callable[[str, bool], object] | None = None) -> Run:
     """Launch ``script`` elastically as ``plan`` says (see the module doc), or reuse the run of the same
     content and plan. ``input_features``: the probe logs the rows of every module input of that many features
-    (which samples each step trained on); 0 logs none. A missing script raises FileNotFoundError."""
+    (which samples each step trained on); 0 logs none. ``on_round(ckpt_path, True)`` runs in this process at the
+    start of every rendezvous round, before any worker of the round runs the script (each waits at the probe's
+    gate), the old round's workers all gone; ``on_round(ckpt_path, False)`` once more when the job is over:
+    ``Run.round_notes`` keeps what each returned. A missing script raises FileNotFoundError."""
     path, digest = _script(script)
-    key = (path, digest, plan, input_features)
+    key = (path, digest, plan, input_features, on_round)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, plan, input_features)
+        _CACHE[key] = _launch(path, plan, input_features, on_round)
     return _CACHE[key]
 
 
@@ -118,7 +129,45 @@ def _held(probe_dir: str) -> bool:
     return False
 
 
-def _launch(script: str, plan: Plan, input_features: int) -> Run:
+class _Gates:
+    """The probe's gate (``gate-PID.ready`` / ``gate-PID.go``): the first worker of every new round (its key, as
+    :func:`~course.launcher.torchrun.runner.rounds` reads it) is let go once ``on_round`` returned."""
+
+    def __init__(self, probe_dir: str, ckpt_path: str, on_round: Callable[[str, bool], object] | None):
+        self.probe_dir, self.ckpt_path, self.on_round = probe_dir, ckpt_path, on_round
+        self.released: set[str] = set()
+        self.last: tuple | None = None  # the latest round's key and the ranks met in it
+        self.notes: list[tuple] = []
+
+    def note(self, starting: bool) -> object:
+        if self.on_round is None:
+            return None
+        try:
+            return self.on_round(self.ckpt_path, starting)
+        except Exception as exc:  # noqa: BLE001 - the caller's own failure, kept for it to read
+            return f"{type(exc).__name__}: {exc}"
+
+    def tick(self) -> None:
+        for ready in sorted(glob.glob(os.path.join(self.probe_dir, "gate-*.ready"))):
+            pid = os.path.basename(ready)[len("gate-"):-len(".ready")]
+            if pid in self.released:
+                continue
+            try:
+                with open(os.path.join(self.probe_dir, f"events-{pid}.jsonl"), "rb") as fh:
+                    env = json.loads(fh.readline())["env"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # its start event is not written yet
+            key, rank = _round_key(env), env.get("RANK")
+            if self.last is None or self.last[0] != key or rank in self.last[1]:
+                self.last = (key, set())
+                self.notes.append((key, self.note(True)))
+            self.last[1].add(rank)
+            open(os.path.join(self.probe_dir, f"gate-{pid}.go"), "w").close()  # noqa: SIM115 - a marker
+            self.released.add(pid)
+
+
+def _launch(script: str, plan: Plan, input_features: int,
+            on_round: Callable[[str, bool], object] | None = None) -> Run:
     job = tempfile.mkdtemp(prefix="ddp-course-ex4-elastic-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
@@ -130,7 +179,7 @@ def _launch(script: str, plan: Plan, input_features: int) -> Run:
         workers = dict(zip("ABC", plan.nodes))
         env.update(DDP_COURSE_PROBE_LEAVE=f"B:{plan.leave_step}:{full}",
                    DDP_COURSE_PROBE_HOLD=f"{smaller}:{plan.hold_steps}",
-                   DDP_COURSE_PROBE_INPUT_FEATURES=str(input_features))
+                   DDP_COURSE_PROBE_INPUT_FEATURES=str(input_features), DDP_COURSE_PROBE_GATE="1")
         port, run_id = _free_port(), uuid.uuid4().hex[:12]
         logs: list = []
         procs: dict[str, subprocess.Popen] = {}
@@ -146,6 +195,7 @@ def _launch(script: str, plan: Plan, input_features: int) -> Run:
                                            stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
                                            start_new_session=True)
 
+        gates = _Gates(probe_dir, ckpt_path, on_round)
         started = time.monotonic()
         timed_out = idle = False
         try:
@@ -154,7 +204,8 @@ def _launch(script: str, plan: Plan, input_features: int) -> Run:
             deadline = started + ELASTIC_TIMEOUT
             busy = None  # the last moment an agent had a worker (None: none yet, the agents are starting)
             while time.monotonic() < deadline and procs["A"].poll() is None:
-                time.sleep(0.1)
+                time.sleep(0.05)
+                gates.tick()
                 if "C" not in procs and _held(probe_dir):
                     agent("C")
                 if _working(list(procs.values())):
@@ -170,6 +221,7 @@ def _launch(script: str, plan: Plan, input_features: int) -> Run:
             _stop(list(procs.values()), dump_stacks=timed_out)
             for fh in logs:
                 fh.close()
+        gates.notes.append((None, gates.note(False)))
         run = Run(
             scenario="elastic",  # type: ignore[arg-type]
             crash=None,
@@ -182,6 +234,7 @@ def _launch(script: str, plan: Plan, input_features: int) -> Run:
             log="\n".join(f"--- agent {n} ---\n" + _read(os.path.join(job, f"agent{n}.log")) for n in procs),
             out_dir=out_dir,
             ckpt_path=ckpt_path,
+            round_notes=gates.notes,
         )
         _observe(run, probe_dir)
         return run

@@ -119,6 +119,9 @@ class Run:
     files_problem: str = ""
     #: what the caller's ``on_crash`` returned (it ran in this process while the crashed worker waited)
     crash_note: object = None
+    #: the elastic launch: (round key, what the caller's ``on_round`` returned) at each rendezvous round's start,
+    #: run in this process before any worker of the round ran the script, then (None, its return) at the end
+    round_notes: list = field(default_factory=list)
 
     @property
     def world_size(self) -> int:

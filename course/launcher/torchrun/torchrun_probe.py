@@ -23,7 +23,8 @@ that optimizer step (each of its workers exits; the first SIGKILLs its own agent
 ``DDP_COURSE_PROBE_HOLD=SIZE:STEPS`` holds the workers of the smaller job that follows (world size SIZE) before
 their optimizer step STEPS + 1 until torchrun restarts them (so the grader's new node finds the job still
 running), and those of a job of that size before the node joined at their first step (so the job starts at its
-full size whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
+full size whichever agent met the rendezvous first), and ``DDP_COURSE_PROBE_GATE=1`` makes every worker wait, before the script runs, until the launcher lets it go (at
+a new round's start the launcher changes the checkpoint in its own process), and ``DDP_COURSE_PROBE_INPUT_FEATURES=N`` logs the
 rows every ``nn.Linear`` with N input features receives (which samples reached the model) with that layer's
 weight and bias at that moment (which weights the step started from). Every optimizer step's event carries its
 param groups' learning rates. Checkpoint
@@ -55,7 +56,9 @@ NODE = "DDP_COURSE_PROBE_NODE"
 LEAVE = "DDP_COURSE_PROBE_LEAVE"
 HOLD = "DDP_COURSE_PROBE_HOLD"
 INPUT_FEATURES = "DDP_COURSE_PROBE_INPUT_FEATURES"
+GATE = "DDP_COURSE_PROBE_GATE"
 LEAVE_EXIT_CODE = 18
+GATE_LIMIT = 60.0  # seconds a new worker waits for the launcher's go before it runs the script anyway
 HOLD_LIMIT = 90.0  # seconds a held worker waits for torchrun's restart before it goes on
 
 _log_fd: int | None = None
@@ -334,10 +337,25 @@ def _start_stall_probe(probe_dir: str, pid: int) -> None:
         atexit.register(answer)
 
 
+def _gate() -> None:
+    """The elastic launch (``DDP_COURSE_PROBE_GATE`` set): before the script runs, tell the launcher this worker
+    started (``gate-PID.ready``; its round is in the start event) and wait for its ``gate-PID.go``: at a round's
+    first worker the launcher does what it does at a change of membership (in its own process), no worker of the
+    round having run the script yet."""
+    if not os.environ.get(GATE):
+        return
+    pid = os.getpid()
+    os.close(os.open(os.path.join(_probe_dir, f"gate-{pid}.ready"), os.O_CREAT | os.O_WRONLY, 0o600))
+    go, until = os.path.join(_probe_dir, f"gate-{pid}.go"), time.time() + GATE_LIMIT
+    while not os.path.exists(go) and time.time() < until:
+        time.sleep(0.01)
+
+
 def main() -> None:
     script, *argv = sys.argv[1:]
     watched = [p for p in os.environ.get("DDP_COURSE_PROBE_WATCH", "").split(os.pathsep) if p]
     install(os.environ[PROBE_DIR], watched)
+    _gate()
     script = os.path.abspath(script)
     sys.argv = [script, *argv]
     sys.path[0] = os.path.dirname(script)  # as `python train.py` would have it
