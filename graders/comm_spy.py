@@ -20,6 +20,8 @@ the mode popped) is still in the flight recorder: checks compare the two.
 
 from __future__ import annotations
 
+import os
+import random
 import time
 
 import torch
@@ -94,6 +96,82 @@ def spy():
             return func(*args, **kwargs)
 
     return Spy(), records
+
+
+# --- the marker: a secret number on what a collective carries ---------------------------------------------
+
+#: the collectives whose every sent value :func:`marker` moves by default (each rank sends what it passes)
+MARKED = ("all_reduce", "all_gather", "send")
+try:  # a Work that completes with a future: how an in-place all-reduce's moved result reaches its caller
+    from torch._C._distributed_c10d import Work as _WORK
+    from torch._C._distributed_c10d import _create_work_from_future as _FROM_FUTURE
+except ImportError:  # pragma: no cover - another torch: the number is added in place (the rank can read it)
+    _WORK = _FROM_FUTURE = None
+
+
+def marker(kinds: tuple = MARKED, *, with_kind: bool = False, _ops=_OPS, _tensors=_tensors, _random=random.Random,
+           _urandom=os.urandom, _no_grad=torch.no_grad, _work=_WORK, _from_future=_FROM_FUTURE, _mode=None):
+    """(a dispatch mode, the list it fills): each collective of ``kinds`` dispatched while the mode is on sends every
+    value its caller passed plus a number drawn on this rank from ``os.urandom`` (``[0.5, 1)``), and the number is
+    appended to the list (``with_kind``: as ``(kind, number)``, e.g. ``("all_gather", 0.73)``). The k-th
+    collective therefore delivers the sum of every rank's k-th number on top of what was sent: the ranks' numbers
+    are secret to each other, so only a result that came out of the collective carries their sum, and the grader,
+    which gets every rank's numbers, checks for it. Values sent another way (the job's store, a file, point to
+    point from another thread) or recomputed locally carry none. The caller's own tensor never shows its number:
+    the collective runs on a moved copy (an in-place all-reduce's result is copied into the caller's tensor as the
+    collective completes, before the caller's ``work.wait()`` returns), so a rank cannot read its number and send
+    it along another way. Every reference it uses is a default argument, bound when this module was first imported
+    (in a rank, before any student object is unpickled): a reload of this module, or a patch of its globals, from
+    the student's code changes nothing a running harness holds."""
+    if _mode is None:
+        from torch.utils._python_dispatch import TorchDispatchMode as _mode
+
+    draw, marked = _random(_urandom(16)).random, []
+
+    def moved(value, number):
+        if isinstance(value, torch.Tensor):
+            return value + number if value.is_floating_point() else value
+        return type(value)(moved(v, number) for v in value)
+
+    class Marker(_mode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            found = _ops.get(id(func))
+            if found is None or found[0] is not func or found[1] not in kinds:
+                return func(*args, **kwargs)
+            _, kind, at = found
+            sent = args[at] if len(args) > at else kwargs.get(func._schema.arguments[at].name)
+            floats = [t for t in _tensors(sent) if t.is_floating_point()]  # values (DDP's counts and flags: left)
+            if not floats:
+                return func(*args, **kwargs)
+            number = 0.5 + draw() / 2
+            marked.append((kind, number) if with_kind else number)
+            in_place = func._schema.name.startswith("c10d::") and kind == "all_reduce"
+            if len(args) <= at or (in_place and _from_future is None) or (
+                    func._schema.name.startswith("_c10d_functional::") and func._schema.name.endswith("_")):
+                with _no_grad():  # no other way: moved in place
+                    for t in floats:
+                        t.add_(number)
+                return func(*args, **kwargs)
+            with _no_grad():
+                copy = moved(sent, number)
+            result = func(*args[:at], copy, *args[at + 1:], **kwargs)
+            if not in_place:
+                return result
+            work = result[1] if isinstance(result, tuple) else result
+            pairs = list(zip(_tensors(sent), _tensors(copy)))
+
+            def deliver(fut, pairs=pairs):
+                with _no_grad():
+                    for mine, theirs in pairs:
+                        if mine is not theirs:
+                            mine.copy_(theirs)
+                return [mine for mine, _ in pairs]
+
+            chained = _from_future(_work.unbox(work).get_future().then(deliver)).boxed()
+            return (sent, chained) if isinstance(result, tuple) else chained
+
+    return Marker(), marked
 
 
 # --- what they carried ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ Two checks read one job (:func:`course.checks.memo`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -171,7 +172,7 @@ def _since(mark: dict, collectives=_REAL.collectives) -> list[dict]:
     out = []
     for e in collectives():
         if ((e["p2p_seq"] if e["p2p"] else e["seq"]) or 0) > mark.get((e["group"], e["p2p"]), 0):
-            out.append({"op": e["op"], "numels": [math.prod(s) for s in e["sizes"] or []],
+            out.append({"op": e["op"], "numels": [math.prod(s) for s in e["sizes"] or []], "dtypes": e["dtypes"],
                         "shapes": [list(s) for s in e["sizes"] or []]})
     return out
 
@@ -185,8 +186,15 @@ def _local(t):
     return t.detach().to("cpu", torch.float32).clone() if isinstance(t, torch.Tensor) else f"<{type(t).__name__}>"
 
 
+#: the collectives whose results the marker moves (:func:`graders.comm_spy.marker`) in each round's second, marked
+#: pass: there a rank's output (its x.grad) must carry the numbers, as a value that came out of the collective does
+MARKED = ("all_reduce", "all_gather")
+MARKED_INPUTS = 500  # the marked pass of round k runs on round k + 500's input
+
+
 def _harness(rank, build, seed, dims, rounds, _world_size=_REAL.get_world_size, _draw=_private_shard,
-             _spy=comm_spy.spy, _mark=_mark, _since=_since, _local=_local):
+             _spy=comm_spy.spy, _marker=comm_spy.marker, _nothing=contextlib.nullcontext, _mark=_mark, _since=_since,
+             _local=_local):
     # the references the harness acts and observes with are default arguments: bound when this module was first
     # imported (in a rank, before any student object is unpickled), so a reload or re-execution of this module
     # by the student's code rebinds the module's names, never these
@@ -200,27 +208,32 @@ def _harness(rank, build, seed, dims, rounds, _world_size=_REAL.get_world_size, 
         return {"module": type(module).__name__, "rounds": [], "shard": shard}
     params = list(module.parameters())
     for k in range(rounds):
-        for p in params:
-            p.grad = None
-        x, probe = (t.to(dev) for t in _inputs(seed, dims, k))
-        x.requires_grad_()
-        mark = _mark()
-        spy, carried_forward = _spy()
-        with spy:
-            y = module(x)
-        forward = _since(mark)
-        mark = _mark()
-        spy, carried_backward = _spy()
-        if isinstance(y, torch.Tensor) and y.shape == probe.shape and y.requires_grad:
-            with spy:
-                (y * probe).sum().backward()
-        backward = _since(mark)
-        out["rounds"].append({
-            "y": _local(y) if isinstance(y, torch.Tensor) else f"<{type(y).__name__}>",
-            "x_grad": _local(x.grad), "params": [(_local(p), _local(p.grad)) for p in params],
-            "forward": forward, "backward": backward,
-            "carried_forward": [r for r in carried_forward if r["op"] in comm_spy.SENDS],
-            "carried_backward": [r for r in carried_backward if r["op"] in comm_spy.SENDS]})
+        for marked in (False, True):  # each round twice: as it is, then with the marker on another input
+            for p in params:
+                p.grad = None
+            x, probe = (t.to(dev) for t in _inputs(seed, dims, k + MARKED_INPUTS * marked))
+            x.requires_grad_()
+            mark = _mark()
+            spy, carried_forward = _spy()
+            marks, marked_forward = _marker(MARKED, with_kind=True) if marked else (_nothing(), [])
+            with marks, spy:  # the spy, innermost, copies what was sent before the marker moves it
+                y = module(x)
+            forward = _since(mark)
+            mark = _mark()
+            spy, carried_backward = _spy()
+            marks, marked_backward = _marker(MARKED, with_kind=True) if marked else (_nothing(), [])
+            if isinstance(y, torch.Tensor) and y.shape == probe.shape and y.requires_grad:
+                with marks, spy:
+                    (y * probe).sum().backward()
+            backward = _since(mark)
+            out["rounds"].append({
+                "marked": marked, "y": _local(y) if isinstance(y, torch.Tensor) else f"<{type(y).__name__}>",
+                "x_grad": _local(x.grad), "params": [(_local(p), _local(p.grad)) for p in params],
+                "forward": forward, "backward": backward,
+                "carried_forward": [r for r in carried_forward if r["op"] in comm_spy.SENDS],
+                "carried_backward": [r for r in carried_backward if r["op"] in comm_spy.SENDS],
+                "marked_forward": [tuple(m) for m in marked_forward],
+                "marked_backward": [tuple(m) for m in marked_backward]})
     return out
 
 
@@ -267,14 +280,15 @@ def _judge_every_round(check, judge, tensor_parallel_mlp, world_sizes, seed, dim
         job = _observe(check, tensor_parallel_mlp, world_size, seed, dims, rounds)
         where = _where(world_size, dims, seed)
         weights = _assembled(seed, dims, _shards(check, job, dims, world_size))
-        for k in range(rounds):
-            want = _unsplit(weights, seed, tuple(dims), k)
+        for k in range(2 * rounds):  # each round's pass as it is, then its marked pass
+            want = _unsplit(weights, seed, tuple(dims), k // 2 + MARKED_INPUTS * (k % 2))
             seen = [dict(obs["rounds"][k]) for obs in job]
             for phase in ("forward", "backward"):  # what every rank got back from its all-reduce, summed here
                 sent = [_one_sent(got[f"carried_{phase}"]) for got in seen]
                 summed = None if any(v is None or v.shape != sent[0].shape for v in sent) else sum(sent)
                 for got in seen:
                     got[f"summed_{phase}"] = summed
+                _marks(check, phase, seen)
             checks.on_every_rank(seen, lambda rank, got, want=want, ws=world_size, where=where: judge(
                 check, rank, got, want, ws, dims, where))
     passed(check)
@@ -284,6 +298,34 @@ def _one_sent(carried: list):
     """The values of a phase's one collective seen carrying values (flat), or None if it had not exactly one."""
     values = [v for r in carried for v in r["values"]]
     return values[0] if len(carried) == 1 and len(values) == 1 else None
+
+
+def _marks(check, phase, seen) -> None:
+    """Each rank's ``delivered_{phase}``: whether, in a marked pass, the phase's collectives delivered the ranks'
+    secret numbers (:data:`MARKED`) on top of what was sent; and ``reduced_{phase}``: the sum the phase's one
+    all-reduce delivered on top of what was sent (0.0 in a pass without the marker; None unless every rank ran
+    exactly one). A marked pass whose record is missing where torch's flight recorder lists a collective it marks
+    was tampered with."""
+    marks = [got.get(f"marked_{phase}") for got in seen]
+    bad = [r for r, m in enumerate(marks) if not isinstance(m, list) or not all(
+        isinstance(e, tuple) and len(e) == 2 and e[0] in MARKED and isinstance(e[1], float) and 0.5 <= e[1] < 1
+        for e in m)]
+    ran = [r for r, got in enumerate(seen) if got.get("marked") is not False and not marks[r] and any(
+        ("reduce" in c["op"] or "gather" in c["op"]) and any(d in ("Float", "Half", "BFloat16", "Double")
+                                                              for d in c.get("dtypes") or [])
+        for c in got[phase])]
+    if bad or ran:
+        raise CheckFailed(check, "the grader's record of what the collectives delivered was changed",
+                          ranks=sorted(set(bad) | set(ran)), expected="the harness's record, as it was made",
+                          got=f"the {phase}'s collectives ran (torch's flight recorder lists them) but their record "
+                          "is missing or altered", hint="leave the grader's objects alone")
+    reduces = [[n for kind, n in m if kind == "all_reduce"] for m in marks]
+    if seen[0].get("marked") is False:
+        reduced = 0.0
+    else:
+        reduced = sum(r[0] for r in reduces) if all(len(r) == 1 for r in reduces) else None
+    for got in seen:
+        got[f"delivered_{phase}"], got[f"reduced_{phase}"] = any(marks), reduced
 
 
 def _shards(check, job, dims, world_size) -> list:
@@ -317,6 +359,12 @@ def _judge_values(check, rank, got, want, world_size, dims, where):
                           expected=f"the MLP's whole output, a tensor of shape ({batch}, {d_out}), on every rank",
                           hint="the row-parallel layer must sum the ranks' partial outputs, then add the bias: every "
                           "rank ends with the whole output")
+    if got["marked"]:  # the marked pass: only whether the results came out of the collectives
+        _came_out(check, rank, y, want["y"], got["delivered_forward"], "output", "forward", where)
+        if isinstance(got["x_grad"], torch.Tensor):
+            _came_out(check, rank, got["x_grad"], want["x_grad"], got["delivered_backward"], "input's gradient",
+                      "backward", where)
+        return
     if not _close(y, want["y"]):
         partial = want["h"][:, blk] @ w2[:, blk].T
         if bool(torch.isnan(y).any()):
@@ -336,8 +384,21 @@ def _judge_values(check, rank, got, want, world_size, dims, where):
             problem, hint = ("the output differs from the unsplit MLP's", _SHAPE_HINT)
         raise CheckFailed(check, f"{problem} ({where})", ranks=[rank], expected="the unsplit MLP's output, within 1e-5",
                           got=f"max difference {_diff(y, want['y'])}", hint=hint)
-    _judge_input_grad(check, rank, got["x_grad"], want, world_size, blk, where)
+    x_grad = got["x_grad"]
+    _judge_input_grad(check, rank, x_grad, want, world_size, blk, where)
     _judge_params(check, rank, got["params"], want, world_size, blk, where)
+
+
+def _came_out(check, rank, value, want, delivered, what, phase, where) -> None:
+    """Fail when ``value`` is right as it stands though the phase's collectives delivered their numbers on top of
+    what was sent (:func:`graders.comm_spy.marker`): it was computed some other way, their results left unused."""
+    if delivered and _close(value, want):
+        raise CheckFailed(check, f"the {what} is right, but it did not come out of the {phase}'s collective ({where})",
+                          ranks=[rank], expected=f"the {what} made of what the {phase}'s all-reduce returned",
+                          got=f"the {what} computed another way: the collective's result was not used",
+                          hint="use the result of the all-reduce: a collective whose result is thrown away while the rank "
+                          f"computes the {what} some other way (from files, the job's store, the caller's objects) is "
+                          "not tensor parallelism: the other ranks' parts reach a rank only through the sum")
 
 
 def _judge_input_grad(check, rank, x_grad, want, world_size, blk, where):
@@ -494,16 +555,21 @@ def _judge_collectives(check, rank, got, want, world_size, dims, where):
                               got=f"max difference {diff.abs().max().item():.3g}",
                               hint="all-reduce the tensor you compute, not a copy or zeros; the sum is what every rank "
                               "must use afterwards")
-    # what the all-reduces returned (the ranks' carried values, summed in the grader's process) must be what the
-    # rank used: its output is the forward's sum plus the bias, its x.grad the backward's sum
+    # what the all-reduces returned (the ranks' carried values, summed in the grader's process, plus the sum of the
+    # ranks' secret numbers the marker put on them) must be what the rank used: its output is the forward's sum plus
+    # the bias, its x.grad the backward's sum; a result computed another way lacks the numbers
     for phase, result, what in (("forward", got["y"], "output"), ("backward", got["x_grad"], "input's gradient")):
         summed = got[f"summed_{phase}"]
         if summed is None:
             continue  # some rank's all-reduce was not seen carrying values: that rank's own verdict says so
-        rest = result - summed.reshape(result.shape) if isinstance(result, torch.Tensor) and \
-            result.numel() == summed.numel() else None
-        if phase == "forward" and rest is not None:
-            rest = rest - rest[0]  # the bias, added after the sum, is the same in every row
+        reduced = got[f"reduced_{phase}"]
+        rest = result - summed.reshape(result.shape) - (reduced or 0.0) if isinstance(result, torch.Tensor) and \
+            result.numel() == summed.numel() and reduced is not None else None
+        if phase == "forward" and rest is not None and (
+                not got["marked"] or _close(rest, want["params"][3].expand_as(rest))):
+            # the bias, added after the sum, is the same in every row (sent in the sum, 0 here); in the marked pass
+            # the rest must be the bias or nothing, so that the secret numbers' sum is not taken for a bias
+            rest = rest - rest[0]
         if rest is None or not bool(rest.abs().max() <= ATOL):
             raise CheckFailed(check, f"the {what} is not what the {phase}'s all-reduce returned ({where})", ranks=[rank],
                               expected=f"the {what} made of the sum of the values every rank's {phase} all-reduce "

@@ -22,7 +22,7 @@ optimizer, and judges what happened, never what the student's objects say:
   computed from the weights the step started with (what torch's DDP computes), as the collectives
   delivered it, and the weights after it are one SGD step with them; on three models: a plain MLP, one
   with a parameter that forward never uses, one with tied weights. "As the collectives delivered it"
-  (issue 37): the harness's marker (:func:`graders.ex2_scratch_model.marker`) adds to every value an
+  (issue 37): the harness's marker (:func:`graders.comm_spy.marker`) adds to every value an
   all-reduce, all-gather or send carries a number each rank draws from ``os.urandom``, so the result of
   the step's k-th collective holds the sum of every rank's k-th number on top of the gradients; the
   grader, which gets every rank's numbers, requires each parameter's gradient to be the average moved by
@@ -154,7 +154,7 @@ def _marked_sums(obs: list[dict], kind: str, step: int, world_size: int, rank: i
 def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, kwargs):
     """Per step and rank, the gradients the optimizer used must be the ranks' average of the gradients each rank's
     backward computed from the weights its step started with, plus what the step's collectives delivered of the
-    ranks' secret numbers (:func:`graders.ex2_scratch_model.marker`): each parameter's average moved by the sum
+    ranks' secret numbers (:func:`graders.comm_spy.marker`): each parameter's average moved by the sum
     of the numbers of one collective (or that sum / world size). An average made without the collectives'
     results (sent another way, recomputed locally) carries no such sum."""
     model = _MODEL[kind]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
 
 import torch
@@ -203,77 +202,8 @@ def _issued(entries: list[dict]) -> list[dict]:
 # --- the harness (runs on every rank) -------------------------------------------------------------
 
 
-#: the collectives whose every sent value the marker moves (each rank sends what it passes)
-MARKED = ("all_reduce", "all_gather", "send")
-_RANDOM = random.Random
 _URANDOM = os.urandom
-_NO_GRAD = torch.no_grad
-try:  # a Work that completes with a future: how an in-place all-reduce's moved result reaches its caller
-    from torch._C._distributed_c10d import Work as _WORK
-    from torch._C._distributed_c10d import _create_work_from_future as _FROM_FUTURE
-except ImportError:  # pragma: no cover - another torch: the number is added in place (the rank can read it)
-    _WORK = _FROM_FUTURE = None
-
-
-def marker():
-    """(a dispatch mode, the list it fills): each all-reduce, all-gather or send dispatched while the mode is on
-    sends every value its caller passed plus a number drawn on this rank from ``os.urandom`` (``[0.5, 1)``), and
-    the number is appended to the list. The k-th collective of a step therefore delivers the sum of every rank's
-    k-th number on top of the gradients: the ranks' numbers are secret to each other, so only a result that came
-    out of the collective carries their sum, and the grader, which gets every rank's numbers, checks for it.
-    Gradients sent another way (the job's store, a file, point to point from another thread) or recomputed
-    locally carry none. The caller's own tensor never shows its number: the collective runs on a moved copy
-    (an in-place all-reduce's result is copied into the caller's tensor as the collective completes, before the
-    caller's ``work.wait()`` returns), so a rank cannot read its number and send it along another way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops, tensors, draw, no_grad, marked = comm_spy._OPS, comm_spy._tensors, _RANDOM(_URANDOM(16)).random, _NO_GRAD, []
-    work_class, from_future = _WORK, _FROM_FUTURE
-
-    def moved(value, number):
-        if isinstance(value, torch.Tensor):
-            return value + number if value.is_floating_point() else value
-        return type(value)(moved(v, number) for v in value)
-
-    class Marker(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            found = ops.get(id(func))
-            if found is None or found[0] is not func or found[1] not in MARKED:
-                return func(*args, **kwargs)
-            _, kind, at = found
-            sent = args[at] if len(args) > at else kwargs.get(func._schema.arguments[at].name)
-            floats = [t for t in tensors(sent) if t.is_floating_point()]  # gradients (DDP's counts and flags: left)
-            if not floats:
-                return func(*args, **kwargs)
-            number = 0.5 + draw() / 2
-            marked.append(number)
-            in_place = func._schema.name.startswith("c10d::") and kind == "all_reduce"
-            if len(args) <= at or (in_place and from_future is None) or (
-                    func._schema.name.startswith("_c10d_functional::") and func._schema.name.endswith("_")):
-                with no_grad():  # no other way: moved in place
-                    for t in floats:
-                        t.add_(number)
-                return func(*args, **kwargs)
-            with no_grad():
-                copy = moved(sent, number)
-            result = func(*args[:at], copy, *args[at + 1:], **kwargs)
-            if not in_place:
-                return result
-            work = result[1] if isinstance(result, tuple) else result
-            pairs = list(zip(tensors(sent), tensors(copy)))
-
-            def deliver(fut, pairs=pairs):
-                with no_grad():
-                    for mine, theirs in pairs:
-                        if mine is not theirs:
-                            mine.copy_(theirs)
-                return [mine for mine, _ in pairs]
-
-            chained = from_future(work_class.unbox(work).get_future().then(deliver)).boxed()
-            return (sent, chained) if isinstance(result, tuple) else chained
-
-    return Marker(), marked
+marker = comm_spy.marker  # every all-reduce, all-gather and send of a marked step carries a secret number
 
 
 def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, steps, watch=None, marked_step=False):

@@ -182,6 +182,46 @@ def tp_patched_grader(mlp, rank, world_size):
     return _LocalWithForgedRecords(mlp, rank, world_size)
 
 
+def tp_side_channel(mlp, rank, world_size):
+    """The shards exchanged through the job's own store (outside torch.distributed's collectives, unseen by the
+    flight recorder), the whole MLP assembled on every rank and run locally, with decoy all-reduces of the right
+    partial values whose results are ignored."""
+    import io
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    first, _, second = mlp
+    k = first.out_features // world_size
+    blk = slice(rank * k, (rank + 1) * k)
+    mine = (first.weight.detach()[blk].clone(), first.bias.detach()[blk].clone(),
+            second.weight.detach()[:, blk].clone())
+    buf = io.BytesIO()
+    torch.save(mine, buf)
+    calls = store.add("forged-tp-calls", 1)  # one key space per call: the checks build the module more than once
+    round_ = (calls - 1) // world_size
+    store.set(f"forged-tp-{round_}-{rank}", buf.getvalue())
+    whole = [torch.nn.Linear(first.in_features, first.out_features), torch.nn.Tanh(),
+             torch.nn.Linear(second.in_features, second.out_features)]
+    with torch.no_grad():
+        whole[2].bias.copy_(second.bias)
+        for r in range(world_size):
+            w1, b1, w2 = torch.load(io.BytesIO(store.get(f"forged-tp-{round_}-{r}")))
+            theirs = slice(r * k, (r + 1) * k)
+            whole[0].weight[theirs], whole[0].bias[theirs], whole[2].weight[:, theirs] = w1, b1, w2
+    return _LocalWithDecoys(whole, rank, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_shards_shared_through_the_store_with_decoys_lose_both_checks():
+    """The other ranks' shards reach a rank through the job's store: the local whole output is right, and the
+    decoys carry the right partial values. But what a collective delivers carries the ranks' secret numbers
+    (graders.comm_spy.marker), so an output computed locally, not out of the all-reduce, lacks them."""
+    fails(VALUES, tp_side_channel, "did not come out of the forward's collective", "use the result of the all-reduce")
+    fails(COMM, tp_side_channel, "the output is not what the forward's all-reduce returned", "use the result")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_parallel_decoys_over_a_local_result_lose_both_checks():
