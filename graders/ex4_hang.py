@@ -17,7 +17,10 @@ Each part is graded twice:
   called by the script's given training in place of the buggy one: it finishes, every rank issued the same
   collectives (a timeout or a caught exception that lets a rank go on does not), and it trains and logs what the
   script's docstrings promise (the weights against a single-process reference, every sample trained on, the
-  logged metric against the one computed here from the weights the model held when it was logged).
+  logged metric against the one computed here from the weights the model held when it was logged). What it judges
+  from is out of the student's function's reach (:mod:`graders.ex4_hang_evidence`): each rank holds the real
+  validation features of its own share only, a failed barrier is read from what the process group wrote to the
+  rank's standard error (kept by the launcher), rank 0's waiting from torch's own code objects.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders import ex4_hang_evidence as ev
 from graders import ex4_hang_model as hm
 
 EPOCHS, BATCH, LR = 2, 4, 0.1
@@ -249,6 +253,8 @@ def _fix_harness(rank, train, fn, folder, s):
     world_size = _REAL.get_world_size()
     model = hm.make_model(s["seed"], s["classes"]).to(dev)
     train_set, val_set = _data(s)
+    if s["part"] != "uneven":  # this rank's private view: the real features of its own share only
+        val_set = ev.take_view(folder, rank, val_set, _REAL.all_reduce, checks.grader_writes)
     logs, forwards = [], []
 
     def on_forward(module, args):
@@ -278,7 +284,7 @@ def _fix_harness(rank, train, fn, folder, s):
             held.append(hm.wait_for_rank0(folder, rank, HOLD_LIMIT))
 
     try:
-        with checks.record_writes(before if s["part"] == "early" else None):
+        with checks.record_writes(before if s["part"] == "early" else None) as writes:
             train(rank, world_size, model, train_set, val_set, log, **_kwargs(s, out_dir),
                   **{hm.SCRIPTS[s["part"]][2]: fn})
     finally:
@@ -287,7 +293,7 @@ def _fix_harness(rank, train, fn, folder, s):
     # collectives only: point-to-point ops pair by peer (monitored_barrier's sends and receives differ by rank)
     issued = [(c["op"], str(c["sizes"])) for c in _REAL.collectives() if not c["p2p"]]
     return {"state": checks.to_cpu(model.state_dict()), "logs": logs, "forwards": forwards, "issued": issued,
-            "held": held, "failed": list(hm.FAILED_BARRIERS)}
+            "held": held, "failed": list(hm.FAILED_BARRIERS), "writes": [w["path"] for w in writes]}
 
 
 def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed: int, classes: int = 3,
@@ -295,9 +301,12 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
     check = f"check_fix_{part}"
     checks.require_written(check, **{hm.SCRIPTS[part][2]: fn})
     s = _settings(part, world_size, n_train, n_val, seed, classes, log_rank)
+    train_set, val_set = _data(s)
     folder = tempfile.mkdtemp(prefix="ddp-course-hang-fix-")
     try:
         os.makedirs(os.path.join(folder, "out"))
+        if part != "uneven":
+            val_set = _private_views(part, s, val_set, folder)
         job = checks.run(check, _fix_harness, s["world_size"], args=(hm.load_script(part), fn, folder, s),
                          timeout=min(checks.check_timeout(), JOB_TIMEOUT),
                          hints=[("timeout", "the training still hangs with your function: a timeout, a try/except or "
@@ -305,11 +314,12 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     obs = job.values
-    _no_failed_barrier(check, obs)
+    _no_failed_barrier(check, obs, ev.failed_barriers(job.outputs))
     _same_collectives(check, obs)
     if part == "early":
         _judge_order(check, obs)
-    train_set, val_set = _data(s)
+    elif part != "uneven":
+        _no_files(check, obs)
     if part == "uneven":
         _judge_uneven(check, s, obs, train_set)
     else:
@@ -318,13 +328,52 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
     passed(check)
 
 
-def _no_failed_barrier(check, obs):
+def _private_views(part, s, val_set, folder):
+    """The validation set with secret features (the labels are the part's), each rank's view written for its harness
+    (:func:`graders.ex4_hang_evidence.take_view`); the logging rank's view makes a metric computed alone wrong."""
+    ref = hm.reference(s["seed"], s["classes"], s["n_train"], s["world_size"], s["batch_size"], s["epochs"], s["lr"])
+    real = hm.Samples(0, 0)
+    real.y, real.rows = val_set.y, {}
+
+    def shortcut_differs(x, view):
+        real.x = x
+        alone = hm.Samples(0, 0)
+        alone.x, alone.y = view, val_set.y
+        return _metric(part, ref, alone, s["classes"]) != _metric(part, ref, real, s["classes"])
+
+    real.x, views = ev.views(part, s, val_set.y, hm.FEATURES, shortcut_differs)
+    ev.write_views(folder, views, val_set.y)
+    return real
+
+
+def _metric(part, state, data, classes):
+    """The part's logged metric of weights ``state`` over ``data``, rounded to what the checks tell apart."""
+    if part == "metric":
+        return round(hm.val_loss(state, data, classes), 3)
+    preds = hm.predictions(state, data, classes)
+    if part == "early":
+        return int((preds == data.y).sum())
+    return [(int(((preds == data.y) & (data.y == c)).sum()), int((data.y == c).sum())) for c in range(classes)]
+
+
+def _no_files(check, obs):
     for rank, o in enumerate(obs):
-        if o.get("failed"):
-            method, error = o["failed"][0]
+        if o["writes"]:
+            raise CheckFailed(check, f"rank {rank} wrote a file while it trained and logged", ranks=[rank],
+                              expected="the ranks' totals travel by a collective, no file",
+                              got=f"it wrote {o['writes'][0]}",
+                              hint="fix the collective: every rank takes part in it, and nothing else moves the data")
+
+
+def _no_failed_barrier(check, obs, seen):
+    """``seen``: rank -> what its process group wrote when a barrier failed (the launcher's record of its output);
+    ``obs[r]["failed"]``: the barriers that raised in rank r (its own record, which only adds what it caught)."""
+    for rank, o in enumerate(obs):
+        if rank in seen or o.get("failed"):
+            method, error = o["failed"][0] if o.get("failed") else ("monitored_barrier", seen[rank])
             raise CheckFailed(check, f"the job finished, but rank {rank}'s {method} failed and the rank went on",
                               ranks=[rank], expected="every barrier completes on every rank",
-                              got=f"{method} raised {error}",
+                              got=f"{method} raised {error}" if o.get("failed") else f"its process group wrote: {error}",
                               hint="a timeout or a caught exception let a rank go on past a barrier that never "
                               "completed: that hides the hang, it does not remove its cause (a rank that returned "
                               "early never reached it)")

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from course import checks
+from graders.ex4_hang_evidence import in_torch_collective_code, torch_code
 
 FEATURES = 4
 #: the scripts, by part: (the student's copy in the exercise's folder, its given training function, the small
@@ -174,6 +175,9 @@ _watch_barriers()
 
 
 _DUMP = checks.recorder()  # torch's flight recorder with stack traces, taken at import (before student code)
+#: the code objects of torch's distributed modules, taken at import (before student code): a rank waits in a
+#: collective only in these, not in a copy compiled later under torch's file name (graders.ex4_hang_evidence)
+_GENUINE = torch_code()
 
 
 class Journal:
@@ -287,7 +291,8 @@ def wait_for_rank0(folder: str, rank: int, limit: float) -> str:
 
 def report_rank0(folder: str):
     """On rank 0: a thread that, while another rank asks (:func:`wait_for_rank0`), keeps ``rank0.state`` saying
-    whether the main thread waits in torch.distributed's collective code ("waiting") or runs ("running"); idle
+    whether the main thread waits in torch.distributed's collective code ("waiting": torch's own code objects, taken at
+    import, not a copy compiled under torch's file name) or runs ("running"); idle
     otherwise, so that a deadlock is still seen as one. The returned function marks it "returned"."""
     import glob
     import traceback
@@ -296,10 +301,11 @@ def report_rank0(folder: str):
     main = threading.main_thread().ident
     done = threading.Event()
 
-    def state() -> str:
-        frame = sys._current_frames().get(main)
-        stack = traceback.extract_stack(frame) if frame is not None else []
-        return "waiting" if checks.waiting_in_collective(stack) else "running"
+    def state(genuine=_GENUINE, frames=sys._current_frames, extract=traceback.extract_stack) -> str:
+        frame = frames().get(main)
+        stack = extract(frame) if frame is not None else []
+        return ("waiting" if checks.waiting_in_collective(stack) and in_torch_collective_code(frame, genuine)
+                else "running")
 
     def put(text: str) -> None:
         tmp = f"{path}.{threading.get_ident()}.tmp"  # each writer its own: the thread and returned() may overlap

@@ -381,3 +381,106 @@ def test_wrong_answers_lose_exactly_their_cells(tmp_path):
 def test_the_points_add_up():
     assert sum(submissions.full_marks(A, NB).values()) == 12
     assert math.isclose(sum(v for k, v in submissions.full_marks(A, NB).items() if "diagnosis" in k), 4)
+
+
+# --- forgeries: what a student who read graders/ might try -----------------------------------------------------
+
+TIMEDELTA = ("import torch\n", "import importlib\nimport sys\nfrom datetime import timedelta\n\nimport torch\n")
+#: the early return kept; a monitored_barrier whose timeout is caught lets rank 0 go on without the empty rank
+CAUGHT = ("    try:\n        dist.monitored_barrier(timeout=timedelta(seconds=1))\n"
+          "    except RuntimeError:\n")
+
+#: per part: name -> (edits of the given script's small function, the words its failure names). Each scored full
+#: marks on its check before the evidence they fake was moved out of their reach (see the commit that added them).
+FORGERIES = {
+    "early": {
+        "a caught monitored_barrier timeout, the grader's FAILED_BARRIERS cleared": (
+            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.ex4_hang_model as hm\n"
+                                        "        hm.FAILED_BARRIERS.clear()\n")],
+            ["monitored_barrier", "failed", "hides the hang"]),
+        "a caught monitored_barrier timeout, graders.ex4_hang_model reloaded": (
+            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.ex4_hang_model as hm\n"
+                                        "        importlib.reload(hm)\n")],
+            ["monitored_barrier", "failed", "hides the hang"]),
+        "a caught monitored_barrier timeout, ProcessGroup's wrapper unwrapped through its defaults": (
+            [TIMEDELTA, (EARLY_BARRIER, "    from torch._C._distributed_c10d import ProcessGroup\n"
+                                        "    for name in ('monitored_barrier', 'barrier'):\n"
+                                        "        method = getattr(ProcessGroup, name)\n"
+                                        "        real = (getattr(method, '__kwdefaults__', None) or {}).get('_real')\n"
+                                        "        if real is not None:\n"
+                                        "            setattr(ProcessGroup, name, lambda self, *a, _r=real, **k: _r(self, *a, **k))\n"
+                                        + CAUGHT + "        pass\n")],
+            ["monitored_barrier", "failed", "hides the hang"]),
+        "no barrier: rank 0 sleeps in code compiled under torch's distributed_c10d.py": (
+            [TIMEDELTA, (EARLY_BARRIER, "    if rank == 0:\n"
+                                        "        fake = {}\n"
+                                        "        exec(compile('import time\\ndef barrier(group=None):\\n"
+                                        "    time.sleep(1.5)\\n', dist.distributed_c10d.__file__, 'exec'), fake)\n"
+                                        "        fake['barrier']()\n")],
+            ["rank 0 read the prediction files before", "already returned"]),
+        "rank 0 predicts the whole validation set itself, no file, no barrier": (
+            [(EARLY_RETURN + EARLY_SAVE + EARLY_BARRIER,
+              "    if rank == 0:\n"
+              "        preds = predict(model, val_set, range(len(val_set)))\n"
+              "        right = sum(int(p) == int(val_set[i][1]) for i, p in enumerate(preds))\n"
+              "        log({'val_accuracy': right / len(val_set)})\n"
+              "    return\n")],
+            ["validation accuracy the model does not have"]),
+    },
+    "metric": {
+        "the loss over the whole validation set, from the caller's frame, no collective": (
+            [(METRIC_IF, "    if rank == log_rank:\n"
+                         "        import sys\n"
+                         "        import torch.nn.functional as F\n"
+                         "        caller = sys._getframe(1).f_locals\n"
+                         "        model, val_set = caller['model'], caller['val_set']\n"
+                         "        x = torch.stack([val_set[i][0] for i in range(len(val_set))])\n"
+                         "        y = torch.stack([val_set[i][1] for i in range(len(val_set))])\n"
+                         "        with torch.no_grad():\n"
+                         "            totals = torch.stack([F.cross_entropy(model(x), y, reduction='sum'), "
+                         "torch.tensor(float(len(y)))])\n")],
+            ["validation loss the model does not have"]),
+        "the other ranks' totals through files in the harness's folder, no collective": (
+            [(METRIC_IF, "    import os, sys, time\n"
+                         "    folder = sys._getframe(2).f_locals['folder']\n"
+                         "    if rank != log_rank:\n"
+                         "        torch.save(totals, os.path.join(folder, f'totals{epoch}-{rank}.pt'))\n"
+                         "    else:\n"
+                         "        for other in range(world_size):\n"
+                         "            path = os.path.join(folder, f'totals{epoch}-{other}.pt')\n"
+                         "            while other != rank and not os.path.exists(path):\n"
+                         "                time.sleep(0.01)\n"
+                         "            if other != rank:\n"
+                         "                time.sleep(0.1)\n"
+                         "                totals = totals + torch.load(path)\n"
+                         "    if rank == log_rank:\n")],
+            ["wrote a file", "collective"]),
+    },
+    "shapes": {
+        "rank 0 counts the whole validation set from its callers' frames, the others send zeros": (
+            [(SHAPES_COUNTS, "    import sys\n"
+                             "    caller = sys._getframe(1).f_locals\n"
+                             "    classes = logits.shape[1]\n"
+                             "    if caller['rank'] == 0:\n"
+                             "        val_set, model = caller['val_set'], caller['model']\n"
+                             "        x = torch.stack([val_set[i][0] for i in range(len(val_set))])\n"
+                             "        y = torch.stack([val_set[i][1] for i in range(len(val_set))])\n"
+                             "        hits = (model(x).argmax(dim=1) == y).float()\n"
+                             "    else:\n"
+                             "        y, hits = y[:0], hits[:0]\n"
+                             "    seen = torch.bincount(y, minlength=classes).float()\n"
+                             "    right = torch.bincount(y, weights=hits, minlength=classes).float()\n")],
+            ["per-class accuracies the model does not have"]),
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("part", list(FORGERIES))
+def test_forgeries_fail(part):
+    """Each forgery fails its fix check, naming what it hid, with the notebook's and the hidden settings."""
+    for name, (edits, words) in FORGERIES[part].items():
+        fn = _fn(part, *edits, name="forged_" + "".join(c if c.isalnum() else "_" for c in name)[:60])
+        fails(FIX[part], fn, *words)
+        fails(FIX[part], fn, *words, **HIDDEN[part])
