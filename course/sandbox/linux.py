@@ -230,6 +230,28 @@ class Cgroups:
         self.memory = f"cgroup v1 memory limit {limits.memory / GiB:g} GiB"
         return True
 
+    def memory_record(self) -> dict | None:
+        """The memory cgroup's own record of this sandbox, read from the kernel's files (None without one):
+        ``{"limit": bytes, "peak": bytes or None, "hit": times the limit was reached, "oom_kills": processes the
+        kernel killed for it or None where the kernel does not count them}``. What proves the cap: the cgroup, not
+        the process, says the limit was reached and use stayed within it."""
+        for path in self.paths:
+            folder = Path(path)
+            if (folder / "memory.max").is_file():  # v2
+                events = dict(line.split() for line in (folder / "memory.events").read_text().splitlines())
+                peak = folder / "memory.peak"
+                return {"limit": int((folder / "memory.max").read_text()),
+                        "peak": int(peak.read_text()) if peak.is_file() else None,
+                        "hit": int(events.get("max", 0)), "oom_kills": int(events.get("oom_kill", 0))}
+            if (folder / "memory.limit_in_bytes").is_file():  # v1
+                oom = dict(line.split() for line in (folder / "memory.oom_control").read_text().splitlines())
+                return {"limit": int((folder / "memory.limit_in_bytes").read_text()),
+                        "peak": int((folder / "memory.max_usage_in_bytes").read_text()),
+                        "hit": max(int(f.read_text()) for f in (folder / "memory.failcnt",
+                                                                  folder / "memory.memsw.failcnt") if f.is_file()),
+                        "oom_kills": int(oom["oom_kill"]) if "oom_kill" in oom else None}
+        return None
+
     def pids(self) -> set[int]:
         found: set[int] = set()
         for path in self.paths:
