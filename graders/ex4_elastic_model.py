@@ -150,7 +150,8 @@ class Round:
 
 @dataclass
 class Story:
-    """The elastic run as the checks read it."""
+    """The elastic run as the checks read it: the rounds as the probe saw them (which samples, learning rates; the
+    workers' own record, used as what a replay takes), and what the grader's process saw of CKPT (the evidence)."""
 
     run: torchrun.Run
     rule: Rule
@@ -160,6 +161,20 @@ class Story:
     shrunk: Round | None = None  # the smaller round after it (A alone)
     grown: Round | None = None  # the round after that, A and C
     origin: dict[int, tuple[int, int] | None] = field(default_factory=dict)  # round -> (round, steps) it resumed from
+    # the evidence, by round number: CKPT as the grader read (and shifted) it at the round's start, and the
+    # snapshot after the round (the next round's start, or the job's end), the replay of the round's steps from
+    # the state a load of the shifted CKPT gives (None: nothing to replay from), and after how many of its steps
+    # that replay gives the weights the round left in CKPT
+    start: dict[int, object] = field(default_factory=dict)
+    end: dict[int, object] = field(default_factory=dict)
+    replay: dict[int, list | None] = field(default_factory=dict)
+    matched: dict[int, list[int]] = field(default_factory=dict)
+    carried: dict[int, list | None] = field(default_factory=dict)  # the momentum the round before left (replayed)
+    at_end: object = None  # CKPT when the job was over
+
+    def verified(self, r: Round) -> bool:
+        """Whether the weights ``r`` left in CKPT are a replay of its steps from where it started."""
+        return bool(self.matched.get(r.number))
 
 
 def _worker_batches(w: torchrun.Worker) -> list[list[int]]:
@@ -173,7 +188,7 @@ def _worker_batches(w: torchrun.Worker) -> list[list[int]]:
     return batches
 
 
-def _worker_starts(w: torchrun.Worker) -> list[list]:
+def worker_starts(w: torchrun.Worker) -> list[list]:
     """The first layer's [weight, bias] at the first forward after each optimizer step (and before the first)."""
     starts, fresh = [], True
     for e in w.events:
@@ -187,7 +202,7 @@ def _worker_starts(w: torchrun.Worker) -> list[list]:
 
 def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
     per_rank = [_worker_batches(w) for w in workers]
-    starts = {w.rank: _worker_starts(w) for w in workers}
+    starts = {w.rank: worker_starts(w) for w in workers}
     steps = min((len(b) for b in per_rank), default=0)
     loaded = {}
     for w in workers:
@@ -219,10 +234,6 @@ def story_of(run: torchrun.Run, rule: Rule, story_plan: torchrun.Plan) -> Story:
             story.shrunk = r
         elif story.shrunk and story.grown is None and r.world_size == grown:
             story.grown = r
-    written = {sha: (r.number, done) for r in rounds for sha, done in r.commits}
-    for r in rounds:
-        shas = set(r.loaded.values())
-        story.origin[r.number] = written.get(shas.pop()) if len(shas) == 1 and None not in shas else None
     return story
 
 
@@ -235,20 +246,21 @@ def _refs_before(story: Story, r: Round) -> list[tuple[Round, int]]:
     return _refs_before(story, earlier) + [(earlier, i) for i in range(min(origin[1], len(earlier.batches)))]
 
 
-def _refs(story: Story, r: Round) -> list[tuple[Round, int]]:
+def refs_of(story: Story, r: Round) -> list[tuple[Round, int]]:
+    """(round, step index) of each step that led to round ``r``'s weights, its own included, in order."""
     return _refs_before(story, r) + [(r, i) for i in range(len(r.batches))]
 
 
 def chain(story: Story, r: Round) -> list[list[list[int]]]:
     """The steps (per rank: sample indices) that led to round ``r``'s weights: the steps before it, then its own."""
-    return [rr.batches[i] for rr, i in _refs(story, r)]
+    return [rr.batches[i] for rr, i in refs_of(story, r)]
 
 
 def steps_before(story: Story, r: Round) -> list[list[list[int]]]:
     return [rr.batches[i] for rr, i in _refs_before(story, r)]
 
 
-def _step_lr(story: Story, r: Round, i: int) -> float:
+def step_lr(story: Story, r: Round, i: int) -> float:
     """The learning rate step ``i`` of round ``r`` ran at (rank 0's first param group; the rule's if unread)."""
     lrs = r.lrs.get(min(r.lrs), []) if r.lrs else []
     got = lrs[i] if i < len(lrs) else None
@@ -257,7 +269,7 @@ def _step_lr(story: Story, r: Round, i: int) -> float:
 
 def chain_lrs(story: Story, r: Round) -> list[float]:
     """The learning rate of each step of :func:`chain`, as it ran."""
-    return [_step_lr(story, rr, i) for rr, i in _refs(story, r)]
+    return [step_lr(story, rr, i) for rr, i in refs_of(story, r)]
 
 
 def epochs_of(story: Story, steps: list[list[list[int]]]) -> list[int]:

@@ -452,9 +452,10 @@ def other_style(body: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("body", [SAMPLER_TRAINER, STRIDED_NUMPY, PER_RANK_SAMPLER],
-                         ids=["sampler-trainer", "strided-numpy", "per-rank-sampler"])
+@pytest.mark.parametrize("body", ["SAMPLER_TRAINER", "STRIDED_NUMPY", "PER_RANK_SAMPLER", "WRAPPED_LAYOUT"],
+                         ids=["sampler-trainer", "strided-numpy", "per-rank-sampler", "wrapped-layout"])
 def test_a_right_script_in_another_style_scores_full_marks(tmp_path, body):
+    body = globals()[body]
     nb = submissions.replace_answer(submissions.load(A, NB), SCRIPT_CELL, other_style(body))
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     assert submissions.scores(report) == submissions.full_marks(A, NB), submissions.messages(report)
@@ -488,3 +489,249 @@ def test_the_probe_names_a_pathlib_path_whole_not_by_its_last_part(tmp_path):
     with open(tmp_path / "f.bin", "wb") as fh:
         assert _path(fh) == str(tmp_path / "f.bin")
     assert _path(io.BytesIO()) is None
+
+
+# --- forgeries (issue 37): a student who read graders/ forges what the probe in its own process records ----------
+
+#: helpers every forgery below adds to its script: the probe's events file of this worker rewritten (it is named in
+#: the worker's environment), and the job's weights recomputed by hand with no module call and no optimizer step
+#: (nothing the probe sees), for the reference's global-batch order
+FORGE_HELPERS = '''
+import json as _json
+
+
+def _rewrite_events(rows_of_step=None, lr_now=None):
+    """This worker's probe record, rewritten: each step's input rows as rows_of_step(k) gives, without the weights
+    the layer had (so no start is judged); every step's learning rate lr_now."""
+    path = os.path.join(os.environ["DDP_COURSE_PROBE_DIR"], f"events-{os.getpid()}.jsonl")
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    out, k = [], 0
+    for line in lines:
+        try:
+            e = _json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "input":
+            e.pop("weights", None)
+            if rows_of_step is not None and rows_of_step(k) is not None:
+                e["rows"] = rows_of_step(k)
+        elif e.get("event") == "step":
+            if lr_now is not None:
+                e["lr"] = [lr_now]
+            k += 1
+        out.append(_json.dumps(e))
+    with open(path, "w") as fh:
+        fh.write("\\n".join(out) + "\\n")
+
+
+def _replayed(done, device):
+    """The weights and SGD momentum after the job's first `done` steps, recomputed here by hand (functional)."""
+    params = [p.detach().clone().requires_grad_() for p in make_model().parameters()]
+    x, y = make_dataset().tensors
+    bufs = [None] * len(params)
+    for d in range(done):
+        idx = samples_of(0, 1, d)
+        w1, b1, w2, b2 = params
+        out = torch.tanh(x[idx] @ w1.T + b1) @ w2.T + b2
+        grads = torch.autograd.grad(((out - y[idx]) ** 2).mean(), params)
+        with torch.no_grad():
+            for i, (p, g) in enumerate(zip(params, grads)):
+                bufs[i] = g.clone() if bufs[i] is None else bufs[i].mul_(MOMENTUM).add_(g)
+                p.sub_(LR * bufs[i])
+    return [p.detach().to(device) for p in params], [b.to(device) for b in bufs]
+
+
+def _load_by_hand(model, optimizer, done, device):
+    params, bufs = _replayed(done, device)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+    for p, buf in zip(model.parameters(), bufs):
+        optimizer.state[p]["momentum_buffer"] = buf.clone()
+'''
+
+#: the reference's resume, as the forgeries below edit it
+RESUME = '''        saved = torch.load(args.ckpt, map_location=device)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        done = saved["done"]
+'''
+SAVE = '''{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "done": done}'''
+SAVE_WS = '''{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "done": done, "ws": world_size}'''
+
+
+def forged(edits: list[tuple[str, str]], base: str | None = None) -> str:
+    text = script_source() if base is None else base
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    at = text.index("\n\ndef main(args):")
+    return text[:at] + "\n" + FORGE_HELPERS + text[at:]
+
+
+#: name: (script, the check it targets, words its failure has). Each scored full marks on its target before the
+#: checks judged the weights the launcher read (verified at the time: see the commit message); the other check
+#: keeps the reference's points.
+FORGERIES = {
+    # the smaller job restarts its epoch (trains samples already trained) and rewrites its probe record to show the
+    # epoch's remaining samples, without the layer's weights
+    "smaller job restarts the epoch, its events rewritten to the right rows": (lambda: forged([
+        (SAVE, SAVE_WS),
+        ("        done = saved[\"done\"]\n", "        done = saved[\"done\"]\n"
+         "        smaller = world_size < saved[\"ws\"]\n        first = done\n"),
+        ("    done = 0  # optimizer steps", "    smaller, first = False, 0\n    done = 0  # optimizer steps"),
+        ("    while done < EPOCHS * STEPS_PER_EPOCH:\n"
+         "        train_step(ddp_model, optimizer, samples_of(rank, world_size, done), device)\n",
+         "    right = []\n"
+         "    x = make_dataset().tensors[0]\n"
+         "    if smaller:\n"
+         "        model.register_forward_hook(lambda *_: _rewrite_events(\n"
+         "            lambda k: x[right[k]].tolist() if k < len(right) else None))\n"
+         "    while done < EPOCHS * STEPS_PER_EPOCH:\n"
+         "        right.append(samples_of(rank, world_size, done))\n"
+         "        at = done - first % STEPS_PER_EPOCH if smaller else done  # the epoch from its start\n"
+         "        train_step(ddp_model, optimizer, samples_of(rank, world_size, at), device)\n"),
+    ]), SHRINK, ["the smaller", "weights"]),
+    # the smaller job reads only the step count and recomputes the weights and momentum by hand
+    "smaller job replays the steps by hand instead of loading": (lambda: forged([
+        (SAVE, SAVE_WS),
+        ("        model.load_state_dict(saved[\"model\"])\n        optimizer.load_state_dict(saved[\"optimizer\"])\n",
+         "        if world_size < saved[\"ws\"]:\n"
+         "            _load_by_hand(model, optimizer, saved[\"done\"], device)\n"
+         "        else:\n"
+         "            model.load_state_dict(saved[\"model\"])\n"
+         "            optimizer.load_state_dict(saved[\"optimizer\"])\n"),
+    ]), SHRINK, ["recomputed", "grader changed"]),
+    # the joining node (its restart count is 0) recomputes the weights and momentum by hand
+    "joining node replays the steps by hand instead of loading": (lambda: forged([
+        ("        model.load_state_dict(saved[\"model\"])\n        optimizer.load_state_dict(saved[\"optimizer\"])\n",
+         "        if os.environ[\"TORCHELASTIC_RESTART_COUNT\"] == \"0\":\n"
+         "            _load_by_hand(model, optimizer, saved[\"done\"], device)\n"
+         "        else:\n"
+         "            model.load_state_dict(saved[\"model\"])\n"
+         "            optimizer.load_state_dict(saved[\"optimizer\"])\n"),
+    ]), GROW, ["node C", "weights"]),
+}
+
+FORGERIES["smaller job keeps the first job's learning rate, its events rewritten to the scaled one"] = (
+    # the per-rank rule: the smaller job does not scale its learning rate, and rewrites every step's lr in its
+    # probe record to the scaled one (and drops the layer's weights there)
+    lambda: forged([
+        ('            self.epoch, self.seen = blob["epoch"], blob["seen"]\n',
+         '            self.epoch, self.seen = blob["epoch"], blob["seen"]\n            self.ws = blob["ws"]\n'),
+        ('        self.path, self.epoch, self.seen = path, 0, 0\n',
+         '        self.path, self.epoch, self.seen, self.ws = path, 0, 0, 0\n'),
+        ('                         "epoch": self.epoch, "seen": self.seen}, self.path)\n',
+         '                         "epoch": self.epoch, "seen": self.seen, "ws": self.world_size}, self.path)\n'),
+        ("    progress = Progress(args.ckpt)\n", "    progress = Progress(args.ckpt)\n    progress.world_size = world_size\n"),
+        ('    for group in optimizer.param_groups:  # after the restore: the checkpoint holds the last job\'s lr\n'
+         '        group["lr"] = LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH\n',
+         '    scaled = LR * world_size * PER_RANK_BATCH / GLOBAL_BATCH\n'
+         '    if world_size < progress.ws:\n'
+         '        model.register_forward_hook(lambda *_: _rewrite_events(lr_now=scaled))\n'
+         '    else:\n'
+         '        for group in optimizer.param_groups:\n'
+         '            group["lr"] = scaled\n'),
+        ("            optimizer.step()\n",
+         "            optimizer.step()\n            if world_size < progress.ws:\n"
+         "                _rewrite_events(lr_now=scaled)\n"),
+    ], base=given() + PER_RANK_SAMPLER.strip("\n") + "\n" + given_entry()),
+    SHRINK, ["the smaller", "learning rate"])
+
+
+def forgery_script(tmp_path, name: str) -> str:
+    script = tmp_path / "elastic.py"
+    script.write_text(FORGERIES[name][0]())
+    return str(script)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", list(FORGERIES))
+def test_a_forgery_of_what_the_probe_records_scores_zero_on_its_target(tmp_path, name):
+    """Each forgery passed its target check when the checks judged the probe's record (verified then: the commit
+    that added these tests says so); the grader's own snapshots of CKPT and its secret change to it fail it now,
+    and the other check keeps its points (the forgery is right there). The hidden story, as the autograder runs."""
+    _, target, words = FORGERIES[name]
+    script = forgery_script(tmp_path, name)
+    story = dict(nodes=ex4e.HIDDEN_NODES, leave_step=ex4e.HIDDEN_LEAVE_STEP)
+    checks = {SHRINK: ex4e.check_elastic_shrink, GROW: ex4e.check_elastic_grow}
+    submissions.fails(checks[target], script, *words, **story)
+    for cell, check in checks.items():
+        if cell != target:
+            check(script, **story)
+
+
+#: Another checkpoint layout: the DDP wrapper's state dict ("module." names) and the optimizer's, in a list under
+#: one key, the position as a small dict; the job's step count taken from it.
+WRAPPED_LAYOUT = '''
+BATCH_RULE = "global"
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def order_of(epoch):
+    return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(7 * epoch + 1))
+
+
+def main(args):
+    rank, world_size, device = join_job()
+    model, optimizer = make_model_and_optimizer(device)
+    ddp_model = DDP(model)
+    pos = {"epoch": 0, "step": 0}
+    if os.path.exists(args.ckpt):
+        blob = torch.load(args.ckpt, map_location="cpu", weights_only=True)
+        ddp_model.load_state_dict(blob["states"][0])
+        optimizer.load_state_dict(blob["states"][1])
+        pos = blob["pos"]
+    steps = SAMPLES // GLOBAL_BATCH
+    while pos["epoch"] < EPOCHS:
+        batch = order_of(pos["epoch"])[pos["step"] * GLOBAL_BATCH:(pos["step"] + 1) * GLOBAL_BATCH]
+        train_step(ddp_model, optimizer, batch.tensor_split(world_size)[rank], device)
+        pos["step"] += 1
+        if pos["step"] == steps:
+            pos = {"epoch": pos["epoch"] + 1, "step": 0}
+        if rank == 0:
+            save_atomically({"states": [ddp_model.state_dict(), optimizer.state_dict()], "pos": dict(pos)},
+                            args.ckpt)
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(60)
+def test_the_grader_shifts_every_copy_of_the_weights_and_momentum_in_ckpt_and_keeps_what_was_there(tmp_path):
+    """at_round, in the grader's process: the model's weights ("module." names too) and SGD's momentum found in
+    CKPT before the change, every copy moved by the secret seed's shift, written back whole; a state loaded from
+    the snapshot with the shift equals the file as the grader left it."""
+    from graders import ex4_elastic_evidence as ev
+
+    model = ex4e.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex4e.LR, momentum=ex4e.MOMENTUM)
+    x, y = ex4e.make_dataset().tensors
+    torch.nn.functional.mse_loss(model(x[:6]), y[:6]).backward()
+    optimizer.step()
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    path = tmp_path / "ckpt.pt"
+    torch.save({"states": [wrapped, optimizer.state_dict()], "copy": model.state_dict(), "done": 1}, path)
+    snap = ev.at_round(str(path), True)
+    assert snap.exists and not snap.problem and snap.seed is not None and snap.momentum_shifted
+    assert all(torch.equal(snap.weights[k], v) for k, v in model.state_dict().items())
+    after = torch.load(path, weights_only=True)
+    weights, momentum = ev.loaded(snap, None)
+    for k in weights:
+        assert torch.allclose(after["states"][0][f"module.{k}"], weights[k]) and torch.allclose(after["copy"][k],
+                                                                                                 weights[k])
+        assert not torch.allclose(after["copy"][k], model.state_dict()[k], atol=1e-3)
+    bufs = [after["states"][1]["state"][i]["momentum_buffer"] for i in range(4)]
+    assert all(torch.allclose(b, m) for b, m in zip(bufs, momentum)) and after["done"] == 1
+    assert ev.at_round(str(tmp_path / "none.pt"), True).exists is False
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert "plain data" in ev.at_round(str(tmp_path / "junk.pt"), True).problem
+    torch.save({"w": torch.zeros(3)}, tmp_path / "other.pt")
+    assert "no copy of the model's state dict" in ev.at_round(str(tmp_path / "other.pt"), True).problem
+    end = ev.at_round(str(path), False)  # at the end: read, not changed
+    assert end.seed is None and torch.load(path, weights_only=True)["done"] == 1 and end.sha == ev.at_round(
+        str(path), False).sha
