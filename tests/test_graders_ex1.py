@@ -472,6 +472,41 @@ def tp_dtensor(mlp, rank, world_size):  # torch's own API: DTensor parameters, f
     return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=None)
 
 
+class _CopyInAsync(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient asynchronously and waits on the work handle."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, async_op=True)
+        work.wait()
+        return grad
+
+
+class _SumOutFuncol(torch.autograd.Function):
+    """All-reduce forward with torch's functional collectives (a new tensor, waited on), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def tp_async_funcol(mlp, rank, world_size):
+    """Right, other styles: an async all-reduce and its work handle in backward, a functional collective in
+    forward (the result is a new tensor, not the argument summed in place)."""
+    return _TPMLP(mlp, rank, world_size, copy_in=_CopyInAsync, sum_out=_SumOutFuncol)
+
+
 class _BiasOnRankZero(_TPMLP):
     def forward(self, x):
         partial = F.linear(self.act(F.linear(self.copy_in.apply(x), self.w1, self.b1)), self.w2)
@@ -539,7 +574,7 @@ VALUES, COMM = tp.check_tensor_parallel, tp.check_tensor_parallel_collectives
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_parallel_right_answers_in_other_styles_pass_both_checks():
-    for answer in (tp_functional, tp_dtensor):
+    for answer in (tp_functional, tp_dtensor, tp_async_funcol):
         for kwargs in ({}, {"world_sizes": (4,), "seed": 1, "dims": (3, 5, 8, 7)}):
             VALUES(answer, **kwargs)
             COMM(answer, **kwargs)
