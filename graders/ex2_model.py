@@ -84,8 +84,8 @@ def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict
             "backend": str(real.get_backend())}
 
 
-def _setup_harness(rank, setup):
-    real = _REAL
+def _setup_harness(rank, setup, _real=_REAL):
+    real = _real  # bound at import, before any student object is unpickled
     world_size = int(os.environ["WORLD_SIZE"])
     setup(rank, world_size)
     nccl = os.environ.get("DDP_COURSE_BACKEND") == "nccl"
@@ -94,10 +94,10 @@ def _setup_harness(rank, setup):
     return obs
 
 
-def _cleanup_harness(rank, cleanup, store_dir):
+def _cleanup_harness(rank, cleanup, store_dir, _real=_REAL):
     from datetime import timedelta
 
-    real = _REAL
+    real = _real  # bound at import, before any student object is unpickled
     dev = checks.join_job()
     world_size = int(os.environ["WORLD_SIZE"])
     backend = str(real.get_backend())
@@ -170,7 +170,7 @@ def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True):
     return model.state_dict()
 
 
-def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_limit):
+def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_limit, _world_size=_REAL.get_world_size):
     """Run save_checkpoint with every file write of the rank recorded (whatever name the student's code
     reached the writing function by) and rank 0's first write into the checkpoint's folder held until the
     other ranks wait for it in a collective, or return (:class:`course.checks.Hold`); then look at the file."""
@@ -186,7 +186,7 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_li
     ddp_model(x).pow(2).mean().backward()  # rank-dependent data, averaged: parameters stay equal
     torch.optim.SGD(ddp_model.parameters(), lr=0.1).step()
 
-    hold = checks.Hold(os.path.join(workdir, "hold"), rank, _REAL.get_world_size(), hold_limit)
+    hold = checks.Hold(os.path.join(workdir, "hold"), rank, _world_size(), hold_limit)
     folder = os.path.dirname(ckpt_path)
 
     def before(event):  # rank 0, about to write the checkpoint (or a file beside it): the others must wait

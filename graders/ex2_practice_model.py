@@ -256,7 +256,7 @@ def loss_weights(sizes: list[int], mode: str) -> list[float]:
     return [n / total if mode == "share" else 1 / len(sizes) if mode == "count" else 1.0 for n in sizes]
 
 
-def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
+def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed, _real=_REAL):
     """Run ``steps`` calls of accumulate_grads, each followed by the given optimizer step and zero_grad; record,
     per call, when DDP synced and what the collectives carried.
 
@@ -267,7 +267,7 @@ def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed):
     bucket the call really issued, whatever the student's code does to the hook; a spy on the
     collectives (graders.comm_spy) keeps what each collective of the call sent, and the weights the
     call started with let the checker recompute the gradients. A forward pre-hook counts forwards."""
-    real = _REAL
+    real = _real  # bound at import, before any student object is unpickled
     dev = checks.join_job()
     world_size = real.get_world_size()
     model = make_accum_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's

@@ -185,12 +185,13 @@ def _issued(collectives) -> list[tuple]:
         return []
 
 
-def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=_REAL.collectives):
+def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=_REAL.collectives,
+                      _world_size=_REAL.get_world_size):
     """Each case: this rank's indices in epochs 0 and 1 (set_epoch), epoch 1 again from a new sampler made
     after other random draws, and epoch 0 with another seed; and the collectives the sampler's calls ran (none
     is needed: the order is every rank's own function of seed and epoch)."""
     checks.join_job()
-    world_size = _REAL.get_world_size()
+    world_size = _world_size()
     _own_random_state(rank)
     before = set(_issued(_collectives))
     out = []
@@ -212,10 +213,11 @@ def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=
     return {"cases": out, "torch_sampler": spy.seen, "communicated": communicated}
 
 
-def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_TorchSamplerSpy):
+def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_TorchSamplerSpy,
+                      _world_size=_REAL.get_world_size):
     """Train a DDP model with the student's sampler in a DataLoader; note what reached the model every step."""
     dev = checks.join_job()
-    world_size = _REAL.get_world_size()
+    world_size = _world_size()
     _own_random_state(rank)
     model = make_net(seed + 17 * rank).to(dev)
     dataset = RegressionDataset(n, seed)

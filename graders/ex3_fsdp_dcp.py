@@ -172,13 +172,13 @@ def _chunks(metadata: Metadata) -> dict[str, list[dict]]:
     return out
 
 
-def _read_harness(rank: int, path: str, copy_path: str, nonce: int) -> dict:
+def _read_harness(rank: int, path: str, copy_path: str, nonce: int, _world_size=checks.REAL.get_world_size) -> dict:
     """Read the checkpoint at ``path`` whole (alone) and sharded (all ranks); rank 0 writes the copy, every tensor
     moved by :func:`nudge`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dev = _join()
-    world_size = checks.REAL.get_world_size()
+    world_size = _world_size()
     files = sorted(os.listdir(path)) if os.path.isdir(path) else []
     whole: dict = {}
     planner = _WholePlanner()

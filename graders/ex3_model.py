@@ -275,7 +275,8 @@ def _local_share(optimizer, model) -> list[tuple[int, str, torch.Tensor]]:
     return out
 
 
-def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, nonce: int) -> dict:
+def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, nonce: int,
+                       _collectives=checks.REAL.collectives, _record_writes=checks.record_writes) -> dict:
     """Train with ZeRO (Adam), then call the student's save twice: into ``folders[0]`` with this rank's share of
     the state replaced by a decoy of its own (random, drawn in this rank and returned to the grader), then,
     the trained share put back, into ``folders[1]``. Observe every file this rank wrote in each save and every
@@ -300,10 +301,10 @@ def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, non
         with torch.no_grad():
             for (_, _, t), value in zip(share, decoys if name == "decoy" else trained):
                 _COPY_(t, value)
-        seen = {(e["group"], e["seq"], e["p2p"]) for e in checks.REAL.collectives()}
-        with checks.record_writes() as writes:  # every file this rank writes, however it writes it
+        seen = {(e["group"], e["seq"], e["p2p"]) for e in _collectives()}  # bound at import: no module global
+        with _record_writes() as writes:  # every file this rank writes, however it writes it
             save_shard(optimizer, model, rank, folder)
-        issued = [e for e in checks.REAL.collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
+        issued = [e for e in _collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
         rounds.append({"round": name, "writes": sorted({e["path"] for e in writes}),
                        "moved": sum(_entry_bytes(e) for e in issued), "ops": [e["op"] for e in issued]})
     held = [[i, key] for i, key, _ in share]

@@ -463,7 +463,6 @@ def grading() -> bool:
     return os.environ.get(GRADING_ENV) == "1"
 
 
-
 def device():
     """This rank's device: its GPU under nccl, else the CPU."""
     import torch
@@ -473,27 +472,33 @@ def device():
     return torch.device("cpu")
 
 
-def join_job():
-    """In a harness: join the job as the grader (not the student) and return this rank's device."""
+def _joiner() -> Callable[[], Any]:
+    """:func:`join_job`, with torch's functions it calls taken now: in a rank, as the harness's module imports this
+    one, before any student object is unpickled (:func:`course.launcher.rank.load_payload`)."""
     import torch
-    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    dev = device()
-    if dev.type == "cuda":  # as the lessons teach: select the GPU first, then bind the group to it
-        torch.cuda.set_device(dev)
-        dist.init_process_group(backend(), device_id=dev)
-    else:
-        dist.init_process_group(backend())
-    return dev
+    init, set_device, where = c10d.init_process_group, torch.cuda.set_device, device
+
+    def join_job():
+        """In a harness: join the job as the grader (not the student) and return this rank's device."""
+        dev = where()
+        if dev.type == "cuda":  # as the lessons teach: select the GPU first, then bind the group to it
+            set_device(dev)
+        init(backend(), **({"device_id": dev} if dev.type == "cuda" else {}))
+        return dev
+
+    return join_job
+
+
+join_job = _joiner()
 
 
 def _flight_recorder() -> Callable[[], list[dict]]:
     """:func:`collectives`, with the recorder's reader (torch's dump functions, ``pickle.loads``) taken now.
 
-    ``course.checks`` is imported in a rank (as a harness's import) before any student object is
-    unpickled, so code the student runs later cannot swap what this closure calls: patching
-    ``torch._C._distributed_c10d._dump_fr_trace``, ``pickle.loads`` or this module's globals changes
-    nothing here."""
+    ``course.checks`` is imported in a rank before any student object is unpickled, so code the student runs later
+    cannot swap what this closure calls (``_dump_fr_trace``, ``pickle.loads``, this module's globals)."""
     from course.launcher.recorder import bind, entry_of
 
     recorded = bind()
@@ -535,10 +540,9 @@ def recorder(stacks: bool = True) -> Callable[[], list[dict]] | None:
 class RealTorch:
     """torch's own functions a harness observes and acts with, taken before any student code runs.
 
-    :data:`REAL` is made when this module is imported: in a rank that is as the job's payload is
-    unpickled, the harness's module (which imports this one) before the student's objects, so even
-    code that runs as the student's objects are unpickled cannot swap what it holds (patching
-    ``torch.distributed.all_reduce`` then fools the student's own code only)."""
+    :data:`REAL` is made when this module is imported: in a rank, after the harness's module and before the student's
+    objects are unpickled (:func:`course.launcher.rank.load_payload`), so even code that runs as they are unpickled
+    cannot swap what it holds (patching ``torch.distributed.all_reduce`` fools the student's own code only)."""
 
     init: Callable
     all_gather: Callable

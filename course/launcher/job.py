@@ -88,6 +88,25 @@ def dumps(obj) -> bytes:
         return buf.getvalue()
 
 
+def dumps_payload(fn, args: tuple) -> bytes:
+    """A job's payload: ``fn``, then ``args``, two pickles of one pickler (an object both hold stays one object).
+
+    The rank reads them in two stages (:func:`course.launcher.rank.load_payload`): the harness and the modules it
+    binds at import first, the arguments (the student's objects) after."""
+    for kind in (_Pickler, cloudpickle.Pickler):
+        with io.BytesIO() as buf:
+            pickler = kind(buf)
+            try:
+                pickler.dump(fn)
+                pickler.dump(tuple(args))
+            except AttributeError:
+                if kind is _Pickler:
+                    continue  # cloudpickle internals moved: lose only the file names
+                raise
+            return buf.getvalue()
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class JobResult:
     """Everything a finished job reports, rank by rank (index = rank)."""
@@ -168,7 +187,7 @@ def launch(
     backend_name = resolve_backend(backend, world_size)
     safe_results = safe_results or SETTINGS.safe_results
     try:
-        payload = dumps((fn, tuple(args)))
+        payload = dumps_payload(fn, tuple(args))
     except Exception as exc:
         raise TypeError(
             f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "

@@ -14,9 +14,11 @@ from __future__ import annotations
 import faulthandler
 import gc
 import importlib
+import io
 import json
 import linecache
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -35,6 +37,11 @@ from course.launcher.spec import RankSpec
 _KEEP_ALIVE: list = []
 _STATE = {"destroy_called": False}
 _LOG_FILE = None  # faulthandler needs the file object to stay open
+# What the rank's own reporting calls, bound when this module is imported (in the forkserver, before any job):
+# code a student's objects run as they are unpickled, or later, cannot swap what reports the harness's result
+# or ends the rank. torch's save is bound in rank_main, before the payload is unpickled.
+_BOUND = {"dumps": cloudpickle.dumps, "replace": os.replace, "open": open, "exit": os._exit,
+          "import": importlib.import_module, "Unpickler": pickle.Unpickler}
 
 
 def _redirect_output(log_path: str) -> None:
@@ -221,16 +228,60 @@ def under(filename: str, places: tuple[str, ...]) -> bool:
 
 def _write(path: str, obj: dict, safe: bool) -> None:
     """Write a report for the launcher. ``safe``: only data torch.load(weights_only=True) accepts
-    (tensors, numbers, strings, lists, dicts), so a launcher that must not trust the rank can read it."""
+    (tensors, numbers, strings, lists, dicts), so a launcher that must not trust the rank can read it.
+    Through the references of :data:`_BOUND`, taken before any student code ran in this process."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
+    with _BOUND["open"](tmp, "wb") as fh:
         if safe:
-            import torch
+            save = _BOUND.get("torch_save")
+            if save is None:
+                import torch
 
-            torch.save(obj, fh)
+                save = torch.save
+            save(obj, fh)
         else:
-            fh.write(cloudpickle.dumps(obj))
-    os.replace(tmp, path)
+            fh.write(_BOUND["dumps"](obj))
+    _BOUND["replace"](tmp, path)
+
+
+#: the modules a rank imports, after the harness and before the student's objects, whatever the harness is
+BOUND_FIRST = ("course.checks",)
+
+
+def _harness_modules(fn) -> list[str]:
+    """The modules of ``fn`` (a function, or a partial or bound method of one), outermost first."""
+    names, todo, seen = [], [fn], set()
+    while todo and len(seen) < 8:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        name = getattr(current, "__module__", None)
+        if isinstance(name, str) and name not in names:
+            names.append(name)
+        todo += [inner for inner in (getattr(current, "func", None), getattr(current, "__func__", None)) if inner]
+    return names
+
+
+def load_payload(payload: bytes):
+    """``(fn, args)`` from a job's payload, in two stages (:func:`course.launcher.job.dumps_payload` wrote them so).
+
+    First the harness ``fn``; then its module and :data:`BOUND_FIRST` (the check API, with the torch functions it
+    captures) are imported, so every reference they bind at import is bound now; only then the arguments, where
+    the student's objects are: code that runs as those are unpickled (a class-creation hook, a ``__reduce__``, a
+    default argument's constructor) comes after everything the harness's modules took at import. One unpickler
+    reads both, so an object shared by the function and its arguments stays one object."""
+    unpickler = _BOUND["Unpickler"](io.BytesIO(payload))
+    fn = unpickler.load()
+    for name in (*_harness_modules(fn), *BOUND_FIRST):
+        if name == "__main__" or name.startswith("__"):
+            continue
+        try:
+            _BOUND["import"](name)
+        except Exception:  # noqa: BLE001 - a function pickled by value from a module this rank cannot import
+            pass
+    args = unpickler.load()
+    return fn, args
 
 
 def _rendezvous_through_file(spec: RankSpec) -> None:
@@ -322,6 +373,7 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
     import torch
 
     torch.set_num_threads(spec.num_threads)
+    _BOUND["torch_save"] = torch.save
     _patch_destroy()
     writes.install()  # before the payload is unpickled: whatever the student's code binds is already seen
     start_stall_probe({"probe_path": spec.probe_path, "grader_dirs": spec.grader_dirs, "cell_names": spec.cell_names})
@@ -329,7 +381,7 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
 
     code = 0
     try:
-        fn, args = cloudpickle.loads(spec.payload)
+        fn, args = load_payload(spec.payload)
         value = fn(rank, *args)
         try:
             _write(
@@ -369,4 +421,4 @@ def rank_main(rank: int, specs: list[RankSpec]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            _BOUND["exit"](code)
