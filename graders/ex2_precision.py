@@ -85,7 +85,8 @@ def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1
     weights are within :func:`weight_tolerance` of one process's steps on the global batch (bf16 autocast,
     float32 weights)."""
     check = "check_amp_step"
-    obs = [o["free"] for o in _job(check, amp_clip_grads, world_size, k, size, steps, lr, max_norm, seed)]
+    job = _job(check, amp_clip_grads, world_size, k, size, steps, lr, max_norm, seed)
+    obs, seeds = [o["free"] for o in job], _data_seeds(job)
     where = f"{world_size} ranks, {k} micro-batches per step, {steps} calls"
     cast = _cast(obs)
     if cast:
@@ -101,7 +102,7 @@ def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                           got=f"linear layer outputs on rank {plain[0]}: {obs[plain[0]]['calls'][0]['linear_dtypes']}",
                           hint="run each micro-batch's forward (the model call and the loss) inside `with "
                           "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):`, its backward after it")
-    _judge_bf16(check, obs, k, size, seed, where)
+    _judge_bf16(check, obs, k, size, seeds, where)
     states = [o["state"] for o in obs]
     differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][n], states[r][n]) for n in states[0])]
     if differ:
@@ -109,11 +110,11 @@ def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                           expected="bitwise the same weights on every rank",
                           hint="let DDP all-reduce in the last micro-batch's backward (outside no_sync()), and "
                           "step every rank with the same gradients")
-    reference, scale = amp_reference(world_size, k, size, steps, lr, FREE, seed)
+    reference, scale = amp_reference(world_size, k, size, steps, lr, FREE, seed, seeds)
     tol = weight_tolerance(lr, scale)
     diff = max((states[0][n].float() - reference[n]).abs().max().item() for n in reference)
     if diff > tol:
-        summed, _ = amp_reference(world_size, k, size, steps, lr * k, FREE, seed)
+        summed, _ = amp_reference(world_size, k, size, steps, lr * k, FREE, seed, seeds)
         hint = (f"the step is {k} x too large: divide each micro-batch's loss by {k}, so the accumulated gradient "
                 "is the mean over the micro-batches, not their sum"
                 if max((states[0][n].float() - summed[n]).abs().max().item() for n in summed) <= tol * k else
@@ -132,7 +133,12 @@ def _residual(values: torch.Tensor, target: torch.Tensor) -> float:
     return float((values - a * target).norm())
 
 
-def _judge_bf16(check, obs, k, size, seed, where):
+def _data_seeds(job: list[dict]) -> tuple[int, ...]:
+    """Each rank's data seed, drawn by that rank alone (:func:`graders.ex2_precision_model.amp_harness`)."""
+    return tuple(int(o["data_seed"]) for o in job)
+
+
+def _judge_bf16(check, obs, k, size, seeds, where):
     """The gradients the optimizer used carry bf16's rounding: nearer (by half at least) to the all-reduced gradient
     of a bf16-autocast forward than to a float32 forward's, recomputed here at the call's weights. This is the
     effect of autocast, which the linear layers' recorded dtypes (in the student's reach) only report."""
@@ -143,7 +149,7 @@ def _judge_bf16(check, obs, k, size, seed, where):
         used = c["at_step"][0]["grads"]
         used = torch.cat([(torch.zeros_like(p) if used[n] is None else used[n]).reshape(-1)
                           for n, p in model.named_parameters()])
-        per_rank = [amp_batches(seed, rank, call, k, size) for rank in range(world_size)]
+        per_rank = [amp_batches(seeds[rank], rank, call, k, size) for rank in range(world_size)]
         bf16, fp32 = (sum(g for batches in per_rank for g in micro_grads(c["start"], batches, k, bf16=b)) / world_size
                       for b in (True, False))
         near, far = _residual(used, bf16), _residual(used, fp32)
@@ -204,7 +210,7 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
     the weights of one process's clipped steps on the global batch within :func:`weight_tolerance`."""
     check = "check_clip"
     job = _job(check, amp_clip_grads, world_size, k, size, steps, lr, max_norm, seed)
-    obs = [o["clipped"] for o in job]
+    obs, seeds = [o["clipped"] for o in job], _data_seeds(job)
     where = f"{world_size} ranks, {k} micro-batches per step, max_norm={max_norm:g}"
     cast = _cast(obs)
     if cast:
@@ -213,7 +219,7 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
     model = make_net(0)
     order = [n for n, _ in model.named_parameters()]
     shapes = dict(model.named_parameters())
-    for call in range(steps):
+    for call in range(steps):  # what the all-reduces carried first, then what each call's clip did with it
         local = {}  # rank -> (the micro-batches' gradients at the call's weights, flat)
         for rank, o in enumerate(obs):
             c = o["calls"][call]
@@ -223,18 +229,20 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
                                   "the clipping of its result", got="no all-reduce by DDP's hook in the call",
                                   hint="run the last micro-batch's forward and backward outside no_sync(): DDP "
                                   "all-reduces there; clip after it (gradients synced by hand are not DDP's)")
-            batches = amp_batches(seed, rank, call, k, size)
+            batches = amp_batches(seeds[rank], rank, call, k, size)
             local[rank] = micro_grads(c["start"], batches, k)
         _judge_sent(check, obs, call, local, order, shapes, max_norm, where)
-        _judge_clipped(check, obs, call, order, shapes, max_norm, where)
+    _judge_early(check, obs, where)
     _judge_unscaled(check, [o["free"] for o in job], obs, order, shapes, max_norm, where)
+    for call in range(steps):
+        _judge_clipped(check, obs, call, order, shapes, max_norm, where)
     states = [o["state"] for o in obs]
     differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][n], states[r][n]) for n in states[0])]
     if differ:
         raise CheckFailed(check, f"the ranks end with different weights ({where})", ranks=differ,
                           expected="bitwise the same weights on every rank: the same clip factor everywhere",
                           hint="clip after DDP's all-reduce, on every rank, with the norm of the synced gradients")
-    reference, scale = amp_reference(world_size, k, size, steps, lr, max_norm, seed)
+    reference, scale = amp_reference(world_size, k, size, steps, lr, max_norm, seed, seeds)
     tol = weight_tolerance(lr, scale)
     diff = max((states[0][n].float() - reference[n]).abs().max().item() for n in reference)
     if diff > tol:  # the gradients were clipped right, yet the weights are not the clipped steps'
@@ -245,6 +253,23 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
                           hint="clip once, after the last backward, and leave the clipped gradients in .grad for "
                           "the given step")
     passed(check)
+
+
+def _judge_early(check, obs, where):
+    """No collective carrying more than a scalar ran before DDP's all-reduce (torch's flight recorder, read through
+    references the harness bound before any student code): each rank's data is its own secret, so a clip factor
+    worked out before the all-reduce needs the other ranks' gradients sent some other way first."""
+    for rank, o in enumerate(obs):
+        for call, c in enumerate(o["calls"]):
+            if c.get("early"):
+                op, n = c["early"][0]
+                raise CheckFailed(check, f"a collective of its own carried the gradients before DDP's all-reduce "
+                                  f"({where})", ranks=[rank], expected=f"in call {call + 1}, nothing but scalars "
+                                  "sent before DDP's all-reduce of the gradients: the clip comes after it, from "
+                                  "the synced gradients", got=f"rank {rank} ran {op} of {n} values before it",
+                                  hint="clip after the last micro-batch's backward, with the norm of the all-reduced "
+                                  "gradients (clip_grad_norm_): a clip factor worked out beforehand, from gradients "
+                                  "gathered by hand, is not the synced gradient's")
 
 
 def _judge_sent(check, obs, call, local, order, shapes, max_norm, where):

@@ -12,6 +12,7 @@ used; torch's flight recorder counts the collectives the process group really ra
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,8 @@ _SENDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce", 
 
 
 def amp_batches(seed: int, rank: int, step: int, k: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s k micro-batches of call ``step``. The targets grow with the rank, so the ranks' own
+    """Rank ``rank``'s k micro-batches of call ``step``; in a job ``seed`` is the rank's own data seed, drawn by that
+    rank from os.urandom (:func:`amp_harness`), which no other rank knows. The targets grow with the rank, so the ranks' own
     gradient norms differ (by 2-4x): clipping each rank to its own norm scales them by different factors,
     which an all-reduce cannot undo; and every micro-step's local norm is above the checks' max_norm."""
     gen = torch.Generator().manual_seed(30_000 + 1000 * seed + 100 * rank + step)
@@ -61,9 +63,11 @@ def clip_factor(norm: float, max_norm: float) -> float:
 
 
 @checks.reference
-def amp_reference(world_size: int, k: int, size: int, steps: int, lr: float, max_norm: float, seed: int):
-    """One process, ``steps`` SGD steps on the global batch (every rank's k micro-batches), forward under bf16
-    autocast, float32 master weights, the gradient clipped to ``max_norm`` once per step.
+def amp_reference(world_size: int, k: int, size: int, steps: int, lr: float, max_norm: float, seed: int,
+                  data_seeds: tuple | None = None):
+    """One process, ``steps`` SGD steps on the global batch (every rank's k micro-batches, from each rank's data seed
+    in ``data_seeds``, or from ``seed`` for all), forward under bf16 autocast, float32 master weights, the gradient
+    clipped to ``max_norm`` once per step.
 
     Returns (state, scale): ``scale`` is sum over the steps of clip factor x the largest element of the mean
     absolute micro-batch gradient, mean over (rank, micro-batch) of |g|: what bounds the bf16 rounding of
@@ -72,7 +76,8 @@ def amp_reference(world_size: int, k: int, size: int, steps: int, lr: float, max
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scale = 0.0
     for step in range(steps):
-        per_rank = [amp_batches(seed, rank, step, k, size) for rank in range(world_size)]
+        per_rank = [amp_batches(seed if data_seeds is None else data_seeds[rank], rank, step, k, size)
+                    for rank in range(world_size)]
         state = {n: t.clone() for n, t in model.state_dict().items()}
         grads = [g for batches in per_rank for g in micro_grads(state, batches, k)]
         mean_abs = torch.stack([g.abs() * k for g in grads]).mean(0)  # |g| of one micro-batch's mean loss
@@ -88,10 +93,11 @@ def amp_reference(world_size: int, k: int, size: int, steps: int, lr: float, max
     return model.state_dict(), scale
 
 
-def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed):
+def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed, data_seed, _real=_REAL):
     """``steps`` calls of the student's amp_clip_grads on a fresh DDP model, each followed by the given optimizer
-    step (and zero_grad); what each call did."""
-    real = _REAL
+    step (and zero_grad); what each call did. ``_real``: bound at import, before any student object is unpickled
+    (a module global read here could have been replaced by then, or by the first phase's calls)."""
+    real = _real
     world_size = real.get_world_size()
     model = make_net(seed + 17 * rank).to(dev)  # different on purpose: DDP starts every rank from rank 0's
     ddp_model = _wrap(model, dev)
@@ -142,7 +148,7 @@ def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed):
 
     calls = []
     for step in range(steps):
-        batches = [(x.to(dev), y.to(dev)) for x, y in amp_batches(seed, rank, step, k, size)]
+        batches = [(x.to(dev), y.to(dev)) for x, y in amp_batches(data_seed, rank, step, k, size)]
         forwards[0] = 0
         for record in (linear_dtypes, synced, at_step):
             record.clear()
@@ -152,7 +158,7 @@ def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed):
         after = issued()
         optimizer.step()  # the exercise's given code: one step with what .grad holds, then the gradients zeroed
         optimizer.zero_grad()
-        grad_reduces, others = None, None
+        grad_reduces, others, early = None, None, None
         if before is not None and after is not None:
             last = max([e["seq"] or 0 for e in before], default=0)
             new = [e for e in after if (e["seq"] or 0) > last]
@@ -161,17 +167,28 @@ def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed):
             # what every rank sends (DDP's own rebuild of its buckets after the first step broadcasts their sizes)
             others = [(e["op"], n) for e, n in zip(new, sizes) if e["op"] in _SENDS and n > 1
                       and not (e["op"] == "all_reduce" and n == numel)]
+            # those issued before the first gradient all-reduce: what could have fed a clip factor worked out before it
+            first = next((i for i, (e, n) in enumerate(zip(new, sizes)) if e["op"] == "all_reduce" and n == numel),
+                         0)  # no gradient all-reduce at all: check_amp_sync's business
+            early = [(e["op"], n) for e, n in zip(new[:first], sizes[:first]) if e["op"] in _SENDS and n > 1]
         calls.append({"start": start, "forwards": forwards[0], "linear_dtypes": sorted(set(linear_dtypes)),
                       "synced": [dict(s) for s in synced], "at_step": list(at_step), "grad_reduces": grad_reduces,
-                      "others": others,
+                      "others": others, "early": early,
                       "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})})
     state = checks.to_cpu(model.state_dict())
     return {"state": state, "calls": calls, "order": [n for n, _ in model.named_parameters()]}
 
 
-def amp_harness(rank, amp_clip_grads, k, size, steps, lr, max_norm, seed):
+def amp_harness(rank, amp_clip_grads, k, size, steps, lr, max_norm, seed, _urandom=os.urandom):
     """Two phases on one job: ``free`` (a max_norm no gradient reaches: the weights against the reference
-    without clipping) and ``clipped`` (``max_norm``: what was clipped, when, with which norm)."""
+    without clipping) and ``clipped`` (``max_norm``: what was clipped, when, with which norm).
+
+    Each rank's micro-batches come from a data seed it draws from os.urandom (returned to the grader, which
+    recomputes every reference from them): no rank can recompute another's data, so a clip factor worked out
+    before DDP's all-reduce, without communicating, is another factor than the all-reduced gradient's, and the
+    clipped weights show it, whatever the records say."""
     dev = checks.join_job()
-    return {"free": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, FREE, seed),
-            "clipped": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed)}
+    data_seed = int.from_bytes(_urandom(4), "little")
+    return {"data_seed": data_seed,
+            "free": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, FREE, seed, data_seed),
+            "clipped": _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed, data_seed)}

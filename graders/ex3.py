@@ -42,6 +42,7 @@ from graders.ex3_zero import (
     MOVED_SHARE,
     ZERO_ATOL,
     judge_attribution,
+    judge_foreign,
     loaded_state,
     no_shared_file,
     round_of,
@@ -367,7 +368,8 @@ def _sums_error(xs, rank: int) -> float | None:
 def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed: int = 3) -> None:
     """Each rank writes the share of Adam's state it holds, into the folder, in files no other rank writes; nothing is
     gathered on the way (the collectives of the call move almost nothing), and each rank's files hold what that rank
-    holds and only that (judged by saving twice, once with every rank's state changed, and reading the files back)."""
+    holds and only that (judged by saving twice, once with every rank's state changed, and reading the files back:
+    with load_full_state, and by the grader itself, which looks in each rank's files for the other ranks' decoys)."""
     check = "check_shard_save"
     checks.require_written(check, save_shard=save_shard)
     folders, values = saved_files(check, save_shard, world_size, seed)
@@ -400,6 +402,7 @@ def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed
         no_shared_file(check, seen, where)
     checks.require_written(check, load_full_state=load_full_state)  # what the files hold, it reads back
     judge_attribution(check, save_shard, load_full_state, values, world_size, seed)
+    judge_foreign(check, folders, values, where)  # the grader reads the files itself: no loader hides a gather
     passed(check)
 
 

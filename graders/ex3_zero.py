@@ -4,7 +4,10 @@ The save is judged on what the files hold, not on what the ranks say they moved:
 first with every rank's share of Adam's state replaced by random values of its own, then with the trained state;
 read back by the student's loader, the trained checkpoint with one rank's files taken from the first save must
 differ exactly in that rank's parameters, by exactly its values. A rank that wrote state it received (point to
-point, which gloo's flight recorder does not list, or gathered before the save) or recomputed shows it there.
+point, which gloo's flight recorder does not list, or gathered before the save) or recomputed shows it there. And
+since a loader can hide what a file holds (one that takes each parameter from its owner's file reads nothing else),
+the grader also reads the decoy save's files itself (:func:`foreign_state`): another rank's decoy values in a
+rank's files were moved there, whatever the loader reads.
 The checks themselves are in :mod:`graders.ex3` (``check_shard_save``, ``check_shard_load``), which the notebook
 calls; here are the pieces they judge with.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import struct
 import tempfile
 
 import torch
@@ -119,6 +123,71 @@ def loaded_state(check: str, save_shard, load_full_state, world_size: int, seed:
         return checks.run(check, _zero_load_harness, 1, args=(load_full_state, every, seed, trained)).values[0]
 
     return checks.memo(check, ("zero-load", save_shard, load_full_state, world_size, seed), job)
+
+
+#: decoy values sampled per tensor of another rank, and how many found in a rank's files make that tensor "held"
+FOREIGN_SAMPLE, FOREIGN_FOUND = 16, 4
+#: the most bytes of one rank's files the grader reads (a checkpoint here is a few hundred kilobytes)
+READ_LIMIT = 64 * 2**20
+
+
+def _patterns(value: float) -> tuple[bytes, ...]:
+    """The bytes a float32 value is stored as: float32 (tensors, numpy), float64 little-endian (a cast, numpy) and
+    big-endian (pickle's floats: a list of them)."""
+    return struct.pack("<f", value), struct.pack("<d", value), struct.pack(">d", value)
+
+
+def foreign_state(folder: str, values: list[dict]) -> dict[int, dict[int, list[int]]]:
+    """What each rank's files of the decoy save (in ``folder``) hold of the other ranks' decoys, read by the
+    grader itself, whatever loader the student wrote: {rank: {other rank: [parameter indices]}}.
+
+    A decoy is random state only its own rank held, drawn there (:func:`graders.ex3_model._zero_save_harness`):
+    its values in another rank's file were moved there. Its float32 values are looked for as stored bytes (float32,
+    float64 either way round), :data:`FOREIGN_FOUND` of :data:`FOREIGN_SAMPLE` sampled per tensor being a find (one
+    random 4-byte pattern is in a few hundred kilobytes by chance once in ten thousand)."""
+    decoy = round_of(values, "decoy")
+    found: dict[int, dict[int, list[int]]] = {}
+    for rank, obs in enumerate(decoy):
+        data, budget = [], READ_LIMIT
+        for path in obs["writes"]:
+            if os.path.dirname(path) != folder or not os.path.isfile(path) or budget <= 0:
+                continue
+            with open(path, "rb") as fh:
+                chunk = fh.read(budget)
+            budget -= len(chunk)
+            data.append(chunk)
+        blob = b"\0".join(data)
+        for other, theirs in enumerate(values):
+            if other == rank:
+                continue
+            for (index, _key), tensor in zip(theirs["held"], theirs["decoys"]):
+                flat = tensor.detach().reshape(-1).float()
+                step = max(1, flat.numel() // FOREIGN_SAMPLE)
+                sample = [float(v) for v in flat[::step][:FOREIGN_SAMPLE]]
+                hits = sum(any(p in blob for p in _patterns(v)) for v in sample)
+                if hits >= min(FOREIGN_FOUND, len(sample)):
+                    found.setdefault(rank, {}).setdefault(other, [])
+                    if int(index) not in found[rank][other]:
+                        found[rank][other].append(int(index))
+    return found
+
+
+def judge_foreign(check: str, folders: list[str], values: list[dict], where: str) -> None:
+    """Fail ``check`` when a rank's files of the decoy save hold another rank's decoy state (:func:`foreign_state`):
+    judged on the files, by the grader, so no loader can hide it."""
+    found = foreign_state(folders[0], values)
+    if not found:
+        return
+    rank = min(found)
+    other = min(found[rank])
+    raise CheckFailed(check, f"rank {rank}'s files hold Adam state of parameters that rank {other} holds: rank "
+                      f"{rank} wrote state it received (a gather), not only its own {where}", ranks=sorted(found),
+                      expected=f"rank {rank}'s files hold rank {rank}'s share only (read by the grader from the "
+                      "files themselves, whatever load_full_state reads of them)",
+                      got=f"in the save where every rank held random state of its own, rank {rank}'s files held "
+                      f"rank {other}'s values for parameters {sorted(found[rank][other])}",
+                      hint="a sharded save writes, on every rank, exactly what that rank's own local optimizer holds "
+                      "(optimizer.optim.state): nothing gathered from the other ranks, however it is moved")
 
 
 def _same_tensor(a, b) -> bool:

@@ -1,0 +1,279 @@
+"""Forgeries that reach what a check reads from the student's own process (issue 37, the residual holes):
+
+* code that runs while the student's objects are unpickled in a rank (a default argument's ``__reduce__``), before
+  the harness starts: it replaces a grader module's global (the captured torch functions a harness reads at its
+  start) to hide a collective from the flight recorder's count. The rank unpickles the harness first and imports
+  its modules and the check API (:func:`course.launcher.rank.load_payload`), and the harnesses act through
+  references bound at import, so the swap reaches nothing the check reads;
+* the mixed-precision step's clip (:mod:`graders.ex2_precision`): a clip factor worked out before DDP's all-reduce
+  from the other ranks' data recomputed locally, with the grader's record of what each rank sent rewritten to the
+  unscaled values. Each rank's data is now its own secret, so the factor is another one than the synced
+  gradient's, and the clipped weights show it;
+* the sampler (:mod:`graders.ex2_sampler`): torch's original methods reached behind the counting wrappers (an
+  attribute, the wrapper's closure, the garbage collector) and called with the profile hook removed;
+* the ZeRO save (:mod:`graders.ex3_zero`): a save that gathers every rank's share and writes it all on every rank,
+  hidden by a loader that takes each parameter from its owner's file.
+
+Each is called on the checks directly (this process; the ranks are real) and must score 0 on its target, the
+part's other checks keeping the reference's verdicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import cloudpickle
+import pytest
+import submissions
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import graders.ex2_precision as amp
+
+# The ranks get this module's functions by value: they cannot import a test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+fails = submissions.fails
+
+
+# --- code run as the student's objects are unpickled ---------------------------------------------------
+
+
+def _swap_the_graders_torch():
+    """Replace the captured-torch object the mixed-precision harness reads (its module's ``_REAL``) by one whose
+    flight-recorder reader leaves out every all_gather."""
+    import graders.ex2_precision_model as harness_module
+
+    real = harness_module._REAL
+
+    class Filtered:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def collectives():
+            return [e for e in real.collectives() if e["op"] != "all_gather"]
+
+    harness_module._REAL = Filtered()
+    return None
+
+
+class _OnUnpickle:
+    """A default argument whose unpickling runs :func:`_swap_the_graders_torch` (in the rank, before the harness)."""
+
+    def __reduce__(self):
+        return (_swap_the_graders_torch, ())
+
+
+def _amp_right(ddp_model, micro_batches, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+def amp_gathering_hidden_at_unpickling(ddp_model, micro_batches, max_norm, _hide=_OnUnpickle()):
+    """The step, then every rank's gradients all-gathered (a collective the part excludes), hidden from the
+    flight recorder's count by the grader module's global swapped while this function was unpickled."""
+    _amp_right(ddp_model, micro_batches, max_norm)
+    flat = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
+    dist.all_gather([torch.empty_like(flat) for _ in range(dist.get_world_size())], flat)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_grader_global_swapped_while_unpickling_hides_nothing():
+    """Before: check_amp_sync passed (the harness read the swapped _REAL at its start). Now: the harness's
+    references are bound at import, which the rank does before the student's objects are unpickled."""
+    fails(amp.check_amp_sync, amp_gathering_hidden_at_unpickling, "other collectives than DDP's all-reduce",
+          "all_gather")
+    amp.check_amp_step(amp_gathering_hidden_at_unpickling)
+    amp.check_clip(amp_gathering_hidden_at_unpickling)
+
+
+def _probe_order():
+    """What a student's object sees as it is unpickled in a rank: whether the check API is bound already."""
+    import sys as _sys
+
+    return "course.checks" in _sys.modules
+
+
+class _Probe:
+    def __reduce__(self):
+        return (_probe_order, ())
+
+
+def _same_object(rank, a, b, seen):
+    return [a is b, seen]
+
+
+def test_the_check_api_is_bound_before_the_students_objects_and_shared_objects_stay_one():
+    """The payload's two stages: the harness (and the modules it binds at import, the check API always), then the
+    arguments; one unpickler reads both, so an object the function and its arguments share stays one object."""
+    from course.launcher.job import launch
+
+    shared = [1, 2]
+    assert launch(_same_object, 2, args=(shared, shared, _Probe()), echo=False).values == [[True, True]] * 2
+
+
+# --- the mixed-precision clip: a factor worked out beforehand, the grader's record rewritten --------------
+
+
+def _comm_hook_records(ddp_model):
+    """The lists the grader's DDP communication hook appends its records to (reached through the hook's closure)."""
+    for hook, _ in ddp_model._comm_hooks:
+        for name, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+            if name == "synced":
+                yield cell.cell_contents
+
+
+_UNSCALED: dict = {}  # call number -> what this rank sent in the job's phase where no clipping happens
+
+
+def _rewrite_sent(ddp_model, max_norm, step):
+    """Make the grader's record of what this rank sent say the unscaled values: those it really sent in the phase of
+    the job that clips nothing (same weights, same micro-batches), kept for the phase that clips."""
+    for records in _comm_hook_records(ddp_model):
+        if not records:
+            continue
+        if max_norm >= 1e5:
+            _UNSCALED[step] = records[-1]["sent"].clone()
+        elif step in _UNSCALED:
+            records[-1]["sent"] = _UNSCALED[step].clone()
+
+
+def amp_clip_beforehand_records_rewritten(ddp_model, micro_batches, max_norm):
+    """Each rank recomputes every rank's micro-batches (the grader's public data function and the call's arguments,
+    read in the caller's frame), works out the clipped global step's factor, scales its losses by it before DDP's
+    all-reduce, then rewrites the grader's record of what it sent to the unscaled values."""
+    import copy
+
+    frame = sys._getframe(1)
+    caller, grader = frame.f_locals, frame.f_globals
+    seed, k, size, step = caller["seed"], caller["k"], caller["size"], caller["step"]
+    world_size = dist.get_world_size()
+    twin = copy.deepcopy(ddp_model.module)
+    for r in range(world_size):
+        for x, y in grader["amp_batches"](seed, r, step, k, size):
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(twin(x), y)
+            (loss / k / world_size).backward()
+    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in twin.parameters()))
+    factor = min(1.0, max_norm / (float(norm) + 1e-6))
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss * factor / k).backward()
+    _rewrite_sent(ddp_model, max_norm, step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_clip_factor_worked_out_beforehand_with_the_record_rewritten_loses_the_clip_cell():
+    """Before: check_clip passed (what the rank sent, as recorded, was its unscaled gradient; the weights were the
+    clipped steps'). Now: every rank's data is drawn from a seed only it knows, so the factor recomputed from the
+    public seed is another one, and the weights are not the clipped steps'."""
+    message = fails(amp.check_clip, amp_clip_beforehand_records_rewritten)
+    assert ("the weights differ from one process's clipped steps" in message
+            or "were not clipped after DDP's all-reduce" in message), message
+    amp.check_amp_step(amp_clip_beforehand_records_rewritten)
+    amp.check_amp_sync(amp_clip_beforehand_records_rewritten)
+
+
+def amp_clip_factor_from_gathered_gradients(ddp_model, micro_batches, max_norm):
+    """The global gradient learnt before DDP's all-reduce: a twin's gradients on this rank's micro-batches, all-gathered;
+    the exact clip factor applied to the losses before the all-reduce; the grader's record rewritten."""
+    import copy
+
+    k, world_size = len(micro_batches), dist.get_world_size()
+    twin = copy.deepcopy(ddp_model.module)
+    for x, y in micro_batches:
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(twin(x), y)
+        (loss / k / world_size).backward()
+    flat = torch.cat([p.grad.float().reshape(-1) for p in twin.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(parts, flat)
+    factor = min(1.0, max_norm / (float(sum(parts).norm()) + 1e-6))
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss * factor / k).backward()
+    _rewrite_sent(ddp_model, max_norm, sys._getframe(1).f_locals["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_clip_factor_from_gradients_gathered_beforehand_loses_the_clip_cell():
+    """The exact factor needs the other ranks' gradients before the all-reduce: the flight recorder (read through
+    references bound before student code) shows the all_gather that carried them."""
+    fails(amp.check_clip, amp_clip_factor_from_gathered_gradients, "a collective of its own carried the gradients "
+          "before DDP's all-reduce", "all_gather")
+
+
+# --- the ZeRO save: the whole state gathered on every rank, hidden by a loader that prefers each owner --------
+
+import graders.ex3 as ex3  # noqa: E402
+
+
+def save_gathered_everywhere(optimizer, model, rank, ckpt_dir):
+    """Every rank's share moved to every other rank point to point (gloo's flight recorder lists no such traffic);
+    each rank writes the whole state, with the parameters it owns named."""
+    import os
+    import pickle
+
+    index = {p: i for i, p in enumerate(model.parameters())}
+    local = optimizer.optim
+    mine = {index[p]: {k: v.clone() for k, v in s.items()} for p, s in local.state.items()}
+    whole, world_size = dict(mine), dist.get_world_size()
+    blob = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+    for src in range(world_size):
+        if src == rank:
+            for dst in range(world_size):
+                if dst != rank:
+                    dist.send(torch.tensor([blob.numel()]), dst)
+                    dist.send(blob, dst)
+        else:
+            size = torch.zeros(1, dtype=torch.long)
+            dist.recv(size, src)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(data, src)
+            whole.update(pickle.loads(data.numpy().tobytes()))
+    hyperparameters = {k: v for k, v in local.param_groups[0].items() if k != "params"}
+    torch.save({"state": whole, "owned": sorted(mine), "hyperparameters": hyperparameters},
+               os.path.join(ckpt_dir, f"shard-{rank}.pt"))
+
+
+def load_preferring_owners(ckpt_dir, model):
+    """Every file read; each parameter's state taken from the file of the rank that owns it."""
+    import glob
+    import os
+
+    parts = [torch.load(path, weights_only=True) for path in sorted(glob.glob(os.path.join(ckpt_dir, "shard-*.pt")))]
+    merged = {}
+    for part in parts:
+        for i, state in part["state"].items():
+            merged.setdefault(i, state)
+    for part in parts:
+        for i in part["owned"]:
+            merged[i] = part["state"][i]
+    group = dict(parts[0]["hyperparameters"])
+    group["params"] = list(range(len(list(model.parameters()))))
+    return {"state": merged, "param_groups": [group]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_save_gathered_on_every_rank_loses_the_save_cell_whatever_the_loader():
+    """Before: check_shard_save passed (the loader read each rank's decoy from its owner's file only, so the composites
+    showed nothing). Now the grader reads the decoy save's files itself: each holds the other ranks' decoys."""
+    fails(ex3.check_shard_save, save_gathered_everywhere, "rank 0's files hold Adam state of parameters that rank 1 "
+          "holds", "a gather", load_full_state=load_preferring_owners)
+    ex3.check_shard_load(save_gathered_everywhere, load_full_state=load_preferring_owners)
