@@ -17,6 +17,12 @@ backward goes on: the overlap the plot shows)::
     course.timeline.plot(events)
 
 Times are wall-clock seconds (every rank of a job runs on this machine, so they line up).
+
+Under nccl a collective returns as soon as it is queued on the GPU, and DDP's bucket futures complete as
+they are queued too: a bar would then show how long the CPU took to queue the call, not the collective.
+Such events are marked ``"queued": True`` and :func:`plot` says so in its title. ``record(synchronize=True)``
+waits for the GPU after each call instead (``torch.cuda.synchronize()``), so the bar ends when the
+collective has run (at the price of the overlap a real job would have).
 """
 
 from __future__ import annotations
@@ -35,15 +41,24 @@ COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_i
 class Recorder:
     """The events of one rank: dicts with rank, kind ("collective", "backward", "bucket"), name, start, end, where."""
 
-    def __init__(self):
+    def __init__(self, synchronize: bool = False):
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.backend = str(dist.get_backend()) if dist.is_initialized() else ""
+        self.synchronize = synchronize and self.backend == "nccl"
         self.events: list[dict[str, Any]] = []
 
+    @property
+    def queued_only(self) -> bool:
+        """Whether the calls return once queued (nccl) and nothing waits for the GPU: times are the CPU's."""
+        return self.backend == "nccl" and not self.synchronize
+
     def add(self, kind: str, name: str, start: float, end: float | None, where: str = "") -> None:
-        self.events.append({"rank": self.rank, "kind": kind, "name": name, "start": start, "end": end,
-                            "where": where})
+        event = {"rank": self.rank, "kind": kind, "name": name, "start": start, "end": end, "where": where}
+        if self.queued_only:
+            event["queued"] = True  # the CPU's time to queue the call on the GPU: not how long it ran
+        self.events.append(event)
 
     def watch_ddp(self, ddp_model) -> None:
         """Record each layer's backward and each gradient bucket's all-reduce (launch to completion)."""
@@ -95,11 +110,15 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def record():
-    """Within the block, every torch.distributed collective this rank calls is recorded (start, end, line)."""
+def record(synchronize: bool = False):
+    """Within the block, every torch.distributed collective this rank calls is recorded (start, end, line).
+
+    Under nccl the calls return once queued: their events are marked ``queued`` unless ``synchronize=True``,
+    which waits for the GPU after each call so that its end is when the collective finished."""
     import torch.distributed as dist
 
-    recorder = Recorder()
+    recorder = Recorder(synchronize)
+    sync = _synchronizer() if recorder.synchronize else None
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
@@ -108,10 +127,14 @@ def record():
             where = f"{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}"
             if kwargs.get("async_op"):  # launched, not waited for here (DDP's buckets): watch_ddp times those
                 return fn(*args, **kwargs)
+            if sync is not None:
+                sync()  # what was queued before is not this call's time
             start = time.time()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if sync is not None:
+                    sync()
                 recorder.add("collective", name, start, time.time(), where)
 
         recorded.__wrapped__ = fn
@@ -124,6 +147,21 @@ def record():
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def _synchronizer():
+    import torch
+
+    return torch.cuda.synchronize
+
+
+#: what :func:`plot` adds to its title when the events' times are only the CPU's (nccl, not synchronized)
+QUEUED_NOTE = "nccl: bars show the CPU queueing each call, not the collective running on the GPU"
+
+
+def queued(events_per_rank) -> bool:
+    """Whether any of these events was timed only as it was queued (nccl without ``synchronize``)."""
+    return any(e.get("queued") for per_rank in events_per_rank for e in (per_rank or []))
 
 
 def plot(events_per_rank, ax=None, title: str = "collectives per rank"):
@@ -160,14 +198,19 @@ def plot(events_per_rank, ax=None, title: str = "collectives per rank"):
     ax.set_yticklabels([f"rank {r}" + ("" if k == "collective" else f" {k}") for r, k in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time since the first event (ms)")
-    ax.set_title(title)
+    ax.set_title(title + (f"\n({QUEUED_NOTE})" if queued(events_per_rank) else ""))
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colors[n]) for n in names]
     ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return ax
 
 
 def overlap(events: list[dict]) -> float:
-    """Seconds of one rank's bucket all-reduces that ran while its backward was still computing."""
+    """Seconds of one rank's bucket all-reduces that ran while its backward was still computing.
+
+    Under nccl (events marked ``queued``) the buckets' ends are when they were queued: NaN, not a number
+    that means nothing (:data:`QUEUED_NOTE` says why)."""
+    if any(e.get("queued") and e["kind"] == "bucket" for e in events):
+        return float("nan")
     backward = [(e["start"], e["end"]) for e in events if e["kind"] == "backward" and e["end"] is not None]
     if not backward:
         return 0.0

@@ -18,6 +18,13 @@ main thread sits elsewhere (``work.wait()`` of an async collective), is let thro
 ("issued"). (On gloo the flight recorder says what was issued, never what completed, and
 ``monitored_barrier``'s messages are not in it: the main thread's stack is what shows the waiting.) Each rank reports its state, once rank 0 asks, through a
 small file in a folder the ranks share, written by a thread of the grader's (:meth:`Hold.start`).
+
+Under nccl a collective returns once queued, and a rank waiting for rank 0's data spins in ``.item()`` or
+``.cpu()``, outside torch.distributed: its stack does not show the waiting, nccl's flight recorder does (read
+through :mod:`course.launcher.recorder`, which reads nccl's recorder too). Such a rank has queued a collective
+rank 0 has not issued ("issued": never named); ``dist.barrier()`` blocks the CPU under nccl too ("waiting").
+"neither" keeps its meaning on both backends: the rank queued nothing that waits for rank 0 and is running its
+own code.
 """
 
 from __future__ import annotations

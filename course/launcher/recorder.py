@@ -53,9 +53,18 @@ def bind(stacks: bool = True) -> Callable[[], list[dict]] | None:
 
 
 def entry_of(raw: dict) -> dict:
-    """One flight-recorder entry in the shape every reader here uses: op, seq, group, sizes, dtypes, p2p, p2p_seq."""
+    """One flight-recorder entry in the shape every reader here uses: op, seq, group (the group's description,
+    "default_pg"; subgroups may share one), pg (the group's name, the same on every rank), sizes, dtypes, p2p,
+    p2p_seq, and backend ("gloo", "nccl": the recorder's, else the prefix of torch's profiling name) and state.
+
+    ``state`` is torch's: "scheduled" (queued), "started", "completed". Only nccl's recorder moves it on (its
+    watchdog sees the GPU finish the collective); gloo's entries stay "scheduled" whatever happened. Under nccl a
+    collective returns once queued, so "completed" is the only sign that it ran (:mod:`course.launcher.stall`)."""
     group = raw.get("process_group") or ("", "")
-    return {"op": str(raw.get("profiling_name", "")).split(":")[-1], "seq": raw.get("collective_seq_id"),
+    name = str(raw.get("profiling_name", ""))
+    backend = raw.get("backend") or (name.split(":", 1)[0] if ":" in name else "")
+    return {"op": name.split(":")[-1], "seq": raw.get("collective_seq_id"),
             "group": str(group[1] if len(group) > 1 else group), "sizes": raw.get("input_sizes"),
             "dtypes": [str(d) for d in raw.get("input_dtypes") or []], "p2p": bool(raw.get("is_p2p")),
-            "p2p_seq": raw.get("p2p_seq_id")}
+            "p2p_seq": raw.get("p2p_seq_id"), "backend": str(backend), "state": str(raw.get("state") or ""),
+            "pg": str(group[0] if len(group) > 1 else "")}

@@ -13,6 +13,15 @@ then the job is deadlocked: no rank can ever make progress. The same verdict twi
 with no CPU activity in between, ends the job with a :class:`StallVerdict` that lines the
 ranks up. Anything else (a rank computing, sleeping, looping; every rank in the same
 collective: a slow peer) is left to the job's deadline, so a correct job is never stopped.
+
+Under nccl neither sign holds: a collective returns once it is queued on the GPU, and a rank whose
+collective never completes spins in ``.item()``/``.cpu()``/``synchronize`` (busy, and not in
+torch.distributed's code). So once a rank of the job has loaded the CUDA driver, the ranks are asked every
+:data:`GPU_ASK` seconds, busy or not, and nccl's entries are judged by their state in nccl's flight recorder
+(:func:`analyse_nccl`): a collective still queued (not "completed") that another rank issued with another op or
+shape at the same sequence number, or that a rank which returned from the function never issued. The stack and
+the CPU time say nothing there, and a job whose ranks are stuck in any other way under nccl runs to its deadline:
+no verdict rather than a guess.
 """
 
 from __future__ import annotations
@@ -35,6 +44,12 @@ SAMPLE = 0.25
 ANSWER_WAIT = 1.5
 #: the same verdict this many times in a row ends the job
 CONFIRM = 2
+#: seconds between two asks of a job on GPUs (busy or not: a rank waiting for an nccl collective spins)
+GPU_ASK = 2.0
+#: seconds between two looks for the CUDA driver in a busy job's ranks (their /proc/PID/maps)
+GPU_LOOK = 5.0
+#: the most entries a rank's probe sends (course.launcher.rank: its latest 16): a fuller list may hide older ones
+PROBE_ENTRIES = 16
 
 
 @dataclass
@@ -85,6 +100,8 @@ class StallWatch:
         self.asked: list[int] = []
         self.last_key: tuple | None = None
         self.streak = 0
+        self.on_gpu = False  # a rank has loaded the CUDA driver: asked every GPU_ASK s, busy or not
+        self.next_look = 0.0
 
     def poll(self, running: list[int], now: float | None = None, finished: list[int] = ()) -> StallVerdict | None:
         """``running``: ranks whose process is alive; ``finished``: ranks whose function returned and whose
@@ -98,6 +115,11 @@ class StallWatch:
             return None
         busy = (self.window_start is None or set(cpu) != set(self.window_cpu)
                 or any(cpu[r] - self.window_cpu[r] > IDLE_CPU for r in cpu))
+        if busy and not self.on_gpu and now >= self.next_look:
+            self.next_look = now + GPU_LOOK
+            self.on_gpu = any(_uses_gpu(self.pids[r]) for r in running)
+        if self.on_gpu:
+            return self._poll_gpu(running, finished, now)
         if busy:
             self._restart(now, cpu)
             return None
@@ -122,15 +144,40 @@ class StallWatch:
             self.window_start, self.window_cpu = now, cpu
             return None
         if now - self.window_start >= self.idle_window:
-            self.asked = list(running)  # the returned ones too: what they issued before returning
-            for r in self.asked:
-                _remove(self.probe_paths[r])
-                try:
-                    with open(self.probe_paths[r] + ".req", "w"):
-                        pass
-                except OSError:
-                    return None
-            self.asked_at = now
+            return self._ask(running, now)
+        return None
+
+    def _poll_gpu(self, running: list[int], finished: list[int], now: float) -> StallVerdict | None:
+        """A job on GPUs: ask every :data:`GPU_ASK` seconds whatever the CPU does; the same verdict twice ends it."""
+        if self.asked_at is None:
+            if self.window_start is not None and now - self.window_start < GPU_ASK:
+                return None
+            return self._ask(running, now)
+        answers = self._answers(self.asked)
+        if answers is None and now - self.asked_at < ANSWER_WAIT:
+            return None
+        self.asked_at, self.window_start = None, now
+        returned = sorted(set(self._returned(running)) | set(finished))
+        answers = {**(self._answers(list(finished), missing_ok=True) or {}), **(answers or {})}
+        verdict = analyse({r: a for r, a in answers.items() if r not in returned},
+                          returned, {r: a for r, a in answers.items() if r in returned})
+        if verdict is None:
+            self.last_key, self.streak = None, 0
+            return None
+        self.streak = self.streak + 1 if verdict.key == self.last_key else 1
+        self.last_key = verdict.key
+        return verdict if self.streak >= CONFIRM else None
+
+    def _ask(self, running: list[int], now: float) -> None:
+        self.asked = list(running)  # the returned ones too: what they issued before returning
+        for r in self.asked:
+            _remove(self.probe_paths[r])
+            try:
+                with open(self.probe_paths[r] + ".req", "w"):
+                    pass
+            except OSError:
+                return None
+        self.asked_at = now
         return None
 
     def _restart(self, now: float, cpu: dict[int, float]) -> None:
@@ -157,6 +204,13 @@ class StallWatch:
                 return None
             found[r] = data
         return found
+
+
+def _uses_gpu(pid: int) -> bool:
+    """Whether the process has loaded the CUDA driver (its memory map holds libcuda)."""
+    from course.launcher.gpus import driver_used
+
+    return driver_used(f"/proc/{pid}/maps")
 
 
 def _remove(path: str) -> None:
@@ -202,6 +256,10 @@ def analyse(answers: dict[int, dict], returned: list[int],
     those issued (to tell "it skipped the collective" from "it did it with another shape")."""
     if not answers:
         return None
+    every = {**(returned_answers or {}), **answers}
+    if any(_nccl(e) for data in every.values() if isinstance(data, dict)
+           for e in (data.get("entries") if isinstance(data.get("entries"), list) else [])):
+        return analyse_nccl(answers, returned, returned_answers or {})  # the stacks say nothing under nccl
     for data in answers.values():
         if not data.get("waiting") or not isinstance(data.get("entries"), list):
             return None  # a rank computing, sleeping or looping (or no flight recorder): the deadline decides
@@ -292,3 +350,108 @@ def _same_step(last: dict, waiting: list[int], returned_answers: dict[int, dict]
 def _ranks(ranks: list[int]) -> str:
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+# --------------------------------------------------------------------------- nccl: judged by the entries' states
+
+
+def _nccl(entry) -> bool:
+    return isinstance(entry, dict) and entry.get("backend") == "nccl"
+
+
+def _step(entry: dict) -> tuple:
+    return entry.get("op"), json.dumps(entry.get("sizes")), tuple(entry.get("dtypes") or ())
+
+
+def _group(entry: dict) -> tuple:
+    """A process group, as every rank names it: its name (unique) and description."""
+    return entry.get("pg"), entry.get("group")
+
+
+#: nccl collectives whose input has the same shape on every rank (scatter, gather, all_to_all may differ)
+SAME_SHAPE = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "_allgather_base", "all_gather_into_tensor",
+                        "_reduce_scatter_base", "reduce_scatter_tensor", "all_reduce_barrier", "allreduce_coalesced",
+                        "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"})
+
+
+def _issued(data: dict | None, group: tuple, seq: int) -> dict | bool | None:
+    """What a rank's answer says of collective ``group`` #``seq``: its entry; False when the rank provably never
+    issued it (its latest entry of the group is older, or it sent every entry it has and none is of the group);
+    None when its answer cannot say (no answer, or the entry is older than the entries the probe sends)."""
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return None
+    mine = [e for e in entries if isinstance(e, dict) and not e.get("p2p") and _group(e) == group]
+    for e in mine:
+        if e.get("seq") == seq:
+            return e
+    seqs = [int(e.get("seq") or 0) for e in mine]
+    if seqs and max(seqs) < seq:
+        return False  # sequence numbers only grow: a later collective of the group would be among the latest
+    if not seqs and len(entries) < PROBE_ENTRIES:
+        return False
+    return None
+
+
+def analyse_nccl(answers: dict[int, dict], returned: list[int], returned_answers: dict[int, dict]) -> StallVerdict | None:
+    """The verdict on nccl ranks, from their flight recorders' states alone (nccl's collectives return once queued:
+    a rank's stack and CPU time prove nothing). Deadlocked when a collective some rank still in the function has
+    queued and not completed was issued by another rank with another op, shape or dtype at the same sequence
+    number ("mismatch", "shapes"), or was never issued by a rank that has returned ("returned"). Anything else
+    (a rank not yet at the collective, one whose answer cannot say, point-to-point ops) is no verdict."""
+    every = {**returned_answers, **answers}
+    found: dict[str, dict] = {}  # kind -> {"pending": (rank, entry), "other": (rank, entry or None)}
+    pending_of: dict[int, dict] = {}
+    for r in sorted(answers):
+        entries = answers[r].get("entries") if isinstance(answers[r], dict) else None
+        if not isinstance(entries, list):
+            continue
+        pending = next((e for e in entries if _nccl(e) and not e.get("p2p") and e.get("state") != "completed"
+                        and e.get("seq") is not None), None)
+        if pending is None:
+            continue
+        pending_of[r] = pending
+        for q in sorted(every):
+            if q == r:
+                continue
+            theirs = _issued(every.get(q), _group(pending), pending.get("seq"))
+            if theirs is None:
+                continue
+            if theirs is False:
+                if q in returned:
+                    found.setdefault("returned", {"pending": (r, pending), "other": (q, None)})
+                continue
+            if theirs.get("op") != pending.get("op"):
+                found.setdefault("mismatch", {"pending": (r, pending), "other": (q, theirs)})
+            elif _step(theirs) != _step(pending) and pending.get("op") in SAME_SHAPE:
+                found.setdefault("shapes", {"pending": (r, pending), "other": (q, theirs)})
+    kind = next((k for k in ("mismatch", "shapes", "returned") if k in found), None)
+    if kind is None:
+        return None
+    sites = {r: (every.get(r) or {}).get("site") for r in every}
+    lines = {r: _describe(e, sites.get(r), "waits in") + ", queued on the GPU and never completed"
+             for r, e in pending_of.items()}
+    lines.update({r: "had returned from the function" for r in returned})
+    for r in sorted(answers):
+        lines.setdefault(r, "is in the function, with no nccl collective left uncompleted"
+                         + (f" ({sites[r]['where']})" if isinstance(sites.get(r), dict) and sites[r].get("where")
+                            else ""))
+    (r, mine), (q, theirs) = found[kind]["pending"], found[kind]["other"]
+    if theirs is not None:
+        lines[q] = _describe(theirs, sites.get(q), "issued") + ("" if q in pending_of else " (then went on)")
+    what = f"{mine.get('op')} #{mine.get('seq')}"
+    if kind == "mismatch":
+        hint = (f"rank {r} queued {what} and rank {q} queued {theirs.get('op')} at the same point: {SAME_COLLECTIVES} "
+                "(look for a collective inside `if rank == ...:`)")
+    elif kind == "shapes":
+        hint = (f"ranks {r} and {q} called {what} with tensors of different shapes or dtypes "
+                f"({_shape(mine)} vs {_shape(theirs)}): every rank must pass a tensor of the same shape and dtype "
+                "(pad, or all_gather the sizes first)")
+    else:
+        hint = (f"rank {q} returned without calling {what}, which rank {r} queued and waits for: a collective "
+                f"inside `if rank == ...:`, or a loop that runs a different number of times on different ranks; "
+                f"{SAME_COLLECTIVES}")
+    hint += " (judged from nccl's flight recorder: the collective was queued and never completed)"
+    key = ("nccl", kind, tuple(sorted((k, _group(v), v.get("seq"), v.get("op")) for k, v in pending_of.items())),
+           tuple(sorted(returned)))
+    return StallVerdict(kind, lines, sorted(pending_of), sorted(returned), hint, key)
