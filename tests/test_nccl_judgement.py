@@ -224,3 +224,34 @@ def test_a_gloo_timeline_is_unchanged(monkeypatch, fake_nccl):
         dist.all_reduce(None)
     assert "queued" not in rec.events[0]
     assert pickle.loads(pickle.dumps(rec.events))[0]["name"] == "all_reduce"
+
+
+def test_on_gpus_gloos_rule_still_needs_idle_ranks(tmp_path, monkeypatch):
+    """A GPU job's gloo group: ranks whose stacks are in a backward (counted as waiting) and whose last collectives
+    differ are stuck only if idle; busy, they are computing, and two equal answers do not stop the job."""
+    busy = {"on": True}
+    ticks = iter(range(1, 10_000))
+    monkeypatch.setattr(stall, "_cpu_seconds", lambda pid: float(next(ticks)) if busy["on"] else 1.0)
+    monkeypatch.setattr(stall, "_uses_gpu", lambda pid: True)
+    probes = [str(tmp_path / f"rank{r}.probe") for r in range(2)]
+    watch = StallWatch([11, 12], probes, [str(tmp_path / f"rank{r}.result") for r in range(2)])
+    answers = [answer(raw("gloo:all_reduce", 1), raw("gloo:all_reduce", 2), waiting=True),
+               answer(raw("gloo:all_reduce", 1), waiting=True)]
+
+    def reply():
+        for path, data in zip(probes, answers):
+            with open(path, "w") as fh:
+                json.dump(data, fh)
+
+    now, verdicts = 0.0, []
+    for _ in range(40):
+        reply()
+        verdicts.append(watch.poll([0, 1], now=now))
+        now += 0.3
+    assert verdicts == [None] * 40
+    busy["on"] = False  # idle from now on: the same answers are a deadlock
+    for _ in range(40):
+        reply()
+        verdicts.append(watch.poll([0, 1], now=now))
+        now += 0.3
+    assert any(v is not None and v.kind == "sequence" for v in verdicts)

@@ -101,6 +101,7 @@ class StallWatch:
         self.last_key: tuple | None = None
         self.streak = 0
         self.on_gpu = False  # a rank has loaded the CUDA driver: asked every GPU_ASK s, busy or not
+        self.quiet = False  # on GPUs: no rank was busy since the last ask
         self.next_look = 0.0
 
     def poll(self, running: list[int], now: float | None = None, finished: list[int] = ()) -> StallVerdict | None:
@@ -119,6 +120,8 @@ class StallWatch:
             self.next_look = now + GPU_LOOK
             self.on_gpu = any(_uses_gpu(self.pids[r]) for r in running)
         if self.on_gpu:
+            self.quiet = self.quiet and not busy  # gloo's rule still needs idle ranks: a rank in backward is busy
+            self.window_cpu = cpu
             return self._poll_gpu(running, finished, now)
         if busy:
             self._restart(now, cpu)
@@ -161,6 +164,9 @@ class StallWatch:
         answers = {**(self._answers(list(finished), missing_ok=True) or {}), **(answers or {})}
         verdict = analyse({r: a for r, a in answers.items() if r not in returned},
                           returned, {r: a for r, a in answers.items() if r in returned})
+        if verdict is not None and verdict.key[:1] != ("nccl",) and not self.quiet:
+            verdict = None  # gloo's rule on ranks that were busy: a rank computing its backward is not stuck
+        self.quiet = True
         if verdict is None:
             self.last_key, self.streak = None, 0
             return None
