@@ -50,7 +50,7 @@ from graders.ex4_model import (  # noqa: F401 - the given parts and the referenc
     shift_checkpoint,
     top_level_stub,
 )
-from graders.ex4_probe import atomic_from_the_probe, commits_of, writes_of
+from graders.ex4_probe import atomic_from_the_probe, commits_of, writers_from_the_kernel, writes_of
 
 ATOL = 1e-6
 
@@ -192,6 +192,12 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
                            crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
     """Only rank 0 writes the checkpoint (after every epoch) and the final weights.
 
+    Who wrote is judged from outside the workers: the launcher asks the kernel, at each inotify event of the
+    checkpoint's folder and OUT, which worker holds a file there open for writing (``/proc/<pid>/fd``, the worker's
+    RANK from the environment torchrun gave it); a rank other than 0 seen so fails. The probe's record in the
+    workers (which a worker can rewrite) only names the writes and adds those outside the watched folders; how many
+    times rank 0 wrote the checkpoint is the probe's count.
+
     With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
     each rank 0 writes the checkpoint once per epoch it finished."""
     check = "check_checkpoint_rank0"
@@ -211,6 +217,7 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
             "several writers race on the same file (a reader can get a half-written one)",
             hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)",
         )
+    writers_from_the_kernel(check, run, context)  # the verdict: who the kernel showed writing, from outside
     torchrun.require_ok(check, run)
     rank0 = [w for w in run.workers if w.rank == 0]
     if run.scenario == "restart" and any(w.of("step") for w in rank0):

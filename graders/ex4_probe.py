@@ -1,14 +1,20 @@
-"""What the probe in each worker recorded of its files: what it saved, opened for writing and moved into place.
+"""What the probe in each worker recorded of its files (what it saved, opened for writing and moved into place), and
+what the kernel showed the launcher of who wrote.
 
-The probe lives in the worker's own process, so this is the workers' view, not evidence the worker cannot write:
-checks judge from it what the kernel cannot tell (which rank wrote), and fall back on it where the kernel could not
-be asked (no inotify: a student's self-check on a Mac)."""
+The probe lives in the worker's own process, so its record is the workers' view, not evidence the worker cannot
+write: a worker can rewrite it. Checks use it to name what a worker did, to see writes outside the watched folders,
+and where the kernel could not be asked (no inotify: a student's self-check on a Mac); what they rest on is the
+kernel's account, read by the launcher in its own process (:func:`writers_from_the_kernel`)."""
 
 from __future__ import annotations
 
 import os
 
 from course.checks import CheckFailed, expect, torchrun
+from course.errors import rank_list
+
+#: the temporary file the grader's own shift of the checkpoint (at the crash) moves into place
+GRADER_TMP = ".ddp-course-grader-shift.tmp"
 
 
 def writes_of(w: torchrun.Worker, run: torchrun.Run) -> list[str]:
@@ -57,3 +63,65 @@ def atomic_from_the_probe(check: str, run: torchrun.Run, name: str, hint: str) -
     expect(not far, check, f"the temporary file {far[0]['src'] if far else ''} is not in the checkpoint's folder: "
            "os.replace is atomic only within one file system (across file systems it fails or copies)",
            ranks=[0], hint="put the temporary file next to the checkpoint: tmp = ckpt_path + '.tmp'")
+
+
+def writers_from_the_kernel(check: str, run: torchrun.Run, context: str = "") -> None:
+    """Fail ``check`` when a worker of a rank other than 0 held a file of the checkpoint's folder, or OUT/final.pt
+    (any file of OUT but the reports), open for writing, as the launcher saw it in ``/proc/<pid>/fd`` at the
+    kernel's inotify events (its RANK from the environment torchrun started it with: a writer is seen when it still
+    holds the file as the launcher looks, so a quick write can go unseen); when the kernel saw the checkpoint or
+    final.pt put in place more often than rank 0's record claims (:func:`_commits_beyond_rank0`: every move into
+    place counts exactly, a save in place at least once); or when a worker hid its open files from the launcher."""
+    if run.files is None:
+        return  # no inotify here: the probe's record is all there is
+    folders = {os.path.realpath(os.path.dirname(run.ckpt_path)): "checkpoint", os.path.realpath(run.out_dir): "out"}
+    found: dict = {}
+    for w in run.file_writers.values():
+        names = sorted(name for folder, name in w["names"] if folders.get(folder) == "checkpoint"
+                       or (folders.get(folder) == "out" and not (name.startswith("report-") and name.endswith(".json"))))
+        if names and w["rank"] != 0:
+            found.setdefault(-1 if w["rank"] is None else w["rank"], set()).update(names)
+    if found:
+        ranks = sorted(found)
+        who = rank_list([r for r in ranks if r >= 0]) if any(r >= 0 for r in ranks) else "a process that is no worker"
+        only_final = all(n == "final.pt" for names in found.values() for n in names)
+        raise CheckFailed(
+            check, context + f"{who} wrote {'the final weights' if only_final else 'the checkpoint'} too (the grader "
+            f"saw rank {ranks[0]} hold {', '.join(repr(n) for n in sorted(found[ranks[0]])[:3])} open for writing)",
+            ranks=[r for r in ranks if r >= 0], expected="only rank 0 writes the checkpoint and final.pt: every rank "
+            "holds the same weights, and several writers race on the same file (a reader can get a half-written one)",
+            got="; ".join(f"{'a process without RANK' if r < 0 else f'rank {r}'} held {sorted(found[r])[:3]} open for "
+                          "writing" for r in ranks) + " (the kernel's account, read by the grader's launcher)",
+            hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)")
+    _commits_beyond_rank0(check, run, context)
+    if run.files_hidden:
+        raise CheckFailed(check, context + f"{len(run.files_hidden)} worker process(es) hid their open files from the "
+                          "grader (made themselves undumpable), so who wrote the checkpoint cannot be seen",
+                          expected="workers whose open files the kernel shows", got=f"pids {sorted(run.files_hidden)}",
+                          hint="leave the process's settings alone: save on rank 0 only")
+
+
+def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
+    """The kernel's count of the times the checkpoint and final.pt were put in place (a move into the name: exact, the
+    kernel never merges two, a move from another name lies between; a close after writing in place: at least one per
+    run of writes) against the times rank 0's record says it put them there (its moves, saves and opens for writing
+    of that path, every attempt). More in the kernel's count: another process wrote it, whatever the records say.
+    The grader's own move of the checkpoint at the crash (its shift, ``run.crash_note`` set) is taken off."""
+    rank0 = [w for w in run.workers if w.rank == 0]
+    for path in (run.ckpt_path, os.path.join(run.out_dir, "final.pt")):
+        folder, name = os.path.dirname(path), os.path.basename(path)
+        seen = [e for e in run.files if e.folder == folder and e.name == name and e.kind in ("moved_to", "close_write")]
+        if path == run.ckpt_path and run.crash_note is not None:
+            grader = {e.cookie for e in run.files if e.kind == "moved_from" and e.name == GRADER_TMP}
+            mine = next((e for e in seen if e.kind == "moved_to" and e.cookie in grader), None)
+            seen = [e for e in seen if e is not mine]
+        claimed = sum(1 for w in rank0 for e in w.events if os.path.abspath(e.get("dst") or e.get("path") or "") == path
+                      and (e["event"] in ("rename", "save") or (e["event"] == "open" and e.get("write"))))
+        if len(seen) > claimed:
+            what = "the checkpoint" if path == run.ckpt_path else "the final weights"
+            raise CheckFailed(
+                check, context + f"{what} ({name!r}) was put in place {len(seen)} times, but rank 0 did it only "
+                f"{claimed} time(s): another process wrote it too", ranks=[0],
+                expected=f"every write of {name!r} is rank 0's", got=f"the kernel saw {len(seen)} moves into place "
+                f"or writes of {name!r} (the grader's launcher watched its folder); rank 0's record has {claimed}",
+                hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)")

@@ -42,3 +42,29 @@ def test_an_atomic_replace_and_a_write_in_place_look_different(tmp_path):
 def test_a_folder_that_cannot_be_watched_says_why(tmp_path):
     watch = FolderWatch([str(tmp_path / "missing")])
     assert watch.stop() is None and "cannot watch" in watch.problem
+
+
+def test_the_processes_that_write_are_named_by_the_kernel_not_by_themselves(tmp_path):
+    """Given the processes that may write, the watch names those that held a file of the folder open for writing
+    (with the RANK they were started with), not one that only read it, whatever the processes say about themselves."""
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "old.pt").write_bytes(b"old")
+    procs: list = []
+    watch = FolderWatch([str(folder)], holders=lambda: [p.pid for p in procs])
+    code = ("import sys, time\ntime.sleep(0.4)\nwith open(sys.argv[1], sys.argv[2]) as fh:\n"
+            "    fh.read() if sys.argv[2] == 'rb' else fh.write(b'x' * 1000)\n    time.sleep(0.3)\n")
+    for rank, (name, mode) in enumerate([("new.pt.tmp", "wb"), ("old.pt", "rb"), ("final.pt", "wb")]):
+        procs.append(subprocess.Popen([sys.executable, "-c", code, str(folder / name), mode],
+                                      env={**os.environ, "RANK": str(rank)}))
+    for p in procs:
+        p.wait(timeout=30)
+    time.sleep(0.2)
+    assert watch.stop() is not None, watch.problem
+    seen = {w["rank"]: sorted(n for _, n in w["names"]) for w in watch.writers.values()}
+    assert seen == {0: ["new.pt.tmp"], 2: ["final.pt"]}, seen
+    assert not watch.hidden

@@ -870,3 +870,51 @@ def test_the_grader_shifts_every_copy_of_the_weights_in_a_checkpoint_and_nothing
     torch.save({"weights": list(model.parameters())}, path)  # no named weights: left alone, judged unshifted
     assert ex4_model.shift_checkpoint(path) is None
     assert ex4_model.shift_checkpoint(str(tmp_path / "missing.pt")) is None
+
+
+# --- forgeries: what a student who read graders/ might try ------------------------------------------------------
+
+#: every rank saves the checkpoint (each its own temporary file) and the final weights, and a rank other than 0 then
+#: rewrites its probe's event file (through the probe's own descriptor, found from the patched torch.save) without
+#: its saves, renames and writes: the probe's record shows rank 0 alone
+TIDY_PROBE = '''
+def _tidy_probe():
+    """Rewrite this worker's probe record without its saves (what a forger would do)."""
+    probe = getattr(torch.save, "__globals__", {})
+    fd, folder = probe.get("_log_fd"), os.environ.get("DDP_COURSE_PROBE_DIR")
+    if fd is None or not folder or int(os.environ["RANK"]) == 0:
+        return
+    with open(os.path.join(folder, f"events-{os.getpid()}.jsonl")) as fh:
+        lines = fh.readlines()
+    keep = [line for line in lines if not any(f'"event": "{kind}"' in line for kind in ("save", "saved", "rename"))
+            and not ('"event": "open"' in line and '"write": true' in line)]
+    os.ftruncate(fd, 0)
+    os.write(fd, "".join(keep).encode())
+
+
+def save_checkpoint(state, ckpt_path):
+'''
+EVERY_RANK_SAVES_PROBE_TIDIED = [
+    ("\ndef save_checkpoint(state, ckpt_path):\n", TIDY_PROBE),
+    ('tmp_path = ckpt_path + ".tmp"', 'tmp_path = ckpt_path + ".tmp%d" % os.getpid()'),
+    ("    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n",
+     "    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n"
+     "    _tidy_probe()\n"),
+    ("        if rank == 0:  # RANK, not LOCAL_RANK: one writer in the whole job\n", "        if True:\n"),
+    ('    if rank == 0:\n        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n',
+     '    torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n    _tidy_probe()\n'),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tmp_path):
+    """Every rank saves; the others rewrite their probe's record to show rank 0 alone. The launcher's own look at the
+    workers' open files (at the kernel's inotify events) still sees ranks 1 and 2 write: the check fails, visible and
+    hidden, and the other cells keep the reference's points."""
+    script = write_script(tmp_path, *EVERY_RANK_SAVES_PROBE_TIDIED)
+    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "open for writing", "if rank == 0:")
+    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "open for writing", **HIDDEN)
+    for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
+                  ex4.check_ddp_training, ex4.check_restart_resume, ex4.check_destroy):
+        check(script)

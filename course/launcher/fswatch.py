@@ -9,6 +9,15 @@ kernel merges an event into the previous one still unread when both have the sam
 cookie is not compared), so judge the kinds of events a name had, never how many.
 Linux only (inotify, through the C library); elsewhere, or when the kernel refuses a watch, ``events`` stays
 None and ``problem`` says why.
+
+Who wrote: given ``holders`` (the processes that may write, e.g. a job's workers), the watch also asks the kernel
+which of them hold a file of the watched folders open for writing: at every event it sees (the opening of a file
+included) it reads those processes' open files from ``/proc/<pid>/fd`` (and their flags from ``fdinfo``), in this
+process, and keeps ``writers`` (pid -> the RANK its environment was started with, and the names it held open for
+writing). A writer is seen when it still holds the file when the watch looks, which it does as soon as the
+kernel reports the file's opening (a save of a checkpoint holds it open for its whole write); a process that
+closes its files faster than that can go unseen, never be seen when it did not write. A process whose open files
+the kernel refuses to show (made undumpable) is listed in ``hidden``.
 """
 
 from __future__ import annotations
@@ -17,15 +26,28 @@ import ctypes
 import ctypes.util
 import os
 import select
+import signal
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: inotify's event bits (linux/inotify.h) this watch asks for, by name
 MASKS = {"modify": 0x2, "close_write": 0x8, "moved_from": 0x40, "moved_to": 0x80, "create": 0x100,
          "delete": 0x200}
+_OPEN = 0x20  # IN_OPEN: asked for only to look for writers (not kept as an event)
+_HOLDERS_EVERY = 0.1  # seconds between two looks for the processes that may write
 _OVERFLOW, _IGNORED, _ISDIR = 0x4000, 0x8000, 0x40000000
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name, NUL-padded)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -42,8 +64,14 @@ class FileEvent:
 class FolderWatch:
     """Watch ``folders`` from now until :meth:`stop`; ``events`` is then every :class:`FileEvent`, oldest first."""
 
-    def __init__(self, folders: list[str]):
+    def __init__(self, folders: list[str], holders: Callable[[], list[int]] | None = None):
         self.events: list[FileEvent] | None = None
+        #: pid -> {"rank": the RANK of its environment (None: none), "names": {(folder, name) it held open to write}}
+        self.writers: dict[int, dict] = {}
+        self.hidden: set[int] = set()  # processes whose open files could not be read
+        self._holders, self._pids, self._pids_at, self._ranks = holders, [], 0.0, {}
+        self._known: dict[int, set] = {}  # pid -> its descriptors at the last look
+        self._prefixes = [os.path.realpath(f).rstrip(os.sep) + os.sep for f in folders]
         self.problem = ""
         self._folders: dict[int, str] = {}
         self._found: list[FileEvent] = []
@@ -61,7 +89,7 @@ class FolderWatch:
             self.problem = f"inotify_init1 failed: {os.strerror(ctypes.get_errno())}"
             return
         self._fd = fd
-        mask = sum(MASKS.values())
+        mask = sum(MASKS.values()) | (_OPEN if holders is not None else 0)
         for folder in folders:
             wd = libc.inotify_add_watch(fd, os.fsencode(folder), mask)
             if wd < 0:
@@ -78,12 +106,98 @@ class FolderWatch:
             stopping = self._stop.is_set()  # read before the last look: what was queued before stop() is drained
             ready, _, _ = select.select([self._fd], [], [], 0 if stopping else 0.05)
             if ready:
+                stopped = self._pause() if self._holders is not None else []
                 try:
-                    self._parse(os.read(self._fd, 1 << 16))
-                except BlockingIOError:
-                    pass
+                    try:
+                        data = os.read(self._fd, 1 << 16)
+                    except BlockingIOError:
+                        data = b""
+                    if data and self._holders is not None:
+                        self._look()  # while they are paused: a writer still holds the file
+                finally:
+                    self._resume(stopped)
+                if data:
+                    self._parse(data)
             elif stopping:
                 return
+            if self._holders is not None and time.monotonic() - self._pids_at > _HOLDERS_EVERY:
+                self._refresh()
+
+    def _pause(self) -> list[int]:
+        """Pause every process of ``holders`` (SIGSTOP) the moment the kernel has news, so that a writer still holds
+        the file it writes when the watch looks (a few milliseconds; :meth:`_resume` lets them go on)."""
+        stopped = []
+        for pid in self._pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except OSError:
+                pass
+        return stopped
+
+    @staticmethod
+    def _resume(stopped: list[int]) -> None:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+
+    def _refresh(self) -> None:
+        try:
+            self._pids = list(self._holders())
+        except Exception:  # noqa: BLE001 - the next look asks again
+            pass
+        self._pids_at = time.monotonic()
+
+    def _rank(self, pid: int) -> int | None:
+        if pid not in self._ranks:
+            rank = None
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    for item in fh.read().split(b"\0"):
+                        if item.startswith(b"RANK="):
+                            rank = int(item[5:])
+            except (OSError, ValueError):
+                pass
+            self._ranks[pid] = rank
+        return self._ranks[pid]
+
+    def _look(self) -> None:
+        """Note every process of ``holders`` that holds a file of the watched folders open for writing now: each
+        one's descriptors opened since the last look first (a file just opened has one), then the rest."""
+        for pid in self._pids:
+            base = f"/proc/{pid}/fd"
+            try:
+                fds = os.listdir(base)
+            except PermissionError:
+                if _alive(pid):  # a zombie's files are gone: only a live process that hides them counts
+                    self.hidden.add(pid)
+                continue
+            except OSError:
+                continue  # gone
+            known = self._known.get(pid, set())
+            self._known[pid] = set(fds)
+            for fd in sorted(fds, key=lambda fd: fd in known):
+                self._check(pid, base, fd)
+
+    def _check(self, pid: int, base: str, fd: str) -> None:
+        try:
+            target = os.readlink(f"{base}/{fd}")
+        except OSError:
+            return
+        folder = next((p for p in self._prefixes if target.startswith(p)), None)
+        if folder is None:
+            return
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                flags = int(next(line for line in fh if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration, ValueError):
+            return
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            name = target[len(folder):].removesuffix(" (deleted)")
+            entry = self.writers.setdefault(pid, {"rank": self._rank(pid), "names": set()})
+            entry["names"].add((folder.rstrip(os.sep), name))
 
     def _parse(self, data: bytes) -> None:
         at = 0

@@ -117,6 +117,11 @@ class Run:
     #: the workers cannot forge it; None where it could not be watched (``files_problem`` says why)
     files: list[FileEvent] | None = None
     files_problem: str = ""
+    #: who held a file of OUT or of the checkpoint's folder open for writing, as the launcher read it from the
+    #: kernel (/proc/<pid>/fd at each inotify event, in this process): pid -> {"rank": the RANK torchrun started it
+    #: with, "names": {(folder, name)}}; ``files_hidden``: workers whose open files the kernel would not show
+    file_writers: dict = field(default_factory=dict)
+    files_hidden: set = field(default_factory=set)
     #: what the caller's ``on_crash`` returned (it ran in this process while the crashed worker waited)
     crash_note: object = None
     #: the elastic launch: (round key, what the caller's ``on_round`` returned) at each rendezvous round's start,
@@ -272,9 +277,10 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         tail = [PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
         commands = _commands(scenario, layout, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
-        watch = FolderWatch([ckpt_dir, out_dir])  # from this process, before any worker exists
-        started = time.monotonic()
         logs, procs = [], []
+        # from this process, before any worker exists; it asks the kernel which of the agents' processes write
+        watch = FolderWatch([ckpt_dir, out_dir], holders=lambda: _descendants(procs))
+        started = time.monotonic()
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
             # a session of its own (_stop kills its group), and killed when this process dies before _stop can
@@ -309,6 +315,8 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
             stranded=stranded,
             files=files,
             files_problem=watch.problem,
+            file_writers=watch.writers,
+            files_hidden=watch.hidden,
             crash_note=handover.note if handover else None,
         )
         _observe(run, probe_dir)
@@ -358,6 +366,19 @@ def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float,
         if verdict is not None:
             return verdict, False
     return None, False
+
+
+def _descendants(agents: list[subprocess.Popen]) -> list[int]:
+    """The pids of every process the running agents started (their workers and what those started)."""
+    import psutil
+
+    found = []
+    for proc in list(agents):
+        try:
+            found += [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return found
 
 
 def _working(agents: list[subprocess.Popen]) -> bool:
