@@ -11,8 +11,6 @@ Also here, at the notebook level: a realistic wrong fix of debug_training's give
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import submissions
 
