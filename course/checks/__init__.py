@@ -83,7 +83,7 @@ from course.errors import (
     lost_peer,
     rank_list,
 )
-from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout
+from course.grading.cells import CHECK_TIMEOUT, TIMEOUT_ENV, check_timeout, note_ran_on
 from course.grading.student import answer_source, describe
 from course.launcher.hold import Hold
 from course.launcher.job import JobResult, backend, launch, resolve_backend
@@ -195,8 +195,8 @@ def run(
     ``expected``: what the check expected of the student's function, shown with any failure of the job.
     ``stall_window``: see :func:`~course.launcher.job.launch` (only for a job the check knows will hang).
     """
-    if backend == "gloo":
-        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else env
+    note_ran_on(resolve_backend(backend, world_size), hidden=backend == "gloo")  # the grade report shows it
     try:
         return launch(harness, world_size, args=args, timeout=timeout or check_timeout(), echo=False, env=env,
                       stall_window=stall_window, backend=backend)

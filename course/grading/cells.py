@@ -36,6 +36,17 @@ def check_timeout() -> float:
         return CHECK_TIMEOUT
 
 
+#: what the checks' jobs in this process ran on, oldest first ("gloo, GPUs hidden", "nccl"): :func:`course.checks.run`
+#: notes each job; the verifier reads and clears it around each test cell, and the grade report shows it
+RAN_ON: list[str] = []
+
+
+def note_ran_on(backend: str, hidden: bool) -> None:
+    """Note one check job's backend (``hidden``: the GPUs were hidden from its ranks)."""
+    RAN_ON.append(f"{backend}, GPUs hidden" if hidden else backend)
+    del RAN_ON[:-100]  # a kernel that runs checks for hours keeps only the latest
+
+
 def nbgrader_meta(cell) -> dict:
     return cell.get("metadata", {}).get("nbgrader", {}) or {}
 

@@ -100,10 +100,11 @@ def print_report(report: GradeReport) -> None:
     table.add_column("test")
     table.add_column("points", justify="right")
     table.add_column("result")
+    table.add_column("ran on")
     for t in report.tests:
         first = t.message.splitlines()[0] if t.message else ""
         result = "[green]passed[/green]" if t.score >= t.max_score else f"[red]{_escape(first)}[/red]"
-        table.add_row(t.id, f"{t.score:g} / {t.max_score:g}", result)
+        table.add_row(t.id, f"{t.score:g} / {t.max_score:g}", result, _escape("; ".join(report.ran_on.get(t.id, []))))
     console.print(table)
     for note in report.notes:
         console.print(_escape(note), highlight=False)

@@ -43,6 +43,9 @@ class GradeReport:
     tests: list[CellResult] = field(default_factory=list)
     #: report-level lines: what the sandbox protected, test cells graded from the notebook's own output
     notes: list[str] = field(default_factory=list)
+    #: test id -> what its check jobs ran on, as the verifier saw them ("gloo, GPUs hidden", "nccl"); a test whose
+    #: cell started no job through the check API (or was not verified) has no entry
+    ran_on: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -91,6 +94,11 @@ def score_cell(cell: NotebookNode, max_score: float, ran: bool, why_not_run: str
     return CellResult(gid, score, max_score, message)
 
 
+def ran_on(cell: NotebookNode) -> list[str]:
+    """What a graded test cell's check jobs ran on (the verifier's record in its metadata), or []."""
+    return [str(r) for r in (cell.get("metadata", {}).get("ddp_course") or {}).get("ran_on") or []]
+
+
 def score_notebook(run: Execution, graded: list[GradedCell], name: str) -> GradeReport:
     """Score every graded cell of the source (by grade_id) in the executed notebook."""
     cells = {}
@@ -98,7 +106,7 @@ def score_notebook(run: Execution, graded: list[GradedCell], name: str) -> Grade
         gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
         if gid is not None and gid not in cells:
             cells[gid] = (index, cell)
-    tests = []
+    tests, backends = [], {}
     for g in graded:
         if g.grade_id not in cells:
             tests.append(CellResult(g.grade_id, 0.0, g.points, "test cell missing"))
@@ -106,4 +114,6 @@ def score_notebook(run: Execution, graded: list[GradedCell], name: str) -> Grade
         index, cell = cells[g.grade_id]
         cell.metadata["nbgrader"]["points"] = g.points
         tests.append(score_cell(cell, g.points, index in run.ran, run.aborted))
-    return GradeReport(name, sum(t.score for t in tests), sum(t.max_score for t in tests), tests)
+        if ran_on(cell):
+            backends[g.grade_id] = ran_on(cell)
+    return GradeReport(name, sum(t.score for t in tests), sum(t.max_score for t in tests), tests, ran_on=backends)

@@ -40,9 +40,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from course.grading import cells as cell_kinds
 from course.grading import checkcalls
 from course.grading.cells import TEST_CELL_TIMEOUT, is_test_cell
 from course.grading.student import StudentObject, StudentObjectUsed
@@ -73,6 +74,9 @@ class Verdict:
     #: for an unchecked cell: whether its own output in the notebook passes (nbgrader's rule)
     kernel_passed: bool | None = None
     points: float = 0.0
+    #: what the cell's check jobs ran on ("gloo, GPUs hidden", "nccl"), each once; empty when they started none
+    #: through :func:`course.checks.run` (an unchecked cell, a torchrun launch)
+    ran_on: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -162,6 +166,7 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                 v.status = result["status"]
                 v.message = result.get("message", "")
                 v.stdout = result.get("stdout", "")
+                v.ran_on = [str(r) for r in result.get("ran_on") or []]
     for v in verdicts.values():
         if v.status == "":
             v.status = "failed"
@@ -211,15 +216,19 @@ def _run_verifier(box, requests, cell_timeout: float, env: dict | None):
 def apply_verdicts(nb, verdicts: list[Verdict]):
     """Rewrite each test cell's outputs to its trusted verdict (in place; returns ``nb``).
 
-    Passed: one clean stdout output. Failed or not run: one error output with the
-    trusted message. Unchecked cells keep their own outputs, plus a note saying so.
+    Passed: one clean stdout output (with what its jobs ran on). Failed or not run: one error output with the
+    trusted message. Unchecked cells keep their own outputs, plus a note saying so. What the jobs ran on is
+    also in the cell's metadata (``ddp_course.ran_on``), for the grade report.
     """
     import nbformat
 
     for v in verdicts:
         cell = nb.cells[v.index]
+        if v.ran_on:
+            cell.setdefault("metadata", {}).setdefault("ddp_course", {})["ran_on"] = list(v.ran_on)
         if v.status == "passed":
-            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=v.stdout or "passed\n")]
+            text = (v.stdout or "passed\n") + (f"(ran on {ran_on_text(v.ran_on)})\n" if v.ran_on else "")
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
         elif v.status in ("failed", "not run"):
             cell.outputs = [nbformat.v4.new_output("error", ename="CheckFailed" if v.status == "failed" else "NotRun",
                                                    evalue=v.message, traceback=v.message.splitlines())]
@@ -227,6 +236,11 @@ def apply_verdicts(nb, verdicts: list[Verdict]):
             cell.outputs = list(cell.get("outputs", [])) + [
                 nbformat.v4.new_output("stream", name="stdout", text=f"(note: {v.message})\n")]
     return nb
+
+
+def ran_on_text(ran_on: list[str]) -> str:
+    """What a cell's jobs ran on, in words: "gloo, GPUs hidden", or "gloo, GPUs hidden; nccl"."""
+    return "; ".join(dict.fromkeys(ran_on))
 
 
 def summary(verdicts: list[Verdict]) -> list[str]:
@@ -309,6 +323,15 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
         signal.signal(signal.SIGALRM, previous)
 
 
+def verify_noting_backends(request: dict, cell_timeout: float) -> dict:
+    """One cell's result, with ``ran_on``: what each job its checks started ran on (:func:`course.checks.run` notes
+    each in :data:`course.grading.cells.RAN_ON`), each once, in order."""
+    cell_kinds.RAN_ON.clear()
+    result = _verify_cell(request, cell_timeout)
+    result["ran_on"] = list(dict.fromkeys(cell_kinds.RAN_ON))
+    return result
+
+
 def _restore_file(path: str, data: str) -> None:
     """Put back a file a check reads (as it was when the test ran), without leaving the work folder."""
     from course.grading.snapshot import _plain_relative
@@ -350,7 +373,7 @@ def serve() -> int:
     cell_timeout = float(request.get("cell_timeout", DEFAULT_CELL_TIMEOUT))
     for cell in request["cells"]:
         started = time.monotonic()
-        result = _verify_cell(cell, cell_timeout)
+        result = verify_noting_backends(cell, cell_timeout)
         result["seconds"] = round(time.monotonic() - started, 2)
         out.write(json.dumps({"nonce": nonce, **result}) + "\n")
         out.flush()
