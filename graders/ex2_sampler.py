@@ -22,8 +22,11 @@ knows torch's methods by their bytecode (a copy of torch's source executed under
 runs the same bytecode), and after the sampler's calls the harness looks through every function alive
 in the rank for a copy of torch's ``__init__`` or ``__iter__`` that is not torch's own (a reloaded
 ``torch.utils.data.distributed``, an ``exec`` of its source), which a profile hook removed by the
-student's code does not hide. What the harness watches with (torch's original methods, the fingerprints,
-``gc.get_objects``) is bound when this module is imported, before any student code runs in a rank.
+student's code does not hide. Nor does calling torch's originals behind the counting wrappers: each is held by a
+generator only (no attribute, closure or default of the grader hands it out), every call through it is counted in
+the rank since it began, and an audit hook counts the ways left to reach it (a generator's frame, the garbage
+collector's object lists, rewriting the class or a wrapper). What the harness watches with is bound when this
+module is imported, before any student code runs in a rank (:func:`_watch_torch_sampler`).
 """
 
 from __future__ import annotations
@@ -67,98 +70,178 @@ def _own_random_state(rank: int) -> None:
         pass
 
 
-_TORCH_CALLS = [0]  # calls of torch's DistributedSampler methods in this process, counted by _watch_torch_sampler
-_ORIGINAL_CODES: set = set()  # id() of torch's own code objects of those methods (kept alive by the wrappers)
-#: (bytecode, names) of torch's DistributedSampler.__init__ and __iter__: a copy of them runs the same bytecode,
-#: whatever file it was compiled from (__len__ and set_epoch are one line each, which a student's own may equal)
-_FINGERPRINTS: set = set()
+_METHODS = ("__init__", "__iter__", "__len__", "set_epoch")
+#: audit events through which torch's original methods could be reached behind the watch (see :func:`_audit`)
+_WATCHED_EVENTS = frozenset({"object.__getattr__", "object.__setattr__", "gc.get_objects", "gc.get_referrers",
+                             "gc.get_referents"})
 
 
 def _fingerprint(code) -> tuple:
     return code.co_code, code.co_names
 
 
-def _watch_torch_sampler() -> None:
-    """Count every call of torch's DistributedSampler methods, from now on in this process.
+def _ledger(originals: frozenset, fingerprints: frozenset, _objects=gc.get_objects, _function=type(_fingerprint),
+            _print=_fingerprint, _getpid=os.getpid):
+    """The watch's record, kept in a generator's frame: no attribute, closure or global of the grader holds it, and
+    the frame is reached only through ``gi_frame`` or the garbage collector, which the audit hook sees.
 
-    Run when this module is imported, which in a rank is before the student's objects are unpickled: a subclass
-    or a wrapped instance reaches torch's methods through the class, and finds these counting wrappers there."""
+    Commands (``send((command, arg))``): ``("tick", kind)`` counts a call of torch's methods (``"torch"``), a reach
+    behind the watch (``"tamper"``) or torch's code seen by the profile hook (``"profiled"``); ``("read", None)``
+    returns the counts since this process began; ``("forked", None)`` starts them again in a forked process (once:
+    a process's own counts are never reset); ``("scan", None)``: whether a function alive in this process runs
+    torch's ``__init__`` or ``__iter__`` bytecode without being torch's own (a reloaded module's, an exec of its
+    source under another name, a function made from the original code)."""
+    counts, born, reply = {"torch": 0, "tamper": 0, "profiled": 0}, _getpid(), None
+    while True:
+        command, arg = yield reply
+        reply = None
+        if command == "tick" and arg in counts:
+            counts[arg] += 1
+        elif command == "read":
+            reply = dict(counts)
+        elif command == "forked" and _getpid() != born:
+            counts, born = {k: 0 for k in counts}, _getpid()
+        elif command == "scan":
+            reply = any(type(obj) is _function and id(obj) not in originals and _print(obj.__code__) in fingerprints
+                        for obj in _objects())
+
+
+def _gate(original, ledger):
+    """Generator: the one holder of one of torch's original methods; every call through it is counted first."""
+    args, kwargs = yield
+    while True:
+        ledger(("tick", "torch"))
+        try:
+            reply = (True, original(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, without the frames that hold `original`
+            reply = (False, exc.with_traceback(None))
+        args, kwargs = yield reply
+
+
+def _counting(original, gate):
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        ok, value = gate((args, kwargs))
+        if ok:
+            return value
+        raise value
+
+    del counted.__wrapped__  # no handle on the original
+    counted._ddp_course_counted = True  # a reload of this module does not wrap it again
+    return counted
+
+
+def _audit(ledger, gates: frozenset, protected: frozenset, ledger_code, _getframe=sys._getframe):
+    """The audit hook (never removed): counts as a reach behind the watch reading a gate's frame, setting an attribute
+    of torch's DistributedSampler or of a counting wrapper (restoring or rewriting a method), and any use of the
+    garbage collector's object lists but the ledger's own scan (they hand out torch's original functions)."""
+
+    def hook(event, args):
+        if event not in _WATCHED_EVENTS:
+            return
+        try:
+            if event == "object.__getattr__":
+                tampered = id(args[0]) in gates
+            elif event == "object.__setattr__":
+                tampered = id(args[0]) in protected
+            else:
+                tampered = _getframe(1).f_code is not ledger_code
+            if tampered:
+                ledger(("tick", "tamper"))
+        except Exception:  # noqa: BLE001 - never disturb the code being audited
+            pass
+
+    return hook
+
+
+def _watch_torch_sampler() -> dict:
+    """Count every call of torch's DistributedSampler methods in this process, whatever reached them.
+
+    Run when this module is imported, which in a rank is before the student's objects are unpickled
+    (:func:`course.launcher.rank.load_payload`): each method of the class is replaced by a counting wrapper whose
+    original is held only by a generator (:func:`_gate`), so neither an attribute nor a closure nor a default hands
+    out an uncounted original; the counts live in another generator (:func:`_ledger`); an audit hook counts the ways
+    left to reach them (:func:`_audit`); a forked process counts anew. A reload of this module finds the wrappers and
+    the watch in place and keeps them."""
     from torch.utils.data import distributed
 
+    watch = globals().get("_WATCH")
+    if watch is not None:
+        return watch
     cls = distributed.DistributedSampler
-    for name in ("__init__", "__iter__", "__len__", "set_epoch"):
-        original = cls.__dict__.get(name)
-        if original is None:
-            continue
-        original = getattr(original, "_ddp_course_original", original)  # wrapped already (a reload of this module)
-        _ORIGINAL_CODES.add(id(original.__code__))
-        if name in ("__init__", "__iter__"):
-            _FINGERPRINTS.add(_fingerprint(original.__code__))
-        if getattr(cls.__dict__[name], "_ddp_course_counted", False):
-            continue
-
-        @functools.wraps(original)
-        def counted(*args, _original=original, **kwargs):
-            _TORCH_CALLS[0] += 1
-            return _original(*args, **kwargs)
-
-        del counted.__wrapped__  # no handle on the uncounted original
-        counted._ddp_course_counted = True
-        counted._ddp_course_original = original
-        setattr(cls, name, counted)
-
-
-_watch_torch_sampler()
+    originals = {name: cls.__dict__[name] for name in _METHODS if name in cls.__dict__}
+    if any(getattr(fn, "_ddp_course_counted", False) for fn in originals.values()):
+        return {"ledger": None, "fingerprints": frozenset()}  # another copy of this module (an exec of its source)
+    fingerprints = frozenset(_fingerprint(originals[n].__code__) for n in ("__init__", "__iter__") if n in originals)
+    ledger_gen = _ledger(frozenset(id(fn) for fn in originals.values()), fingerprints)
+    next(ledger_gen)
+    ledger = ledger_gen.send
+    gates, wrappers = [], []
+    for name, original in originals.items():
+        gate = _gate(original, ledger)
+        next(gate)
+        gates.append(gate)
+        wrappers.append(_counting(original, gate.send))
+        setattr(cls, name, wrappers[-1])
+    del original, originals  # this frame ends anyway; nothing of this module keeps them
+    protected = frozenset([id(cls), *(id(w) for w in wrappers)])
+    if "RANK" in os.environ:  # a rank (the harness's process), not the grader's or a notebook's
+        sys.addaudithook(_audit(ledger, frozenset(id(g) for g in (*gates, ledger_gen)), protected,
+                                ledger_gen.gi_code))
+        os.register_at_fork(after_in_child=lambda: ledger(("forked", None)))
+    return {"ledger": ledger, "fingerprints": fingerprints}  # the gates stay alive through the wrappers
 
 
-def _copies(_objects=gc.get_objects, _function=type(_watch_torch_sampler), _originals=_ORIGINAL_CODES,
-            _fingerprints=_FINGERPRINTS, _print=_fingerprint) -> bool:
-    """Whether a function alive in this process runs torch's DistributedSampler.__init__ or __iter__ bytecode
-    without being torch's own (a reloaded module's class, a class executed from its source under another name)."""
-    return any(type(obj) is _function and id(obj.__code__) not in _originals and _print(obj.__code__) in _fingerprints
-               for obj in _objects())
+_WATCH = _watch_torch_sampler()
+
+
+def _torch_sampler_used(_ledger=_WATCH["ledger"]) -> bool:
+    """Whether torch's DistributedSampler ran in this process, or was reached behind the watch, or copied (the
+    ledger's counts since the process began, and its scan)."""
+    if _ledger is None:
+        return False
+    counts = _ledger(("read", None))
+    return bool(counts["torch"] or counts["tamper"] or counts["profiled"] or _ledger(("scan", None)))
 
 
 class _TorchSamplerSpy:
-    """Whether torch's DistributedSampler ran while the student's sampler was used: the counting wrappers above,
-    a profile hook on code objects (the file, or torch's bytecode, tells, whatever name the code was reached by,
-    also after a reload of torch's module or an exec of its source), and, on leaving, a copy of torch's
-    methods among the live functions (which removing the profile hook does not hide)."""
+    """Whether torch's DistributedSampler ran while the student's sampler was used: the counting wrappers and the
+    audit hook above (:func:`_watch_torch_sampler`), a profile hook on code objects (the file, or torch's bytecode,
+    tells, whatever name the code was reached by, also after a reload of torch's module or an exec of its source),
+    and, on leaving, a copy of torch's methods among the live functions (which removing the profile hook does not
+    hide). What it concludes is read from the ledger, not from this object (which the student's code can reach)."""
 
-    def __init__(self, _calls=_TORCH_CALLS, _fingerprints=_FINGERPRINTS, _print=_fingerprint, _copies=_copies,
-                 _getprofile=sys.getprofile, _setprofile=sys.setprofile):
-        self._profiled = False
-        self._copied = False
+    def __init__(self, _ledger=_WATCH["ledger"], _fingerprints=_WATCH["fingerprints"], _getprofile=sys.getprofile,
+                 _setprofile=sys.setprofile, _used=_torch_sampler_used):
+        self._ledger, self._getprofile, self._setprofile, self._used = _ledger, _getprofile, _setprofile, _used
+        self._fingerprints = _fingerprints
         self._previous = None
-        self._counter, self._calls = _calls, 0
-        self._fingerprints, self._print, self._find_copies = _fingerprints, _print, _copies
-        self._getprofile, self._setprofile = _getprofile, _setprofile
-        self._known: dict = {}
+        self.seen = False
 
-    @property
-    def seen(self) -> bool:
-        return self._profiled or self._copied or self._counter[0] > self._calls
+    def _hook_for(self):
+        ledger, known, fingerprints = self._ledger, {}, self._fingerprints
 
-    def _hook(self, frame, event, arg):
-        if event != "call":
-            return
-        code = frame.f_code
-        known = self._known.get(id(code))
-        if known is None:  # each code object judged once (kept alive here, so its id is not reused)
-            known = self._known[id(code)] = (code, code.co_filename.endswith(_TORCH_SAMPLER_FILE)
-                                             or self._print(code) in self._fingerprints)
-        if known[1]:
-            self._profiled = True
+        def hook(frame, event, arg):
+            if event != "call":
+                return
+            code = frame.f_code
+            found = known.get(id(code))
+            if found is None:  # each code object judged once (kept alive here, so its id is not reused)
+                found = known[id(code)] = (code, code.co_filename.endswith(_TORCH_SAMPLER_FILE)
+                                           or _fingerprint(code) in fingerprints)
+            if found[1] and ledger is not None:
+                ledger(("tick", "profiled"))
+
+        return hook
 
     def __enter__(self):
-        self._calls = self._counter[0]
         self._previous = self._getprofile()
-        self._setprofile(self._hook)
+        self._setprofile(self._hook_for())
         return self
 
     def __exit__(self, *exc):
         self._setprofile(self._previous)
-        self._copied = self._find_copies()
+        self.seen = self._used()
         return False
 
 
@@ -186,7 +269,7 @@ def _issued(collectives) -> list[tuple]:
 
 
 def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=_REAL.collectives,
-                      _world_size=_REAL.get_world_size):
+                      _world_size=_REAL.get_world_size, _used=_torch_sampler_used):
     """Each case: this rank's indices in epochs 0 and 1 (set_epoch), epoch 1 again from a new sampler made
     after other random draws, and epoch 0 with another seed; and the collectives the sampler's calls ran (none
     is needed: the order is every rank's own function of seed and epoch)."""
@@ -210,11 +293,11 @@ def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=
             other.set_epoch(0)
             out.append({"epochs": epochs, "again": _indices(again), "other_seed": _indices(other)})
     communicated = sorted({op for entry in _issued(_collectives) if entry not in before for op in entry[2:]})
-    return {"cases": out, "torch_sampler": spy.seen, "communicated": communicated}
+    return {"cases": out, "torch_sampler": spy.seen or _used(), "communicated": communicated}
 
 
 def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_TorchSamplerSpy,
-                      _world_size=_REAL.get_world_size):
+                      _world_size=_REAL.get_world_size, _used=_torch_sampler_used):
     """Train a DDP model with the student's sampler in a DataLoader; note what reached the model every step."""
     dev = checks.join_job()
     world_size = _world_size()
@@ -243,7 +326,7 @@ def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_Torc
                 F.mse_loss(ddp_model(x.to(dev)), y.to(dev)).backward()
                 optimizer.step()
             per_epoch.append([list(batch) for batch in seen])
-    return {"epochs": per_epoch, "lengths": lengths, "torch_sampler": spy.seen}
+    return {"epochs": per_epoch, "lengths": lengths, "torch_sampler": spy.seen or _used()}
 
 
 # --- the verdicts ----------------------------------------------------------------------------------------
@@ -263,7 +346,8 @@ def _own(check, values) -> None:
     if used:
         raise CheckFailed(check, "your sampler runs torch's DistributedSampler", ranks=used,
                           expected="a sampler of your own (torch.utils.data.Sampler, or any class with __iter__, "
-                          "__len__ and set_epoch)", got="code of torch/utils/data/distributed.py ran in its calls, or a copy of it was made",
+                          "__len__ and set_epoch)", got="code of torch/utils/data/distributed.py ran in its calls, or a copy of it was made, or "
+                          "its original methods were reached behind the grader's watch",
                           hint="this part is about writing the split yourself: shuffle with a generator, pad or "
                           "drop, then take this rank's share")
 

@@ -277,3 +277,91 @@ def test_a_save_gathered_on_every_rank_loses_the_save_cell_whatever_the_loader()
     fails(ex3.check_shard_save, save_gathered_everywhere, "rank 0's files hold Adam state of parameters that rank 1 "
           "holds", "a gather", load_full_state=load_preferring_owners)
     ex3.check_shard_load(save_gathered_everywhere, load_full_state=load_preferring_owners)
+
+
+# --- the sampler: torch's original methods called behind the grader's counting wrappers --------------------
+
+import graders.ex2_sampler as sampler_checks  # noqa: E402
+
+_NAMES = ("__init__", "__iter__", "__len__", "set_epoch")
+
+
+def _originals_by_attribute():
+    """The attribute the counting wrappers used to carry."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    return {n: DistributedSampler.__dict__[n]._ddp_course_original for n in _NAMES}
+
+
+def _originals_by_garbage_collector():
+    """torch's functions among the live objects: the ones the class no longer holds."""
+    import gc
+
+    from torch.utils.data import distributed
+
+    held = distributed.DistributedSampler.__dict__
+    gc.unfreeze()  # the rank froze what its forkserver had loaded, torch's functions among them
+    return {o.__name__: o for o in gc.get_objects()
+            if type(o) is type(_originals_by_garbage_collector) and o.__name__ in _NAMES
+            and o.__code__.co_filename == distributed.__file__ and held.get(o.__name__) is not o}
+
+
+def _originals_by_closure():
+    """Whatever the wrapper's closure holds, opened up (a generator: its frame's locals)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    found = {}
+    for name in _NAMES:
+        held = DistributedSampler.__dict__[name].__closure__[0].cell_contents
+        holder = getattr(held, "__self__", None)
+        found[name] = holder.gi_frame.f_locals["original"] if hasattr(holder, "gi_frame") else held
+    return found
+
+
+class _UnwrappedTorchSampler:
+    """torch's DistributedSampler methods, called on this object directly with the profile hook removed first."""
+
+    find = None
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
+        sys.setprofile(None)
+        self._torch = type(self).find()
+        self._torch["__init__"](self, dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+
+    def __iter__(self):
+        sys.setprofile(None)
+        return iter(list(self._torch["__iter__"](self)))
+
+    def __len__(self):
+        sys.setprofile(None)
+        return self._torch["__len__"](self)
+
+    def set_epoch(self, epoch):
+        sys.setprofile(None)
+        self._torch["set_epoch"](self, epoch)
+
+
+class OriginalsByAttribute(_UnwrappedTorchSampler):
+    find = staticmethod(_originals_by_attribute)
+
+
+class OriginalsByGarbageCollector(_UnwrappedTorchSampler):
+    find = staticmethod(_originals_by_garbage_collector)
+
+
+class OriginalsByClosure(_UnwrappedTorchSampler):
+    find = staticmethod(_originals_by_closure)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forged", [OriginalsByAttribute, OriginalsByGarbageCollector, OriginalsByClosure])
+def test_torch_originals_called_behind_the_counting_wrappers_lose_every_sampler_check(forged):
+    """Before: the attribute and the garbage collector handed out uncounted originals, and all three sampler checks
+    passed. Now the attribute is gone (the answer raises), and the collector's lists and a gate's frame are counted
+    as reaching behind the watch; an original reached through the closure is counted as it runs."""
+    for check in (sampler_checks.check_sampler_shards, sampler_checks.check_sampler_order,
+                  sampler_checks.check_sampler_training):
+        message = fails(check, forged)
+        assert ("your sampler runs torch's DistributedSampler" in message
+                or "_ddp_course_original" in message), message
