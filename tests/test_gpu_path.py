@@ -1,0 +1,61 @@
+"""The GPU path's smaller items (issue 39, item 5), checked on a CPU machine: what each demo, spec, image and limit
+says or does about GPUs, so that the first GPU run meets what was written here."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def test_lesson4s_hang_demos_run_on_gloo_whatever_the_machine():
+    """monitored_barrier is gloo's only, and nccl's watchdog aborts a timed-out rank instead of raising: every job
+    of 'Finding a hang' pins gloo, and the lesson says why."""
+    cells = _cells(ROOT / "lessons" / "04-launching-with-torchrun.ipynb")
+    start = next(i for i, c in enumerate(cells) if "## 6. Finding a hang" in _source(c))
+    end = next(i for i, c in enumerate(cells) if i > start and _source(c).startswith("## Summary"))
+    calls = []
+    for cell in cells[start:end]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse(_source(cell))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "course.run_ranks":
+                calls.append(node)
+    assert len(calls) == 5
+    for call in calls:
+        backend = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg == "backend"}
+        assert backend == {"backend": "gloo"}, ast.unparse(call)
+    assert "Every job of this section runs on gloo" in _source(cells[start])
+
+
+def test_the_ex4_specs_say_the_launches_hide_the_gpus_as_the_runner_does():
+    runner = (ROOT / "course" / "launcher" / "torchrun" / "runner.py").read_text()
+    assert re.search(r'CUDA_VISIBLE_DEVICES="",', runner)  # the runner hides the GPUs from every worker
+    for name in ("torchrun.ipynb", "elastic.ipynb"):
+        text = " ".join(_source(c) for c in _cells(ROOT / "exercises" / "ex4-torchrun" / name)).replace("\n", " ")
+        assert "with the GPUs hidden (`CUDA_VISIBLE_DEVICES` empty)" in text, name
+        assert "would pick the same GPU 0" in text, name
+
+
+@pytest.mark.parametrize("gpus", [3, 4, 8])
+def test_with_a_gpu_per_rank_auto_would_pick_nccl_and_the_pinned_demos_keep_gloo(gpus, monkeypatch):
+    """Why the pin matters: on 3 or more GPUs the 3-rank demos would run on nccl by 'auto'."""
+    import course.launcher.gpus as gpu_module
+    from course.launcher import job
+
+    monkeypatch.setattr(gpu_module, "gpu_count", lambda: gpus)
+    assert job.resolve_backend("auto", 3) == "nccl"
+    assert job.resolve_backend("gloo", 3) == "gloo"
