@@ -221,6 +221,24 @@ def _workers(n: int) -> str:
     return f"{n} worker{'s' if n != 1 else ''}"
 
 
+def _require_loads(check: str, story: Story, r: Round, name: str, who: str, evidence: str) -> None:
+    """Explain a failure ``evidence`` shows (weights, or a job that did not finish) by the ranks whose probe saw no
+    load of CKPT, where some loaded it and some did not."""
+    none = [rank for rank, sha in r.loaded.items() if sha is None]
+    if not none or len(none) == len(r.loaded):
+        return
+    fresh_workers = [w for w in r.workers if w.rank in none
+                     and (w.of("start")[0]["env"].get("TORCHELASTIC_RESTART_COUNT") or "0") == "0"]
+    raise CheckFailed(
+        check, f"after {who}, {rank_list(none)} of {name} did not load the checkpoint while the others did: "
+        f"{evidence}", ranks=none, expected="every worker loads CKPT and continues from it", detail=_table(story),
+        hint=("the worker of a node that joins starts with TORCHELASTIC_RESTART_COUNT=0, while the others "
+              "have restarted: resuming only when the restart count is > 0 leaves it at the start. Load CKPT "
+              "whenever the file exists" if fresh_workers else
+              "every rank loads the checkpoint, not only rank 0 (the optimizer state and the position are each "
+              "rank's too)"))
+
+
 def _require_carried(check: str, story: Story, r: Round, role: str, who: str, end: dict | None, where: str) -> None:
     """The weights ``r`` left (``end``, read from ``where``) are a replay of its steps from CKPT as the grader left
     it at its start: only a job whose every worker loaded it (model and optimizer) carries the secret shift."""
@@ -258,18 +276,8 @@ def _require_carried(check: str, story: Story, r: Round, role: str, who: str, en
                f"the weights it left in {where} are those of its steps from a fresh model"),
             ranks=sorted(r.loaded), expected="every worker loads the checkpoint the job before it wrote last",
             got=f"max |diff| = {diff:.3g} to a replay from CKPT", hint=load_hint, detail=table)
-    if none:
-        fresh_workers = [w for w in r.workers if w.rank in none
-                         and (w.of("start")[0]["env"].get("TORCHELASTIC_RESTART_COUNT") or "0") == "0"]
-        raise CheckFailed(
-            check, f"after {who}, {rank_list(none)} of {name} did not load the checkpoint while the others did: "
-            f"the weights it left in {where} differ from a replay from CKPT by {diff:.3g}", ranks=none,
-            expected="every worker loads CKPT and continues from it", detail=table,
-            hint=("the worker of a node that joins starts with TORCHELASTIC_RESTART_COUNT=0, while the others "
-                  "have restarted: resuming only when the restart count is > 0 leaves it at the start. Load CKPT "
-                  "whenever the file exists" if fresh_workers else
-                  "every rank loads the checkpoint, not only rank 0 (the optimizer state and the position are each "
-                  "rank's too)"))
+    _require_loads(check, story, r, name, who, f"the weights it left in {where} differ from a replay from CKPT "
+                   f"by {diff:.3g}")
     off = _diverged(r, states)
     seen = ""
     if off is not None:
@@ -430,6 +438,9 @@ def check_elastic_grow(script: str = "elastic.py", nodes: tuple[int, int, int] =
     _require_checkpoint(check, story, grown, shrunk, "node C joined")
     if story.verified(shrunk):  # else the shrink check failed it: the weights it left are no replay of its steps
         _require_continued(check, story, shrunk, grown, "node C joined")
+    if not story.run.ok:
+        _require_loads(check, story, grown, f"the grown job ({_workers(grown.world_size)}, round {grown.number}, "
+                       f"nodes {grown.nodes})", "node C joined", "then the job did not finish")
     torchrun.require_ok(check, story.run)
     final = story.run.final
     if not isinstance(final, dict):
