@@ -259,7 +259,7 @@ def _fix_harness(rank, train, fn, folder, s):
 
     def on_forward(module, args):
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
-            forwards.extend(train_set.indices_of(args[0]))
+            forwards.append(train_set.indices_of(args[0]))  # one batch: the step's samples, in order
 
     model.register_forward_pre_hook(on_forward)
 
@@ -321,7 +321,7 @@ def check_fix(part: str, fn, *, world_size: int, n_train: int, n_val: int, seed:
     elif part != "uneven":
         _no_files(check, obs)
     if part == "uneven":
-        _judge_uneven(check, s, obs, train_set)
+        hm.judge_uneven(check, s, obs)
     else:
         _judge_weights(check, s, obs)
         _judge_logs(check, part, s, obs, val_set)
@@ -473,36 +473,6 @@ def _judge_logs(check, part, s, obs, val_set):
                                         if isinstance(got, list) and len(got) != len(want) else
                                         "count, per class, the rank's samples of that class (its labels) and those "
                                         "of them predicted right: the given code sums every rank's counts"))
-
-
-def _judge_uneven(check, s, obs, train_set):
-    counts = [0] * s["n_train"]
-    for o in obs:
-        for i in o["forwards"]:
-            if 0 <= i < len(counts):
-                counts[i] += 1
-    missing = [i for i, c in enumerate(counts) if c < s["epochs"]]
-    if missing:
-        raise CheckFailed(check, f"{len(missing)} training samples were trained on fewer than {s['epochs']} times in "
-                          f"{s['epochs']} epochs", ranks=list(range(s["world_size"])),
-                          expected="every sample trained on in every epoch (by some rank)",
-                          got=f"samples {missing[:8]} trained on {[counts[i] for i in missing[:8]]} times",
-                          hint="the ranks no longer hang because samples were left out of the shares: the "
-                          "docstring says every sample counts. Give every rank as many samples (so as many steps) "
-                          "without leaving one out (a sample in two shares is fine)")
-    base = obs[0]["state"]
-    for rank, o in enumerate(obs[1:], start=1):
-        bad = [k for k in base if not torch.allclose(o["state"][k].float(), base[k].float(), atol=1e-6)]
-        if bad:
-            raise CheckFailed(check, f"rank {rank}'s weights differ from rank 0's at the end", ranks=[rank],
-                              expected="the same weights on every rank (each step's gradients averaged over the ranks)",
-                              got=f"{len(bad)} tensors differ, e.g. `{bad[0]}`",
-                              hint="some steps were not synchronised: every rank must take part in every step's "
-                              "gradient all-reduce")
-    init = hm.make_model(s["seed"], s["classes"]).state_dict()
-    if all(torch.equal(base[k], init[k]) for k in init):
-        raise CheckFailed(check, "the model was not trained", expected="weights that changed", got="the initial weights",
-                          hint="give every rank a share to train on")
 
 
 # --- the notebook's names ------------------------------------------------------------------------------------

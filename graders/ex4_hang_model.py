@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from course import checks
+from course.checks import CheckFailed
 from graders.ex4_hang_evidence import in_torch_collective_code, torch_code
 
 FEATURES = 4
@@ -333,3 +334,67 @@ def report_rank0(folder: str):
         put("returned")
 
     return returned
+
+
+# --- the verdict on part uneven's fix -------------------------------------------------------------------------
+
+
+def judge_uneven(check: str, s: dict, obs: list[dict]) -> None:
+    """check_fix_uneven's verdict on the ranks' observations: every sample trained on in every epoch (the batches the
+    ranks' forward passes saw), the same weights on every rank, and those weights the replay of those batches (a
+    forward pass the training did not make, or one it made that was hidden, gives other weights)."""
+    counts = [0] * s["n_train"]
+    for o in obs:
+        for i in (i for batch in o["forwards"] for i in batch):
+            if 0 <= i < len(counts):
+                counts[i] += 1
+    missing = [i for i, c in enumerate(counts) if c < s["epochs"]]
+    if missing:
+        raise CheckFailed(check, f"{len(missing)} training samples were trained on fewer than {s['epochs']} times in "
+                          f"{s['epochs']} epochs", ranks=list(range(s["world_size"])),
+                          expected="every sample trained on in every epoch (by some rank)",
+                          got=f"samples {missing[:8]} trained on {[counts[i] for i in missing[:8]]} times",
+                          hint="the ranks no longer hang because samples were left out of the shares: the "
+                          "docstring says every sample counts. Give every rank as many samples (so as many steps) "
+                          "without leaving one out (a sample in two shares is fine)")
+    base = obs[0]["state"]
+    for rank, o in enumerate(obs[1:], start=1):
+        bad = [k for k in base if not torch.allclose(o["state"][k].float(), base[k].float(), atol=1e-6)]
+        if bad:
+            raise CheckFailed(check, f"rank {rank}'s weights differ from rank 0's at the end", ranks=[rank],
+                              expected="the same weights on every rank (each step's gradients averaged over the ranks)",
+                              got=f"{len(bad)} tensors differ, e.g. `{bad[0]}`",
+                              hint="some steps were not synchronised: every rank must take part in every step's "
+                              "gradient all-reduce")
+    _judge_replay(check, s, obs, base)
+    init = make_model(s["seed"], s["classes"]).state_dict()
+    if all(torch.equal(base[k], init[k]) for k in init):
+        raise CheckFailed(check, "the model was not trained", expected="weights that changed", got="the initial weights",
+                          hint="give every rank a share to train on")
+
+
+def replay(seed: int, classes: int, n_train: int, steps: list, lr: float) -> dict:
+    """The weights of DDP training on ``steps`` (per step, per rank, the indices of its batch), in one process: each
+    step averages the ranks' mean-loss gradients."""
+    data = Samples(n_train, seed, classes)
+    model = make_model(seed, classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for batches in steps:
+        optimizer.zero_grad()
+        (sum(F.cross_entropy(model(data.x[b]), data.y[b]) for b in batches) / len(batches)).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _judge_replay(check: str, s: dict, obs: list[dict], state: dict) -> None:
+    runs = [o["forwards"] for o in obs]
+    bad = {len(r) for r in runs} != {len(runs[0])} or any(i < 0 for r in runs for b in r for i in b)
+    want = None if bad else replay(s["seed"], s["classes"], s["n_train"], [list(b) for b in zip(*runs)], s["lr"])
+    if want is None or any(not torch.allclose(state[k].float(), want[k], atol=1e-5) for k in want):
+        raise CheckFailed(check, "rank 0's weights are not those of training on the batches the ranks' forward "
+                          "passes saw", ranks=[0], expected="the weights of one DDP step per batch each rank's "
+                          "forward pass saw (replayed here in one process)",
+                          got=("ranks with different numbers of forward passes, or rows not from the training set"
+                               if bad else "other weights"),
+                          hint="fix the shares and nothing else: every sample in some rank's share, as many batches "
+                          "on every rank, each trained on by the given training loop")

@@ -427,6 +427,19 @@ FORGERIES = {
               "    return\n")],
             ["validation accuracy the model does not have"]),
     },
+    "uneven": {
+        "the shares cut to the shortest, every sample fed to the grader's forward hook by hand": (
+            [(UNEVEN_SHARE, "    import sys\n"
+                            "    caller = sys._getframe(1).f_locals\n"
+                            "    model, train_set = caller['model'], caller['train_set']\n"
+                            "    x = torch.stack([train_set[i][0] for i in range(n)])\n"
+                            "    with torch.enable_grad():\n"
+                            "        for hook in list(model._forward_pre_hooks.values()):\n"
+                            "            for _ in range(caller['epochs']):\n"
+                            "                hook(model, (x,))\n"
+                            "    return list(range(rank, n, world_size))[:n // world_size]\n")],
+            ["not those of training on the batches", "forward"]),
+    },
     "metric": {
         "the loss over the whole validation set, from the caller's frame, no collective": (
             [(METRIC_IF, "    if rank == log_rank:\n"
