@@ -59,3 +59,43 @@ def test_with_a_gpu_per_rank_auto_would_pick_nccl_and_the_pinned_demos_keep_gloo
     monkeypatch.setattr(gpu_module, "gpu_count", lambda: gpus)
     assert job.resolve_backend("auto", 3) == "nccl"
     assert job.resolve_backend("gloo", 3) == "gloo"
+
+
+def test_a_torch_installed_without_its_runtime_wheels_is_found():
+    """The image installs torch with --no-deps: the CUDA build's nvidia-* wheels must come afterwards, and the build's
+    check names any that did not (markers evaluated: extras and other platforms' wheels are not asked for)."""
+    from course.launcher.gpus import missing_requirements
+
+    declared = ['nvidia-cublas-cu12==12.8.4.1; platform_system == "Linux"', "filelock",
+                'optree>=0.13.0; extra == "optree"', 'nvidia-x; platform_system == "Windows"', "sympy>=999"]
+    missing = missing_requirements(requires=declared)
+    assert missing[0] == declared[0] and missing[1].startswith("sympy>=999 (installed: ") and len(missing) == 2
+    assert missing_requirements() == []  # this venv's torch has everything it declares
+
+
+def test_the_image_build_checks_torchs_requirements_after_the_course_requirements():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    first = dockerfile.index('pip install --no-deps --find-links /tmp/wheels "$@" "torch==${TORCH_VERSION}"')
+    requirements = dockerfile.index("pip install -r /tmp/requirements.txt")
+    check = dockerfile.index("sys.exit(g.check_install())")
+    assert first < requirements < check
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("torch") for d in deps)  # why torch's own requirements come with the course's
+
+
+def test_the_sandbox_memory_grows_with_the_gpus_the_notebook_may_use(monkeypatch):
+    import course.launcher.gpus as gpus
+    from course.grading.kernel import CUDA_RANK_MEMORY, SandboxKernelManager, sandbox_memory
+    from course.sandbox import Limits
+
+    assert sandbox_memory(0) == Limits.memory  # sized for gloo ranks: unchanged on a CPU machine
+    assert sandbox_memory(4) == Limits.memory + 4 * CUDA_RANK_MEMORY
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 2)
+    assert SandboxKernelManager().memory_limit == Limits.memory + 2 * CUDA_RANK_MEMORY
+    from traitlets.config import Config
+
+    config = Config()
+    config.SandboxKernelManager.memory_limit = 5 << 30  # an instructor's setting wins
+    assert SandboxKernelManager(config=config).memory_limit == 5 << 30

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import Bool, Integer, List, Unicode
+from traitlets import Bool, Integer, List, Unicode, default
 
 from course.grading import snapshot
 from course.launcher.forkserver import PRELOAD as FORKSERVER_PRELOAD
 from course.sandbox import Limits, Sandbox
 from course.sandbox import zygote as zygotes
+from course.sandbox.limits import GiB
 
 #: what an autograde worker's zygote imports once, so that no kernel, verifier or rank forkserver it forks
 #: imports it again: the launcher's forkserver preload (the verifier forks the forkserver), the check API and
@@ -26,6 +27,24 @@ from course.sandbox import zygote as zygotes
 ZYGOTE_PRELOAD = (*FORKSERVER_PRELOAD, "course.launcher.job", "course.checks", "course.grading.checkcalls",
                   "course.grading.snapshot", "course.grading.student", *zygotes.PRELOAD,
                   "ipykernel.kernelapp", "ipykernel.ipkernel")
+
+
+#: host memory one nccl rank's CUDA context adds to a sandbox's cgroup, on top of :attr:`Limits.memory` (sized for a
+#: kernel and 4 gloo ranks): the CUDA libraries' pages, cuBLAS/cuDNN workspaces, NCCL's buffers in /dev/shm. Not
+#: measured here (no GPU was lent yet); torch's CUDA ranks commonly hold 0.5-1.5 GB each, and
+#: benchmarks/gpu_check.sh reports the sandbox's peak on a GPU machine
+CUDA_RANK_MEMORY = 2 * GiB
+
+
+def sandbox_memory(gpus: int | None = None) -> int:
+    """Bytes of memory for a grading sandbox: :attr:`Limits.memory`, plus :data:`CUDA_RANK_MEMORY` per GPU this
+    machine shows (the notebook's own jobs run a rank per GPU on nccl; the checks' jobs hide the GPUs). ``gpus``:
+    the count, else asked without initialising CUDA here (:func:`course.launcher.gpus.gpu_count`)."""
+    if gpus is None:
+        from course.launcher.gpus import gpu_count
+
+        gpus = gpu_count()
+    return Limits.memory + CUDA_RANK_MEMORY * max(0, int(gpus))
 
 
 class SandboxKernelManager(AsyncKernelManager):
@@ -40,13 +59,17 @@ class SandboxKernelManager(AsyncKernelManager):
     """
 
     hide = List(Unicode(), help="Paths the submission must not see (besides exercises/, tests/ and .git).").tag(config=True)
-    memory_limit = Integer(Limits.memory, help="Bytes of memory for the whole sandbox.").tag(config=True)
+    memory_limit = Integer(help="Bytes of memory for the whole sandbox (default: sandbox_memory()).").tag(config=True)
     nproc_limit = Integer(Limits.nproc, help="Processes and threads of the sandbox.").tag(config=True)
     cpu_limit = Integer(Limits.cpu_seconds, help="CPU seconds per process.").tag(config=True)
     file_size_limit = Integer(Limits.file_size, help="Largest file a sandboxed process may write.").tag(config=True)
     snapshot_checks = Bool(True, help="Record what each check call receives, for course.grading.verifier.").tag(config=True)
 
     sandbox: Sandbox | None = None
+
+    @default("memory_limit")
+    def _memory_limit(self) -> int:
+        return sandbox_memory()
 
     def limits(self) -> Limits:
         return Limits(memory=self.memory_limit, nproc=self.nproc_limit, cpu_seconds=self.cpu_limit,

@@ -158,6 +158,11 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                          "errors": snap.errors, "files": snap.files, "kinds": snap.kinds,
                          "callable": snap.callable, "sources": snap.sources, "cells": snap.cells})
     if requests:
+        if limits is None:
+            from course.grading.kernel import sandbox_memory
+            from course.sandbox import Limits
+
+            limits = Limits(memory=sandbox_memory())  # a check may ask for nccl ranks (backend="auto")
         with Sandbox(workdir, hide=hide, limits=limits) as box:
             if log:
                 log(box.summary)

@@ -61,3 +61,40 @@ def driver_used(maps: str = "/proc/self/maps") -> bool:
             return DRIVER_LIBRARY.encode() in fh.read()
     except OSError:
         return False
+
+
+def missing_requirements(package: str = "torch", requires: list[str] | None = None) -> list[str]:
+    """The requirements ``package`` declares (its metadata's, or ``requires``) that this environment lacks or has at
+    another version, extras aside: a torch installed with ``pip install --no-deps`` (the Docker image's first step)
+    whose CUDA runtime wheels (``nvidia-*``) did not come afterwards imports no CUDA library."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare venv: pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
+
+    missing = []
+    for text in metadata.requires(package) or [] if requires is None else requires:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra, or another platform's
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(text)
+            continue
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            missing.append(f"{text} (installed: {version})")
+    return missing
+
+
+def check_install() -> int:
+    """The image build's check of its torch (docker/Dockerfile): 0 when every requirement torch declares is
+    installed, else 1, naming them."""
+    lacking = missing_requirements()
+    import torch
+
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}): "
+          + ("every requirement it declares is installed" if not lacking else "missing " + ", ".join(lacking)))
+    return 1 if lacking else 0
