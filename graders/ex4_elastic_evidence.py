@@ -14,6 +14,7 @@ processes: the samples and learning rates a replay takes are what the probe saw,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -42,8 +43,14 @@ class Snapshot:
     problem: str = ""  # why the file could not be read as plain data, or holds no copy of the model's weights
 
 
+@functools.cache
+def _shapes() -> dict[str, torch.Size]:
+    """The model's state dict names and shapes, in order (its parameters are these, in this order)."""
+    return {k: v.shape for k, v in make_model().state_dict().items()}
+
+
 def _names() -> list[str]:
-    return list(make_model().state_dict())
+    return list(_shapes())
 
 
 def momentum_shift_of(seed: int) -> list[torch.Tensor]:
@@ -56,9 +63,9 @@ def _model_dicts(obj, found: list) -> None:
     """Every dict in ``obj`` that holds the model's state dict (its names, prefixes aside, as tensors)."""
     if isinstance(obj, dict):
         names = {str(k).removeprefix("module.").removeprefix("_orig_mod."): k for k in obj}
-        wanted = make_model().state_dict()
+        wanted = _shapes()
         if set(wanted) <= set(names) and all(isinstance(obj[names[n]], torch.Tensor)
-                                             and obj[names[n]].shape == wanted[n].shape for n in wanted):
+                                             and obj[names[n]].shape == wanted[n] for n in wanted):
             found.append((obj, names))
         for value in obj.values():
             _model_dicts(value, found)
@@ -74,7 +81,7 @@ def _optimizer_states(obj, found: list) -> None:
         state, groups = obj.get("state"), obj.get("param_groups")
         if isinstance(state, dict) and isinstance(groups, list):
             ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
-            shapes = [p.shape for p in make_model().parameters()]
+            shapes = list(_shapes().values())
             if len(ids) == len(shapes) and all(
                     isinstance(state.get(i), dict) and isinstance(state[i].get("momentum_buffer"), torch.Tensor)
                     and state[i]["momentum_buffer"].shape == s for i, s in zip(ids, shapes)):

@@ -735,3 +735,38 @@ def test_the_grader_shifts_every_copy_of_the_weights_and_momentum_in_ckpt_and_ke
     end = ev.at_round(str(path), False)  # at the end: read, not changed
     assert end.seed is None and torch.load(path, weights_only=True)["done"] == 1 and end.sha == ev.at_round(
         str(path), False).sha
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_runs_on_round_once_per_new_round_before_letting_its_workers_go(tmp_path):
+    """The elastic launch's gate: the first worker of each round (its key read from the probe's start event; a rank
+    met again under the same key opens a new round) makes the launcher call on_round before any go file of that
+    round exists; every waiting worker is let go once."""
+    import json
+
+    from course.launcher.torchrun.elastic import _Gates
+
+    calls = []
+
+    def on_round(path, starting):
+        calls.append((path, starting, sorted(p.name for p in tmp_path.glob("gate-*.go"))))
+        return len(calls)
+
+    def worker(pid, rank, size, port):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_PORT": str(port)}
+        (tmp_path / f"events-{pid}.jsonl").write_text(json.dumps({"event": "start", "pid": pid, "env": env}) + "\n")
+        (tmp_path / f"gate-{pid}.ready").touch()
+
+    gates = _Gates(str(tmp_path), "/ckpt.pt", on_round)
+    worker(1, 0, 2, 500)
+    worker(2, 1, 2, 500)
+    gates.tick()
+    worker(3, 0, 1, 501)  # the next round: another size and port
+    gates.tick()
+    worker(4, 0, 1, 501)  # rank 0 again under the same key: a new round
+    (tmp_path / "gate-5.ready").touch()  # no start event yet: waits
+    gates.tick()
+    assert calls == [("/ckpt.pt", True, []), ("/ckpt.pt", True, ["gate-1.go", "gate-2.go"]),
+                     ("/ckpt.pt", True, ["gate-1.go", "gate-2.go", "gate-3.go"])]
+    assert [note for _, note in gates.notes] == [1, 2, 3] and not (tmp_path / "gate-5.go").exists()
+    assert all((tmp_path / f"gate-{pid}.go").exists() for pid in (1, 2, 3, 4))
