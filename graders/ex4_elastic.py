@@ -317,7 +317,8 @@ def _lr_hint(rule: Rule) -> str:
 
 def _require_steps(check: str, story: Story, r: Round) -> None:
     """Each of ``r``'s steps followed the stated rule (dataset samples, as many per rank and per step as it says,
-    at its learning rate), none trained already in that epoch, each from the weights the steps before lead to."""
+    at its learning rate), none trained already in that epoch (the steps as the probe saw them: the weights the
+    round left, judged before, are a replay of these steps)."""
     table, rule, size = _table(story), story.rule, r.world_size
     before = steps_before(story, r)
     for i, per_rank in enumerate(r.batches):

@@ -200,6 +200,13 @@ WRONG = {
         [("    if os.path.exists(args.ckpt):",
           '    if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and os.path.exists(args.ckpt):')],
         [GROW], ["did not load the checkpoint while the others did", "TORCHELASTIC_RESTART_COUNT=0"]),
+    # the joining node loads the weights and the position, not the optimizer state: its momentum starts afresh, its
+    # weights drift from the others' after its first step, and the averaged gradients with them
+    "the joining node keeps a fresh optimizer": (
+        [('        optimizer.load_state_dict(saved["optimizer"])\n',
+          '        if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":\n'
+          '            optimizer.load_state_dict(saved["optimizer"])\n')],
+        [GROW], ["the grown job", "node C", "not those of its steps from CKPT", "the optimizer state"]),
     "the per-rank rule stated over a fixed global batch": (
         [('BATCH_RULE = "global"', 'BATCH_RULE = "per_rank"')],
         [SHRINK, GROW], ["carried 6 samples in all", 'your rule (BATCH_RULE = "per_rank")',
