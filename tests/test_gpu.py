@@ -1,14 +1,17 @@
-"""The nccl path on real GPUs: the engine, DDP, SyncBatchNorm and every lesson's rank functions.
+"""The nccl path on real GPUs: the engine, the check API's recorder, stall detection, the timeline, DDP, SyncBatchNorm
+and every lesson's jobs.
 
-Skipped where torch sees no CUDA (CI has none). On a GPU machine:
-``python -m pytest -m gpu``. Set ``DDP_COURSE_GPU_REPORT=DIR`` to keep a JSON report of
-the lesson probe (which lesson function ran on nccl, and how it ended).
+Skipped where torch sees no CUDA (CI has none). On a GPU machine: ``python -m pytest -m gpu`` (benchmarks/gpu_check.sh
+runs it in two parts, the lessons last). Set ``DDP_COURSE_GPU_REPORT=DIR`` to keep a JSON report of the lesson probe
+(each job a lesson ran, on which backend, and each rank function run again at world size = GPU count).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from pathlib import Path
 
 import nbformat
@@ -17,9 +20,10 @@ import torch
 import torch.nn as nn
 
 import course
+from course.launcher.gpus import gpu_count
 from course.launcher.job import resolve_backend
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPUS = gpu_count()  # asked without initialising CUDA in this process, which forks the ranks' forkserver
 
 pytestmark = [
     pytest.mark.gpu,
@@ -137,12 +141,90 @@ def test_nccl_asked_for_with_too_few_gpus_is_refused_before_any_rank_starts():
 
 
 def test_nccl_itself_refuses_two_ranks_on_one_gpu():
-    """Why the launcher refuses: NCCL fails a job whose ranks share a GPU (and the launcher says which)."""
-    with pytest.raises((course.RankFailedError, course.RankTimeoutError)) as info:
+    """Why the launcher gives each nccl rank its own GPU: NCCL fails a job whose ranks share one, and the
+    launcher's report names the failing ranks with NCCL's own words."""
+    with pytest.raises(course.RankFailedError) as info:
         course.launch(nccl_two_ranks_on_gpu_zero, 2, backend="gloo", echo=False, timeout=90)
     text = str(info.value)
     print(text[:3000])
-    assert "rank" in text
+    assert info.value.ranks, "the report names no failing rank"
+    assert re.search(r"Duplicate GPU detected|ncclInvalidUsage|invalid usage", text, re.I), text[:3000]
+
+
+# --------------------------------------------------------------------------- the check API and the launcher on nccl
+
+
+def collectives_on_nccl(rank):
+    import torch.distributed as dist
+
+    from course import checks
+
+    dev = checks.join_job()
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    time.sleep(0.5)  # nccl's watchdog marks a finished collective "completed" in its recorder
+    seen = checks.collectives()
+    dist.destroy_process_group()
+    return {"device": str(dev), "sum": t[0].item(), "entries": seen}
+
+
+def test_the_check_api_reads_nccls_recorder_and_the_report_says_nccl():
+    from course import checks
+    from course.grading import cells
+
+    cells.RAN_ON.clear()
+    job = checks.run("gpu_probe", collectives_on_nccl, GPUS, backend="auto")
+    assert cells.RAN_ON == ["nccl"] and job.backend == "nccl"
+    for rank, value in enumerate(job.values):
+        assert value["device"] == f"cuda:{rank}" and value["sum"] == GPUS
+        mine = [e for e in value["entries"] if e["op"] == "all_reduce"]
+        assert mine and all(e["backend"] == "nccl" for e in mine), value["entries"]
+        assert mine[-1]["state"] == "completed", value["entries"]
+
+
+def skips_a_collective(rank):
+    import torch.distributed as dist
+
+    device = _join_pinned()
+    if rank == 0:  # rank 1 never calls it: rank 0's all_reduce is queued and never completes
+        t = torch.ones(1, device=device)
+        dist.all_reduce(t)
+        t.item()  # spins here, outside torch.distributed: only nccl's recorder shows the wait
+    return rank
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_a_deadlock_on_nccl_is_found_from_the_recorders_states():
+    started = time.monotonic()
+    with pytest.raises(course.RankStallError) as info:
+        course.launch(skips_a_collective, 2, echo=False, timeout=150)
+    verdict = info.value.verdict
+    print(verdict.lined_up, verdict.hint, sep="\n")
+    assert (verdict.kind, verdict.waiting, verdict.returned) == ("returned", [0], [1])
+    assert "queued on the GPU and never completed" in verdict.lined_up
+    assert time.monotonic() - started < 60, "found at the deadline, not from the recorder"
+
+
+def timeline_on_nccl(rank):
+    import torch.distributed as dist
+
+    import course.timeline as timeline
+
+    device = _join_pinned()
+    t = torch.ones(1 << 20, device=device)
+    with timeline.record() as plain:
+        dist.all_reduce(t)
+    with timeline.record(synchronize=True) as synced:
+        dist.all_reduce(t)
+    dist.destroy_process_group()
+    return plain.events, synced.events
+
+
+def test_the_timeline_marks_nccl_calls_as_queued_unless_it_synchronizes():
+    for plain, synced in course.launch(timeline_on_nccl, GPUS, echo=False, timeout=120).values:
+        assert [e["name"] for e in plain] == ["all_reduce"] and plain[0]["queued"] is True
+        assert [e["name"] for e in synced] == ["all_reduce"] and "queued" not in synced[0]
 
 
 def test_ddp_on_nccl_matches_one_process_on_the_cpu():
@@ -177,59 +259,90 @@ def test_sync_batchnorm_on_nccl_keeps_the_global_batch_statistics():
 
 # --------------------------------------------------------------------------- the lessons on nccl
 
-_PROBE = """
-import inspect as _inspect, json as _json, course as _course
-_report = []
-for _name, _fn in list(globals().items()):
-    if not (_inspect.isfunction(_fn) and _fn.__module__ == "__main__" and not _name.startswith("_")):
-        continue
-    _params = list(_inspect.signature(_fn).parameters.values())
-    if not _params or _params[0].name != "rank":
-        continue
-    if any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in _params[1:]):
-        continue
+#: run before the lesson: every job it starts (course.run_ranks, course.launch) is noted with its function, world
+#: size, the backend asked for and the one it got, and whether it returned
+_RECORD = """
+import course as _course, course.launcher.job as _job
+_CALLS, _real_launch = [], _job.launch
+def _recording_launch(fn, world_size, *args, **kwargs):
+    row = {"function": getattr(fn, "__name__", repr(fn)), "world_size": world_size,
+           "asked": kwargs.get("backend", "auto"), "fn": fn, "args": kwargs.get("args", ())}
+    _CALLS.append(row)
     try:
-        _job = _course.launch(_fn, 1, echo=False, timeout=30)
-        _report.append({"function": _name, "backend": _job.backend, "ok": True, "seconds": round(_job.elapsed, 2)})
+        job = _real_launch(fn, world_size, *args, **kwargs)
+    except BaseException as exc:
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:800])
+        raise
+    row.update(ok=True, backend=job.backend)
+    return job
+_job.launch = _course.launch = _recording_launch
+"""
+
+#: run after the lesson: each function whose job returned there runs again at world size = GPU count, its real
+#: arguments (the lesson's own), on the backend 'auto' gives
+_PROBE = """
+import json as _json
+_report = {"calls": [{k: v for k, v in row.items() if k not in ("fn", "args")} for row in _CALLS], "reruns": []}
+_done = set()
+for _row in _CALLS:
+    if not _row.get("ok") or _row["asked"] != "auto" or _row["function"] in _done:
+        continue
+    _done.add(_row["function"])
+    _rerun = {"function": _row["function"], "world_size": {gpus}}
+    try:
+        _job = _real_launch(_row["fn"], {gpus}, args=_row["args"], echo=False, timeout=45)
+        _rerun.update(ok=True, backend=_job.backend, seconds=round(_job.elapsed, 2))
     except Exception as _exc:
-        _report.append({"function": _name, "ok": False, "error": f"{type(_exc).__name__}: {_exc}"[:1500]})
+        _rerun.update(ok=False, error=f"{type(_exc).__name__}: {_exc}"[:1500])
+    _report["reruns"].append(_rerun)
 print("PROBE " + _json.dumps(_report))
 """
 
 
-def _probe_lesson(path: Path) -> list[dict]:
+def _probe_lesson(path: Path) -> tuple[dict, str]:
+    """The lesson run with its jobs noted, then its functions at world size = GPU count: (report, its outputs)."""
+    import tempfile
+
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
-    import tempfile
-
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_RECORD))
+    nb.cells.append(nbformat.v4.new_code_cell(_PROBE.replace("{gpus}", str(GPUS))))
     with tempfile.TemporaryDirectory(prefix="ddp-course-gpu-") as tmp:
         NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": tmp}}).execute()
     text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.get("name") == "stdout")
-    return json.loads(text.split("PROBE ", 1)[1])
+    outputs = "".join(o.get("text", "") for cell in nb.cells[1:-1] for o in cell.get("outputs", []))
+    return json.loads(text.split("PROBE ", 1)[1]), outputs
+
+
+def expected_backend(asked: str, world_size: int) -> str:
+    """What a job should run on here: gloo where asked for, else nccl with a GPU per rank (1 GPU: 1-rank jobs only)."""
+    return "gloo" if asked == "gloo" else ("nccl" if GPUS >= world_size else "gloo")
 
 
 @pytest.mark.parametrize(
     "lesson", sorted((Path(__file__).parent.parent / "lessons").glob("*.ipynb")), ids=lambda p: p.name[:2]
 )
-def test_lesson_rank_functions_run_on_nccl(lesson):
-    """Each lesson runs top to bottom with a GPU visible; then each of its ``fn(rank)`` runs as one nccl rank.
-
-    Lessons show mistakes on purpose (a hang without join, device_ids on a CPU model, ...),
-    so a failing function is reported, not failed; the test fails when the lesson does not
-    run, when no function took the nccl path, or when most of them broke on it.
-    """
-    report = _probe_lesson(lesson)
+def test_lesson_jobs_take_the_gpu_counts_backend_and_its_functions_run_on_nccl_at_world_size_gpu_count(lesson):
+    """Each lesson runs top to bottom with the GPUs visible (a lesson cell that fails fails the test). Every job it
+    started took the backend this GPU count gives (nccl with a GPU per rank, gloo beyond or where the lesson pins
+    it). Then each rank function whose job returned runs again with the lesson's own arguments at world size = GPU
+    count: every such job takes nccl, and none fails with a CUDA or NCCL error (a failure that comes from the
+    function's own assumption about the world size is reported, not failed)."""
+    report, outputs = _probe_lesson(lesson)
     out = os.environ.get("DDP_COURSE_GPU_REPORT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"lesson{lesson.name[:2]}.json").write_text(json.dumps(report, indent=1))
-    for row in report:
-        print(row["function"], "ok" if row["ok"] else row["error"][:300])
-    if not report:  # lesson 4 runs its jobs as torchrun scripts: nothing to probe, it ran with a GPU visible
-        return
-    ok = [row for row in report if row["ok"]]
-    assert ok and {row["backend"] for row in ok} == {"nccl"}, report
-    assert len(ok) * 2 >= len(report), report
-
+    for row in report["calls"] + report["reruns"]:
+        print(row["function"], row["world_size"], row.get("backend"), "ok" if row["ok"] else row["error"][:300])
+    assert report["calls"], "the lesson started no job through course.run_ranks or course.launch"
+    wrong = [(r["function"], r["world_size"], r["asked"], r["backend"]) for r in report["calls"]
+             if r["ok"] and r["backend"] != expected_backend(r["asked"], r["world_size"])]
+    assert not wrong, f"jobs on another backend than {GPUS} GPU(s) give: {wrong}"
+    assert report["reruns"] or all(r["asked"] == "gloo" or not r["ok"] for r in report["calls"])
+    assert all(r["backend"] == "nccl" for r in report["reruns"] if r["ok"]), report["reruns"]
+    gpu_errors = [r for r in report["reruns"] if not r["ok"] and re.search(r"cuda|nccl|device", r["error"], re.I)]
+    assert not gpu_errors, gpu_errors
+    if lesson.name.startswith("04"):  # its torchrun scripts choose their backend themselves
+        assert ("backend=nccl" in outputs) == (GPUS >= 2), outputs[-3000:]
