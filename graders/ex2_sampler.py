@@ -185,10 +185,9 @@ def _watch_torch_sampler() -> dict:
         setattr(cls, name, wrappers[-1])
     del original, originals  # this frame ends anyway; nothing of this module keeps them
     protected = frozenset([id(cls), *(id(w) for w in wrappers)])
-    if "RANK" in os.environ:  # a rank (the harness's process), not the grader's or a notebook's
-        sys.addaudithook(_audit(ledger, frozenset(id(g) for g in (*gates, ledger_gen)), protected,
-                                ledger_gen.gi_code))
-        os.register_at_fork(after_in_child=lambda: ledger(("forked", None)))
+    # in every process that imports this module: a rank forked from one that had it imported inherits both
+    sys.addaudithook(_audit(ledger, frozenset(id(g) for g in (*gates, ledger_gen)), protected, ledger_gen.gi_code))
+    os.register_at_fork(after_in_child=lambda: ledger(("forked", None)))
     return {"ledger": ledger, "fingerprints": fingerprints}  # the gates stay alive through the wrappers
 
 

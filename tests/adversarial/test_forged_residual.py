@@ -365,3 +365,30 @@ def test_torch_originals_called_behind_the_counting_wrappers_lose_every_sampler_
         message = fails(check, forged)
         assert ("your sampler runs torch's DistributedSampler" in message
                 or "_ddp_course_original" in message), message
+
+
+def test_a_reload_of_the_sampler_grader_neither_wraps_again_nor_exposes_torchs_originals():
+    """The watch is made once per process: a reload finds the wrappers and the ledger in place; no attribute, closure
+    or default of a wrapper is torch's original; a call through the closure's holder is counted."""
+    import importlib
+
+    from torch.utils.data.distributed import DistributedSampler
+
+    ledger = sampler_checks._WATCH["ledger"]
+    wrappers = {n: DistributedSampler.__dict__[n] for n in _NAMES}
+    saved = dict(vars(sampler_checks))  # the other tests keep the functions they imported
+    try:
+        reloaded = importlib.reload(sampler_checks)
+        assert reloaded._WATCH["ledger"] is ledger
+        assert {n: DistributedSampler.__dict__[n] for n in _NAMES} == wrappers
+    finally:
+        vars(sampler_checks).clear()
+        vars(sampler_checks).update(saved)
+    for wrapper in wrappers.values():
+        assert not hasattr(wrapper, "_ddp_course_original") and not hasattr(wrapper, "__wrapped__")
+        assert wrapper.__defaults__ is None and wrapper.__kwdefaults__ is None
+        held = [cell.cell_contents for cell in wrapper.__closure__]
+        assert all(type(h).__name__ == "builtin_function_or_method" for h in held), held  # a generator's send
+    before = ledger(("read", None))["torch"]
+    ok, value = wrappers["__len__"].__closure__[0].cell_contents(((DistributedSampler(range(6), 2, 0),), {}))
+    assert ok and value == 3 and ledger(("read", None))["torch"] >= before + 2  # __init__ and __len__, both counted
