@@ -108,6 +108,7 @@ def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
     of that path, every attempt). More in the kernel's count: another process wrote it, whatever the records say.
     The grader's own move of the checkpoint at the crash (its shift, ``run.crash_note`` set) is taken off."""
     rank0 = [w for w in run.workers if w.rank == 0]
+    others = sorted({w.rank for w in run.workers if w.rank > 0})
     for path in (run.ckpt_path, os.path.join(run.out_dir, "final.pt")):
         folder, name = os.path.dirname(path), os.path.basename(path)
         seen = [e for e in run.files if e.folder == folder and e.name == name and e.kind in ("moved_to", "close_write")]
@@ -120,8 +121,10 @@ def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
         if len(seen) > claimed:
             what = "the checkpoint" if path == run.ckpt_path else "the final weights"
             raise CheckFailed(
-                check, context + f"{what} ({name!r}) was put in place {len(seen)} times, but rank 0 did it only "
-                f"{claimed} time(s): another process wrote it too", ranks=[0],
+                check, context + f"{what} ({name!r}) {'was' if path == run.ckpt_path else 'were'} put in place "
+                f"{len(seen)} times, but rank 0 did it only "
+                f"{claimed} time(s): another process wrote it too (the other ranks: "
+                f"{rank_list(others) if others else 'none'})", ranks=others,
                 expected=f"every write of {name!r} is rank 0's", got=f"the kernel saw {len(seen)} moves into place "
                 f"or writes of {name!r} (the grader's launcher watched its folder); rank 0's record has {claimed}",
                 hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)")

@@ -918,3 +918,20 @@ def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tm
     for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
                   ex4.check_ddp_training, ex4.check_restart_resume, ex4.check_destroy):
         check(script)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path, monkeypatch):
+    """With the launcher's look at the workers' open files switched off (a write can be over before it looks), the
+    kernel's count of the checkpoint's moves into place, more than rank 0's record claims, still fails the forgery;
+    the reference passes, the grader's own move of the checkpoint at the crash not counted against it."""
+    from course.launcher import fswatch
+
+    monkeypatch.setattr(fswatch.FolderWatch, "_look", lambda self: None)
+    edits = [*EVERY_RANK_SAVES_PROBE_TIDIED, ("import json\n", "import json  # count only\n")]
+    script = write_script(tmp_path, *edits)
+    fails(ex4.check_checkpoint_rank0, script, "'ckpt.pt') was put in place 12 times", "rank 0 did it only 4")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    ex4.check_checkpoint_rank0(write_script(reference, ("import json\n", "import json  # count only\n")), **HIDDEN)
