@@ -392,3 +392,50 @@ def test_a_reload_of_the_sampler_grader_neither_wraps_again_nor_exposes_torchs_o
     before = ledger(("read", None))["torch"]
     ok, value = wrappers["__len__"].__closure__[0].cell_contents(((DistributedSampler(range(6), 2, 0),), {}))
     assert ok and value == 3 and ledger(("read", None))["torch"] >= before + 2  # __init__ and __len__, both counted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_grader_global_swapped_while_unpickling_loses_exactly_its_cell_in_the_notebook(tmp_path):
+    """The verifier's path: the answer reaches the ranks as the notebook's own pickle, unpickled there after the
+    harness's module; the swap runs, and hides nothing."""
+    nb = submissions.load("ex2-ddp-basics", notebook="ddp_in_practice")
+    nb = submissions.replace_answer(nb, "ex2p_amp_clip_grads", '''
+import contextlib
+
+
+def _swap_the_graders_torch():
+    import graders.ex2_precision_model as harness_module
+
+    real = harness_module._REAL
+
+    class Filtered:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def collectives():
+            return [e for e in real.collectives() if e["op"] != "all_gather"]
+
+    harness_module._REAL = Filtered()
+
+
+class _OnUnpickle:
+    def __reduce__(self):
+        return (_swap_the_graders_torch, ())
+
+
+def amp_clip_grads(ddp_model, micro_batches, max_norm, _hide=_OnUnpickle()):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(x), y)
+            (loss / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    flat = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
+    dist.all_gather([torch.empty_like(flat) for _ in range(dist.get_world_size())], flat)
+''')
+    report = submissions.grade(submissions.write(nb, tmp_path, "ex2-ddp-basics", notebook="ddp_in_practice"))
+    submissions.assert_loses_exactly(report, "ex2-ddp-basics", ["ex2p_test_amp_sync"],
+                                     ["other collectives than DDP's all-reduce"], notebook="ddp_in_practice")
