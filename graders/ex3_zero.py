@@ -125,8 +125,8 @@ def loaded_state(check: str, save_shard, load_full_state, world_size: int, seed:
     return checks.memo(check, ("zero-load", save_shard, load_full_state, world_size, seed), job)
 
 
-#: decoy values sampled per tensor of another rank, and how many found in a rank's files make that tensor "held"
-FOREIGN_SAMPLE, FOREIGN_FOUND = 16, 4
+#: decoy values of another rank sampled (evenly over all its decoys), and how many found in a rank's files are a find
+FOREIGN_SAMPLE, FOREIGN_FOUND = 64, 16
 #: the most bytes of one rank's files the grader reads (a checkpoint here is a few hundred kilobytes)
 READ_LIMIT = 64 * 2**20
 
@@ -142,9 +142,11 @@ def foreign_state(folder: str, values: list[dict]) -> dict[int, dict[int, list[i
     grader itself, whatever loader the student wrote: {rank: {other rank: [parameter indices]}}.
 
     A decoy is random state only its own rank held, drawn there (:func:`graders.ex3_model._zero_save_harness`):
-    its values in another rank's file were moved there. Its float32 values are looked for as stored bytes (float32,
-    float64 either way round), :data:`FOREIGN_FOUND` of :data:`FOREIGN_SAMPLE` sampled per tensor being a find (one
-    random 4-byte pattern is in a few hundred kilobytes by chance once in ten thousand)."""
+    its values in another rank's file were moved there. :data:`FOREIGN_SAMPLE` values sampled over all of a rank's
+    decoys are looked for as stored bytes (float32, float64 either way round); :data:`FOREIGN_FOUND` found is a
+    find. A decoy's float32 value in [1, 2) has 23 random bits, so one of its patterns is somewhere in a few hundred
+    kilobytes by chance a few times in a hundred: a handful of chance finds among the sample, never a quarter of it,
+    while a file holding the other rank's state holds all of them."""
     decoy = round_of(values, "decoy")
     found: dict[int, dict[int, list[int]]] = {}
     for rank, obs in enumerate(decoy):
@@ -160,15 +162,15 @@ def foreign_state(folder: str, values: list[dict]) -> dict[int, dict[int, list[i
         for other, theirs in enumerate(values):
             if other == rank:
                 continue
-            for (index, _key), tensor in zip(theirs["held"], theirs["decoys"]):
-                flat = tensor.detach().reshape(-1).float()
-                step = max(1, flat.numel() // FOREIGN_SAMPLE)
-                sample = [float(v) for v in flat[::step][:FOREIGN_SAMPLE]]
-                hits = sum(any(p in blob for p in _patterns(v)) for v in sample)
-                if hits >= min(FOREIGN_FOUND, len(sample)):
-                    found.setdefault(rank, {}).setdefault(other, [])
-                    if int(index) not in found[rank][other]:
-                        found[rank][other].append(int(index))
+            owners = [int(index) for (index, _key), t in zip(theirs["held"], theirs["decoys"]) for _ in range(t.numel())]
+            flat = torch.cat([t.detach().reshape(-1).float() for t in theirs["decoys"]]) if owners else torch.zeros(0)
+            if flat.numel() < FOREIGN_FOUND:
+                continue  # too little state to tell
+            step = max(1, flat.numel() // FOREIGN_SAMPLE)
+            positions = range(0, flat.numel(), step)[:FOREIGN_SAMPLE]
+            hits = [i for i in positions if any(p in blob for p in _patterns(float(flat[i])))]
+            if len(hits) >= FOREIGN_FOUND:
+                found.setdefault(rank, {})[other] = sorted({owners[i] for i in hits})
     return found
 
 
