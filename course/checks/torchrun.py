@@ -24,6 +24,7 @@ from course.errors import (
     signal_of,
     were,
 )
+from course.grading.cells import note_ran_on
 from course.launcher.torchrun import elastic, runner
 from course.launcher.torchrun.elastic import Plan, node, rounds
 from course.launcher.torchrun.runner import NODES_TIMEOUT, RESTART_TIMEOUT, Run, Scenario, Worker, describe
@@ -48,14 +49,18 @@ def run_script(check: str, script: str, scenario: Scenario, *, layout: tuple[int
                crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None,
                vet: Callable[[str], None] | None = None) -> Run:
     """:func:`course.launcher.torchrun.runner.run_script` for ``check``: a missing or unwritten script fails it."""
-    return runner.run_script(_written(check, script, vet), scenario, layout=layout, crash=crash, on_crash=on_crash)
+    path = _written(check, script, vet)
+    note_ran_on("gloo", hidden=True)  # the runner hides the GPUs: a script's "nccl" cannot start, gloo runs
+    return runner.run_script(path, scenario, layout=layout, crash=crash, on_crash=on_crash)
 
 
 def run_elastic(check: str, script: str, *, plan: Plan, input_features: int = 0,
                 vet: Callable[[str], None] | None = None,
                 on_round: Callable[[str, bool], object] | None = None) -> Run:
     """:func:`course.launcher.torchrun.elastic.run_elastic` for ``check``: a missing or unwritten script fails it."""
-    return elastic.run_elastic(_written(check, script, vet), plan=plan, input_features=input_features,
+    path = _written(check, script, vet)
+    note_ran_on("gloo", hidden=True)  # as run_script: every elastic launch runs with the GPUs hidden
+    return elastic.run_elastic(path, plan=plan, input_features=input_features,
                                on_round=on_round)
 
 
