@@ -131,8 +131,11 @@ def pytest_configure(config):
 
 
 #: test files that share session fixtures (an executed lesson, the attacks' batches) or one machine-wide resource
-#: (the Docker engine): each set is one unit of work, on one worker, so nothing is built twice
-UNITS = {"lessons": ("tests/test_lesson",), "adversarial": ("tests/adversarial/",), "docker": ("tests/test_docker",)}
+#: (the Docker engine): each set is one unit of work, on one worker, so nothing is built twice. Of the adversarial
+#: files only test_attacks.py uses the batches; the forgeries, the sandbox's and the verifier's files are units of
+#: their own, so they run beside the batches on the other workers instead of after them on the same one
+UNITS = {"lessons": ("tests/test_lesson",), "adversarial": ("tests/adversarial/test_attacks.py",),
+         "docker": ("tests/test_docker",)}
 
 
 def unit_of(nodeid: str) -> str:
