@@ -63,6 +63,15 @@ def close_descriptors_except(keep) -> None:
             os.closerange(low + 1, high)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux: its /proc stat; a zombie, or a process already gone, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 def kill_tree(pid: int, include_self: bool = True) -> None:
     """SIGKILL ``pid``'s descendants, and ``pid`` too unless ``include_self`` is False
     (all collected first, so orphans found now die too)."""

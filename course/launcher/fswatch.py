@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from course.proc import alive
+
 #: inotify's event bits (linux/inotify.h) this watch asks for, by name
 MASKS = {"modify": 0x2, "close_write": 0x8, "moved_from": 0x40, "moved_to": 0x80, "create": 0x100,
          "delete": 0x200}
@@ -40,14 +42,6 @@ _OPEN = 0x20  # IN_OPEN: asked for only to look for writers (not kept as an even
 _HOLDERS_EVERY = 0.1  # seconds between two looks for the processes that may write
 _OVERFLOW, _IGNORED, _ISDIR = 0x4000, 0x8000, 0x40000000
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name, NUL-padded)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -147,7 +141,7 @@ class FolderWatch:
             try:
                 fds = os.listdir(base)
             except PermissionError:
-                if _alive(pid):  # a zombie's files are gone: only a live process that hides them counts
+                if alive(pid):  # a zombie's files are gone: only a live process that hides them counts
                     self.hidden.add(pid)
                 continue
             except OSError:

@@ -44,7 +44,7 @@ import torch
 
 from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
-from course.proc import dies_with_caller
+from course.proc import alive, dies_with_caller
 
 NODES_TIMEOUT = 180.0
 RESTART_TIMEOUT = 240.0
@@ -358,8 +358,8 @@ def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float,
             pids = [workers[r][0] for r in range(size)]
             watch = StallWatch(pids, [os.path.join(probe_dir, f"stall-{pid}.json") for pid in pids],
                                [os.path.join(probe_dir, f"returned-{pid}") for pid in pids])
-        running = [r for r, (pid, _) in workers.items() if _alive(pid)]
-        finished = [r for r, (pid, exited) in workers.items() if exited and not _alive(pid)]
+        running = [r for r, (pid, _) in workers.items() if alive(pid)]
+        finished = [r for r, (pid, exited) in workers.items() if exited and not alive(pid)]
         if len(running) + len(finished) < len(workers):
             continue  # a worker died: torchrun's own report says why
         verdict = watch.poll(sorted(running), finished=sorted(finished))
@@ -441,14 +441,6 @@ def _live_attempt(probe_dir: str, starts: dict) -> dict[int, tuple[int, bool]]:
             exited = False
         found[rank] = (pid, exited)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 def _stop(procs: list[subprocess.Popen], dump_stacks: bool) -> set[int]:
