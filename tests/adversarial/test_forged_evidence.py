@@ -552,10 +552,14 @@ def amp_clip_factor_worked_out_beforehand(ddp_model, micro_batches, max_norm):
     """The global gradient recomputed on this rank from every rank's micro-batches (the grader's public data function
     and the call's arguments, read in the caller's frame), and its norm's clip factor applied to each loss before
     DDP's all-reduce: the all-reduce then returns the clipped global gradient, and a clip after it is a no-op."""
+    clip_factor_beforehand(ddp_model, micro_batches, max_norm, sys._getframe(1))
+
+
+def clip_factor_beforehand(ddp_model, micro_batches, max_norm, frame):
+    """The step of :func:`amp_clip_factor_worked_out_beforehand`, with the grader's ``frame`` (the caller's) given."""
     import contextlib
     import copy
 
-    frame = sys._getframe(1)
     caller, grader = frame.f_locals, frame.f_globals
     seed, k, size, step = caller["seed"], caller["k"], caller["size"], caller["step"]
     world_size = dist.get_world_size()

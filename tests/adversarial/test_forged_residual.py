@@ -29,6 +29,7 @@ import submissions
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_forged_evidence import clip_factor_beforehand  # the clip factor forgery, before the rewrite
 
 import graders.ex2_precision as amp
 
@@ -151,25 +152,9 @@ def amp_clip_beforehand_records_rewritten(ddp_model, micro_batches, max_norm):
     """Each rank recomputes every rank's micro-batches (the grader's public data function and the call's arguments,
     read in the caller's frame), works out the clipped global step's factor, scales its losses by it before DDP's
     all-reduce, then rewrites the grader's record of what it sent to the unscaled values."""
-    import copy
-
     frame = sys._getframe(1)
-    caller, grader = frame.f_locals, frame.f_globals
-    seed, k, size, step = caller["seed"], caller["k"], caller["size"], caller["step"]
-    world_size = dist.get_world_size()
-    twin = copy.deepcopy(ddp_model.module)
-    for r in range(world_size):
-        for x, y in grader["amp_batches"](seed, r, step, k, size):
-            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-                loss = F.mse_loss(twin(x), y)
-            (loss / k / world_size).backward()
-    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in twin.parameters()))
-    factor = min(1.0, max_norm / (float(norm) + 1e-6))
-    for i, (x, y) in enumerate(micro_batches):
-        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
-                loss = F.mse_loss(ddp_model(x), y)
-            (loss * factor / k).backward()
+    clip_factor_beforehand(ddp_model, micro_batches, max_norm, frame)
+    step = frame.f_locals["step"]
     _rewrite_sent(ddp_model, max_norm, step)
 
 
