@@ -121,9 +121,8 @@ def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
         if len(seen) > claimed:
             what = "the checkpoint" if path == run.ckpt_path else "the final weights"
             raise CheckFailed(
-                check, context + f"{what} ({name!r}) {'was' if path == run.ckpt_path else 'were'} put in place "
-                f"{len(seen)} times, but rank 0 did it only "
-                f"{claimed} time(s): another process wrote it too (the other ranks: "
+                check, context + f"another process wrote {what} too: {name!r} {'was' if path == run.ckpt_path else 'were'} "
+                f"put in place {len(seen)} times, but rank 0 did it only {claimed} time(s) (the other ranks: "
                 f"{rank_list(others) if others else 'none'})", ranks=others,
                 expected=f"every write of {name!r} is rank 0's", got=f"the kernel saw {len(seen)} moves into place "
                 f"or writes of {name!r} (the grader's launcher watched its folder); rank 0's record has {claimed}",

@@ -910,11 +910,13 @@ EVERY_RANK_SAVES_PROBE_TIDIED = [
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tmp_path):
     """Every rank saves; the others rewrite their probe's record to show rank 0 alone. The launcher's own look at the
-    workers' open files (at the kernel's inotify events) still sees ranks 1 and 2 write: the check fails, visible and
-    hidden, and the other cells keep the reference's points."""
+    workers' open files (at the kernel's inotify events), or its count of moves into place, still sees the other
+    writers: the check fails, visible and hidden, and the other cells keep the reference's points."""
     script = write_script(tmp_path, *EVERY_RANK_SAVES_PROBE_TIDIED)
-    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "open for writing", "if rank == 0:")
-    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "open for writing", **HIDDEN)
+    # the launcher sees a writer in /proc/<pid>/fd while it holds the file, or else counts the kernel's moves into
+    # place: which of the two names it depends on timing, both say the checkpoint had another writer
+    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "if rank == 0:")
+    fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", **HIDDEN)
     for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
                   ex4.check_ddp_training, ex4.check_restart_resume, ex4.check_destroy):
         check(script)
@@ -931,7 +933,7 @@ def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path
     monkeypatch.setattr(fswatch.FolderWatch, "_look", lambda self: None)
     edits = [*EVERY_RANK_SAVES_PROBE_TIDIED, ("import json\n", "import json  # count only\n")]
     script = write_script(tmp_path, *edits)
-    fails(ex4.check_checkpoint_rank0, script, "'ckpt.pt') was put in place 12 times", "rank 0 did it only 4")
+    fails(ex4.check_checkpoint_rank0, script, "'ckpt.pt' was put in place 12 times", "rank 0 did it only 4")
     reference = tmp_path / "reference"
     reference.mkdir()
     ex4.check_checkpoint_rank0(write_script(reference, ("import json\n", "import json  # count only\n")), **HIDDEN)
