@@ -223,6 +223,40 @@ def holds_hidden_tests(path: str) -> bool:
         return False
 
 
+#: a stash's name: this prefix, the pid of the process that made it, "-", a random part
+STASH_PREFIX = "ddp-course-stash-"
+
+
+def sweep_stale_stashes(tmp: str | None = None) -> list[str]:
+    """Remove the stashes of :func:`hidden_notebooks_away` (in ``tmp``, the temporary folder) that a killed grading
+    left (its process is gone: a SIGKILL runs no ``finally``), if this user owns them; the paths removed. Each
+    holds a restored notebook, hidden tests included: nothing should keep it past its grading."""
+    import shutil
+    import tempfile
+
+    from course.proc import alive
+
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(STASH_PREFIX):].split("-", 1)[0]
+        if not name.startswith(STASH_PREFIX) or not pid.isdigit() or alive(int(pid)):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def hidden_notebooks_away(workdir: str):
     """Move the notebooks of ``workdir`` that hold hidden tests to a private folder for the block, then back."""
@@ -235,7 +269,8 @@ def hidden_notebooks_away(workdir: str):
     if not found:
         yield
         return
-    stash = tempfile.mkdtemp(prefix="ddp-course-stash-")
+    sweep_stale_stashes()
+    stash = tempfile.mkdtemp(prefix=f"{STASH_PREFIX}{os.getpid()}-")
     moved = []
     try:
         for k, path in enumerate(found):
