@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+import types
 
 import pytest
 import submissions
@@ -547,17 +548,28 @@ def test_a_worker_killed_by_a_signal_is_named_first_at_once(tmp_path):
 # --- the notebook: reference, untouched release, wrong submissions --------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(LAUNCH_TIMEOUT)
-def test_reference_solution_scores_full_marks(tmp_path):
+@pytest.fixture(scope="module")
+def reference_graded(tmp_path_factory):
+    """The reference notebook graded once (its three launches), with the runs its checks read, keyed as the
+    launcher's memo keys them: test_reference_solution_scores_full_marks asserts on the grade, and a test that must
+    judge the reference's own runs judges these (each test file runs in one process: no launch of its own)."""
     start = time.monotonic()
-    path = submissions.write(submissions.load(A), tmp_path, A)
+    path = submissions.write(submissions.load(A), tmp_path_factory.mktemp("reference"), A)
     report = submissions.grade(path)
     seconds = time.monotonic() - start
+    script = str(path.resolve().parent / "train.py")
+    runs = {key: run for key, run in runner._CACHE.items() if key[0] == script}
+    return types.SimpleNamespace(path=path, report=report, seconds=seconds, script=script, runs=runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_reference_solution_scores_full_marks(reference_graded):
+    path, report = reference_graded.path, reference_graded.report
     assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
     assert report.max_score == 15
     assert (path.parent / "train.py").exists()  # %%writefile wrote it next to the notebook
-    print(f"graded the reference ex4 notebook in {seconds:.1f} s")
+    print(f"graded the reference ex4 notebook in {reference_graded.seconds:.1f} s")
 
 
 @pytest.mark.slow
@@ -931,16 +943,26 @@ def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path, monkeypatch):
+def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path, monkeypatch, reference_graded):
     """With the launcher's look at the workers' open files switched off (a write can be over before it looks), the
     kernel's count of the checkpoint's moves into place, more than rank 0's record claims, still fails the forgery;
     the reference passes, the grader's own move of the checkpoint at the crash not counted against it."""
     from course.launcher import fswatch
+    from graders import ex4_probe
 
     monkeypatch.setattr(fswatch.FolderWatch, "_look", lambda self: None)
     edits = [*EVERY_RANK_SAVES_PROBE_TIDIED, ("import json\n", "import json  # count only\n")]
     script = write_script(tmp_path, *edits)
     fails(ex4.check_checkpoint_rank0, script, "'ckpt.pt' was put in place 12 times", "rank 0 did it only 4")
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    ex4.check_checkpoint_rank0(write_script(reference, ("import json\n", "import json  # count only\n")), **HIDDEN)
+    # the reference: its hidden restart run, launched by the reference notebook's grading (no launch here). The look
+    # saw no writer but rank 0 there, so the verdict came from the kernel's count alone, as with the look off: the
+    # count, called by itself, passes with the grader's own move of the checkpoint taken off, and so does the check
+    hidden = [key for key in reference_graded.runs if key[2:] == ("restart", (0, 3), (1, 1))]
+    assert len(hidden) == 1, list(reference_graded.runs)
+    run = reference_graded.runs[hidden[0]]
+    assert run.files is not None and run.crash_note is not None  # the kernel watched; the grader moved CKPT
+    assert {w["rank"] for w in run.file_writers.values()} <= {0} and not run.files_hidden
+    ex4_probe._commits_beyond_rank0("check_checkpoint_rank0", run, "")
+    runner._CACHE.update(reference_graded.runs)  # the launcher's memo: the check judges that same run
+    ex4.check_checkpoint_rank0(reference_graded.script, **HIDDEN)
+    assert runner._CACHE[hidden[0]] is run
