@@ -113,6 +113,10 @@ class Attack:
     file_name: str | None = None
     #: "grade" or "autograde" when the expected outcome differs by path
     per_path: dict = field(default_factory=dict)
+    #: the grading paths it is played on: those where its outcome can differ (see the table above ATTACKS)
+    paths: tuple[str, ...] = ("grade", "autograde")
+    #: played again by the rootless replay (tests/test_rootless.py): its outcome can depend on running without root
+    rootless: bool = False
 
     def bound(self) -> float:
         """Seconds grading this submission may take, at most."""
@@ -425,17 +429,107 @@ def _invalid_json(nb, ctx):
     return text[: len(text) // 2].encode()
 
 
+# --------------------------------------------------------------------------- where each attack is played
+#
+# Issue 38: each attack is played only on the paths where its outcome can differ (the root run), and again
+# without root (tests/test_rootless.py) only where running without root can change it.
+#
+# What decides an outcome, and which path runs it:
+# * both paths run the same code for: the sandbox's isolation (course.sandbox.wrapper: namespaces, rlimits,
+#   cgroup, uid; the same functions whether the wrapper was exec'd, on grade, or forked from the autograde
+#   worker's zygote and run in place), SandboxedExecute/GuardedExecution (cell time limits, the interrupt and
+#   its grace, the cap on a cell's output), VerifyTests and the verifier (the checks re-run in a trusted
+#   process), the launcher (a job's deadline, the stall detector, killing the ranks), the graders' checks,
+#   nbgrader's LimitOutput (pipeline.GRADING_STEPS, the one list both paths run);
+# * grade alone: reading the notebook (notebook.read), locked cells restored from the source notebook
+#   (restore.restore), the work folder a copy of the submission's folder (copy_submission), the exercises
+#   folder it was given hidden, the kernel and the verifier exec'd afresh (jupyter_client's Popen), scoring by
+#   score_notebook (a cell that never ran scores 0 through Execution.ran);
+# * autograde alone: nbgrader's autograde (reading and validating the notebook, restoring locked cells from
+#   the gradebook, SaveAutoGrades scoring from the outputs), the kernel and the verifier forked from the
+#   worker's zygote (which preloaded torch, course.checks and the launcher; the kernel's process is a
+#   ZygoteProcess, with its own poll, signal and kill), the pool's per-submission deadline and kill_tree,
+#   the course folder hidden (gradebook.db, source/, every student's submitted/), the record, the merge into
+#   the gradebook, feedback.
+# What running without root changes (the rootless sandbox): a user namespace instead of a uid of its own (the
+# sandbox runs as the grader's own uid), no cgroups (RLIMIT_AS for memory, RLIMIT_NPROC and a pid namespace
+# for processes), mounts made inside the user namespace, processes killed with the namespace's init.
+#
+# attack            paths      rootless  why
+# honest            both       yes   the control: every path, and the rootless sandbox, must give it every point
+# deadlock          autograde  yes   stopped by the launcher in the verifier and the kernel (stall detector, a
+#                                    job's deadline, the ranks killed): the same code on both paths; it only
+#                                    changes an answer cell, which both paths keep as written (every other
+#                                    attack shows that on both). Without root its ranks die with the pid namespace
+# sigint_loop       both       yes   its kernel is stopped after the grace through the kernel's process (Popen
+#                                    on grade, ZygoteProcess on autograde) and the cells after it are scored by
+#                                    each path's own scorer. Without root: killed through the namespace's init
+# os_exit           both       yes   the death is noticed through the kernel's process (Popen / ZygoteProcess.poll)
+#                                    and the cells after it score 0 by score_notebook / SaveAutoGrades. Without
+#                                    root the kernel is a child of the namespace's init, whose exit must still show
+# fork_bomb         both       yes   as sigint_loop; contained by the pids cgroup and a uid-wide kill as root, by
+#                                    RLIMIT_NPROC and the pid namespace without
+# memory_hog        both       yes   as os_exit (an OOM kill noticed through the kernel's process); without root
+#                                    RLIMIT_AS stops it instead of the memory cgroup (another expected outcome)
+# output_flood      autograde  no    cut in the grading process by GuardedExecution's output cap, the same on both
+#                                    paths, before either saves or scores the notebook; the kernel prints through
+#                                    ipykernel's messages, which the sandbox kind does not touch
+# read_sources      both       yes   what is hidden and what it looks for differ by path (the exercises folder on
+#                                    grade; the course folder, gradebook and other students on autograde).
+#                                    Without root the covering mounts are made in a user namespace
+# write_gradebook   both       yes   its targets differ by path (the gradebook and the other students' folders
+#                                    exist on autograde alone). Without root there is no sandbox uid: only the
+#                                    read-only mounts stop it
+# network           autograde  yes   stopped by the wrapper's network namespace (wrapper._isolate), the same
+#                                    function on both paths (autograde runs it forked from the zygote; the exec'd
+#                                    wrapper is tested by test_sandbox.py::test_network_is_only_the_namespace_loopback).
+#                                    Without root the namespace is made in a user namespace (the replay plays grade)
+# leak_history      both       yes   what the kernel is given and its work folder differ by path (restore and a
+#                                    copied folder / nbgrader's autograded/ folder), and autograde's feedback page.
+#                                    Without root it reads files as the grader's own uid
+# patch_graders     both       no    patches the graders in the kernel, which starts differently by path (exec'd /
+#                                    forked from a zygote that preloaded course.checks and the launcher: what its
+#                                    loop finds differs), and has a feedback page on autograde. Without root
+#                                    nothing differs for it: the patch stays in the kernel's memory
+# patch_launcher    both       no    as patch_graders (the launcher it replaces is preloaded on autograde)
+# patch_assert      both       no    as patch_graders (sys.modules and IPython's handler of a kernel started either way)
+# forge_dist        autograde  no    forges torch.distributed in the verifier's ranks and is judged by the check
+#                                    from its effects (the gradients): the graders and the launcher, the same on
+#                                    both paths; it only changes an answer cell. In memory: root does not matter
+# plant_modules     both       yes   plants modules where a Python started later imports from: the verifier is a
+#                                    fresh `python -s -P` on grade, forked with everything imported on autograde.
+#                                    Without root the sandbox has the grader's own uid, and so its site-packages
+# deleted_tests     both       no    restore vs nbgrader's gradebook (different outcomes); no sandbox decides it
+# duplicated_tests  both       no    restore vs nbgrader's validation (different outcomes); no sandbox decides it
+# split_test        both       no    restore vs nbgrader's restoring of locked cells; no sandbox decides it
+# renamed           both       no    matched by grade_ids vs by file name (different outcomes); before any sandbox
+# invalid_json      both       no    notebook.read vs nbgrader's reader; it never reaches a sandbox
+#
+# The waits: deadlock, sigint_loop, fork_bomb and memory_hog spend most of their time waiting on a limit
+# (the stall detector or CHECK_TIMEOUT, CELL_TIMEOUT + the interrupt's grace). Those waits are idle: the other
+# submissions graded alongside use the cores meanwhile (3 at a time on 2 cores), so shortening them would save
+# little CPU, the suite's bottleneck; and CELL_TIMEOUT and CHECK_TIMEOUT also bound the honest cells and jobs of
+# every submission on a loaded machine, where less would fail honest work.
+
+ONE_PATH = ("autograde",)  # where the attacks whose outcome cannot differ by path are played: the cheaper path
+
+
 ATTACKS = [
-    Attack("honest", _honest, "nothing to stop: the control submission", message=""),
+    Attack("honest", _honest, "nothing to stop: the control submission", message="",
+           rootless=True),
     Attack("deadlock", _deadlock, "the launcher's per-job deadline (kernel and verifier)", broken_answers=(1,),
-           message=r"did not finish within", extra=4 * CHECK_TIMEOUT),
+           message=r"did not finish within", extra=4 * CHECK_TIMEOUT,
+           paths=ONE_PATH, rootless=True),
     Attack("sigint_loop", _sigint_loop, "cell timeout, then the kernel is stopped when the interrupt is ignored",
-           fatal=True, message=r"did not stop when\s+interrupted", extra=CELL_TIMEOUT + GRACE),
+           fatal=True, message=r"did not stop when\s+interrupted", extra=CELL_TIMEOUT + GRACE,
+           rootless=True),
     Attack("os_exit", _os_exit, "the dead kernel costs only the cells after it", fatal=True,
-           message=r"kernel died"),
+           message=r"kernel died",
+           rootless=True),
     Attack("fork_bomb", _fork_bomb, "RLIMIT_NPROC/pids cgroup, cell timeout, uid-wide kill", fatal=True,
            survivable=True, message=r"did not stop when\s+interrupted|kernel died|CellTimeoutError",
-           extra=CELL_TIMEOUT + GRACE),
+           extra=CELL_TIMEOUT + GRACE,
+           rootless=True),
     # without root there is no memory cgroup: RLIMIT_AS makes the allocation fail (MemoryError in the cell) and
     # the rest runs; the grader is unharmed either way, and the score is the honest part. With the cgroup (v1),
     # the kernel is usually OOM-killed; under load it may instead thrash at the limit (the cgroup reclaims the
@@ -443,17 +537,23 @@ ATTACKS = [
     # tests after it run honestly (seen once in CI: "cell timed out after 15 s", the rest scored as the reference)
     Attack("memory_hog", _memory_hog, "memory cgroup: the kernel is killed (without root: RLIMIT_AS, MemoryError)",
            fatal=ROOT, survivable=ROOT,
-           message=r"kernel died|did not stop|CellTimeoutError" if ROOT else "", extra=CELL_TIMEOUT + GRACE),
+           message=r"kernel died|did not stop|CellTimeoutError" if ROOT else "", extra=CELL_TIMEOUT + GRACE,
+           rootless=True),
     Attack("output_flood", _output_flood, "output capped per cell, the rest dropped",
-           message=r"printed more than \d+ MB", extra=60),
+           message=r"printed more than \d+ MB", extra=60,
+           paths=ONE_PATH),
     Attack("read_sources", _read_sources, "mount namespace: sources and course folder covered by empty tmpfs",
-           message=""),
+           message="",
+           rootless=True),
     Attack("write_gradebook", _write_gradebook, "mount namespace (read-only empty tmpfs) and the sandbox uid",
-           message=""),
+           message="",
+           rootless=True),
     Attack("network", _network, "network namespace with only loopback: no interface, no route, "
-           "none of the host's own addresses", message=""),
+           "none of the host's own addresses", message="",
+           paths=ONE_PATH, rootless=True),
     Attack("leak_history", _leak_history, "the kernel never gets hidden tests (the verifier runs them); "
-           "feedback redacts test cells", message=""),
+           "feedback redacts test cells", message="",
+           rootless=True),
     Attack("patch_graders", _patch_graders, "verifier re-runs the real checks in a trusted process",
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("patch_launcher", _patch_launcher, "verifier: the kernel's launcher is not the verifier's",
@@ -461,10 +561,12 @@ ATTACKS = [
     Attack("patch_assert", _patch_assert, "verifier: AssertionError, sys.modules and IPython's handler stay in the kernel",
            broken_answers=(0, 1, 2, 3, 4, 5), message=r"FAILED check_"),
     Attack("forge_dist", _forge_dist, "checks judge effects (the gradients after averaging), not what "
-           "torch.distributed's functions say", broken_answers=(1,), message=r"still this rank's own gradient"),
+           "torch.distributed's functions say", broken_answers=(1,), message=r"still this rank's own gradient",
+           paths=ONE_PATH),
     Attack("plant_modules", _plant_modules, "verifier runs python -s -P with a fresh home: nothing imported from "
            "the work folder or the user's site-packages", broken_answers=(0, 1, 2, 3, 4, 5),
-           message=r"FAILED check_"),
+           message=r"FAILED check_",
+           rootless=True),
     Attack("deleted_tests", _deleted_tests, "grade: locked cells restored from the source; autograde: nbgrader "
            "scores the missing test cells 0", message="",
            per_path={"autograde": dict(zero=True)}),
@@ -480,6 +582,17 @@ ATTACKS = [
            ungradable=True, message=r"not a readable notebook|not valid|failed|JSON|Unterminated|Expecting"),
 ]
 BY_NAME = {a.name: a for a in ATTACKS}
+#: "rootless": play only the attacks marked ``rootless``, on whichever paths the run plays (tests/test_rootless.py)
+PLAY_ENV = "DDP_COURSE_ADVERSARIAL_PLAY"
+
+
+def played(path: str) -> list[Attack]:
+    """The attacks graded on ``path`` ("grade" or "autograde") in this run: each on its :attr:`Attack.paths`;
+    in the rootless replay (``DDP_COURSE_ADVERSARIAL_PLAY=rootless``) the ``rootless`` ones, on every path it plays
+    (the sandbox without root is what it tests; the root run plays each attack on the paths where it can differ)."""
+    if os.environ.get(PLAY_ENV, "") == "rootless":
+        return [a for a in ATTACKS if a.rootless]
+    return [a for a in ATTACKS if path in a.paths]
 
 
 def for_path(attack: Attack, path: str) -> Attack:

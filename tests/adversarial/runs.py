@@ -1,4 +1,7 @@
-"""Grade every attack submission once per session, on both grading paths, and keep what happened.
+"""Grade the attack submissions once per session, on both grading paths, and keep what happened.
+
+Each path grades the attacks :func:`attacks.played` gives it: every attack on the paths where its outcome
+can differ (:attr:`attacks.Attack.paths`; the table above ``attacks.ATTACKS`` says why for each).
 
 (conftest.py turns :func:`grade_batch` and :func:`autograde_batch` into session fixtures.)
 
@@ -8,7 +11,7 @@
 * ``autograde`` path: ``ddp-course init``, ``release``, then ``ddp-course autograde
   --jobs 3`` with the nbgrader_config.py ``init`` wrote (its
   :data:`course.grading.pipeline.GRADING_STEPS`, the steps ``grade`` runs too);
-  every attack is one student, graded in the same run as an honest one; then
+  every attack played there is one student, graded in the same run as an honest one; then
   ``ddp-course feedback`` for the students whose pages must show no hidden test.
 
 The base is exercise 1's source notebook (DDP_COURSE_ADVERSARIAL_BASE=tiny: the
@@ -302,7 +305,7 @@ def grade_batch(tmp_path_factory) -> Batch:
     victim_paths = [honest_dir / base.name, base]
     ctx = _context(listener, [base, base_path()], victim_paths, [honest_dir, base.parent])
     paths, submissions = {}, {}
-    for attack in attacks.ATTACKS:
+    for attack in attacks.played("grade"):
         raw, nb = attacks.build(attack, source, ctx)
         folder = root / attack.name / base.parent.name
         folder.mkdir(parents=True)
@@ -370,7 +373,7 @@ def autograde_batch(tmp_path_factory) -> Batch:
     victim_paths = [honest_dir / base.name, course_dir / "gradebook.db", *secret]
     ctx = _context(listener, [*secret, base], victim_paths, [honest_dir, course_dir / "submitted"])
     submissions = {}
-    for attack in attacks.ATTACKS:
+    for attack in attacks.played("autograde"):
         raw, nb = attacks.build(attack, source, ctx)
         folder = course_dir / "submitted" / attack.name / assignment
         folder.mkdir(parents=True)
@@ -385,7 +388,7 @@ def autograde_batch(tmp_path_factory) -> Batch:
     time.sleep(1)
     listener.close()
     outcomes = {}
-    for attack in attacks.ATTACKS:
+    for attack in attacks.played("autograde"):
         student = attack.name
         record_path = course_dir / ".ddp-course" / "autograde" / assignment / f"{student}.json"
         record = json.loads(record_path.read_text()) if record_path.is_file() else {}
@@ -404,7 +407,7 @@ def autograde_batch(tmp_path_factory) -> Batch:
                                     f"{record.get('reason', '')}")
     left = leftovers()
     # feedback pages of the students who try to read hidden tests back (plus the control)
-    readers = [a.name for a in attacks.ATTACKS if a.name in FEEDBACK_STUDENTS]
+    readers = [a.name for a in attacks.played("autograde") if a.name in FEEDBACK_STUDENTS]
     feedback = subprocess.run(["ddp-course", "feedback", *(f"--student={s}" for s in readers)], cwd=course_dir,
                               capture_output=True, text=True, env=env, timeout=600)
     pages = {s: "\n".join(p.read_text(errors="replace") for p in
