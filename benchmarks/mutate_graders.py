@@ -105,7 +105,8 @@ def copy_repo(dest: Path, root: Path = ROOT) -> None:
 
 
 def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
-    """Run ``tests`` in ``copy``: ("passed" | "failed" | "timeout", seconds, the first failing test)."""
+    """Run ``tests`` in ``copy``: ("passed" | "failed" | "timeout", seconds, the first failing test, or else the
+    end of pytest's output)."""
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
     try:
@@ -115,7 +116,8 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[str, float,
     except subprocess.TimeoutExpired:
         return "timeout", time.monotonic() - start, ""
     seconds = time.monotonic() - start
-    failed = next((line.split(" ", 2)[1] for line in proc.stdout.splitlines() if line.startswith("FAILED ")), "")
+    failed = next((line.split(" ", 2)[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))),
+                  (proc.stdout + proc.stderr)[-1500:])
     if proc.returncode == 5:
         raise SystemExit(f"pytest collected no tests from {tests}")
     return ("passed" if proc.returncode == 0 else "failed"), seconds, failed
@@ -133,7 +135,7 @@ def run(module: str, tests: list[str], *, lines: set[int] | None = None, timeout
         copy_repo(copy, root)
         outcome, seconds, failed = run_tests(copy, tests, timeout)
         if outcome != "passed":
-            raise SystemExit(f"the baseline does not pass ({outcome}, first failure {failed or '?'}): fix it first")
+            raise SystemExit(f"the baseline does not pass ({outcome}): fix it first; first failure: {failed}")
         echo(f"baseline passed in {seconds:.0f} s; {len(chosen)} mutants of {module}")
         target = copy / module
         for site in chosen:
