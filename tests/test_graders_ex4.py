@@ -934,15 +934,24 @@ EVERY_RANK_SAVES_PROBE_TIDIED = [
 def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tmp_path):
     """Every rank saves; the others rewrite their probe's record to show rank 0 alone. The launcher's own look at the
     workers' open files (at the kernel's inotify events), or its count of moves into place, still sees the other
-    writers: the check fails, visible and hidden, and the other cells keep the reference's points."""
+    writers: the check fails, visible and hidden, and the other cells keep the reference's points (on the two runs
+    the check reads: see below)."""
     script = write_script(tmp_path, *EVERY_RANK_SAVES_PROBE_TIDIED)
     # the launcher sees a writer in /proc/<pid>/fd while it holds the file, or else counts the kernel's moves into
     # place: which of the two names it depends on timing, both say the checkpoint had another writer
     fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", "if rank == 0:")
     fails(ex4.check_checkpoint_rank0, script, "wrote the checkpoint too", **HIDDEN)
+    # the other cells keep their points on these two runs: the visible checks that read the 2-node run, and every
+    # hidden variant (the hidden restart run). Not launched for this forgery: the standalone restart run the visible
+    # standalone-ranks and restart cells read. That they keep their points when every rank saves the checkpoint and
+    # the final weights, the notebook grades of WRONG prove ("checkpoint saved on every rank", "final weights saved
+    # on every rank": exactly their cells lost); the probe's tidying cannot reach those two checks, which read the
+    # reports, the loads and the optimizer steps, and it removes only the saves, renames and opens for writing
+    for check in (ex4.check_multinode_ranks, ex4.check_atomic_checkpoint, ex4.check_ddp_training, ex4.check_destroy):
+        check(script)
     for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
                   ex4.check_ddp_training, ex4.check_restart_resume, ex4.check_destroy):
-        check(script)
+        check(script, **HIDDEN)
 
 
 @pytest.mark.slow
