@@ -403,12 +403,9 @@ def _judge_shards(check, shares, n, drop_last, world_size, where, epoch) -> None
                           expected="each index on one rank" + (f" (only the {padding} padding indices repeat)"
                                                                 if padding else ""),
                           got=f"{extra} extra repeats, e.g. indices {repeated[:8]} on several ranks", hint=hint)
-    if not drop_last:
-        missing = sorted(set(range(n)) - set(counts))
-        if missing:
-            raise CheckFailed(check, f"{len(missing)} index(es) are on no rank in epoch {epoch} ({where})",
-                              expected=f"all {n} indices, spread over the ranks", got=f"missing {missing[:8]}",
-                              hint="with drop_last=False every index is used each epoch: pad the order, never cut it")
+    # with drop_last=False every index is on some rank now: the shares hold n + padding indices, all in 0 .. n-1
+    # (_bad_values), at most `padding` of them repeats, so n distinct ones (a mutation run found the check of missing
+    # indices that stood here unreachable)
 
 
 def check_sampler_shards(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
@@ -426,6 +423,28 @@ def check_sampler_shards(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
                 _bad_values(check, shares, n, where)
                 _judge_shards(check, shares, n, drop_last, world_size, where, epoch)
     passed(check)
+
+
+def _unpadded_heads(values, cases, world_size) -> list[list]:
+    """Each rank's share of each case and epoch without its last ``padding`` indices (with drop_last=False the
+    order is padded with repeats of its first indices, which come last in a share: an order that is not shuffled
+    is increasing before them)."""
+    heads = []
+    for c, (n, _seed, drop_last) in enumerate(cases):
+        per_rank = n // world_size if drop_last else -(-n // world_size)
+        padding = 0 if drop_last else per_rank * world_size - n
+        for v in values:
+            for share in v["cases"][c]["epochs"]:
+                heads.append(share[:max(len(share) - padding, 0)])
+    return heads
+
+
+def _never_shuffled(heads: list[list]) -> bool:
+    """Every head increasing, over enough pairs of neighbours (8) that a shuffled order cannot do it by chance;
+    heads holding something other than indices are left to the check of the values."""
+    heads = [h for h in heads if all(isinstance(i, int) for i in h)]
+    pairs = sum(max(len(h) - 1, 0) for h in heads)
+    return pairs >= 8 and all(h == sorted(h) for h in heads)
 
 
 def check_sampler_order(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
@@ -447,11 +466,11 @@ def check_sampler_order(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
                               hint="seed a torch.Generator with seed + epoch and draw the permutation on every rank: "
                               "an order drawn on one rank (from its own random state) and sent to the others is "
                               "another order in every job, which a resumed run or an evaluation cannot reproduce")
-        shares = [share for v in values for case in v["cases"] for share in case["epochs"]]
-        if all(share == sorted(share) for share in shares):  # every share of every case and epoch: chance is ruled out
+        heads = _unpadded_heads(values, cases, world_size)
+        if _never_shuffled(heads):
             raise CheckFailed(check, f"the indices are not shuffled ({world_size} ranks)", ranks=range(world_size),
                               expected="a random order (a permutation drawn from seed + epoch)",
-                              got=f"rank 0: {shares[0][:8]}, always in increasing order",
+                              got=f"rank 0: {heads[0][:8]}, always in increasing order (the padding aside)",
                               hint="shuffle the indices with a torch.Generator seeded with seed + epoch "
                               "(torch.randperm(n, generator=g)) before splitting")
         for c, (n, seed, drop_last) in enumerate(cases):
@@ -500,11 +519,9 @@ def check_sampler_training(ShardSampler, *, world_sizes=(2,), n=9, batch_size=2,
         _own(check, values)
         where = f"{world_size}-rank DDP run, {n} samples, batch_size={batch_size}"
         for epoch in range(epochs):
+            # the ranks took the same number of steps: one more on some rank is a DDP all-reduce the others never
+            # join, a hang the run's mistake above names (a mutation run found the check that stood here unreachable)
             steps = [len(v["epochs"][epoch]) for v in values]
-            if len(set(steps)) > 1:
-                raise CheckFailed(check, f"the ranks took different numbers of steps in epoch {epoch} ({where})",
-                                  ranks=range(world_size), expected="the same number on every rank", got=f"{steps}",
-                                  hint="pad every rank's share to the same length")
             lengths = [v["lengths"][epoch] for v in values]
             wrong = [r for r in range(world_size) if lengths[r] != steps[r]]
             if wrong:

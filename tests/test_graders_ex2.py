@@ -205,6 +205,26 @@ class SamplerGlobalRandom(ShardSampler):
         return iter((order + order)[:self.per_rank * self.num_replicas][self.rank::self.num_replicas])
 
 
+class SamplerNotShuffled(ShardSampler):
+    def __iter__(self):
+        order = list(range(self.n))  # every rank's part of 0..n-1, padded: right lengths, never shuffled
+        total = self.per_rank * self.num_replicas
+        return iter((order + order)[:total][self.rank::self.num_replicas])
+
+
+class SamplerIgnoringSeed(ShardSampler):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.epoch)  # the epoch alone: every seed gives the same order
+        order = torch.randperm(self.n, generator=g).tolist()
+        total = self.per_rank * self.num_replicas
+        return iter((order + order)[:total][self.rank::self.num_replicas])
+
+
+class SamplerCountingFromOne(ShardSampler):
+    def __iter__(self):
+        return (i + 1 for i in super().__iter__())  # positions 1..n: n is no index of the dataset
+
+
 class SamplerLenOfDataset(ShardSampler):
     def __len__(self):
         return self.n
@@ -578,6 +598,14 @@ def test_each_sampler_mistake_loses_its_checks_with_a_message_naming_it():
                                       ex2s.check_sampler_training: ["never trained on"]})
     _sampler_fails(SamplerSeededByRank, {ex2s.check_sampler_shards: ["overlap", "never with the rank"],
                                          ex2s.check_sampler_training: ["never trained on", "not the rank"]})
+    _sampler_fails(SamplerNotShuffled, {ex2s.check_sampler_order: ["the indices are not shuffled",
+                                                                   "always in increasing order", "torch.randperm"]})
+    _sampler_fails(SamplerIgnoringSeed, {ex2s.check_sampler_order: ["another seed gave the same order",
+                                                                    "seed your generator with seed + epoch"]})
+    _sampler_fails(SamplerCountingFromOne, {
+        ex2s.check_sampler_shards: ["is not an index of the dataset", "integers 0 .."],
+        ex2s.check_sampler_order: ["is not an index of the dataset"],
+        ex2s.check_sampler_training: ["IndexError"]})
     _sampler_fails(SamplerGlobalRandom, {
         ex2s.check_sampler_shards: ["overlap", "process's random state"],
         ex2s.check_sampler_order: ["a new sampler with the same seed and epoch yielded other indices",
