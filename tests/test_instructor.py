@@ -13,6 +13,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -581,12 +582,13 @@ def _as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
-def interrupt_after_first(course_dir: Path, args: list[str], sig: int, deadline: float = 400):
-    """Start ``ddp-course autograde ARGS``, send ``sig`` once a first submission is graded; (rc, output, descendants)."""
+def interrupt_after_first(course_dir: Path, args: list[str], sig: int, deadline: float = 400, env: dict | None = None):
+    """Start ``ddp-course autograde ARGS`` (``env`` added to its environment), send ``sig`` once a first submission
+    is graded; (rc, output, descendants)."""
     log = course_dir.parent / f"autograde-{sig}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["ddp-course", "autograde", *args], cwd=course_dir, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_as_from_a_terminal)
+                                preexec_fn=_as_from_a_terminal, env={**os.environ, **(env or {})})
         try:
             end = time.monotonic() + deadline
             while not graded_records(course_dir):
@@ -615,13 +617,15 @@ def test_tiny_course_end_to_end(tmp_path):
     cli("init", str(course_dir), "--exercises", str(TINY), cwd=tmp_path)
     cli("release", cwd=course_dir)
     incoming = tmp_path / "incoming"
-    write_samples(course_dir, {"alice": "reference", "bob": "untouched", "carol": "partial"}, "ex0-tiny", "tiny", incoming)
+    # an untouched copy (0) and a partial one are graded, exported and `check`ed against their feedback on a real
+    # exercise in test_course_exercises_end_to_end (cy, bob): here the reference and two wrong answers
+    write_samples(course_dir, {"alice": "reference"}, "ex0-tiny", "tiny", incoming)
     # passes the visible tests, fails the hidden one: its traceback quotes the hidden line
     edited(incoming / "alice_tiny.ipynb", incoming / "frank" / "tiny.ipynb", "return 2 * x", "return 2 * abs(x)")
     # fails visible tests: `ddp-course check` must say what its feedback says
     edited(incoming / "alice_tiny.ipynb", incoming / "gil" / "tiny.ipynb", "return 2 * x", "return x + 1")
     collected = cli("collect", str(incoming), cwd=course_dir)
-    assert collected.stdout.count(" new ") == 5
+    assert collected.stdout.count(" new ") == 3
 
     # Ctrl-C once the first submission is graded: it stays graded, the rest is left for the rerun
     rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "1"], signal.SIGINT)
@@ -630,14 +634,14 @@ def test_tiny_course_end_to_end(tmp_path):
     assert_all_gone(descendants)
     first = graded_records(course_dir)
     before = autograded_mtimes(course_dir)
-    assert 1 <= len(first) < 5 and len(before) == len(first)
+    assert 1 <= len(first) < 3 and len(before) == len(first)
 
     rerun = cli("autograde", "--jobs", "2", cwd=course_dir)
     assert rerun.stdout.count("already graded") == len(first), rerun.stdout
     after = autograded_mtimes(course_dir)
     assert {k: after[k] for k in before} == before  # not graded again
-    assert len(after) == 5
-    assert_check_says_what_feedback_says(course_dir, ["alice", "bob", "carol", "gil"], "ex0-tiny", "tiny", TINY)
+    assert len(after) == 3
+    assert_check_says_what_feedback_says(course_dir, ["alice", "gil"], "ex0-tiny", "tiny", TINY)
 
     # a submission that ignores interrupts and never ends is stopped at --timeout, with its whole process tree
     hang = tmp_path / "hang"
@@ -645,9 +649,10 @@ def test_tiny_course_end_to_end(tmp_path):
            "import signal, time\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(10000)")
     cli("collect", str(hang), cwd=course_dir)
     started = time.monotonic()
-    stuck = cli("autograde", "--timeout", "40", cwd=course_dir, check=False)
+    # 25 s: henry's kernel is in the endless cell within a tiny notebook's grading time (9-18 s on a loaded machine)
+    stuck = cli("autograde", "--timeout", "25", cwd=course_dir, check=False)
     assert time.monotonic() - started < 150
-    assert stuck.returncode == 2 and "1 of 6 submission(s) could not be graded" in stuck.stderr, stuck  # done in part
+    assert stuck.returncode == 2 and "1 of 4 submission(s) could not be graded" in stuck.stderr, stuck  # done in part
     assert re.search(r"henry.*timeout", stuck.stdout), stuck.stdout
     leftovers = [p for p in psutil.process_iter(["cwd"]) if str(course_dir) in (p.info["cwd"] or "")]
     assert_all_gone(leftovers, within=10)
@@ -658,7 +663,7 @@ def test_tiny_course_end_to_end(tmp_path):
     secret = 'assert double(-5) == -10, "secret: double(-5) should be -10"'
     assert hidden_lines(TINY / "ex0-tiny" / "tiny.ipynb") == {secret}
     pages = sorted((course_dir / "feedback").glob("*/ex0-tiny/tiny.html"))
-    assert [p.parent.parent.name for p in pages] == ["alice", "bob", "carol", "frank", "gil"]
+    assert [p.parent.parent.name for p in pages] == ["alice", "frank", "gil"]
     for page in pages:
         text = plain_text(page.read_text())
         assert "double(-5) == -10" not in text and "HIDDEN TESTS" not in text, page
@@ -672,7 +677,7 @@ def test_tiny_course_end_to_end(tmp_path):
     cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
     grades = read_csv(tmp_path / "grades.csv")
     scores = {student: float(grades[(student, "ex0-tiny")]["score"]) for student, _ in grades}
-    assert scores == {"alice": 4.0, "bob": 0.0, "carol": 3.0, "frank": 3.0, "gil": 1.0, "henry": 0.0}
+    assert scores == {"alice": 4.0, "frank": 3.0, "gil": 1.0, "henry": 0.0}
     assert grades[("henry", "ex0-tiny")]["timestamp"] == ""  # never graded
 
 
@@ -694,6 +699,13 @@ def course_with_a_slow_submission(tmp_path: Path) -> Path:
            f"import time\ntime.sleep({SAM_SLEEPS})\n\ndef double(x):")
     cli("collect", str(incoming), cwd=course_dir)
     return course_dir
+
+
+@pytest.fixture(scope="module")
+def slow_course(tmp_path_factory) -> Path:
+    """:func:`course_with_a_slow_submission`, made once per module (per xdist worker): nothing in it names its
+    folder, so each stopped-run test grades a copy of it (init, release and collect are not what they test)."""
+    return course_with_a_slow_submission(tmp_path_factory.mktemp("slow-course"))
 
 
 def grading_runs(run: psutil.Process, course_dir: Path, student: str) -> bool:
@@ -750,11 +762,13 @@ def sam_row(text: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("how, jobs", [("ctrl-c", "1"), ("sigterm", "2"), ("workers", "2")])
-def test_a_stopped_run_leaves_the_submission_it_was_grading_not_graded_and_not_failed(tmp_path, how, jobs):
+def test_a_stopped_run_leaves_the_submission_it_was_grading_not_graded_and_not_failed(tmp_path, slow_course, how,
+                                                                                     jobs):
     """Whether Ctrl-C, SIGTERM or a SIGINT to its worker stopped the grading, sam's submission was not graded:
     its record, status, status --student, report and export say so (interrupted), none calls it failed or a score,
     and the next run grades it."""
-    course_dir = course_with_a_slow_submission(tmp_path)
+    course_dir = tmp_path / "course"
+    shutil.copytree(slow_course, course_dir, symlinks=True)  # copy2: the submissions' times are kept
     rc, output, descendants = stop_while_grading(course_dir, ["--jobs", jobs], how)
     assert_all_gone(descendants)
     assert rc == (2 if how == "workers" else 130), output  # workers: the run went on, and ended with those not graded
@@ -787,9 +801,12 @@ def test_a_stopped_run_leaves_the_submission_it_was_grading_not_graded_and_not_f
 
 # -- slow: end to end on the course's four exercises ------------------------------------------------------
 
-#: who hands in what: every kind at least once, exercise 4 (torchrun jobs) once, and a
-#: deadlock where it costs least (ex1: one check waits for its 60 s deadline). The reference student hands
-#: in every notebook of an assignment (ex2 has two), the others its main one (REAL) only
+#: who hands in what (CLASS): every kind at least once, exercise 4 (torchrun jobs) once, and a
+#: deadlock where it costs least (ex1: one check waits for its deadline, :data:`CHECK_TIMEOUT`). The reference
+#: student hands in every notebook of :data:`WHOLE`, the others its main one (REAL) only. Bob's partial ex1 and ex2
+#: give scores between 0 and full marks to export, feedback, `check` and plain nbgrader's regrade; exercise 3's
+#: wrong answers are graded in tests/test_graders_ex3.py::test_wrong_submissions_lose_exactly_their_tests
+#:
 #: the assignment of several notebooks ada hands in whole
 WHOLE = "ex3-syncbn-sharding"
 #: exercise 4's notebook ada hands in: its four hanging scripts run under torchrun like the others, in half the
@@ -797,10 +814,16 @@ WHOLE = "ex3-syncbn-sharding"
 EX4_HANDED_IN = "find_the_hang"
 CLASS = {
     "ada": {a: "reference" for a in REAL},
-    "bob": {"ex1-parallelism": "partial", "ex2-ddp-basics": "partial", "ex3-syncbn-sharding": "partial"},
+    "bob": {"ex1-parallelism": "partial", "ex2-ddp-basics": "partial"},
     "cy": {"ex1-parallelism": "untouched", "ex2-ddp-basics": "untouched", "ex3-syncbn-sharding": "untouched"},
     "dee": {"ex1-parallelism": "hang"},
 }
+
+
+#: each check's job deadline in this test's autograde runs (DDP_COURSE_CHECK_TIMEOUT; the default is 60 s): dee's
+#: deadlock waits for it. The checks with a shorter limit of their own keep it (ex4's hang drill: 20 s; ex2's
+#: checkpoint hold: 4 s); every reference job of the four exercises ends well within it
+CHECK_TIMEOUT = {"DDP_COURSE_CHECK_TIMEOUT": "30"}
 
 
 class Phases:
@@ -863,7 +886,8 @@ def test_course_exercises_end_to_end(tmp_path):
     phase("samples+collect")
 
     # killed (SIGKILL, no cleanup of its own) once the first submission is graded
-    rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "2"], signal.SIGKILL, deadline=600)
+    rc, output, descendants = interrupt_after_first(course_dir, ["--jobs", "2"], signal.SIGKILL, deadline=600,
+                                                    env=CHECK_TIMEOUT)
     assert rc == -signal.SIGKILL
     assert_all_gone(descendants)
     first = graded_records(course_dir)
@@ -871,14 +895,16 @@ def test_course_exercises_end_to_end(tmp_path):
     assert 1 <= len(first) < jobs
     phase("killed autograde")
 
-    rerun = cli("autograde", "--jobs", "2", cwd=course_dir, timeout=900)
+    rerun = cli("autograde", "--jobs", "2", cwd=course_dir, timeout=900, env=CHECK_TIMEOUT)
     phase("autograde rerun")
     assert rerun.stdout.count("already graded") == len(first), rerun.stdout
     after = autograded_mtimes(course_dir)
     assert {k: after[k] for k in before} == before  # not graded again
     records = graded_records(course_dir)
     assert len(records) == jobs and len(after) == files, rerun.stdout
-    assert_check_says_what_feedback_says(course_dir, ["ada", "bob", "cy"], "ex1-parallelism", "parallelism", EXERCISES)
+    # a partial and an untouched copy: test cells that pass and fail, each kind of message (the reference's check
+    # is the tiny course's alice; grade and autograde agree cell by cell on ex1's reference: tests/test_pipeline.py)
+    assert_check_says_what_feedback_says(course_dir, ["bob", "cy"], "ex1-parallelism", "parallelism", EXERCISES)
     phase("check ex1")
 
     # two workers really graded at the same time
