@@ -11,6 +11,7 @@ probe's view of file writes, and wrong scripts that need one launch only.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import types
@@ -974,7 +975,10 @@ def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path
     assert len(hidden) == 1, list(reference_graded.runs)
     run = reference_graded.runs[hidden[0]]
     assert run.files is not None and run.crash_note is not None  # the kernel watched; the grader moved CKPT
-    assert {w["rank"] for w in run.file_writers.values()} <= {0} and not run.files_hidden
+    ckpt_folder, out = os.path.realpath(os.path.dirname(run.ckpt_path)), os.path.realpath(run.out_dir)
+    looked = [(w["rank"], name) for w in run.file_writers.values() if w["rank"] != 0 for folder, name in w["names"]
+              if folder == ckpt_folder or (folder == out and not re.fullmatch(r"report-\d+\.json", name))]
+    assert looked == [] and not run.files_hidden  # the look: no writer of CKPT or final.pt but rank 0 (reports aside)
     ex4_probe._commits_beyond_rank0("check_checkpoint_rank0", run, "")
     runner._CACHE.update(reference_graded.runs)  # the launcher's memo: the check judges that same run
     ex4.check_checkpoint_rank0(reference_graded.script, **HIDDEN)
