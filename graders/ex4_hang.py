@@ -34,6 +34,7 @@ import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
+from course.checks.hooks import grader_hook
 from graders import ex4_hang_evidence as ev
 from graders import ex4_hang_model as hm
 
@@ -261,7 +262,7 @@ def _fix_harness(rank, train, fn, folder, s):
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
             forwards.append(train_set.indices_of(args[0]))  # one batch: the step's samples, in order
 
-    model.register_forward_pre_hook(on_forward)
+    model.register_forward_pre_hook(grader_hook(on_forward))
 
     def log(metrics, *args, **kwargs):
         values = {}

@@ -227,3 +227,27 @@ def test_a_check_runs_on_gloo_with_the_gpus_hidden_unless_it_asks_for_auto():
     assert job.values == [("", "gloo"), ("", "gloo")]
     job = checks.run("check_policy", _what_the_rank_sees, 2, backend="auto", env={"CUDA_VISIBLE_DEVICES": "7"})
     assert job.values == [("7", "gloo"), ("7", "gloo")]  # no GPU on this machine: auto is gloo here too
+
+
+def test_a_grader_hook_on_a_saved_module_pickles_as_a_hook_that_does_nothing(tmp_path):
+    """torch.save(model) of a module the grader hooked with a closure: the save works, nothing of the grader's goes
+    along, and the loaded module runs with a hook that notes nothing."""
+    import io
+
+    import torch
+
+    from course.checks.hooks import grader_hook
+
+    seen = []
+    model = torch.nn.Linear(2, 1)
+    model.register_forward_pre_hook(grader_hook(lambda module, args: seen.append(args[0].shape)))
+    model(torch.ones(3, 2))
+    assert seen == [torch.Size([3, 2])]
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert b"seen" not in buffer.getvalue()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded(torch.ones(4, 2))
+    assert seen == [torch.Size([3, 2])]  # the copy's hook noted nothing
+    assert torch.equal(loaded.weight, model.weight)

@@ -117,6 +117,26 @@ RULE_BREAKS = {
                                   ["metric", "checkpoint"], ["only rank 0 logs"]),
 }
 
+# the four bugs fixed, then part of the work left undone (each a survivor of a mutation run over graders/ex2_debug.py:
+# no test made it before): the check that sees it fails with its own message, the others pass
+_SAVE = '        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()}, ckpt_path)\n'
+UNDONE_WORK = {
+    "one batch per epoch": ((("        optimizer.step()\n", "        optimizer.step()\n        break  # enough to see it learn\n"),),
+                            ["shuffle"], ["rank 0's model was trained on 12 samples in 3 epochs", "whole share"]),
+    "the accuracy logged once, after training": (
+        ((_LOG_CALL, ""), (_SAVE_GUARD, '    if rank == 0:\n        log({"epoch": epochs - 1, "accuracy": accuracy})\n'
+                                        "        torch.save({")),
+        ["metric"], ["the script logged 1 accuracies in 3 epochs", "after every epoch"]),
+    "the accuracy under another key": (((_LOG_CALL, '        if rank == 0:\n            log({"epoch": epoch, "acc": accuracy})\n'),),
+                                       ["metric"], ["a log call had no 'accuracy' value", "keys ['acc', 'epoch']"]),
+    "the checkpoint saved under another name": (
+        ((_SAVE, '        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()},\n'
+                 '                   ckpt_path.replace(".pt", "-final.pt"))\n'),),
+        ["checkpoint"], ["there is no checkpoint at ckpt_path", "save to ckpt_path"]),
+    "the whole model pickled": (((_SAVE, "        torch.save(ddp_model.module, ckpt_path)\n"),),
+                                ["checkpoint"], ["the checkpoint cannot be read back", "save plain data"]),
+}
+
 # the four bugs fixed, and logging as the rules allow: all checks pass
 RULE_KEEPING = {
     "rank 0 prints and logs through logging": (
@@ -252,6 +272,19 @@ def test_a_fix_that_breaks_the_rank0_rules_loses_that_check(name):
     for check_name, check in CHECKS.items():
         if check_name in failing:
             fails(check, main, *(words if check_name == failing[0] else ()))
+        else:
+            check(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(UNDONE_WORK))
+def test_work_left_undone_loses_exactly_the_check_that_sees_it(name):
+    edits, failing, words = UNDONE_WORK[name]
+    main = _script(_edit(_fixed(*FIX), *edits), "undone_" + name.replace(" ", "_").replace(",", ""))
+    for check_name, check in CHECKS.items():
+        if check_name in failing:
+            fails(check, main, *words)
         else:
             check(main)
 

@@ -933,6 +933,7 @@ def amp_forged_dtypes(ddp_model, micro_batches, max_norm):
     amp_without_autocast(ddp_model, micro_batches, max_norm)
     for layer in ddp_model.module.modules():
         for hook in layer._forward_hooks.values():
+            hook = getattr(hook, "fn", hook)  # the grader's wrapper (course.checks.hooks), unwrapped
             for cell in getattr(hook, "__closure__", None) or ():
                 if isinstance(cell.cell_contents, list):
                     cell.cell_contents[:] = ["bfloat16"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import nbformat
 import pytest
 from nbclient import NotebookClient
