@@ -496,6 +496,17 @@ def test_check_shard_save_and_load():
     fails(ex3.check_shard_load, bare[0], "param_groups: lr is None", load_full_state=bare[1])
     fails(ex3.check_shard_save, save_shard_outside, "wrote outside ckpt_dir", "[ranks 0, 1, 2]", "os.path.join",
           load_full_state=load)
+    # a right save read back by a broken loader (found by a mutation run: no test reached these): the save is judged
+    # through the loader, so both cells fail, the save's message saying the loader failed and to fix it first
+    misnamed = shard_functions(SHARD_SOURCE, ("os.path.join(ckpt_dir, name)", 'os.path.join(ckpt_dir, name + ".pt")'))
+    fails(ex3.check_shard_save, misnamed[0], "reading it back with load_full_state, which failed",
+          "make check_shard_load pass first", load_full_state=misnamed[1])
+    fails(ex3.check_shard_load, misnamed[0], "FileNotFoundError", load_full_state=misnamed[1])
+    bare_state = shard_functions(SHARD_SOURCE, ('    return {"state": state, "param_groups": [{**hyperparameters, '
+                                                '"params": indices}]}', "    return state"))
+    fails(ex3.check_shard_save, bare_state[0], "a plain Adam refused what it returned",
+          "torch.optim.Adam(model.parameters()).state_dict()", load_full_state=bare_state[1])
+    fails(ex3.check_shard_load, bare_state[0], "refused what load_full_state returned", load_full_state=bare_state[1])
 
 
 # --- the notebook: reference, untouched release, wrong submissions --------------------------------
