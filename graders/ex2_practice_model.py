@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from course import checks
-from course.checks.hooks import grader_hook
 from graders import comm_spy
 from graders.ex2_model import make_net
 
@@ -291,7 +290,7 @@ def _accumulate_harness(rank, accumulate_grads, k, size, steps, lr, seed, _real=
         grads = bucket.buffer().div_(world_size)
         return real.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
-    model.register_forward_pre_hook(grader_hook(on_forward))
+    model.register_forward_pre_hook(checks.grader_hook(on_forward))
     ddp_model.register_comm_hook(None, average)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     numel = sum(p.numel() for p in model.parameters())  # a tiny model: one bucket holds every gradient

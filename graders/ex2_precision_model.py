@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course import checks
-from course.checks.hooks import grader_hook
 from graders.ex2_model import make_net
 from graders.ex2_practice_model import _wrap
 
@@ -133,10 +132,10 @@ def _amp_phase(rank, amp_clip_grads, dev, k, size, steps, lr, max_norm, seed, da
                                   for n, p in model.named_parameters()},
                         "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})})
 
-    model.register_forward_pre_hook(grader_hook(on_forward))
+    model.register_forward_pre_hook(checks.grader_hook(on_forward))
     for layer in model.modules():
         if isinstance(layer, nn.Linear):
-            layer.register_forward_hook(grader_hook(on_linear))
+            layer.register_forward_hook(checks.grader_hook(on_linear))
     ddp_model.register_comm_hook(None, average)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     optimizer.register_step_pre_hook(on_step)

@@ -45,7 +45,6 @@ from torch.utils.data import DataLoader
 
 from course import checks
 from course.checks import CheckFailed, Mistake, passed
-from course.checks.hooks import grader_hook
 from graders.ex2_model import IndexDataset, RegressionDataset, make_net
 
 _REAL = checks.REAL
@@ -310,7 +309,7 @@ def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_Torc
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
             seen.append(dataset.indices_of(args[0]))
 
-    model.register_forward_pre_hook(grader_hook(on_forward))
+    model.register_forward_pre_hook(checks.grader_hook(on_forward))
     ddp_model = DDP(model, device_ids=[dev.index]) if dev.type == "cuda" else DDP(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     per_epoch, lengths = [], []

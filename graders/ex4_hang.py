@@ -34,7 +34,6 @@ import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
-from course.checks.hooks import grader_hook
 from graders import ex4_hang_evidence as ev
 from graders import ex4_hang_model as hm
 
@@ -262,7 +261,7 @@ def _fix_harness(rank, train, fn, folder, s):
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
             forwards.append(train_set.indices_of(args[0]))  # one batch: the step's samples, in order
 
-    model.register_forward_pre_hook(grader_hook(on_forward))
+    model.register_forward_pre_hook(checks.grader_hook(on_forward))
 
     def log(metrics, *args, **kwargs):
         values = {}
@@ -340,11 +339,23 @@ def _private_views(part, s, val_set, folder):
         real.x = x
         alone = hm.Samples(0, 0)
         alone.x, alone.y = view, val_set.y
-        return _metric(part, ref, alone, s["classes"]) != _metric(part, ref, real, s["classes"])
+        if _metric(part, ref, alone, s["classes"]) == _metric(part, ref, real, s["classes"]):
+            return False
+        return part != "shapes" or _by_prediction_differs(ref, real, s["classes"])
 
     real.x, views = ev.views(part, s, val_set.y, hm.FEATURES, shortcut_differs)
     ev.write_views(folder, views, val_set.y)
     return real
+
+
+def _by_prediction_differs(state, data, classes) -> bool:
+    """Whether counting per predicted class (not per label) gives another accuracy for some class: one with a right
+    prediction whose count of predictions differs from its count of labels. A set where every class is predicted
+    as often as it occurs would let that mistake pass, so the secret rows are drawn until this holds."""
+    preds = hm.predictions(state, data, classes)
+    hits = preds == data.y
+    return any(int((hits & (data.y == c)).sum()) > 0 and int((preds == c).sum()) != int((data.y == c).sum())
+               for c in range(classes))
 
 
 def _metric(part, state, data, classes):

@@ -497,3 +497,21 @@ def test_forgeries_fail(part):
         fn = _fn(part, *edits, name="forged_" + "".join(c if c.isalnum() else "_" for c in name)[:60])
         fails(FIX[part], fn, *words)
         fails(FIX[part], fn, *words, **HIDDEN[part])
+
+
+@pytest.mark.parametrize("settings", [hang._DEFAULTS["shapes"], HIDDEN["shapes"]], ids=["visible", "hidden"])
+def test_the_secret_validation_rows_always_tell_counts_per_prediction_from_counts_per_label(settings, tmp_path):
+    """On a few secret rows (7 over 3 classes) a model may predict each class exactly as often as it occurs: then
+    accuracies counted per predicted class equal those per label, and that wrong fix of class_counts passed now
+    and then. Every draw of the rows must tell the two apart (25 draws, each setting)."""
+    s = hang._settings("shapes", **settings)
+    ref = hm.reference(s["seed"], s["classes"], s["n_train"], s["world_size"], s["batch_size"], s["epochs"], s["lr"])
+    for draw in range(25):
+        val_set = hang._data(s)[1]
+        real = hang._private_views("shapes", s, val_set, str(tmp_path))
+        preds = hm.predictions(ref, real, s["classes"])
+        hits = (preds == real.y).float()
+        right = [float(hits[real.y == c].sum()) for c in range(s["classes"])]
+        per_label = [right[c] / max(int((real.y == c).sum()), 1) for c in range(s["classes"])]
+        per_prediction = [right[c] / max(int((preds == c).sum()), 1) for c in range(s["classes"])]
+        assert per_label != per_prediction, (draw, preds.tolist(), real.y.tolist())

@@ -15,10 +15,9 @@ student's objects, e.g. ``graders.ex2.check_training(train)``. It
 
 What every exercise needs is here, so an exercise module holds only its checks and their data:
 
-* known mistakes: :func:`run` takes ``hints`` (text -> advice) and :class:`Mistake` s (a failure
-  recognised by its text becomes that mistake's own message); :func:`stranded` tells a rank left alone
-  in a collective (the one lost-peer list is :data:`course.errors.LOST_PEER`, the advice texts
-  every check shares are in :mod:`course.errors`);
+* known mistakes: :func:`run` takes ``hints`` (text -> advice) and :class:`Mistake` s (a failure recognised by its
+  text becomes that mistake's own message); :func:`stranded` tells a rank left alone in a collective (the one
+  lost-peer list is :data:`course.errors.LOST_PEER`, the advice texts every check shares are in :mod:`course.errors`);
 * :func:`on_every_rank` judges each rank's observation and names every rank that failed the same way;
 * :func:`memo` runs one job for the checks that read the same observations; :func:`reference`
   computes a single-process reference once per arguments;
@@ -28,12 +27,11 @@ What every exercise needs is here, so an exercise module holds only its checks a
   function) and :class:`Hold` (rank 0's write held until the other ranks wait for it: synchronisation
   judged by order, not by a race).
 
-The same check runs in the student's notebook (a visible self-check) and in the
-trusted verifier (:mod:`course.grading.verifier`) that produces the score. There
-the student's objects are stand-ins that can be shipped to ranks and called, but
-not looked into: a check must observe through its ranks, never by reading a
-student object's attributes in its own process. A crash or a hang on any rank
-becomes a ``CheckFailed`` that leads with the first rank that failed.
+The same check runs in the student's notebook (a visible self-check) and in the trusted verifier
+(:mod:`course.grading.verifier`) that produces the score. There the student's objects are stand-ins that can be
+shipped to ranks and called, but not looked into: a check must observe through its ranks, never by reading a
+student object's attributes in its own process. A crash or a hang on any rank becomes a ``CheckFailed`` that
+leads with the first rank that failed. A hook a harness puts on a student's module: :func:`grader_hook`.
 
 A minimal check (the authoring guide, docs/writing-exercises.md, builds a whole
 exercise around one)::
@@ -69,6 +67,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from course.checks.hooks import grader_hook
 from course.checks.sealing import seal
 from course.envnames import GRADING_ENV
 from course.errors import (
@@ -106,6 +105,7 @@ __all__ = [
     "check_timeout",
     "device",
     "expect",
+    "grader_hook",
     "grader_writes",
     "grading",
     "join_job",
