@@ -21,6 +21,7 @@ part's other checks keeping the reference's verdicts.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 
 import cloudpickle
@@ -385,25 +386,8 @@ def test_a_grader_global_swapped_while_unpickling_loses_exactly_its_cell_in_the_
     """The verifier's path: the answer reaches the ranks as the notebook's own pickle, unpickled there after the
     harness's module; the swap runs, and hides nothing."""
     nb = submissions.load("ex2-ddp-basics", notebook="ddp_in_practice")
-    nb = submissions.replace_answer(nb, "ex2p_amp_clip_grads", '''
-import contextlib
-
-
-def _swap_the_graders_torch():
-    import graders.ex2_precision_model as harness_module
-
-    real = harness_module._REAL
-
-    class Filtered:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def collectives():
-            return [e for e in real.collectives() if e["op"] != "all_gather"]
-
-    harness_module._REAL = Filtered()
-
+    nb = submissions.replace_answer(nb, "ex2p_amp_clip_grads", "import contextlib\n\n\n"
+                                    + inspect.getsource(_swap_the_graders_torch) + '''
 
 class _OnUnpickle:
     def __reduce__(self):
