@@ -394,14 +394,10 @@ class _OnUnpickle:
         return (_swap_the_graders_torch, ())
 
 
+''' + inspect.getsource(_amp_right) + '''
+
 def amp_clip_grads(ddp_model, micro_batches, max_norm, _hide=_OnUnpickle()):
-    k = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
-                loss = F.mse_loss(ddp_model(x), y)
-            (loss / k).backward()
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    _amp_right(ddp_model, micro_batches, max_norm)
     flat = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
     dist.all_gather([torch.empty_like(flat) for _ in range(dist.get_world_size())], flat)
 ''')
