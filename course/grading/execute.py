@@ -232,6 +232,7 @@ def sweep_stale_stashes(tmp: str | None = None) -> list[str]:
     left (its process is gone: a SIGKILL runs no ``finally``), if this user owns them; the paths removed. Each
     holds a restored notebook, hidden tests included: nothing should keep it past its grading."""
     import shutil
+    import stat
     import tempfile
 
     from course.proc import alive
@@ -251,7 +252,7 @@ def sweep_stale_stashes(tmp: str | None = None) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue
-        if st.st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path):
+        if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode):  # lstat: a link is no folder here
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
