@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 import types
 
@@ -361,6 +362,7 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
 def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, monkeypatch):
     """Ranks 1 and 2 wait for a file nobody writes (world size 3 only): the 2-node run hangs."""
     monkeypatch.setattr(runner, "NODES_TIMEOUT", HANG_TIMEOUT)  # the runner reads it
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the job's folder (its workers' cwd) in tmp_path
     script = write_script(tmp_path, ("    dist.destroy_process_group()\n",
                                      "    while rank != 0 and world_size == 3:\n"
                                      "        time.sleep(0.1)  # waits for a file nobody writes\n"
@@ -379,12 +381,14 @@ def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, m
 
 
 def _processes() -> list[str]:
+    """Every process as its name, command line and working folder (a worker forked by its agent's zygote has the
+    zygote's command line, its own name and the job's folder: the tests that look put the job folder in tmp_path)."""
     import psutil
 
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "cwd"]):
         try:
-            found.append(" ".join(proc.info["cmdline"] or []))
+            found.append(f"{proc.info['name']} {' '.join(proc.info['cmdline'] or [])} cwd={proc.info['cwd']}")
         except psutil.Error:
             pass
     return found
@@ -401,6 +405,16 @@ def _cmdline(proc) -> str:
         return " ".join(proc.cmdline())
     except psutil.Error:
         return ""
+
+
+def _is_worker(proc) -> bool:
+    """A torchrun worker: forked by its agent's zygote (named after the probe it runs) or exec'd on the probe."""
+    import psutil
+
+    try:
+        return proc.name() == "torchrun_probe" or "torchrun_probe.py" in _cmdline(proc)
+    except psutil.Error:
+        return False
 
 
 def _still_running(procs: list, within: float) -> list:
@@ -442,12 +456,13 @@ def test_no_agent_or_worker_outlives_the_process_that_launched_them(tmp_path, si
     tree: list = []
     try:
         launcher, end = psutil.Process(proc.pid), time.monotonic() + 150
-        while len([p for p in tree if "torchrun_probe" in _cmdline(p)]) < sum(ex4.NODES_WORKERS):
+        while len([p for p in tree if _is_worker(p)]) < sum(ex4.NODES_WORKERS):
             assert proc.poll() is None, "the launching process ended before its workers ran"
             assert time.monotonic() < end, [_cmdline(p) for p in tree]
             time.sleep(0.2)
             tree = launcher.children(recursive=True)
-        assert len([p for p in tree if "torch.distributed.run" in _cmdline(p)]) == 2, [_cmdline(p) for p in tree]
+        assert len([p for p in tree if "course.launcher.torchrun.agent" in _cmdline(p)]) == 2, [
+            _cmdline(p) for p in tree]
         proc.send_signal(getattr(signal, sig))
         proc.wait(timeout=30)
         left = _still_running(tree, within=15)
@@ -502,9 +517,10 @@ def test_a_worker_that_died_comes_first_with_its_exit_reason_and_its_own_output(
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-def test_a_collective_only_rank0_calls_is_a_deadlock_found_in_seconds(tmp_path):
+def test_a_collective_only_rank0_calls_is_a_deadlock_found_in_seconds(tmp_path, monkeypatch):
     """A barrier inside `if rank == 0:` (after its save): the workers' collectives disagree, so the run
     stops long before its deadline, each worker lined up with its collective and its line of train.py."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the job's folder (its workers' cwd) in tmp_path
     script = write_script(tmp_path, ("            save_checkpoint(state, args.ckpt)\n",
                                      "            save_checkpoint(state, args.ckpt)\n"
                                      "            dist.barrier()  # wait until the file is there\n"))

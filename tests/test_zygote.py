@@ -140,3 +140,26 @@ def test_current_restarts_a_dead_zygote_and_none_means_popen(monkeypatch):
         fresh.close()
     finally:
         zygotes.use(None)
+
+
+def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_and_rank(probe_dir):
+    """With report_fd (torchrun's agents give one: course.launcher.torchrun.agent), the zygote says who it is, then
+    the pid and RANK of each process it forks ('-' without one), on a pipe its children do not hold."""
+    read, write = os.pipe()
+    z = zygotes.Zygote(preload=(), report_fd=write)
+    os.close(write)
+    try:
+        ranked = z.popen([sys.executable, "-m", "zprobe"], env={**os.environ, "RANK": "5"}, cwd=str(probe_dir),
+                         stdout=subprocess.PIPE)
+        unranked = z.popen(["/bin/sh", "-c", "ls /proc/self/fd"], env={k: v for k, v in os.environ.items()
+                                                                     if k != "RANK"}, stdout=subprocess.PIPE)
+        fds, _ = unranked.communicate(timeout=60)
+        assert sorted(fds.split()) == [b"0", b"1", b"2", b"3"]  # 3: the ls's own listing; not the report pipe
+        ranked.communicate(timeout=120)
+    finally:
+        z.close()
+    lines = b""
+    while chunk := os.read(read, 4096):
+        lines += chunk
+    os.close(read)
+    assert lines.decode().splitlines() == [f"Z {z.pid}", f"{ranked.pid} 5", f"{unranked.pid} -"]

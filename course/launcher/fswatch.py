@@ -58,7 +58,11 @@ class FileEvent:
 class FolderWatch:
     """Watch ``folders`` from now until :meth:`stop`; ``events`` is then every :class:`FileEvent`, oldest first."""
 
-    def __init__(self, folders: list[str], holders: Callable[[], list[int]] | None = None):
+    def __init__(self, folders: list[str], holders: Callable[[], list[int]] | None = None,
+                 ranks: Callable[[int], int | None] | None = None):
+        """``ranks``: where a holder's RANK is known better than from its /proc/PID/environ (None: not known
+        there), e.g. a process forked from a zygote, whose environ shows the zygote's."""
+        self._rank_of = ranks
         self.events: list[FileEvent] | None = None
         #: pid -> {"rank": the RANK of its environment (None: none), "names": {(folder, name) it held open to write}}
         self.writers: dict[int, dict] = {}
@@ -122,7 +126,10 @@ class FolderWatch:
 
     def _rank(self, pid: int) -> int | None:
         if pid not in self._ranks:
-            rank = None
+            rank = self._rank_of(pid) if self._rank_of is not None else None
+            if rank is not None:
+                self._ranks[pid] = rank
+                return rank
             try:
                 with open(f"/proc/{pid}/environ", "rb") as fh:
                     for item in fh.read().split(b"\0"):

@@ -51,6 +51,7 @@ IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_"
 #: the zygote's own interpreter flags; a module run with a subset of them can be forked
 _FLAGS = ("-s", "-P") if sys.version_info >= (3, 11) else ("-I",)
 _REQUEST_LIMIT = 1 << 20
+_UNBUFFERED = bool(os.environ.get("PYTHONUNBUFFERED"))  # as Python read it at this process's start (-u's effect)
 _ENV = "DDP_COURSE_ZYGOTE"  # "0": never use a zygote (every process is exec'd, as without one)
 
 
@@ -149,12 +150,19 @@ class ZygoteProcess:
 class Zygote:
     """One zygote process (see the module's text); ``popen`` forks a process from it."""
 
-    def __init__(self, preload=PRELOAD):
+    def __init__(self, preload=PRELOAD, report_fd: int | None = None):
+        """``report_fd``: a descriptor (a pipe's end) on which the zygote says ``Z ITS-PID`` once, then
+        ``PID RANK`` for each process it forks (RANK from the environment it was given, ``-`` for none); the
+        zygote then makes itself undumpable (no process of its uid may trace it or read its descriptors)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.preload = tuple(preload)
+        fds, extra = [theirs.fileno()], []
+        if report_fd is not None:
+            fds.append(report_fd)
+            extra = [str(report_fd)]
         self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
-            [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload)],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=False)
+            [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload), *extra],
+            pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=False)
         theirs.close()
         self._sock = ours
         self.pid = self._proc.pid
@@ -255,7 +263,9 @@ def _module_of(argv: list[str]) -> tuple[str, list[str], bool] | None:
         return None
     rest = argv[1:]
     flags = []
-    while rest and rest[0] in _FLAGS:
+    # -u where this zygote's streams are unbuffered already (PYTHONUNBUFFERED, which a forked child's env matches)
+    known = (*_FLAGS, "-u") if _UNBUFFERED else _FLAGS
+    while rest and rest[0] in known:
         flags.append(rest.pop(0))
     if len(rest) < 2 or rest[0] != "-m" or not rest[1] or rest[1].startswith("-"):
         return None
@@ -288,7 +298,8 @@ def _run_module(module: str, args: list[str], safe_path: bool, env: dict) -> Non
 
     os.environ.clear()
     os.environ.update(env)
-    tempfile.tempdir = None  # from this environment, not the zygote's
+    tempfile.tempdir = None  # from this environment, not the zygote's: found now, as a fresh interpreter's
+    tempfile.gettempdir()  # imports do (torch's), before the module runs (finding it writes a probe file there)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -365,9 +376,16 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
     os._exit(127)
 
 
-def serve(control_fd: int, preload: list[str]) -> int:
-    """The zygote: import ``preload``, then fork a process per request on ``control_fd`` until it closes."""
+def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> int:
+    """The zygote: import ``preload``, then fork a process per request on ``control_fd`` until it closes (each
+    one's pid and RANK said on ``report_fd``, see :class:`Zygote`)."""
     import importlib
+
+    if report_fd is not None:
+        from course.proc import make_undumpable
+
+        make_undumpable()  # what it reports cannot be forged through it by the processes it forks
+        os.write(report_fd, f"Z {os.getpid()}\n".encode())
 
     for name in preload:
         try:
@@ -424,6 +442,12 @@ def serve(control_fd: int, preload: list[str]) -> int:
             continue
         if pid == 0:
             _child(request, fds)
+        if report_fd is not None:
+            rank = str(request.get("env", {}).get("RANK", "-"))
+            try:
+                os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'}\n".encode())
+            except OSError:
+                pass  # the reader is gone: nobody asks any more
         for fd in fds[:3]:
             os.close(fd)
         reply.send(json.dumps({"pid": pid}).encode())
@@ -432,4 +456,5 @@ def serve(control_fd: int, preload: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else list(PRELOAD)))
+    sys.exit(serve(int(sys.argv[1]), [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else list(PRELOAD),
+                   int(sys.argv[3]) if len(sys.argv) > 3 else None))

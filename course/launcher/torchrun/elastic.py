@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -39,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from course.launcher.torchrun.runner import (
+    AGENT,
     PROBE_SCRIPT,
     STRANDED_AFTER,
     Run,
@@ -185,7 +185,7 @@ def _launch(script: str, plan: Plan, input_features: int,
         procs: dict[str, subprocess.Popen] = {}
 
         def agent(name: str) -> None:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1", "--nnodes=1:2",
+            cmd = [*AGENT, "--monitor-interval=0.1", "--nnodes=1:2",
                    f"--nproc_per_node={workers[name]}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1",
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",

@@ -28,6 +28,7 @@ import glob
 import hashlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -44,6 +45,7 @@ import torch
 
 from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
+from course.launcher.torchrun.agent import ZYGOTE_NAME
 from course.proc import alive, dies_with_caller
 
 NODES_TIMEOUT = 180.0
@@ -54,6 +56,9 @@ RESTART_TIMEOUT = 240.0
 STRANDED_AFTER = 15.0
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
+#: torchrun's agent: ``python -m torch.distributed.run``, its workers forked from a warm zygote
+#: (:mod:`course.launcher.torchrun.agent`)
+AGENT = [sys.executable, "-m", "course.launcher.torchrun.agent"]
 #: the two launches every check reads (see the module doc)
 Scenario = Literal["nodes", "restart"]
 
@@ -231,7 +236,7 @@ def describe(scenario: Scenario, layout: tuple[int, ...], script: str) -> str:
 
 
 def _commands(scenario: Scenario, layout: tuple[int, ...], job: str, tail: list[str]) -> list[list[str]]:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
+    torchrun = [*AGENT, "--monitor-interval=0.1"]
     restarts = f"--max-restarts={int(scenario == 'restart')}"
     if len(layout) == 1:
         return [torchrun + ["--standalone", f"--nproc_per_node={layout[0]}", restarts,
@@ -278,14 +283,18 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         commands = _commands(scenario, layout, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
         logs, procs = [], []
+        reports = ZygoteReports()
         # from this process, before any worker exists; it asks the kernel which of the agents' processes write
-        watch = FolderWatch([ckpt_dir, out_dir], holders=lambda: _descendants(procs))
+        watch = FolderWatch([ckpt_dir, out_dir], holders=lambda: reports.without_zygotes(_descendants(procs)),
+                            ranks=reports.rank)
         started = time.monotonic()
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
             # a session of its own (_stop kills its group), and killed when this process dies before _stop can
-            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job, env=env, stdin=subprocess.DEVNULL,
+            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job, env={**env, **reports.env()},
+                                          pass_fds=reports.fds(), stdin=subprocess.DEVNULL,
                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        reports.started()
         timed_out, stall, stranded = False, None, False
         alive: set[int] = set()
         handover = _crash_handover(probe_dir, ckpt_path, on_crash) if crash else None
@@ -298,6 +307,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
                 fh.close()
         elapsed = time.monotonic() - started
         files = watch.stop()
+        reports.close()
         run = Run(
             scenario=scenario,
             crash=crash,
@@ -368,6 +378,86 @@ def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float,
     return None, False
 
 
+class ZygoteReports:
+    """What the agents' zygotes say about the workers they fork (course.launcher.torchrun.agent): a pipe whose
+    writing end only the zygotes hold (undumpable, nothing of a submission runs in them) once every agent started.
+    ``rank(pid)``: the RANK a forked worker was started with, which /proc/PID/environ cannot tell (it shows the
+    zygote's environment); ``zygotes``: their pids (no worker: left out of the processes whose writes are
+    watched)."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        self._ranks: dict[int, int | None] = {}
+        self.zygotes: set[int] = set()
+        self._buffer = b""
+        import threading
+
+        self._lock = threading.Lock()
+
+    def env(self) -> dict[str, str]:
+        from course.launcher.torchrun.agent import REPORT_FD
+
+        return {REPORT_FD: str(self._write)} if self._write is not None else {}
+
+    def fds(self) -> tuple[int, ...]:
+        return (self._write,) if self._write is not None else ()
+
+    def started(self) -> None:
+        """Every agent has its copy: close ours (the zygotes' are the only ones left)."""
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+
+    def _drain(self, wait: float = 0.0) -> None:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                chunk = os.read(self._read, 65536)
+            except BlockingIOError:
+                chunk = None
+            except OSError:
+                return
+            if chunk:
+                self._buffer += chunk
+                *lines, self._buffer = self._buffer.split(b"\n")
+                for line in lines:
+                    first, _, second = line.decode(errors="replace").partition(" ")
+                    if first == "Z" and second.isdigit():
+                        self.zygotes.add(int(second))
+                    elif first.isdigit():
+                        self._ranks[int(first)] = int(second) if second.isdigit() else None
+                continue
+            if chunk == b"" or time.monotonic() >= end:
+                return
+            select.select([self._read], [], [], max(0.0, end - time.monotonic()))
+
+    def rank(self, pid: int) -> int | None:
+        """The RANK of a worker a zygote forked (it may take a moment to say so), or None."""
+        with self._lock:
+            self._drain()
+            if pid not in self._ranks and _parent(pid) in self.zygotes:
+                self._drain(wait=2.0)  # forked a moment ago: its zygote is about to say so
+            return self._ranks.get(pid)
+
+    def without_zygotes(self, pids: list[int]) -> list[int]:
+        with self._lock:
+            self._drain()
+            return [p for p in pids if p not in self.zygotes]
+
+    def close(self) -> None:
+        self.started()
+        os.close(self._read)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _descendants(agents: list[subprocess.Popen]) -> list[int]:
     """The pids of every process the running agents started (their workers and what those started)."""
     import psutil
@@ -382,16 +472,25 @@ def _descendants(agents: list[subprocess.Popen]) -> list[int]:
 
 
 def _working(agents: list[subprocess.Popen]) -> bool:
-    """Whether any running agent has a worker process now."""
+    """Whether any running agent has a worker process now (its zygote is none: see course.launcher.torchrun.agent)."""
     import psutil
 
     for proc in agents:
         try:
-            if proc.poll() is None and psutil.Process(proc.pid).children():
+            if proc.poll() is None and any(_is_worker(p) for p in psutil.Process(proc.pid).children(recursive=True)):
                 return True
         except psutil.Error:
             pass
     return False
+
+
+def _is_worker(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.name() != ZYGOTE_NAME and _running(proc)
+    except psutil.Error:
+        return False
 
 
 def rounds(starts: list[tuple[int, int, tuple, float]]) -> dict[int, int]:

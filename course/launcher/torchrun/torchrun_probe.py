@@ -58,6 +58,7 @@ HOLD = "DDP_COURSE_PROBE_HOLD"
 INPUT_FEATURES = "DDP_COURSE_PROBE_INPUT_FEATURES"
 GATE = "DDP_COURSE_PROBE_GATE"
 LEAVE_EXIT_CODE = 18
+AGENT_PID = "DDP_COURSE_PROBE_AGENT"  # set by course.launcher.torchrun.agent
 GATE_LIMIT = 60.0  # seconds a new worker waits for the launcher's go before it runs the script anyway
 HOLD_LIMIT = 90.0  # seconds a held worker waits for torchrun's restart before it goes on
 
@@ -180,7 +181,7 @@ def _patch_torch() -> None:
     record_collectives = _collectives_recorder(real_initialized)
     leave_node, leave_step, leave_size = (os.environ.get(LEAVE, "").split(":") + ["", "", ""])[:3]
     leave_here = bool(leave_node) and leave_node == os.environ.get(NODE) and os.environ.get("WORLD_SIZE") == leave_size
-    agent = os.getppid()  # torchrun's agent, which started this worker
+    agent = _agent()  # torchrun's agent, which started this worker
 
     def after_step(optimizer, args, kwargs) -> None:
         global _steps
@@ -194,7 +195,7 @@ def _patch_torch() -> None:
         if leave_here and str(_steps) == leave_step:
             _log("leave", step=_steps)
             open(os.path.join(_probe_dir, "left"), "w").close()  # noqa: SIM115 - a marker for the grader
-            if os.getppid() == agent:  # the node's agent dies first (once: a second worker finds it gone)
+            if agent in _parents():  # the node's agent dies first (once: a second worker finds it gone)
                 os.kill(agent, signal.SIGKILL)
             os._exit(LEAVE_EXIT_CODE)
 
@@ -298,6 +299,22 @@ def _numel(size) -> int:
     for d in size:
         n *= int(d)
     return n
+
+
+def _agent() -> int:
+    """torchrun's agent that started this worker: its parent, or its zygote's (course.launcher.torchrun.agent)."""
+    named = os.environ.get(AGENT_PID, "")
+    return int(named) if named.isdigit() else os.getppid()
+
+
+def _parents() -> tuple[int, ...]:
+    """This worker's parent and grandparent now (an agent that died is neither: its orphans are adopted)."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as fh:
+            return parent, int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return (parent,)
 
 
 def install(probe_dir: str, watched: list[str]) -> None:

@@ -1,0 +1,120 @@
+"""torchrun's agent, as the launcher starts it: ``python -m course.launcher.torchrun.agent TORCHRUN-ARGS``.
+
+This is ``python -m torch.distributed.run TORCHRUN-ARGS`` (torch's own ``main``: its rendezvous, restarts,
+monitoring and failure report, unchanged) with one difference, in how a worker process comes to be. Every
+worker runs the same probe (:mod:`~course.launcher.torchrun.torchrun_probe`), and a fresh Python spends
+about 2.5 CPU seconds importing torch and, at the first DDP construction, ``torch._dynamo``: nearly all of
+a worker's cost on this course's small jobs (an elastic launch started 8 workers and spent 19 of its 29 CPU
+seconds in them). So the agent keeps a warm zygote (:class:`course.sandbox.zygote.Zygote`, started at once,
+importing while the agents meet) and torch's subprocess handler forks each worker from it instead of
+exec'ing ``python -u torchrun_probe.py SCRIPT ARGS``: the child takes the worker's environment, streams,
+working folder and a session of its own, and runs the probe as ``__main__``, as the fresh interpreter would
+(see the zygote's module text for what a forked process shares with its zygote). A worker whose
+environment differs in what is read at import time, or any failure to reach the zygote, is exec'd as
+before; ``DDP_COURSE_ZYGOTE=0`` exec's every worker.
+
+The worker is then the agent's grandchild (agent, zygote, worker): ``DDP_COURSE_PROBE_AGENT`` carries the
+agent's pid to the probe (an elastic node that leaves kills its own agent), and the launcher tells a worker
+from the zygote by its process name (:data:`ZYGOTE_NAME`). Nothing of a submission runs in the agent or in
+its zygote.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: the name a zygote gives itself (``/proc/PID/comm``): the launcher's process walks leave it out of the workers
+ZYGOTE_NAME = "zygote"
+#: what the workers' zygote imports: a worker's torch and torch.distributed, the probe's own imports (the probe
+#: module itself runs afresh as ``__main__`` in each worker), and the part of torch._dynamo's import (which the
+#: first DDP construction makes) that leaves the process groups alone. Not torch._dynamo itself, nor
+#: torch.distributed.tensor or fsdp, which it imports: imported before ``init_process_group``, they made a
+#: forked DDP worker hang at the end in ~ProcessGroupGloo (its gloo thread waiting for the GIL while the main
+#: thread joins it) in 3 of 11, 4 of 20 and 5 of 16 three-worker jobs; with this list, 0 of 52.
+PRELOAD = ("course.sandbox.wrapper", "torch", "torch.distributed", "torch.nn.parallel",
+           "sympy", "torch.fx.experimental.symbolic_shapes",
+           "course.launcher.rank", "course.launcher.torchrun.torchrun_probe")
+PROBE_MODULE = "course.launcher.torchrun.torchrun_probe"
+#: the environment variable naming the descriptor the launcher gives each agent for its zygote's reports
+REPORT_FD = "DDP_COURSE_AGENT_REPORT_FD"
+
+
+def _probe_script() -> str:
+    from course.launcher.torchrun.runner import PROBE_SCRIPT
+
+    return PROBE_SCRIPT
+
+
+def forked_argv(args: tuple | list) -> list[str] | None:
+    """The zygote's form of a worker's command (``python -u torchrun_probe.py ...`` becomes
+    ``python -u -m course.launcher.torchrun.torchrun_probe ...``), or None for any other command."""
+    args = [str(a) for a in args]
+    if len(args) >= 3 and args[0] == sys.executable and args[1] == "-u" and args[2] == _probe_script():
+        return [sys.executable, "-u", "-m", PROBE_MODULE, *args[3:]]
+    return None
+
+
+def install(zygote) -> None:
+    """Make torch's subprocess handler fork the probe's workers from ``zygote`` (None: leave it as it is)."""
+    if zygote is None:
+        return
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    real_popen = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(self, args, env):
+        argv = forked_argv(args)
+        if argv is not None and zygote.alive():
+            try:
+                return zygote.popen(argv, env=env, stdout=self._stdout, stderr=self._stderr)
+            except OSError as exc:  # the zygote could not start it: exec it, as torch would
+                print(f"[ddp-course] worker exec'd, not forked: {exc}", file=sys.stderr, flush=True)
+        return real_popen(self, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+
+
+def start_zygote():
+    """A zygote with the workers' import-time environment, or None where zygotes are off or cannot start.
+
+    The launcher's end of a pipe, named by :data:`REPORT_FD`, goes to the zygote alone (this agent closes its
+    copy): there the zygote says its pid and each worker's pid and RANK, for the launcher, which cannot read a
+    forked worker's RANK in /proc/PID/environ (that shows the zygote's environment)."""
+    from course.sandbox import zygote as zygotes
+
+    named = os.environ.pop(REPORT_FD, "")
+    report_fd = int(named) if named.isdigit() else None
+    try:
+        if not zygotes.enabled():
+            return None
+        # what torch's local agent adds to every worker's environment and a worker's imports may read: the zygote
+        # imports with it too (OMP_NUM_THREADS the launcher sets for the whole job)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        try:
+            return zygotes.Zygote(PRELOAD, report_fd=report_fd)
+        except OSError as exc:
+            print(f"[ddp-course] no zygote for the workers: {exc}", file=sys.stderr, flush=True)
+            return None
+    finally:
+        if report_fd is not None:
+            os.close(report_fd)
+
+
+def main() -> None:
+    from course.launcher.torchrun.torchrun_probe import AGENT_PID
+
+    os.environ[AGENT_PID] = str(os.getpid())
+    zygote = start_zygote()
+    install(zygote)
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun()
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+if __name__ == "__main__":
+    main()

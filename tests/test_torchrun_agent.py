@@ -1,0 +1,103 @@
+"""torchrun's agent as the launcher starts it (course.launcher.torchrun.agent): workers forked from a warm zygote.
+
+The checks built on it (every torchrun and elastic launch of exercise 4) are graded end to end by
+test_graders_ex4*.py; here: that the workers really are forked, that a forked worker sees what an exec'd one
+would, that the switch off (DDP_COURSE_ZYGOTE=0) exec's them as before, and that the zygote keeps out of its
+imports the modules that made forked DDP workers hang at their end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from course.launcher.torchrun import agent, runner
+
+#: a DDP job that ends as most scripts do: destroy_process_group, then its model freed as main() returns (the
+#: moment a forked worker hung when torch.distributed.tensor was imported before init_process_group)
+SCRIPT = textwrap.dedent('''
+    import argparse, json, os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def main(args):
+        dist.init_process_group("gloo")
+        model = DDP(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+        if dist.get_rank() == 0:
+            torch.save(model.module.state_dict(), os.path.join(args.out, "final.pt"))
+        print("SEEN " + json.dumps({
+            "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\\0"),
+            "name": __name__, "argv": sys.argv, "path0": sys.path[0], "rank": os.environ["RANK"],
+            "agent": os.environ.get("DDP_COURSE_PROBE_AGENT"), "ppid": os.getppid(),
+            "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()}), flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--out")
+        parser.add_argument("--ckpt")
+        main(parser.parse_args())
+''')
+
+
+def _seen(run) -> dict[int, dict]:
+    return {int(w.rank): json.loads(line.split("SEEN ", 1)[1]) for w in run.workers
+            for line in w.output.splitlines() if line.startswith("SEEN ")}
+
+
+def test_only_the_probes_worker_command_is_forked():
+    probe = runner.PROBE_SCRIPT
+    assert agent.forked_argv((sys.executable, "-u", probe, "train.py", "--out", "o")) == [
+        sys.executable, "-u", "-m", agent.PROBE_MODULE, "train.py", "--out", "o"]
+    assert agent.forked_argv((sys.executable, "-u", "train.py")) is None  # not the probe: exec'd
+    assert agent.forked_argv(("/usr/bin/python3", "-u", probe)) is None  # another interpreter
+    assert agent.forked_argv((sys.executable, probe)) is None  # not as torchrun starts it
+
+
+def test_the_zygote_imports_nothing_that_made_forked_workers_hang():
+    """torch._dynamo, torch.distributed.tensor and fsdp imported before init_process_group made forked DDP workers
+    hang at their end (see the agent's PRELOAD); the zygote's imports must not bring them in."""
+    code = ("import importlib, sys\n"
+            f"for name in {agent.PRELOAD!r}: importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch.distributed.tensor', "
+            "'torch.distributed.fsdp', 'torch.distributed._functional_collectives'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "exec'd"])
+def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
+    """Two agents (2 + 1 workers): each worker runs the script as __main__ with torchrun's environment and the
+    script's folder first on sys.path; forked, it is the agent's grandchild (its zygote in between) and knows its
+    agent; with DDP_COURSE_ZYGOTE=0 each worker is exec'd by its agent."""
+    if not forked:
+        monkeypatch.setenv("DDP_COURSE_ZYGOTE", "0")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT + ("" if forked else "# exec'd\n"))  # another content: not the forked run's cache
+    run = runner.run_script(str(script), "nodes", layout=(2, 1))
+    assert run.ok, run.log[-3000:]
+    assert isinstance(run.final, dict) and set(run.final) == {"weight", "bias"}, run.final
+    seen = _seen(run)
+    assert sorted(seen) == [0, 1, 2], [w.output for w in run.workers]
+    for rank, s in seen.items():
+        assert s["name"] == "__main__" and s["argv"][0] == str(script) and s["path0"] == str(tmp_path), s
+        assert s["rank"] == str(rank) and s["omp"] == "1" and s["threads"] == 1, s
+        if forked:
+            assert "course.sandbox.zygote" in s["cmdline"], s["cmdline"]
+            assert s["grandparent"] == int(s["agent"]), s
+        else:
+            assert runner.PROBE_SCRIPT in s["cmdline"] and s["ppid"] == int(s["agent"]), s
+    assert len({s["agent"] for s in seen.values()}) == 2  # two agents, each its workers'
+    assert not os.path.exists(run.out_dir)  # the job folder is gone: nothing left behind
