@@ -345,13 +345,20 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
     agent waits at the exit while rank 0's waits for it to meet again. The grader stops that run after
     STRANDED_AFTER s with no worker (not torch's minutes), and the check names the mistake: no gradient was
     averaged. (On one node, --standalone, the same script ends: the restarted ranks drift apart, and rank 0's
-    final weights are what it learns alone.)"""
+    final weights are what it learns alone; so does this run when rank 1's agent restarts its worker before the
+    worker finished, a race of torchrun's agents, seen once in two full runs of the suite after workers started faster.)"""
     monkeypatch.setattr(runner, "STRANDED_AFTER", STRANDED_AFTER)  # the runner reads it: a wait spent idle
     script = write_script(tmp_path, ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
                                      "ddp_model = model"))
+    run = ex4.try_restart(script, **HIDDEN)
+    if run.ok:
+        # torchrun's race: rank 1's agent saw rank 0's agent ask for a new round before its own worker had
+        # finished, and restarted it too; the job ended, and its weights name the mistake
+        fails(ex4.check_ddp_training, script, "rank 0's final weights differ from a 2-rank DDP run",
+              "the gradients were never averaged", "Wrap the model in DDP", **HIDDEN)
+        return
     fails(ex4.check_ddp_training, script, "ranks 0, 1 did not average gradients with the other ranks",
           "all-reduced 0 values in 3 optimizer steps", "wrap the model in DDP", **HIDDEN)
-    run = ex4.try_restart(script, **HIDDEN)
     assert run.stranded and run.elapsed < runner.STRANDED_AFTER + 30, run.elapsed
     fails(ex4.check_restart_resume, script, "the 2-node restart run", "never ended",
           "the torchrun agents went on waiting for each other", "did not wait on it", **HIDDEN)

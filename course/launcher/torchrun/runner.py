@@ -28,7 +28,6 @@ import glob
 import hashlib
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -45,7 +44,7 @@ import torch
 
 from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
-from course.launcher.torchrun.agent import ZYGOTE_NAME
+from course.launcher.torchrun.agent import PROBE_SCRIPT, ZYGOTE_NAME, ZygoteReports
 from course.proc import alive, dies_with_caller
 
 NODES_TIMEOUT = 180.0
@@ -55,7 +54,6 @@ RESTART_TIMEOUT = 240.0
 #: waits for it in the rendezvous (its workers failed and it restarts), until torch's timeouts
 STRANDED_AFTER = 15.0
 
-PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
 #: torchrun's agent: ``python -m torch.distributed.run``, its workers forked from a warm zygote
 #: (:mod:`course.launcher.torchrun.agent`)
 AGENT = [sys.executable, "-m", "course.launcher.torchrun.agent"]
@@ -376,86 +374,6 @@ def _wait(procs: list[subprocess.Popen], probe_dir: str, deadline: float,
         if verdict is not None:
             return verdict, False
     return None, False
-
-
-class ZygoteReports:
-    """What the agents' zygotes say about the workers they fork (course.launcher.torchrun.agent): a pipe whose
-    writing end only the zygotes hold (undumpable, nothing of a submission runs in them) once every agent started.
-    ``rank(pid)``: the RANK a forked worker was started with, which /proc/PID/environ cannot tell (it shows the
-    zygote's environment); ``zygotes``: their pids (no worker: left out of the processes whose writes are
-    watched)."""
-
-    def __init__(self):
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        self._ranks: dict[int, int | None] = {}
-        self.zygotes: set[int] = set()
-        self._buffer = b""
-        import threading
-
-        self._lock = threading.Lock()
-
-    def env(self) -> dict[str, str]:
-        from course.launcher.torchrun.agent import REPORT_FD
-
-        return {REPORT_FD: str(self._write)} if self._write is not None else {}
-
-    def fds(self) -> tuple[int, ...]:
-        return (self._write,) if self._write is not None else ()
-
-    def started(self) -> None:
-        """Every agent has its copy: close ours (the zygotes' are the only ones left)."""
-        if self._write is not None:
-            os.close(self._write)
-            self._write = None
-
-    def _drain(self, wait: float = 0.0) -> None:
-        end = time.monotonic() + wait
-        while True:
-            try:
-                chunk = os.read(self._read, 65536)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                return
-            if chunk:
-                self._buffer += chunk
-                *lines, self._buffer = self._buffer.split(b"\n")
-                for line in lines:
-                    first, _, second = line.decode(errors="replace").partition(" ")
-                    if first == "Z" and second.isdigit():
-                        self.zygotes.add(int(second))
-                    elif first.isdigit():
-                        self._ranks[int(first)] = int(second) if second.isdigit() else None
-                continue
-            if chunk == b"" or time.monotonic() >= end:
-                return
-            select.select([self._read], [], [], max(0.0, end - time.monotonic()))
-
-    def rank(self, pid: int) -> int | None:
-        """The RANK of a worker a zygote forked (it may take a moment to say so), or None."""
-        with self._lock:
-            self._drain()
-            if pid not in self._ranks and _parent(pid) in self.zygotes:
-                self._drain(wait=2.0)  # forked a moment ago: its zygote is about to say so
-            return self._ranks.get(pid)
-
-    def without_zygotes(self, pids: list[int]) -> list[int]:
-        with self._lock:
-            self._drain()
-            return [p for p in pids if p not in self.zygotes]
-
-    def close(self) -> None:
-        self.started()
-        os.close(self._read)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _descendants(agents: list[subprocess.Popen]) -> list[int]:
