@@ -189,6 +189,12 @@ def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
     return _CACHE[key]
 
 
+def zygote_pays(starts: int) -> dict[str, str]:
+    """The environment an agent that will start ``starts`` workers in all gets: its zygote (about 1.8 CPU s of
+    imports, see course.launcher.torchrun.agent) pays from the second worker on; one worker is exec'd."""
+    return {} if starts >= 2 else {"DDP_COURSE_ZYGOTE": "0"}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -288,8 +294,10 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         started = time.monotonic()
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
+            starts = layout[i] * (2 if scenario == "restart" else 1)  # a restart run starts every worker again
             # a session of its own (_stop kills its group), and killed when this process dies before _stop can
-            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job, env={**env, **reports.env()},
+            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job,
+                                          env={**env, **reports.env(), **zygote_pays(starts)},
                                           pass_fds=reports.fds(), stdin=subprocess.DEVNULL,
                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         reports.started()
