@@ -15,9 +15,9 @@ before; ``DDP_COURSE_ZYGOTE=0`` exec's every worker.
 
 The worker is then the agent's grandchild (agent, zygote, worker): ``DDP_COURSE_PROBE_AGENT`` carries the
 agent's pid to the probe (an elastic node that leaves kills its own agent), and the launcher tells a worker
-from the zygote by its process name (:data:`ZYGOTE_NAME`) where it only counts workers. Where it judges who
+from the zygote by its process name (:data:`~course.launcher.torchrun.workers.ZYGOTE_NAME`) where it only counts workers. Where it judges who
 wrote a file it needs each worker's RANK, which a forked worker's /proc/PID/environ no longer shows (that is
-the zygote's): :class:`ZygoteReports` is the launcher's side of a pipe on which only the (undumpable) zygotes
+the zygote's): :class:`~course.launcher.torchrun.workers.ZygoteReports` is the launcher's side of a pipe on which only the (undumpable) zygotes
 say who they are and whom they forked with which RANK. Nothing of a submission runs in the agent or in its
 zygote.
 """
@@ -25,13 +25,10 @@ zygote.
 from __future__ import annotations
 
 import os
-import select
 import sys
-import threading
-import time
 
-#: the name a zygote gives itself (``/proc/PID/comm``): the launcher's process walks leave it out of the workers
-ZYGOTE_NAME = "zygote"
+from course.launcher.torchrun.workers import PROBE_SCRIPT, REPORT_FD
+
 #: what the workers' zygote imports: a worker's torch and torch.distributed, the probe's own imports (the probe
 #: module itself runs afresh as ``__main__`` in each worker), and the part of torch._dynamo's import (which the
 #: first DDP construction makes) that leaves the process groups alone. Not torch._dynamo itself, nor
@@ -42,10 +39,6 @@ PRELOAD = ("course.sandbox.wrapper", "torch", "torch.distributed", "torch.nn.par
            "sympy", "torch.fx.experimental.symbolic_shapes",
            "course.launcher.rank", "course.launcher.torchrun.torchrun_probe")
 PROBE_MODULE = "course.launcher.torchrun.torchrun_probe"
-#: the file every worker runs (torchrun's training script; the script to grade is its first argument)
-PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_probe.py")
-#: the environment variable naming the descriptor the launcher gives each agent for its zygote's reports
-REPORT_FD = "DDP_COURSE_AGENT_REPORT_FD"
 
 
 def forked_argv(args: tuple | list) -> list[str] | None:
@@ -101,83 +94,6 @@ def start_zygote():
     finally:
         if report_fd is not None:
             os.close(report_fd)
-
-
-class ZygoteReports:
-    """What the agents' zygotes say about the workers they fork (course.launcher.torchrun.agent): a pipe whose
-    writing end only the zygotes hold (undumpable, nothing of a submission runs in them) once every agent started.
-    ``rank(pid)``: the RANK a forked worker was started with, which /proc/PID/environ cannot tell (it shows the
-    zygote's environment); ``zygotes``: their pids (no worker: left out of the processes whose writes are
-    watched)."""
-
-    def __init__(self):
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        self._ranks: dict[int, int | None] = {}
-        self.zygotes: set[int] = set()
-        self._buffer = b""
-        self._lock = threading.Lock()
-
-    def env(self) -> dict[str, str]:
-        return {REPORT_FD: str(self._write)} if self._write is not None else {}
-
-    def fds(self) -> tuple[int, ...]:
-        return (self._write,) if self._write is not None else ()
-
-    def started(self) -> None:
-        """Every agent has its copy: close ours (the zygotes' are the only ones left)."""
-        if self._write is not None:
-            os.close(self._write)
-            self._write = None
-
-    def _drain(self, wait: float = 0.0) -> None:
-        end = time.monotonic() + wait
-        while True:
-            try:
-                chunk = os.read(self._read, 65536)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                return
-            if chunk:
-                self._buffer += chunk
-                *lines, self._buffer = self._buffer.split(b"\n")
-                for line in lines:
-                    first, _, second = line.decode(errors="replace").partition(" ")
-                    if first == "Z" and second.isdigit():
-                        self.zygotes.add(int(second))
-                    elif first.isdigit():
-                        self._ranks[int(first)] = int(second) if second.isdigit() else None
-                continue
-            if chunk == b"" or time.monotonic() >= end:
-                return
-            select.select([self._read], [], [], max(0.0, end - time.monotonic()))
-
-    def rank(self, pid: int) -> int | None:
-        """The RANK of a worker a zygote forked (it may take a moment to say so), or None."""
-        with self._lock:
-            self._drain()
-            if pid not in self._ranks and _parent(pid) in self.zygotes:
-                self._drain(wait=2.0)  # forked a moment ago: its zygote is about to say so
-            return self._ranks.get(pid)
-
-    def without_zygotes(self, pids: list[int]) -> list[int]:
-        with self._lock:
-            self._drain()
-            return [p for p in pids if p not in self.zygotes]
-
-    def close(self) -> None:
-        self.started()
-        os.close(self._read)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
 
 
 def main() -> None:

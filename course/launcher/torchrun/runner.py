@@ -44,7 +44,7 @@ import torch
 
 from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
-from course.launcher.torchrun.agent import PROBE_SCRIPT, ZYGOTE_NAME, ZygoteReports
+from course.launcher.torchrun.workers import PROBE_SCRIPT, ZYGOTE_NAME, ZygoteReports
 from course.proc import alive, dies_with_caller
 
 NODES_TIMEOUT = 180.0
