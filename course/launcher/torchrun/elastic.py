@@ -51,7 +51,6 @@ from course.launcher.torchrun.runner import (
     _script,
     _stop,
     _working,
-    zygote_pays,
 )
 from course.proc import dies_with_caller
 
@@ -192,10 +191,10 @@ def _launch(script: str, plan: Plan, input_features: int,
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",
                    f"--log-dir={job}/logs{name}", PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
             logs.append(open(os.path.join(job, f"agent{name}.log"), "wb"))  # noqa: SIM115 - closed below
-            # A restarts its workers at every change of membership; B's leave once, C's join once
-            starts = 2 * workers[name] if name == "A" else workers[name]
+            # every worker exec'd here (no zygote, course.launcher.torchrun.agent): with forked workers the visible
+            # story once ended early (node A gave up after B left, 1 of about 13 runs), not yet understood
             procs[name] = subprocess.Popen(dies_with_caller(cmd), cwd=job,
-                                           env={**env, "DDP_COURSE_PROBE_NODE": name, **zygote_pays(starts)},
+                                           env={**env, "DDP_COURSE_PROBE_NODE": name, "DDP_COURSE_ZYGOTE": "0"},
                                            stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
                                            start_new_session=True)
 
