@@ -45,6 +45,7 @@ import sys
 import time
 
 from course.launcher.rank import start_stall_probe, watch_parent
+from course.launcher.torchrun.workers import parent_of
 
 PROBE_DIR = "DDP_COURSE_PROBE_DIR"
 #: the pid of the process that launched the job: a worker ends once it is gone (its agent is gone then too)
@@ -310,11 +311,8 @@ def _agent() -> int:
 def _parents() -> tuple[int, ...]:
     """This worker's parent and grandparent now (an agent that died is neither: its orphans are adopted)."""
     parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat") as fh:
-            return parent, int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return (parent,)
+    grandparent = parent_of(parent)
+    return (parent,) if grandparent is None else (parent, grandparent)
 
 
 def install(probe_dir: str, watched: list[str]) -> None:

@@ -72,7 +72,7 @@ class ZygoteReports:
         """The RANK of a worker a zygote forked (it may take a moment to say so), or None."""
         with self._lock:
             self._drain()
-            if pid not in self._ranks and _parent(pid) in self.zygotes:
+            if pid not in self._ranks and parent_of(pid) in self.zygotes:
                 self._drain(wait=2.0)  # forked a moment ago: its zygote is about to say so
             return self._ranks.get(pid)
 
@@ -86,7 +86,8 @@ class ZygoteReports:
         os.close(self._read)
 
 
-def _parent(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` now, from /proc/PID/stat (None: gone or unreadable)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return int(fh.read().rsplit(")", 1)[1].split()[1])
