@@ -1,0 +1,37 @@
+"""The checks of ``exercises/ex4-torchrun/find_the_hang.ipynb``, under the names its test cells call: ``graders.find_the_hang.<name>(...)``.
+
+Each name lives in one module of this package (the table below) and is imported when first asked for, so a rank
+that unpickles one harness imports that module alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: public name -> the module of this package that defines it
+EXPORTS = {
+    "check_diagnosis": "checks",
+    "check_diagnosis_early": "checks",
+    "check_diagnosis_metric": "checks",
+    "check_diagnosis_shapes": "checks",
+    "check_diagnosis_uneven": "checks",
+    "check_fix": "checks",
+    "check_fix_early": "checks",
+    "check_fix_metric": "checks",
+    "check_fix_shapes": "checks",
+    "check_fix_uneven": "checks",
+    "try_it": "checks",
+}
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *EXPORTS})

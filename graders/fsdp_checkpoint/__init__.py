@@ -1,0 +1,33 @@
+"""The checks of ``exercises/ex3-syncbn-sharding/fsdp_checkpoint.ipynb``, under the names its test cells call: ``graders.fsdp_checkpoint.<name>(...)``.
+
+Each name lives in one module of this package (the table below) and is imported when first asked for, so a rank
+that unpickles one harness imports that module alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: public name -> the module of this package that defines it
+EXPORTS = {
+    "Net": "checks",
+    "check_checkpoint": "checks",
+    "check_clipping": "precision",
+    "check_export": "checks",
+    "check_mixed_precision": "precision",
+    "check_shard": "checks",
+    "check_training": "checks",
+}
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *EXPORTS})

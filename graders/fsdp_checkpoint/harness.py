@@ -1,0 +1,363 @@
+"""The grader's side of exercise 3's FSDP notebook that is not a verdict: its model (:class:`Net`), each
+rank's data, the single-process reference, and the harnesses that run on the ranks (:mod:`graders.fsdp_checkpoint.checks`
+holds the checks).
+
+The harnesses take torch's classes and functions (DTensor, its ``to_local``, the flight recorder's
+dump, module hooks) when this module is imported, which in a rank is before the student's objects
+are unpickled: reassigning torch attributes cannot fake an observation.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import distributed_c10d as _c10d
+from torch.distributed.tensor import DTensor, Shard
+
+from course import checks
+
+PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
+INPUTS, OUTPUTS = 6, 2
+BATCH = 4  # samples per rank and step
+LR = 0.05
+MOMENTUM = 0.9
+
+
+class Block(nn.Module):
+    """A residual MLP block: the unit ``fully_shard`` is applied to."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """``embed`` -> ``blocks`` (an ``nn.ModuleList`` of :class:`Block`) -> ``head``."""
+
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(INPUTS, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, OUTPUTS)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_net(spec: tuple) -> Net:
+    """The model of ``spec`` = (width, depth, seed), with weights from ``seed``."""
+    width, depth, seed = spec
+    torch.manual_seed(seed)
+    return Net(width, depth)
+
+
+def batch(rank: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: every rank's data has its own mean and scale."""
+    g = torch.Generator().manual_seed(1000 * seed + 50 * step + rank)
+    x = torch.randn(BATCH, INPUTS, generator=g) * (1 + 0.5 * rank) + rank
+    y = torch.stack([torch.sin(x.sum(1)), torch.cos(x[:, 0] - x[:, 1])], dim=1)
+    return x, y
+
+
+def _global_batch(world_size: int, step: int, seed: int):
+    parts = [batch(r, step, seed) for r in range(world_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+# In a rank this module is imported while the job's payload is unpickled, before the student's objects: what
+# is taken here is torch's own, whatever the student's code later assigns to torch's attributes.
+_DTENSOR = DTensor
+_SHARD = Shard
+_TO_LOCAL = DTensor.to_local
+_PLACEMENTS = DTensor.placements.fget
+_MESH = DTensor.device_mesh.fget
+_IS_INSTANCE = isinstance
+_NAMED_PARAMETERS = nn.Module.named_parameters
+_PRE_HOOK = nn.Module.register_forward_pre_hook
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_CPU = torch.Tensor.cpu
+_SGD = torch.optim.SGD
+_OPTIMIZER = torch.optim.Optimizer
+_RECORDED = checks.recorder()  # taken at import, before student code
+_INIT_PG = _c10d.init_process_group
+
+
+def _join() -> torch.device:
+    """Join the job as the grader: gloo on the CPU, or the job's backend with this rank's GPU (selected first)."""
+    dev = checks.device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        _INIT_PG(checks.backend(), device_id=dev, timeout=PG_TIMEOUT)
+    else:
+        _INIT_PG("gloo", timeout=PG_TIMEOUT)
+    return dev
+
+
+def _data(rank: int, step: int, seed: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(rank, step, seed)
+    return x.to(dev), y.to(dev)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return _CLONE(_CPU(_DETACH(t)))
+
+
+def _local(p) -> torch.Tensor:
+    """This rank's part of a parameter (all of it when it is a plain tensor)."""
+    return _copy(_TO_LOCAL(p)) if _IS_INSTANCE(p, _DTENSOR) else _copy(p)
+
+
+def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _local(p) for name, p in _NAMED_PARAMETERS(model)}
+
+
+def _gathers_so_far() -> list[int] | None:
+    """The per-rank sizes of every all-gather this rank ran so far (the flight recorder); None without one."""
+    if _RECORDED is None:
+        return None
+    entries = _RECORDED()
+    out = []
+    for e in entries:
+        name = str(e.get("profiling_name", "")).lower()
+        if "all_gather" in name or "allgather" in name:
+            sizes = e.get("input_sizes") or [[0]]
+            n = 1
+            for d in sizes[0]:
+                n *= int(d)
+            out.append(n)
+    return out
+
+
+def _shard_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``t`` sharded on dim 0 (possibly none)."""
+    chunks = t.chunk(world_size)
+    return chunks[rank] if rank < len(chunks) else t[:0]
+
+
+def _full(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's dim-0 shards (rank order)."""
+    return {name: torch.cat([obs[name] for obs in per_rank]) for name in per_rank[0]}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in b)
+
+
+def reference_shard(model: nn.Module) -> nn.Module:
+    """The right answer of part 1, which the other parts' checks use: blocks, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _shard_harness(rank: int, shard_model, spec: tuple) -> dict:
+    dev = _join()
+    model = make_net(spec).to(dev)
+    returned = shard_model(model)
+    obs: dict = {"returned": None}
+    if returned is not None and not _IS_INSTANCE(returned, nn.Module):
+        obs["returned"] = type(returned).__name__
+        return obs
+    if returned is not None:
+        model = returned
+    params = {}
+    for name, p in _NAMED_PARAMETERS(model):
+        if _IS_INSTANCE(p, _DTENSOR):
+            placements = _PLACEMENTS(p)
+            params[name] = {"dtensor": True, "placements": [repr(pl) for pl in placements],
+                            "rows": all(_IS_INSTANCE(pl, _SHARD) and pl.dim == 0 for pl in placements),
+                            "mesh": int(_MESH(p).size()), "local": list(_TO_LOCAL(p).shape)}
+        else:
+            params[name] = {"dtensor": False, "local": list(p.shape)}
+    obs["params"] = params
+    blocks = getattr(model, "blocks", None)
+    if not _IS_INSTANCE(blocks, nn.ModuleList):
+        obs["blocks"] = None
+        return obs
+    marks: list[dict] = []
+
+    def pre_hook(index):
+        def hook(module, args):
+            gathered = _gathers_so_far()
+            whole = all(not _IS_INSTANCE(p, _DTENSOR) and list(p.shape) == full
+                        for (_, p), full in zip(_NAMED_PARAMETERS(module), shapes[index]))
+            marks.append({"block": index, "gathers": None if gathered is None else len(gathered), "whole": whole})
+        return hook
+
+    shapes = [[list(t.shape) for _, t in _NAMED_PARAMETERS(Block(spec[0]))] for _ in blocks]
+    for index, block in enumerate(blocks):
+        _PRE_HOOK(block, pre_hook(index))
+    before = _gathers_so_far()
+    with torch.no_grad():
+        model(_data(rank, 0, spec[2], dev)[0])
+    after = _gathers_so_far()
+    obs["blocks"] = len(blocks)
+    obs["marks"] = marks
+    obs["gathers"] = None if after is None else after[len(before):]
+    obs["start"] = None if before is None else len(before)
+    return obs
+
+
+def reference_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+
+
+def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int) -> dict:
+    dev = _join()
+    model = make_net(spec).to(dev)
+    optimizer = make_optimizer(model, LR, reference_shard)
+    if not _IS_INSTANCE(optimizer, _OPTIMIZER):
+        return {"optimizer": type(optimizer).__name__}
+    init = _locals(model)
+    own = {id(p) for _, p in _NAMED_PARAMETERS(model)}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    obs = {"optimizer": None, "sgd": type(optimizer) is _SGD, "type": type(optimizer).__name__,
+           "groups": [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups],
+           "foreign": sum(id(p) not in own for p in held), "held": len(held),
+           "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
+           "init": init}
+    for step in range(steps):
+        reference_step(model, optimizer, *_data(rank, step, spec[2], dev))  # the exercise's given training step
+    obs["final"] = _locals(model)
+    return obs
+
+
+@checks.reference
+@torch.no_grad()
+def _training_reference(spec: tuple, ws: int, steps: int) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the global batch."""
+    model = make_net(spec)
+    optimizer = reference_optimizer(model)
+    for step in range(steps):
+        with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
+            reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _trained(rank: int, spec: tuple, steps: int, dev):
+    """The grader's own sharded model and optimizer after ``steps`` steps on this rank's batches."""
+    model = reference_shard(make_net(spec).to(dev))
+    optimizer = reference_optimizer(model)
+    for step in range(steps):
+        reference_step(model, optimizer, *_data(rank, step, spec[2], dev))
+    return model, optimizer
+
+
+def _momenta(model: nn.Module, optimizer) -> dict[str, torch.Tensor | None]:
+    """This rank's part of SGD's momentum buffer of every parameter (None: the optimizer holds no state for it)."""
+    state = optimizer.state
+    out = {}
+    for name, p in _NAMED_PARAMETERS(model):
+        buf = state[p].get("momentum_buffer") if p in state else None
+        out[name] = None if buf is None else _local(buf)
+    return out
+
+
+def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int) -> dict:
+    model, optimizer = _trained(rank, spec, steps, _join())
+    obs = {"params": _locals(model), "momentum": _momenta(model, optimizer)}
+    with checks.record_writes() as writes:  # which rank wrote which file of the checkpoint, however it wrote it
+        save_checkpoint(model, optimizer, path)
+    obs["writes"] = sorted({e["path"] for e in writes})
+    return obs  # no collective of the grader's after the student's: a save on some ranks only hangs in DCP's own
+
+
+def _observers():
+    """What :func:`_load_harness` observes and steps with after the student's code has run, as closures over
+    torch's own functions taken now (at import, before any student object is unpickled). Code that patches torch
+    and then reloads this module, or executes its source again, rebinds the module's names, never these."""
+    to_local, dtensor, is_instance = DTensor.to_local, DTensor, isinstance
+    named, clone, cpu, detach = nn.Module.named_parameters, torch.Tensor.clone, torch.Tensor.cpu, torch.Tensor.detach
+    mse, backward, sgd_step, zero_grad = F.mse_loss, torch.Tensor.backward, torch.optim.SGD.step, \
+        torch.optim.Optimizer.zero_grad
+    data, floats = _data, float
+
+    def local(p):
+        return clone(cpu(detach(to_local(p) if is_instance(p, dtensor) else p)))
+
+    def params(model):
+        return {name: local(p) for name, p in named(model)}
+
+    def momenta(model, optimizer):
+        state = optimizer.state
+        out = {}
+        for name, p in named(model):
+            buf = state[p].get("momentum_buffer") if p in state else None
+            out[name] = None if buf is None else local(buf)
+        return out
+
+    def groups(optimizer):
+        return [[floats(g.get("lr", -1)), floats(g.get("momentum", -1))] for g in optimizer.param_groups]
+
+    def step(model, optimizer, rank, step_index, seed, dev):
+        x, y = data(rank, step_index, seed, dev)
+        loss = mse(model(x), y)
+        zero_grad(optimizer)
+        backward(loss)
+        sgd_step(optimizer)
+
+    return params, momenta, groups, step
+
+
+_OBSERVERS = _observers()
+
+
+def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int) -> dict:
+    params, momenta, groups, step = _OBSERVERS  # bound before the student's code runs: see _observers
+    dev = _join()
+    width, depth, seed = spec
+    model = reference_shard(make_net((width, depth, seed + 100)).to(dev))  # fresh: other weights, no optimizer state yet
+    optimizer = reference_optimizer(model)
+    obs = {"fresh": params(model)}
+    load_checkpoint(model, optimizer, path)
+    obs["params"] = params(model)
+    obs["momentum"] = momenta(model, optimizer)
+    obs["groups"] = groups(optimizer)
+    step(model, optimizer, rank, steps, seed, dev)
+    obs["next"] = params(model)  # one more step from what was loaded
+    return obs
+
+
+@torch.no_grad()
+def _step_reference(spec: tuple, ws: int, step: int, weights: dict, momenta: dict) -> dict[str, torch.Tensor]:
+    """One single-process SGD step (momentum) on the global batch of ``step``, from full ``weights`` and
+    ``momenta``: what one more training step gives after loading a checkpoint that holds them."""
+    model = make_net(spec)
+    for name, p in model.named_parameters():
+        p.copy_(weights[name])
+    optimizer = reference_optimizer(model)
+    for name, p in model.named_parameters():
+        optimizer.state[p]["momentum_buffer"] = momenta[name].clone()
+    with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
+        reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:
+    model, _ = _trained(rank, spec, steps, _join())
+    params = _locals(model)
+    with checks.record_writes() as writes:  # every file this rank writes, however it writes it
+        export_weights(model, paths[rank])
+    return {"params": params, "writes": sorted({e["path"] for e in writes})}

@@ -1,0 +1,577 @@
+"""Checks for exercise 4: a training script launched with torchrun.
+
+Every check launches the student's script with real torchrun (``python -m
+torch.distributed.run``) through :mod:`course.checks.torchrun`, whose probe records
+what each worker really did (its environment, checkpoint writes and renames,
+optimizer steps, ``destroy_process_group``). A launch costs several seconds, so
+a script is launched at most twice and every check reads those two runs
+(cached by the script's content):
+
+* ``nodes``: two torchrun agents on this machine joined by a c10d rendezvous
+  (``--nnodes=2``, 1 and 2 workers: world size 3, and LOCAL_RANK != RANK on
+  the second node), uninterrupted;
+* ``restart``: ``--standalone --nproc_per_node=2 --max-restarts=1``; the worker
+  of rank 1 dies once, right after its 5th optimizer step (in epoch 2 of 0-3), so
+  the job ends right only if the script resumes from its last checkpoint.
+
+The hidden tests run the restart launch once more, on other nodes and with another crash: two agents joined
+by a c10d rendezvous with one worker each (``layout=(1, 1)``: LOCAL_RANK is 0 on both, RANK 1 on the second;
+both agents restart their workers), rank 0 killed after its step 3. Every check but check_standalone_ranks reads that run too
+(``crash_rank``/``crash_step``/``layout``, no launch of its own): the workers' ranks on both nodes (the
+restarted ones too), who writes the checkpoint and how, the weights, the group left at exit. The standalone
+rank test has no hidden variant: on two nodes it would judge the ranks check_multinode_ranks judges, and a
+RANK/LOCAL_RANK mix-up would lose both cells. (Two agents of
+2 + 1 workers cost 2 s more, which takes the notebook's grading past its 30 s: every worker's first
+optimizer pays ~1 s importing torch._dynamo.)
+
+GPUs are hidden from the job (it trains on gloo everywhere), and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` works around pytorch#135712 (a
+restarted ``--standalone`` job failing in "Gloo connectFullMesh").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from course import checks
+from course.checks import CheckFailed, expect, passed, torchrun
+from course.errors import rank_list
+from graders.common.torchrun_model import (  # noqa: F401 - the given parts and the reference, as graders.torchrun.checks has named them
+    EPOCHS,
+    LR,
+    MOMENTUM,
+    STEPS_PER_EPOCH,
+    compare_weights,
+    expected_weights,
+    get_batch,
+    make_model,
+    shift_checkpoint,
+    top_level_stub,
+)
+from graders.torchrun.probe import atomic_from_the_probe, commits_of, writers_from_the_kernel, writes_of
+
+ATOL = 1e-6
+
+# The launches (the exercise's settings; the launcher knows none of them)
+CRASH_RANK = 1
+CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
+NODES_WORKERS = (1, 2)  # workers per torchrun agent in the 2-node run
+RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 workers
+
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _run_script(script: str, scenario: torchrun.Scenario, check: str, **kwargs) -> torchrun.Run:
+    """:func:`torchrun.run_script`, once train.py is written (no nbgrader stub left in it, nor in a ``main``)."""
+    def vet(source: str) -> None:
+        checks.require_written_source(check, source, "train.py", names=("main",))
+        if top_level_stub(source):
+            raise CheckFailed(check, "train.py is not written yet: the script still runs nbgrader's "
+                              "`raise NotImplementedError()`",
+                              hint="write the script below `# ---- yours ----` to the specification (replace "
+                              "`raise NotImplementedError()`), run that cell, then this one")
+
+    kwargs.setdefault("layout", NODES_WORKERS)
+    return torchrun.run_script(check, script, scenario, vet=vet, **kwargs)
+
+
+def _check_reports(check: str, run: torchrun.Run, world_size: int) -> None:
+    """Every worker reported the rank, local_rank and world_size torchrun gave it."""
+    if not run.workers:
+        raise torchrun.failure(check, run)
+    mistakes, missing = [], []
+    last = run.attempts - 1
+    for w in run.workers:
+        if w.of("crash"):
+            continue
+        report = run.reports.get(w.pid)
+        if report is None:
+            if w.attempt == last:  # workers of an attempt that torchrun stopped may not have got that far
+                missing.append(w)
+            continue
+        if not isinstance(report, dict):
+            mistakes.append((w, f"its report is {report}", None))
+            continue
+        for key, real in (("rank", w.rank), ("local_rank", w.local_rank), ("world_size", w.world_size)):
+            got = report.get(key)
+            if got != real or isinstance(got, bool):
+                mistakes.append((w, f"{key}={got!r}, but torchrun set {key.upper()}={real}", _report_hint(key, got, w)))
+    if missing and not mistakes:
+        if not run.ok and any(not run.reports.get(w.pid) for w in missing):
+            raise torchrun.failure(check, run, "no report from " + rank_list([w.rank for w in missing]) + ": ")
+        raise CheckFailed(
+            check,
+            f"{rank_list([w.rank for w in missing])} wrote no report",
+            ranks=[w.rank for w in missing],
+            hint="every worker writes OUT/report-<its pid>.json early, before anything that could fail or wait on "
+            "the other workers",
+        )
+    if mistakes:
+        first = mistakes[0]
+        raise CheckFailed(
+            check,
+            f"{first[0].name} reported {first[1]}",
+            ranks=[w.rank for w, _, _ in mistakes],
+            expected=f"rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE from torchrun's environment "
+            f"(world size {world_size})",
+            got="; ".join(f"rank {w.rank}: {what}" for w, what, _ in mistakes[:4]),
+            hint=first[2] or "read all three from os.environ: torchrun sets them for every worker",
+        )
+
+
+def _report_hint(key: str, got, w: torchrun.Worker) -> str | None:
+    if key == "local_rank" and got == w.rank and w.rank != w.local_rank:
+        return ("you used RANK as the local rank: RANK is global (0..WORLD_SIZE-1 across all machines), "
+                "LOCAL_RANK is the index on this machine (the one to pick a GPU with): "
+                "local_rank = int(os.environ['LOCAL_RANK'])")
+    if key == "rank" and got == w.local_rank and w.rank != w.local_rank:
+        return ("you used LOCAL_RANK as the global rank: on a second machine LOCAL_RANK starts at 0 again; "
+                "rank = int(os.environ['RANK'])")
+    if key == "local_rank" and got in (0, -1, None):
+        return ("torchrun passes no --local_rank argument (an argparse default of 0 is wrong on every other "
+                "worker): local_rank = int(os.environ['LOCAL_RANK'])")
+    if key == "world_size":
+        return "world_size = int(os.environ['WORLD_SIZE']): never hard-code it"
+    return None
+
+
+def _graded_run(script: str, check: str, crash_rank: int | None, crash_step: int | None,
+                layout: tuple[int, ...] | None = None) -> torchrun.Run:
+    """The run a check judges: the 2-node run, or (a hidden test, ``crash_rank``/``crash_step`` given) the
+    restart run with that crash and ``layout``, the launch :func:`check_restart_resume` makes for it: no
+    launch of its own."""
+    if crash_rank is None and crash_step is None and layout is None:
+        return _run_script(script, "nodes", check)
+    return _restart_run(script, check, CRASH_RANK if crash_rank is None else crash_rank,
+                        CRASH_STEP if crash_step is None else crash_step, layout)
+
+
+def _restart_run(script: str, check: str, crash_rank: int, crash_step: int,
+                 layout: tuple[int, ...] | None) -> torchrun.Run:
+    layout = tuple(layout or RESTART_WORKERS)
+    crash = _valid_crash(crash_rank, crash_step, sum(layout))
+    return _run_script(script, "restart", check, crash=crash, layout=layout, on_crash=shift_checkpoint)
+
+
+def _restart_context(run: torchrun.Run) -> str:
+    """What a check on the restart run says first: the crash (empty for the 2-node run)."""
+    return _crash_context(run.crash) if run.scenario == "restart" and run.crash else ""
+
+
+def check_standalone_ranks(script: str = "train.py", *, crash_rank: int = CRASH_RANK,
+                           crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
+    """Under ``torchrun --standalone --nproc_per_node=2`` every worker reads its rank, local rank and world size.
+
+    It reads the restart run with the crash at (``crash_rank``, ``crash_step``) and ``layout``, the launch
+    :func:`check_restart_resume` makes for the same crash: the workers torchrun restarted report too."""
+    check = "check_standalone_ranks"
+    run = _restart_run(script, check, crash_rank, crash_step, layout)
+    _check_reports(check, run, world_size=run.world_size)
+    passed(check)
+
+
+def check_multinode_ranks(script: str = "train.py", *, crash_rank: int | None = None, crash_step: int | None = None,
+                          layout: tuple[int, ...] | None = None) -> None:
+    """Two torchrun agents (2 "nodes", world size 3): LOCAL_RANK and RANK differ on the second node.
+
+    With ``crash_rank``/``crash_step``/``layout`` (hidden test): judged on that restart run on two nodes, the
+    workers of both rounds (a restarted worker may hold another rank, on the other node)."""
+    check = "check_multinode_ranks"
+    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    if len(run.layout) < 2:
+        raise ValueError(f"{check} judges a run on several nodes, not {run.command}")
+    _check_reports(check, run, world_size=run.world_size)
+    passed(check)
+
+
+def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None = None,
+                           crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
+    """Only rank 0 writes the checkpoint (after every epoch) and the final weights.
+
+    Who wrote is judged from outside the workers: the launcher asks the kernel, at each inotify event of the
+    checkpoint's folder and OUT, which worker holds a file there open for writing (``/proc/<pid>/fd``, the worker's
+    RANK from the environment torchrun gave it); a rank other than 0 seen so fails. The probe's record in the
+    workers (which a worker can rewrite) only names the writes and adds those outside the watched folders; how many
+    times rank 0 wrote the checkpoint is the probe's count.
+
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
+    each rank 0 writes the checkpoint once per epoch it finished."""
+    check = "check_checkpoint_rank0"
+    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    context = _restart_context(run)
+    others = {w.rank: writes_of(w, run) for w in run.workers if w.rank != 0}
+    others = {r: found for r, found in others.items() if found}
+    if others:
+        rank, found = sorted(others.items())[0]
+        only_final = all("'final.pt'" in f for writes in others.values() for f in writes)
+        raise CheckFailed(
+            check,
+            context + f"{rank_list(others)} wrote {'the final weights' if only_final else 'the checkpoint'} too "
+            f"(rank {rank}: {', '.join(found[:3])})",
+            ranks=list(others),
+            expected="only rank 0 writes the checkpoint and final.pt: every rank holds the same weights, and "
+            "several writers race on the same file (a reader can get a half-written one)",
+            hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)",
+        )
+    writers_from_the_kernel(check, run, context)  # the verdict: who the kernel showed writing, from outside
+    torchrun.require_ok(check, run)
+    rank0 = [w for w in run.workers if w.rank == 0]
+    if run.scenario == "restart" and any(w.of("step") for w in rank0):
+        # each attempt's rank 0: one checkpoint per epoch it finished (the crashed one too, before the crash)
+        owed = [(w, len(commits_of(w, run)), len(w.of("step")) // STEPS_PER_EPOCH) for w in rank0]
+    else:
+        owed = [(rank0[0] if rank0 else None, len(commits_of(rank0[0], run)) if rank0 else 0, EPOCHS)]
+    for w, written, epochs in owed:
+        attempt = f" (attempt {w.attempt})" if run.scenario == "restart" and w is not None else ""
+        expect(
+            written >= epochs and run.ckpt_exists,
+            check,
+            context + f"rank 0{attempt} wrote the checkpoint {written} time(s) in {epochs} epochs"
+            + ("" if run.ckpt_exists else ", and there is no file at --ckpt at the end"),
+            ranks=[0],
+            expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {epochs} writes)",
+            hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
+        )
+    passed(check)
+
+
+def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None = None,
+                            crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
+    """The checkpoint is written to a temporary file in the same folder and moved into place with os.replace.
+
+    Judged on what the kernel saw happen to the checkpoint's folder (the grader's inotify watch, outside the
+    workers: nothing a worker writes about itself counts): the checkpoint's own name is never created, written,
+    or deleted in place, only moved into place whole from a file of the same folder. With ``crash_rank``/
+    ``crash_step`` (hidden test): judged on that restart run, every attempt."""
+    check = "check_atomic_checkpoint"
+    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    name = os.path.basename(run.ckpt_path)
+    hint = ("write to a temporary file next to it, then move it into place in one step: "
+            "tmp = ckpt_path + '.tmp'; torch.save(state, tmp); os.replace(tmp, ckpt_path)")
+    if run.files is None:  # no inotify on this grader (not Linux): what the probe saw in the workers
+        atomic_from_the_probe(check, run, name, hint)
+        passed(check)
+        return
+    folder = os.path.dirname(run.ckpt_path)
+    seen = [e for e in run.files if e.folder == folder]
+    mine = [e for e in seen if e.name == name]
+    written = [e for e in mine if e.kind in ("create", "modify", "close_write")]
+    expect(
+        not written,
+        check,
+        _restart_context(run) + f"the job wrote the checkpoint in place: {name!r} itself was "
+        f"{'created and ' if any(e.kind == 'create' for e in written) else ''}written to (the grader watched its "
+        "folder), so a crash or kill during that write leaves a truncated checkpoint, and the restart cannot load it",
+        ranks=[0],
+        hint=hint,
+    )
+    expect(
+        not any(e.kind == "delete" for e in mine),
+        check,
+        _restart_context(run) + f"{name!r} was deleted before the new checkpoint took its place: a crash between "
+        "the two leaves no checkpoint at all",
+        ranks=[0],
+        hint="os.replace(tmp, ckpt_path) replaces the old file in one step: no need to remove it first",
+    )
+    moved_in = [e for e in mine if e.kind == "moved_to"]
+    if not moved_in:
+        if not run.ok:
+            raise torchrun.failure(check, run, "no checkpoint was written: ")
+        raise CheckFailed(check, f"rank 0 never moved a finished file into {name!r} with os.replace",
+                          ranks=[0], hint=hint)
+    here = {e.cookie for e in seen if e.kind == "moved_from"}
+    far = [e for e in moved_in if e.cookie not in here]
+    expect(
+        not far,
+        check,
+        f"the temporary file is not in the checkpoint's folder (it was moved into {name!r} from another folder): "
+        "os.replace is atomic only within one file system (across file systems it fails or copies)",
+        ranks=[0],
+        hint="put the temporary file next to the checkpoint: tmp = ckpt_path + '.tmp'",
+    )
+    passed(check)
+
+
+def _final_weights(check: str, run: torchrun.Run) -> dict:
+    if run.final is None:
+        raise CheckFailed(check, "rank 0 did not write the final weights to OUT/final.pt", ranks=[0],
+                          hint="at the end, on rank 0: torch.save(model.state_dict(), os.path.join(args.out, 'final.pt'))")
+    if isinstance(run.final, str):
+        raise CheckFailed(check, f"OUT/final.pt does not load as a state_dict: {run.final}", ranks=[0],
+                          hint="save model.state_dict() (a dict of tensors), not the model object")
+    return run.final
+
+
+def _require_all_reduced(check: str, run: torchrun.Run) -> None:
+    """Every worker all-reduced at least one model's worth of gradient values per optimizer step.
+
+    Seen in torch's flight recorder (what the process group really ran), so right weights computed
+    without communication (every rank training on every rank's batches by itself) are not DDP."""
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        return  # a torch without the flight recorder: the weights alone decide
+    n_params = sum(p.numel() for p in make_model().parameters())
+    short = {}
+    for w in run.workers:
+        entries = w.collectives or []  # None: the worker never reported them (it took no step, or hid them)
+        reduced = sum(e["numel"] for e in entries if e["op"] in ("all_reduce", "allreduce", "all_reduce_coalesced",
+                                                                  "reduce_scatter", "_reduce_scatter_base"))
+        # the steps before the worker's last record (a worker torchrun stopped may have stepped once more)
+        records = [i for i, e in enumerate(w.events) if e["event"] == "collectives" and "entries" in e]
+        steps = len([e for e in w.events[:records[-1]] if e["event"] == "step"]) if records else len(w.of("step"))
+        if reduced < steps * n_params:
+            short[w.rank] = (reduced, steps)
+    if short:
+        rank, (reduced, steps) = sorted(short.items())[0]
+        raise CheckFailed(
+            check,
+            f"{rank_list(short)} did not average gradients with the other ranks: rank {rank} all-reduced "
+            f"{reduced} values in {steps} optimizer steps",
+            ranks=list(short),
+            expected=f"at least {n_params} all-reduced gradient values per step (the model's parameters), "
+            "as DDP's backward does",
+            hint="wrap the model in DDP (ddp_model = DDP(model)) and train through it (give it to train_epoch): every "
+            "rank trains on its own batch and DDP averages the gradients; do not compute the other ranks' batches "
+            "yourself",
+        )
+
+
+def _resumes(run: torchrun.Run) -> list[tuple[int, int, bool] | None]:
+    """How the restart run's rank 0 resumed, as :func:`expected_weights` takes it (None: no restart).
+
+    Seen in the restarted rank 0: whether it read the checkpoint (the state after the epochs before the crash's)
+    and how many epochs it trained; with its momentum kept or lost (both are tried: that is
+    check_restart_resume's to judge, not the gradient averaging's)."""
+    restarted = [w for w in run.attempt(1) if w.rank == 0] if run.crash else []
+    if not restarted:
+        return [None]
+    w = restarted[0]
+    loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
+    restored = (run.crash[1] - 1) // STEPS_PER_EPOCH if loaded else 0
+    first = max(EPOCHS - len(w.of("step")) // STEPS_PER_EPOCH, 0)
+    return [None, (restored, first, True, run.crash_note), (restored, first, False, run.crash_note)]
+
+
+def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = None,
+                       crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
+    """The final weights of the uninterrupted 3-rank run equal one process training on all ranks' batches.
+
+    With ``crash_rank``/``crash_step``/``layout`` (hidden test): judged on that restart run, against one
+    process training on all its ranks' batches and resuming as the run's rank 0 did (how it resumed is
+    check_restart_resume's part), and every worker of both attempts all-reduced its gradients."""
+    check = "check_ddp_training"
+    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    if not run.ok:
+        # ranks that never averaged their gradients run apart: on two nodes, one finishes alone while the other's
+        # worker died, and the job can no longer end. That is the mistake to name, not the job's end.
+        _require_all_reduced(check, run)
+    torchrun.require_ok(check, run)
+    final = _final_weights(check, run)
+    restart = run.scenario == "restart"
+    world_size = run.world_size
+    resumes = _resumes(run) if restart else [None]
+    reference = expected_weights(world_size)
+    diff = compare_weights(final, reference)
+    if diff is None:
+        raise CheckFailed(check, "final.pt does not hold this model's weights",
+                          expected=sorted(reference), got=sorted(final), ranks=[0],
+                          hint="save the model's state_dict (model.state_dict(), or ddp_model.module.state_dict())")
+    if diff > ATOL:
+        diff = min(compare_weights(final, expected_weights(world_size, None, r)) for r in resumes)
+    if diff > ATOL:
+        alone = min(compare_weights(final, expected_weights(world_size, (0,), r)) for r in resumes)
+        hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
+                "averaged. Wrap the model in DDP and train through ddp_model (the model you give train_epoch)"
+                if alone is not None and alone <= ATOL else
+                "train as the specification says: the given model in DDP, make_optimizer's optimizer, every epoch "
+                "with train_epoch (get_batch(rank, epoch, step) for each step, with the global rank), "
+                "and no change to the given functions")
+        raise CheckFailed(
+            check,
+            _restart_context(run) + "rank 0's final weights differ from "
+            + (f"a {world_size}-rank DDP run that resumed as this one did" if restart else
+               f"an uninterrupted {world_size}-rank DDP run") + f" (max |diff| {diff:.3g})",
+            ranks=[0], expected=f"equal within {ATOL:g}", got=f"max |diff| = {diff:.3g}", hint=hint,
+        )
+    _require_all_reduced(check, run)  # right weights, but were they averaged, or computed alone?
+    passed(check)
+
+
+def _crash_context(crash: tuple[int, int]) -> str:
+    rank, step = crash
+    return (f"rank {rank} was killed after its optimizer step {step}, in epoch {(step - 1) // STEPS_PER_EPOCH} "
+            f"(epochs 0-{EPOCHS - 1}); ")
+
+
+def _restart_table(run: torchrun.Run) -> str:
+    """What each rank did in each attempt of the restart run, one line a worker (the student's view of it)."""
+    lines = []
+    for n in range(run.attempts):
+        lines.append(f"attempt {n}" + (" (the first launch)" if n == 0 else " (torchrun's restart)") + ":")
+        for w in run.attempt(n):
+            steps = len(w.of("step"))
+            loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
+            ended = ("killed by the grader" if w.of("crash") else
+                     "exited" if w.of("exit") else "stopped by torchrun")
+            lines.append(f"  rank {w.rank}: {'loaded the checkpoint' if loaded else 'no checkpoint loaded'}, "
+                         f"{steps} optimizer step(s) (~{steps / STEPS_PER_EPOCH:g} epoch(s)), {ended}")
+    if isinstance(run.final, dict):
+        crash_epoch = (run.crash[1] - 1) // STEPS_PER_EPOCH if run.crash else 0
+        shifted = run.crash_note is not None
+        resumed = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
+        diff = compare_weights(run.final, resumed)
+        what = "a run resumed from the checkpoint" + (" (the grader shifted its weights)" if shifted else "")
+        verdict = (f"equal to {what}" if diff is not None and diff <= ATOL else
+                   "different keys or shapes" if diff is None else f"differs from {what} by {diff:.3g}")
+        lines.append(f"final.pt: {verdict}")
+    else:
+        lines.append("final.pt: " + ("not written" if run.final is None else run.final))
+    return "\n".join(lines)
+
+
+def _valid_crash(crash_rank: int, crash_step: int, world_size: int = 2) -> tuple[int, int]:
+    total = EPOCHS * STEPS_PER_EPOCH
+    if not (0 <= crash_rank < world_size and 0 < crash_step < total - STEPS_PER_EPOCH and crash_step % STEPS_PER_EPOCH):
+        # a crash at an epoch's last step races with that epoch's checkpoint: the right resume point is then unknown
+        raise ValueError(f"the crash must hit one of the {world_size} ranks in the middle of an epoch before the "
+                         f"last, not rank {crash_rank} at step {crash_step}")
+    return crash_rank, crash_step
+
+
+def try_restart(script: str = "train.py", crash_rank: int = CRASH_RANK,
+                crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> torchrun.Run:
+    """Run the grader's crash-and-restart launch and print, per attempt, what each rank did.
+
+    The same launch :func:`check_restart_resume` grades (torchrun --standalone --nproc_per_node=2
+    --max-restarts=1, or two agents with ``layout``'s workers; the worker of ``crash_rank`` is killed once
+    after optimizer step ``crash_step``)."""
+    run = _restart_run(script, "try_restart", crash_rank, crash_step, layout)
+    crash = run.crash
+    print(f"{run.command}: {_crash_context(crash).rstrip('; ')}; "
+          f"{'finished' if run.ok else 'FAILED'} in {run.elapsed:.1f} s")
+    print(_restart_table(run))
+    if not run.ok:
+        print(torchrun.failure("try_restart", run))
+    return run
+
+
+def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RANK,
+                         crash_step: int = CRASH_STEP, layout: tuple[int, ...] | None = None) -> None:
+    """A rank dies once mid-training; with --max-restarts=1 the job resumes from the checkpoint and ends right."""
+    check = "check_restart_resume"
+    run = _restart_run(script, check, crash_rank, crash_step, layout)
+    crash = run.crash
+    context = _crash_context(crash)
+    table = _restart_table(run)
+    crashed = any(w.of("crash") for w in run.workers)
+    if not crashed:
+        if not run.ok:
+            raise torchrun.failure(check, run, "before the injected crash: ")
+        steps = max((len(w.of("step")) for w in run.attempt(0) if w.rank == crash_rank), default=0)
+        raise CheckFailed(
+            check,
+            f"the grader could not crash rank {crash_rank}: it took only {steps} optimizer step(s), and the crash "
+            f"comes after step {crash_step} of {EPOCHS * STEPS_PER_EPOCH}",
+            ranks=[crash_rank],
+            hint=f"every rank trains all {EPOCHS} epochs of {STEPS_PER_EPOCH} steps, in step with the others (DDP), "
+            "calling optimizer.step() of a torch.optim optimizer once per step",
+            detail=table,
+        )
+    if not run.ok:
+        raise torchrun.failure(check, run, context + "after the restart, ")
+    restarted = run.attempt(1)
+    expect(bool(restarted), check, context + "torchrun never restarted the workers",
+           hint="the grader runs torchrun with --max-restarts=1; the job must not end before that", detail=table)
+    total = EPOCHS * STEPS_PER_EPOCH
+    crash_epoch = (crash_step - 1) // STEPS_PER_EPOCH
+    resumed_steps = (EPOCHS - crash_epoch) * STEPS_PER_EPOCH
+    for w in restarted:
+        steps = len(w.of("step"))
+        loaded = any(e.get("path") == run.ckpt_path for e in w.of("load") + w.of("open"))
+        if steps >= total or not loaded:
+            raise CheckFailed(
+                check,
+                context + f"after the restart {w.name} "
+                + ("never read the checkpoint and " if not loaded else "")
+                + f"trained {steps} steps: it started from epoch 0 again",
+                ranks=[w.rank],
+                expected=f"load the checkpoint of epoch {crash_epoch - 1} and train only epochs "
+                f"{crash_epoch}..{EPOCHS - 1} "
+                f"({resumed_steps} steps)",
+                got=f"{steps} steps",
+                hint="at start-up, if os.path.exists(args.ckpt): load it (map_location='cpu') on every rank, "
+                "restore the model and optimizer state, and start at the saved epoch + 1",
+                detail=table,
+            )
+    final = _final_weights(check, run)
+    # an honest resume: the uninterrupted run's state at the crash's epoch, shifted as the grader shifted the
+    # checkpoint while the job was down (run.crash_note: the secret seed; None where the file could not be shifted)
+    reference = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
+    diff = compare_weights(final, reference)
+    if diff is None or diff > ATOL:
+        steps = len(restarted[0].of("step")) if restarted else 0
+        replayed = run.crash_note is not None and compare_weights(final, expected_weights(run.world_size)) <= ATOL
+        if replayed:
+            hint = ("load the model and the optimizer state from CKPT after a restart, and train on from there: "
+                    "never recompute the epochs before it (the grader changed the weights in the checkpoint while "
+                    "the job was down, and a job that resumes from it carries that change to the end)")
+        elif steps != resumed_steps:
+            hint = (f"after the restart rank 0 trained {steps} steps, not {resumed_steps}: resume at the epoch after "
+                    "the one saved in the checkpoint (off by one?)")
+        else:
+            hint = ("the resumed run took the right number of steps but ended elsewhere: restore the optimizer "
+                    "state too (SGD momentum lives there), on every rank, and save the state after the epoch's "
+                    "last step")
+        raise CheckFailed(
+            check,
+            context + ("the final weights are those of a run that never resumed from the checkpoint: the restarted "
+                       "job recomputed the epochs before the crash instead of loading them" if replayed else
+                       f"the final weights differ from a {run.world_size}-rank run resumed from the checkpoint "
+                       + (f"(max |diff| {diff:.3g})" if diff is not None else "(different keys or shapes)")),
+            ranks=[0],
+            expected=f"equal within {ATOL:g} to a run that loads the checkpoint as the grader left it "
+            "(check_ddp_training judges the training itself; fix that first if it fails)",
+            got=f"max |diff| = {diff:.3g}" if diff is not None else sorted(final),
+            hint=hint,
+            detail=table,
+        )
+    passed(check)
+
+
+def _left_the_group(w: torchrun.Worker) -> bool:
+    """Whether the worker's last destroy_process_group() left the default group, and nothing made one again."""
+    last = max((i for i, e in enumerate(w.events) if e["event"] == "destroy"), default=None)
+    if last is None or not w.events[last].get("default_group_left"):
+        return False
+    later = [e for e in w.events[last:] if e["event"] == "collectives" and "still_initialized" in e]
+    return not any(e["still_initialized"] for e in later)
+
+
+def check_destroy(script: str = "train.py", *, crash_rank: int | None = None,
+                  crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
+    """Every worker leaves its process group with dist.destroy_process_group() before it exits.
+
+    Judged by the effect, seen with torch's own functions taken before the script ran: after the call
+    returned, the worker no longer held a default process group (and still did not at exit).
+    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run's last attempt (the workers of
+    the first were killed before they could leave)."""
+    check = "check_destroy"
+    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    torchrun.require_ok(check, run)
+    workers = run.attempt(run.attempts - 1)
+    missing = [w.rank for w in workers if not _left_the_group(w)]
+    called = [w.rank for w in workers if w.of("destroy")]
+    expect(
+        not missing,
+        check,
+        _restart_context(run) + f"{rank_list(missing)} never called dist.destroy_process_group()" if not set(missing) & set(called) else
+        f"{rank_list(missing)} still held the default process group at exit "
+        "(destroy_process_group was called for another group, or the group was made again)",
+        ranks=missing,
+        hint="end main() with dist.destroy_process_group() on every rank: it releases the process group's "
+        "sockets and threads (and, with NCCL, avoids warnings and hangs at exit)",
+    )
+    passed(check)
