@@ -9,8 +9,8 @@ For every mutant the given tests run on a copy of the repository (``pytest -x -n
 kill (they fail) is an assertion some test proves; a mutant that survives is one no test can tell from a
 no-op: either a test is missing, or the assertion can never fire. The baseline (no mutation) must pass first.
 
-    python benchmarks/mutate_graders.py graders/ex2_cost.py tests/test_graders_ex2_cost.py
-    python benchmarks/mutate_graders.py graders/ex1.py tests/test_graders_ex1.py --line 120 --json out.json
+    python benchmarks/mutate_graders.py graders/ddp_from_scratch/cost.py tests/test_graders_ex2_cost.py
+    python benchmarks/mutate_graders.py graders/parallelism/checks.py tests/test_graders_ex1.py --line 120 --json out.json
 
 One mutant at a time (the tests start multi-rank jobs: this machine has 2 cores). The report lists each
 site (line, kind, the assertion's first line), killed or survived, and the seconds it took.
@@ -150,7 +150,7 @@ def run(module: str, tests: list[str], *, lines: set[int] | None = None, timeout
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("module", help="a grader module, relative to the repository (graders/ex2_cost.py)")
+    parser.add_argument("module", help="a grader module, relative to the repository (graders/ddp_from_scratch/cost.py)")
     parser.add_argument("tests", nargs="+", help="pytest paths or node ids that should catch its mutants")
     parser.add_argument("--line", type=int, action="append", help="only the assertion(s) on these lines")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for one run of the tests")

@@ -12,6 +12,9 @@
 * One front door: the exercises' checks import from the engine only the check API (``course.checks`` and
   its modules), the errors and the cost model; the launcher, torchrun's included, raises no check failure.
 * No module of ``course/`` or ``graders/`` over :data:`MAX_LINES` lines.
+* One grader package per exercise notebook, named after it (``graders/ddp_basics/`` for ``ddp_basics.ipynb``),
+  plus ``graders.common`` for what several share: a notebook's package imports no other notebook's, and a
+  notebook's test cells call only the public names (``EXPORTS``) of its own package.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ GRAPH = {name: imports_of(name) for name in MODULES}
 
 
 def package_of(name: str) -> str:
-    """The package a module belongs to: ``course.grading.cells`` -> ``course.grading``, ``graders.ex1`` ->
+    """The package a module belongs to: ``course.grading.cells`` -> ``course.grading``, ``graders.parallelism.checks`` ->
     ``graders``; a top-level module of the engine (``course.errors``) is its own."""
     parts = name.split(".")
     if parts[0] != "course":
@@ -185,7 +188,7 @@ def test_the_package_of_a_module():
     assert package_of("course.sandbox") == "course.sandbox"
     assert package_of("course.errors") == "course.errors"
     assert package_of("course") == "course"
-    assert package_of("graders.ex1") == "graders"
+    assert package_of("graders.parallelism.checks") == "graders"
 
 
 def test_layers_one_way():
@@ -218,7 +221,7 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     assert "course.launcher.job" in GRAPH["course"]  # course/__init__ re-exports the launcher
     assert "course.grading.restore" in GRAPH["course.grading.grade"]
     assert "course.grading.execute" in GRAPH["course.grading.pipeline"]
-    assert "course.checks" in GRAPH["graders.ex1"]
+    assert "course.checks" in GRAPH["graders.parallelism.checks"]
 
 
 @pytest.mark.parametrize("room", [
@@ -228,7 +231,7 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     "course.sandbox.box", "course.sandbox.wrapper", "course.sandbox.linux", "course.grading.kernel",
     "course.proc", "course.envnames",
     "course.instructor.autograde.run", "course.instructor.autograde.pool", "course.instructor.autograde.worker",
-    "course.checks", "course.checks.torchrun", "course.errors", "graders.ex2", "course.launcher.torchrun",
+    "course.checks", "course.checks.torchrun", "course.errors", "graders.ddp_basics.checks", "course.launcher.torchrun",
 ])
 def test_each_subsystem_has_its_room(room):
     assert room in MODULES
@@ -307,3 +310,88 @@ def test_the_launcher_makes_no_verdict():
 def test_no_module_is_longer_than_the_limit():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"split these modules (at most {MAX_LINES} lines each): {long}"
+
+
+# --- one grader package per notebook ---------------------------------------------------------------------
+
+NOTEBOOKS = {path.stem: path for path in ROOT.glob("exercises/*/*.ipynb")}
+SHARED = "common"
+
+
+def notebook_package(name: str) -> str | None:
+    """The notebook package a grader module belongs to (``graders.elastic.story`` -> ``elastic``), None for the
+    shared one and for modules outside ``graders``."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "graders" and len(parts) > 1 and parts[1] != SHARED else None
+
+
+def crossings(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{grader module: the modules of another notebook's package it imports}; the shared package counts as
+    another's for none but may import no notebook's."""
+    found = {}
+    for name, deps in graph.items():
+        if name.split(".")[0] != "graders" or name == "graders":
+            continue
+        mine = notebook_package(name)
+        bad = sorted(d for d in deps if notebook_package(d) not in (None, mine))
+        if bad:
+            found[name] = bad
+    return found
+
+
+def test_each_exercise_notebook_has_its_grader_package_and_no_other_package_exists():
+    packages = {path.parent.name for path in ROOT.glob("graders/*/__init__.py")}
+    assert packages - {SHARED} == set(NOTEBOOKS)
+    assert not [p.name for p in ROOT.glob("graders/*.py") if p.name != "__init__.py"], "a grader module outside a package"
+
+
+def test_a_notebooks_checks_import_no_other_notebooks_package():
+    assert crossings(GRAPH) == {}
+
+
+def test_the_crossing_rule_can_fail():
+    graph = {"graders.elastic.checks": {"graders.torchrun.probe", "graders.common.torchrun_model", "course.checks"},
+             "graders.common.comm_spy": {"graders.ddp_basics.checks"}, "graders.torchrun.checks": {"graders.torchrun.probe"}}
+    assert crossings(graph) == {"graders.common.comm_spy": ["graders.ddp_basics.checks"],
+                                "graders.elastic.checks": ["graders.torchrun.probe"]}
+
+
+def _exports(package: str) -> dict[str, str]:
+    tree = ast.parse((ROOT / "graders" / package / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and "EXPORTS" in ast.unparse(node).split("=")[0]:
+            return ast.literal_eval(node.value)
+    return {}
+
+
+@pytest.mark.parametrize("stem", sorted(NOTEBOOKS))
+def test_a_notebook_calls_only_its_own_packages_public_names(stem):
+    import nbformat
+
+    exports = _exports(stem)
+    for name, module in exports.items():
+        defined = ast.parse((ROOT / "graders" / stem / f"{module}.py").read_text())
+        assert any(isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == name
+                   or isinstance(n, ast.ImportFrom) and name in {a.asname or a.name for a in n.names}
+                   for n in defined.body), f"graders.{stem}.{module} has no {name}"
+    used = []
+    for cell in nbformat.read(str(NOTEBOOKS[stem]), as_version=4).cells:
+        if cell.cell_type != "code" or cell.source.startswith("%%"):  # a cell magic: a file's text, not Python
+            continue
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "graders":
+                used.append((node.value.attr, node.attr))
+    assert used, f"{stem}.ipynb calls no check"
+    wrong = [f"graders.{pkg}.{name}" for pkg, name in used if pkg != stem or name not in exports]
+    assert not wrong, f"{stem}.ipynb calls what its package graders.{stem} does not offer: {wrong}"
+
+
+def test_a_public_name_resolves_to_its_module_object():
+    import graders.elastic
+    import graders.elastic.checks
+
+    assert graders.elastic.check_elastic_grow is graders.elastic.checks.check_elastic_grow
+    with pytest.raises(AttributeError):
+        graders.elastic.no_such_check  # noqa: B018

@@ -344,7 +344,7 @@ def test_in_process_execution_times_out_a_cell_and_goes_on(tmp_path):
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "sandboxed-kernel-and-verifier"])
 def test_a_rank_traceback_shows_the_students_cells_and_lines_not_the_graders(tmp_path, in_process):
     """The student's error two calls deep: the message shows their cell and lines as IPython names them
-    ("Cell In[N], line L" and the source line), and no frame of the grader's harness (graders/ex1.py)."""
+    ("Cell In[N], line L" and the source line), and no frame of the grader's harness (graders/parallelism/checks.py)."""
     nb = submissions.patch_answer(submissions.load("ex1-parallelism"), "ex1_average_gradients",
                                   "            p.grad /= rows", "            p.grad /= rows\n"
                                   "            helper(p)")
@@ -390,7 +390,7 @@ def test_a_failing_test_names_the_earlier_cells_that_timed_out_or_raised_first()
     from course.grading.causes import explain_failures
 
     def test(grade_id, *outputs, ran=True):
-        cell = _code("graders.ex1.check_x(f)", *outputs, grade_id=grade_id, grade=True, locked=True, points=2)
+        cell = _code("graders.parallelism.check_x(f)", *outputs, grade_id=grade_id, grade=True, locked=True, points=2)
         cell.execution_count = 1 if ran else None
         return cell
 

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Sampler
 
 import course
-import graders.ex2 as ex2
-import graders.ex2_sampler as ex2s
+import graders.ddp_basics.checks as ex2
+import graders.ddp_basics.sampler as ex2s
 from course.checks import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.

@@ -1,4 +1,4 @@
-"""ddp_from_scratch part 3, what a step costs (graders/ex2_cost.py; issue 28): the plan is judged against
+"""ddp_from_scratch part 3, what a step costs (graders/ddp_from_scratch/cost.py; issue 28): the plan is judged against
 what real DDP, ZeRO and FSDP2 steps ran, the cost against the ring alpha-beta model.
 
 Right answers in several styles get full marks; each realistic mistake loses its check with a message
@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import submissions
 
-import graders.ex2_cost as cost
+import graders.ddp_from_scratch.cost as cost
 from course import costmodel
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -277,8 +277,8 @@ def test_the_notebook_s_cost_part_is_graded_by_these_checks():
         meta = c.metadata.get("nbgrader", {})
         if meta.get("grade") and not meta.get("solution"):
             tests[meta["grade_id"]] = c.source
-    assert "graders.ex2_cost.check_step_plan(plan_step)" in tests["ex2s_test_step_plan"]
-    assert "graders.ex2_cost.check_step_cost(step_cost)" in tests["ex2s_test_step_cost"]
+    assert "graders.ddp_from_scratch.check_step_plan(plan_step)" in tests["ex2s_test_step_plan"]
+    assert "graders.ddp_from_scratch.check_step_cost(step_cost)" in tests["ex2s_test_step_cost"]
 
 
 def test_a_wrong_plan_in_the_notebook_loses_exactly_its_cell(tmp_path):

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import submissions
 
-import graders.ex2_debug as ex2d
+import graders.debug_training.checks as ex2d
 
 A = "ex2-ddp-basics"
 NB = "debug_training"
@@ -117,7 +117,7 @@ RULE_BREAKS = {
                                   ["metric", "checkpoint"], ["only rank 0 logs"]),
 }
 
-# the four bugs fixed, then part of the work left undone (each a survivor of a mutation run over graders/ex2_debug.py:
+# the four bugs fixed, then part of the work left undone (each a survivor of a mutation run over graders/debug_training/checks.py:
 # no test made it before): the check that sees it fails with its own message, the others pass
 _SAVE = '        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()}, ckpt_path)\n'
 UNDONE_WORK = {

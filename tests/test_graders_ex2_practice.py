@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import graders.ex2_practice as ex2p
-import graders.ex2_practice_model as ex2p_model
-import graders.ex2_precision as amp
+import graders.ddp_in_practice.checks as ex2p
+import graders.ddp_in_practice.harness as ex2p_model
+import graders.ddp_in_practice.precision as amp
 from course.checks import TIMEOUT_ENV
 
 # The ranks get this module's functions by value: they cannot import a test module.

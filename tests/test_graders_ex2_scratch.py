@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import graders.ex2_scratch as ex2s
+import graders.ddp_from_scratch.checks as ex2s
 from course.checks import TIMEOUT_ENV
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -23,9 +23,9 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graders.ex3 as ex3
-import graders.ex3_memory as mem
-import graders.ex3_model as ex3_model
+import graders.syncbn_sharding.checks as ex3
+import graders.syncbn_sharding.harness as ex3_model
+import graders.syncbn_sharding.memory as mem
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -636,7 +636,7 @@ BN_GATHER_VALUES = bn_class(GATHER_VALUES_SOURCE)
 #: in the harness's frame), this rank's own as it came, then one process's BatchNorm on them all
 REPLAYED_SOURCE = _EVAL + '''        import sys
 
-        from graders.ex3_model import _bn_input
+        from graders.syncbn_sharding.harness import _bn_input
 
         frame = sys._getframe(1)
         while "sizes" not in frame.f_locals or "step" not in frame.f_locals:
@@ -796,7 +796,7 @@ def _by_the_rule(kind: str):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_rule_for_unmeasured_models_is_what_torch_does():
-    """The models the check asks about without running them are judged by graders.ex3_memory.rule: on real ranks,
+    """The models the check asks about without running them are judged by graders.syncbn_sharding.memory.rule: on real ranks,
     for models and world sizes like those it draws (a rank with nothing to shard included), it is what torch holds."""
     for vocab, widths, ws in ((3, (1, 4), 5), (29, (17, 2, 9, 3), 6), (7, (20, 1, 13), 4)):
         mem.check_zero_memory(_by_the_rule("zero"), world_size=ws, vocab=vocab, widths=widths)

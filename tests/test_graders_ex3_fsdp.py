@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import graders.ex3_fsdp as fsdp
-import graders.ex3_fsdp_model as fsdp_model
+import graders.fsdp_checkpoint.checks as fsdp
+import graders.fsdp_checkpoint.harness as fsdp_model
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -718,7 +718,7 @@ def test_the_metadata_reader_takes_enum_members_pickled_by_getattr_and_nothing_e
 
     import torch.distributed.checkpoint as dcp
 
-    from graders.ex3_fsdp_dcp import _MetadataUnpickler
+    from graders.fsdp_checkpoint.dcp import _MetadataUnpickler
 
     class ByGetattr(pickle.Pickler):
         def reducer_override(self, obj):
@@ -818,7 +818,7 @@ def _load_with_forged_observations(rebind):
         for name, p in model.named_parameters():
             optimizer.state[p]["momentum_buffer"] = distribute_tensor(momenta[name], p.device_mesh, p.placements)
         DTensor.to_local = to_local
-        rebind(_sys.modules["graders.ex3_fsdp_model"])
+        rebind(_sys.modules["graders.fsdp_checkpoint.harness"])
     return load
 
 
@@ -853,7 +853,7 @@ REPLAYED_LOAD = '''    import inspect
     import torch.nn.functional as F
     from torch.distributed.tensor import distribute_tensor
 
-    from graders.ex3_fsdp_model import LR, MOMENTUM, _global_batch, _shard_of, make_net
+    from graders.fsdp_checkpoint.harness import LR, MOMENTUM, _global_batch, _shard_of, make_net
 
     caller = inspect.currentframe().f_back.f_locals  # the grader's harness: its spec and step count
     spec, steps = caller["spec"], caller["steps"]

@@ -1,4 +1,4 @@
-"""fsdp_checkpoint part 5, mixed precision and clipping with FSDP2 (graders/ex3_precision.py; issue 28 part 2).
+"""fsdp_checkpoint part 5, mixed precision and clipping with FSDP2 (graders/fsdp_checkpoint/precision.py; issue 28 part 2).
 
 Right answers in several styles pass at the visible and the hidden sizes; each realistic mistake fails its
 check with a message that names it; the notebook is graded with a wrong answer of each kind.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import graders.ex3_precision as ex3p
+import graders.fsdp_checkpoint.precision as ex3p
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -21,8 +21,8 @@ import pytest
 import submissions
 import torch
 
-import graders.ex4 as ex4
-import graders.ex4_model as ex4_model
+import graders.common.torchrun_model as ex4_model
+import graders.torchrun.checks as ex4
 from course.checks import torchrun
 from course.launcher.torchrun import runner
 
@@ -85,7 +85,7 @@ def test_every_test_cell_has_a_hidden_variant_on_the_hidden_restart_run():
     nb = submissions.load(A)
     cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
     assert len(cells) == 7
-    assert cells[0].source == 'graders.ex4.check_standalone_ranks("train.py")'
+    assert cells[0].source == 'graders.torchrun.check_standalone_ranks("train.py")'
     for cell in cells[1:]:
         hidden = cell.source.split("### BEGIN HIDDEN TESTS", 1)[1].split("### END HIDDEN TESTS")[0]
         calls = re.findall(r"graders\.ex4\.(check_\w+)\(\"train\.py\", (.*)\)", hidden)
@@ -852,7 +852,7 @@ def test_a_forged_probe_record_cannot_pass_an_in_place_checkpoint(tmp_path):
     run = ex4.try_restart(script)
     assert run.files is not None, run.files_problem  # Linux: the kernel's account is there
     assert any(e["event"] == "rename" and e.get("dst") == run.ckpt_path for w in run.workers for e in w.events)
-    from graders.ex4_probe import atomic_from_the_probe
+    from graders.torchrun.probe import atomic_from_the_probe
 
     atomic_from_the_probe("check_atomic_checkpoint", run, "ckpt.pt", "")  # the forged record alone would pass
     fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", "'ckpt.pt' itself was",
@@ -988,7 +988,7 @@ def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path
     kernel's count of the checkpoint's moves into place, more than rank 0's record claims, still fails the forgery;
     the reference passes, the grader's own move of the checkpoint at the crash not counted against it."""
     from course.launcher import fswatch
-    from graders import ex4_probe
+    from graders.torchrun import probe as ex4_probe
 
     monkeypatch.setattr(fswatch.FolderWatch, "_look", lambda self: None)
     edits = [*EVERY_RANK_SAVES_PROBE_TIDIED, ("import json\n", "import json  # count only\n")]

@@ -19,7 +19,7 @@ import pytest
 import submissions
 import torch
 
-import graders.ex4_elastic as ex4e
+import graders.elastic.checks as ex4e
 
 A = "ex4-torchrun"
 NB = "elastic"
@@ -713,7 +713,7 @@ def test_the_grader_shifts_every_copy_of_the_weights_and_momentum_in_ckpt_and_ke
     """at_round, in the grader's process: the model's weights ("module." names too) and SGD's momentum found in
     CKPT before the change, every copy moved by the secret seed's shift, written back whole; a state loaded from
     the snapshot with the shift equals the file as the grader left it."""
-    from graders import ex4_elastic_evidence as ev
+    from graders.elastic import evidence as ev
 
     model = ex4e.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex4e.LR, momentum=ex4e.MOMENTUM)

@@ -17,8 +17,8 @@ import cloudpickle
 import pytest
 import submissions
 
-import graders.ex4_hang as hang
-from graders import ex4_hang_model as hm
+import graders.find_the_hang.checks as hang
+from graders.find_the_hang import harness as hm
 
 A = "ex4-torchrun"
 NB = "find_the_hang"
@@ -62,7 +62,7 @@ def _fn(part: str, *edits, name: str = "fix"):
 
 
 #: what the notebook's imports cell gives the answer cells
-IMPORTS = "import math\n\nfrom graders.ex4_hang_early import merged_accuracy, predict\n"
+IMPORTS = "import math\n\nfrom graders.find_the_hang.hang_early import merged_accuracy, predict\n"
 
 
 def _reference_answer(grade_id: str) -> str:
@@ -395,11 +395,11 @@ CAUGHT = ("    try:\n        dist.monitored_barrier(timeout=timedelta(seconds=1)
 FORGERIES = {
     "early": {
         "a caught monitored_barrier timeout, the grader's FAILED_BARRIERS cleared": (
-            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.ex4_hang_model as hm\n"
+            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.find_the_hang.harness as hm\n"
                                         "        hm.FAILED_BARRIERS.clear()\n")],
             ["monitored_barrier", "failed", "hides the hang"]),
-        "a caught monitored_barrier timeout, graders.ex4_hang_model reloaded": (
-            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.ex4_hang_model as hm\n"
+        "a caught monitored_barrier timeout, graders.find_the_hang.harness reloaded": (
+            [TIMEDELTA, (EARLY_BARRIER, CAUGHT + "        import graders.find_the_hang.harness as hm\n"
                                         "        importlib.reload(hm)\n")],
             ["monitored_barrier", "failed", "hides the hang"]),
         "a caught monitored_barrier timeout, ProcessGroup's wrapper unwrapped through its defaults": (

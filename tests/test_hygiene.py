@@ -26,7 +26,7 @@ def test_ruff_is_clean():
 
 def test_nbstripout_keeps_nbgrader_metadata(tmp_path):
     nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("graders.ex1.check_shards(shard)")
+    cell = nbformat.v4.new_code_cell("graders.parallelism.check_shards(shard)")
     cell.metadata["nbgrader"] = {"grade": True, "grade_id": "shards", "locked": True, "points": 2,
                                  "schema_version": 3, "solution": False}
     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="passed\n")]

@@ -141,13 +141,13 @@ def test_checks_are_described_by_their_own_words(tmp_path):
     from course.instructor.results import check_descriptions
 
     # a check call: the grader's docstring, its whole first paragraph on one line
-    assert describe_cell("graders.ex1.check_shards(shard_batch)\n### BEGIN HIDDEN TESTS\n"
-                         "graders.ex1.check_shards(shard_batch, world_sizes=(4,))\n### END HIDDEN TESTS") == (
+    assert describe_cell("graders.parallelism.check_shards(shard_batch)\n### BEGIN HIDDEN TESTS\n"
+                         "graders.parallelism.check_shards(shard_batch, world_sizes=(4,))\n### END HIDDEN TESTS") == (
         "Every row of the global batch is on exactly one rank (disjoint and covering), for every world size.")
-    assert describe_cell("graders.ex2.check_setup(setup)").startswith(
+    assert describe_cell("graders.ddp_basics.check_setup(setup)").startswith(
         "After setup(rank, world_size) every rank is in one process group of the job's backend, as ")
     # an instructor's first comment wins; hidden-test lines and markers are never the description
-    assert describe_cell("# every rank sees the same batch\ngraders.ex1.check_shards(f)") == (
+    assert describe_cell("# every rank sees the same batch\ngraders.parallelism.check_shards(f)") == (
         "every rank sees the same batch")
     assert describe_cell("assert f(1) == 2\n### BEGIN HIDDEN TESTS\n# secret\nassert f(3) == 6\n"
                          "### END HIDDEN TESTS") == "assert f(1) == 2"
@@ -165,7 +165,7 @@ def test_descriptions_render_their_code_spans_on_the_terminal_and_in_html():
 
     from course.instructor.checknames import CODE_STYLE, as_html, as_plain, as_rich, shorten
 
-    doc = ("Rank ``rank`` of ``world_size`` keeps `module.` off, within :func:`~graders.ex2.weight_tolerance`; "
+    doc = ("Rank ``rank`` of ``world_size`` keeps `module.` off, within :func:`~graders.ddp_basics.checks.weight_tolerance`; "
            "``a<b & [bold]c[/bold]`` stays text. Then more.")
     assert as_plain(doc) == ("Rank rank of world_size keeps module. off, within weight_tolerance(); "
                              "a<b & [bold]c[/bold] stays text. Then more.")

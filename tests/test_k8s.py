@@ -319,7 +319,7 @@ def test_resources_come_from_the_world_sizes_and_the_sandbox_memory(released, tm
     source = other.folder("source", assignment=ASSIGNMENT) / f"{NOTEBOOK}.ipynb"
     nb = nbformat.read(source, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(
-        "graders.ex1.check_shards(f)\n### BEGIN HIDDEN TESTS\ngraders.ex1.check_shards(f, world_sizes=(6, 3))\n"
+        "graders.parallelism.check_shards(f)\n### BEGIN HIDDEN TESTS\ngraders.parallelism.check_shards(f, world_sizes=(6, 3))\n"
         "### END HIDDEN TESTS", metadata={"nbgrader": {"grade": True, "grade_id": "ws", "points": 1}}))
     nbformat.write(nb, source)
     config = other.root / "nbgrader_config.py"

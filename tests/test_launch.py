@@ -695,7 +695,7 @@ def test_a_stuck_ranks_stack_shows_the_students_frames_only():
 
     dump = ["Stack (most recent call first):",
             '  File "/tmp/ipykernel_7/123.py", line 2 in shard_batch',
-            '  File "/opt/course/graders/ex1.py", line 40 in _harness',
+            '  File "/opt/course/graders/parallelism/checks.py", line 40 in _harness',
             '  File "/opt/course/course/launcher/rank.py", line 300 in main',
             '  File "/opt/course/course/checks.py", line 172 in run',
             '  File "/opt/course/course/grading/verifier.py", line 292 in _verify_cell',

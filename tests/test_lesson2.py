@@ -234,11 +234,22 @@ def test_the_bucket_timeline_shows_all_reduce_overlapping_backward(nb):
     layer, cap = 256 * 256 + 256, 0.3 * 2**20 / 4  # values in one layer, in one bucket's cap (float32)
     sizes = [int(re.search(r"\((\d+) values\)", b).group(1)) for b in buckets]
     assert sum(sizes) == 6 * layer and all(n % layer == 0 for n in sizes), sizes  # whole layers, all of them
-    assert all(n > cap for n in sizes[:-1]), sizes  # a bucket closes once it exceeds the cap (the lesson's claim)
+    assert all(n >= cap for n in sizes[:-1]), sizes  # a bucket closes once it reaches the cap (the lesson's claim)
     first = ast.literal_eval(rows(r"^buckets in the first step: (\[.*\])$", text)[0])
-    assert first and sum(int(re.search(r"\((\d+) values\)", b).group(1)) for b in first) == 6 * layer, first
+    assert len(first) == 1 and int(re.search(r"\((\d+) values\)", first[0]).group(1)) == 6 * layer, first
     overlap = [float(ms) for _, ms in rows(r"^rank (\d): ([\d.]+) ms of all-reduce ran while backward", text)]
     assert len(overlap) == 2 and all(ms > 0 for ms in overlap), text
+
+
+def test_the_bucket_rules_cell_shows_one_bucket_then_a_1_mib_first_bucket(nb):
+    """What lesson 2 says after the cell (two 1 KiB tensors close a 2048-byte bucket; step 1 one bucket of all 6
+    layers; from step 2 a first bucket of 4 layers, the one that crosses 1 MiB included, then the rest)."""
+    text = output_of(nb, "def buckets_per_step(rank, steps=2):")
+    assert world_sizes(text) == [2]
+    assert "five 1 KiB tensors, a 2048-byte cap: buckets [[0, 1], [2, 3], [4]]" in text
+    steps = [(int(s), int(n), ast.literal_eval(layers)) for s, n, layers in
+             rows(r"^step (\d): (\d+) bucket\(s\) of \[.*\] bytes, (\[.*\]) layers$", text)]
+    assert steps == [(1, 1, [6]), (2, 2, [4, 2])], steps
 
 
 # --- predict, then run: each answer states what the next cell computes live --------------------------------
@@ -303,6 +314,8 @@ def test_casting_the_wrapped_model_stops_ddp(nb):
     assert world_sizes(text) == [2]
     assert rows(r"after ddp_model.to\(torch.bfloat16\): all-reduces in one backward: (\d+); same gradients on every "
                 r"rank: (\w+)", text) == [("0", "False")]
+    assert rows(r"^same Parameter objects: (\w+); same gradient accumulators \(DDP's hooks\): (\w+)$", text) == [
+        ("True", "False")]
 
 
 def test_clipping_after_the_all_reduce_matches_one_process(nb):

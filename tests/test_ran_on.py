@@ -44,7 +44,7 @@ def test_the_verifier_gives_each_cell_what_its_own_jobs_ran_on(monkeypatch):
 
 
 def _graded_cell(gid: str):
-    cell = nbformat.v4.new_code_cell("graders.ex1.check_x(f)")
+    cell = nbformat.v4.new_code_cell("graders.parallelism.check_x(f)")
     cell.metadata["nbgrader"] = {"grade": True, "grade_id": gid, "points": 2, "solution": False}
     cell.execution_count = 1
     return cell

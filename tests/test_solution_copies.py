@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 20
 #: (grader module, notebook) pairs known to share a solution window, and why it stays for now
 KNOWN = {
-    ("ex2_scratch_model.py", "ddp_from_scratch.ipynb"):
+    ("ddp_from_scratch/harness.py", "ddp_from_scratch.ipynb"):
         "buckets_of: the checks need the buckets the notebook's rule gives to judge each step's all-reduces; "
         "the rule is the notebook's own words, the code of it is the bucket part of the solution (open in issue 38)",
-    ("ex2_sampler.py", "debug_training.ipynb"):
+    ("ddp_basics/sampler.py", "debug_training.ipynb"):
         "the DataLoader-with-sampler loop calling sampler.set_epoch(epoch) at each epoch: lesson 2 teaches that loop "
         "(other names), the sampler check's reference runs it; the drill's fix is finding that it is missing",
 }
@@ -84,7 +84,8 @@ def _public() -> set[str]:
 def shared_windows() -> dict[tuple[str, str], list[str]]:
     """(grader module, notebook) -> the solution windows (as text) the module holds."""
     public = _public()
-    graders = {path.name: _windows(_tokens(path.read_text())) for path in sorted(ROOT.glob("graders/*.py"))}
+    graders = {path.relative_to(ROOT / "graders").as_posix(): _windows(_tokens(path.read_text()))
+               for path in sorted(ROOT.glob("graders/**/*.py"))}
     found: dict[tuple[str, str], list[str]] = {}
     for notebook, windows in _solutions().items():
         secret = windows - public

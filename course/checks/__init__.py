@@ -1,7 +1,7 @@
 """The check API: what an exercise's checks are written with.
 
 A *check* is a plain function that a one-line nbgrader test cell calls with the
-student's objects, e.g. ``graders.ex2.check_training(train)``. It
+student's objects, e.g. ``graders.ddp_basics.check_training(train)``. It
 
 1. makes sure the answer is written (:func:`require_written`: nbgrader's untouched
    stub fails at once with "not written yet", no job started);

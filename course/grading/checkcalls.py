@@ -1,4 +1,4 @@
-"""Read a test cell as the check calls it makes: ``graders.ex2.check_training(train)``.
+"""Read a test cell as the check calls it makes: ``graders.ddp_basics.check_training(train)``.
 
 A test cell the grader can re-run on its own is a sequence of calls to
 ``graders.<module>.check_<name>(...)`` (or another package of :func:`check_packages`)
@@ -42,7 +42,7 @@ USES_PREFIX = "# (the grader runs this cell's checks itself; they use: "
 
 @dataclass(frozen=True)
 class CheckCall:
-    module: str  # "graders.ex2"
+    module: str  # "graders.ddp_basics"
     function: str  # "check_training"
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...]

@@ -7,7 +7,7 @@ check at all (a test cell of check calls becomes a comment there, see
 checks run here, once:
 
 1. in the kernel, where each test cell would run, :mod:`course.grading.snapshot` pickled
-   the objects its check calls name (``graders.ex1.check_shards(shard_batch)``);
+   the objects its check calls name (``graders.parallelism.check_shards(shard_batch)``);
 2. :func:`verify_notebook` starts ``python -m course.grading.verifier`` in a fresh
    sandbox (:mod:`course.sandbox`; no student code ran in that process, it
    imports nothing from the work folder) and hands it the test cells and the
@@ -266,7 +266,9 @@ def _resolve(call: checkcalls.CheckCall):
 
     module = importlib.import_module(call.module)
     fn = getattr(module, call.function, None)
-    if not callable(fn) or getattr(fn, "__module__", None) != call.module:
+    home = getattr(fn, "__module__", None) or ""
+    # defined in the module the call names, or (a package: graders.ddp_basics) in one of its own modules
+    if not callable(fn) or not (home == call.module or hasattr(module, "__path__") and home.startswith(call.module + ".")):
         raise LookupError(f"{call.module} has no check {call.function}")
     return fn
 

@@ -1,7 +1,7 @@
 """What each graded test cell checks, in a few words, for tables and feedback pages (not only its grade id).
 
 The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words); the
-docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from the grader's
+docstring's first paragraph of the check the cell calls (``graders.parallelism.check_shards(...)``, read from the grader's
 source with :mod:`ast`, never imported); the message of the cell's first ``assert`` that has one; its first
 ``assert``; its first line. Hidden tests are never read.
 
@@ -66,6 +66,14 @@ def check_docstring(module: str, function: str) -> str:
             doc = ast.get_docstring(node) or ""
             paragraph = doc.split("\n\n")[0]
             return " ".join(paragraph.split())
+    for node in tree.body if tree else ():  # a notebook's package (graders.ddp_basics): EXPORTS names the module
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["EXPORTS"] \
+                or isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "EXPORTS":
+            try:
+                home = ast.literal_eval(node.value).get(function)
+            except (ValueError, TypeError, SyntaxError, AttributeError):
+                return ""
+            return check_docstring(f"{module}.{home}", function) if isinstance(home, str) and home.isidentifier() else ""
     return ""
 
 

@@ -282,7 +282,7 @@ def source_checks(course: Course, assignment: str) -> list[tuple[str, str, float
     """(notebook, grade id, points, description) for every test cell of ``assignment``'s source notebooks.
 
     The first that applies: the cell's own first comment line (``# every rank ...``, an instructor's words);
-    the docstring's first paragraph of the check the cell calls (``graders.ex1.check_shards(...)``, read from
+    the docstring's first paragraph of the check the cell calls (``graders.parallelism.check_shards(...)``, read from
     the grader's source, never imported); the message of the cell's first ``assert`` that has one; its first
     ``assert``; its first line. Hidden tests are never read.
     """

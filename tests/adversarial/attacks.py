@@ -343,11 +343,11 @@ builtins.AssertionError = type("AssertionError", (Exception,), {})
 def _swallow(shell, etype, evalue, tb, tb_offset=None):
     print("passed")
 get_ipython().set_custom_exc((BaseException,), _swallow)
-fake = types.ModuleType("graders.ex1")
+fake = types.ModuleType("graders.parallelism")
 fake.__getattr__ = lambda name: (lambda *a, **k: print(f"passed {name}"))
-sys.modules["graders.ex1"] = fake
+sys.modules["graders.parallelism"] = sys.modules["graders.parallelism.checks"] = fake
 import graders
-graders.ex1 = fake
+graders.parallelism = fake
 ''')
 
 
@@ -377,9 +377,10 @@ import os, site
 fake = "def __getattr__(name):\\n    return lambda *a, **k: print('passed', name)\\n"
 hook = "import builtins\\nbuiltins.PWNED = True\\n"
 for folder in (os.getcwd(), site.getusersitepackages()):
-    for package in ("graders", "course", "course/checks"):
+    for package in ("graders", "graders/parallelism", "course", "course/checks"):
         os.makedirs(os.path.join(folder, package), exist_ok=True)
-    for name, text in (("graders/__init__.py", ""), ("graders/ex1.py", fake), ("course/checks.py", fake),
+    for name, text in (("graders/__init__.py", ""), ("graders/parallelism/__init__.py", fake),
+                       ("graders/parallelism/checks.py", fake), ("course/checks.py", fake),
                        ("course/checks/__init__.py", fake),
                        ("usercustomize.py", hook), ("sitecustomize.py", hook)):
         with open(os.path.join(folder, name), "w") as fh:

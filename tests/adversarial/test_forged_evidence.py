@@ -1,14 +1,14 @@
 """Forgeries of a student who read the public graders/ source (issue 37): one cheap forgery per kind of
 evidence a part's checks used to trust, written as a student would, each scoring 0 on the cells it targets.
 
-* exercise 1, part 4 (tensor parallelism by hand, :mod:`graders.ex1_tp`): a module that computes the whole
+* exercise 1, part 4 (tensor parallelism by hand, :mod:`graders.parallelism.tensor_parallel`): a module that computes the whole
   output locally and issues decoy all-reduces of the right partial values whose results it ignores (from
   the MLP it is given, or from one rebuilt with the check's seed found in the caller's frames), and one
   that replaces the grader's references (flight recorder, collective spy) from its own code;
-* exercise 2, the sampler (:mod:`graders.ex2_sampler`): torch's DistributedSampler with the grader's patch
+* exercise 2, the sampler (:mod:`graders.ddp_basics.sampler`): torch's DistributedSampler with the grader's patch
   undone (the module reloaded and the profile hook removed, or its source executed under another name), and
   an order drawn on rank 0 from its own random state and broadcast (kept per seed and epoch);
-* exercise 2, DDP in practice (:mod:`graders.ex2_practice`, :mod:`graders.ex2_precision`): one big batch in
+* exercise 2, DDP in practice (:mod:`graders.ddp_in_practice.checks`, :mod:`graders.ddp_in_practice.precision`): one big batch in
   place of the micro-batches (accumulation, and the mixed-precision step), an evaluation that recomputes the
   metric locally from the labels the check's public seed (read in the caller's frame) gives, and a clip factor
   worked out before the all-reduce from every rank's data recomputed locally (numerically the clipped step),
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graders.ex1_tp as tp
+import graders.parallelism.tensor_parallel as tp
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -114,7 +114,7 @@ def tp_decoy(mlp, rank, world_size):
 def tp_decoy_from_frames(mlp, rank, world_size):
     """The same, from the whole MLP rebuilt with the check's own seed and sizes, read in the caller's frame."""
     caller = sys._getframe(1).f_locals
-    import graders.ex1_tp as grader
+    import graders.parallelism.tensor_parallel as grader
 
     return _LocalWithDecoys(grader.make_mlp(caller["seed"], *caller["dims"][1:]), rank, world_size)
 
@@ -173,8 +173,8 @@ class _LocalWithForgedRecords(_LocalWithDecoys):
 def tp_patched_grader(mlp, rank, world_size):
     import types
 
-    import graders.comm_spy as spy_module
-    import graders.ex1_tp as grader
+    import graders.common.comm_spy as spy_module
+    import graders.parallelism.tensor_parallel as grader
 
     real = grader._REAL
     grader._REAL = types.SimpleNamespace(collectives=_forged_collectives, get_world_size=real.get_world_size)
@@ -217,7 +217,7 @@ def tp_side_channel(mlp, rank, world_size):
 def test_tensor_parallel_shards_shared_through_the_store_with_decoys_lose_both_checks():
     """The other ranks' shards reach a rank through the job's store: the local whole output is right, and the
     decoys carry the right partial values. But what a collective delivers carries the ranks' secret numbers
-    (graders.comm_spy.marker), so an output computed locally, not out of the all-reduce, lacks them."""
+    (graders.common.comm_spy.marker), so an output computed locally, not out of the all-reduce, lacks them."""
     fails(VALUES, tp_side_channel, "did not come out of the forward's collective", "use the result of the all-reduce")
     fails(COMM, tp_side_channel, "the output is not what the forward's all-reduce returned", "use the result")
 
@@ -320,7 +320,7 @@ def tensor_parallel_mlp(mlp, rank, world_size):
 
 # --- exercise 2, the sampler: torch's DistributedSampler with the grader's watch undone -----------------
 
-import graders.ex2_sampler as sampler_checks  # noqa: E402
+import graders.ddp_basics.sampler as sampler_checks  # noqa: E402
 
 
 class ReloadedTorchSampler:
@@ -426,7 +426,7 @@ def test_an_order_broadcast_from_rank_0_loses_the_order_check():
 
 # --- exercise 2, DDP in practice: one big batch; a metric recomputed from the caller's seed ---------------
 
-import graders.ex2_practice as ex2p  # noqa: E402
+import graders.ddp_in_practice.checks as ex2p  # noqa: E402
 
 
 def accumulate_one_big_batch(ddp_model, micro_batches):
@@ -524,7 +524,7 @@ class ShardSampler(Sampler):
                                      ["runs torch's DistributedSampler", "a copy of it was made"])
 
 
-import graders.ex2_precision as amp  # noqa: E402
+import graders.ddp_in_practice.precision as amp  # noqa: E402
 
 
 def amp_one_big_batch(ddp_model, micro_batches, max_norm):

@@ -1,11 +1,11 @@
-"""Forgeries of ddp_from_scratch part 3 (what a step costs, :mod:`graders.ex2_cost`; issue 37): a student who
+"""Forgeries of ddp_from_scratch part 3 (what a step costs, :mod:`graders.ddp_from_scratch.cost`; issue 37): a student who
 read the public graders/ source and "predicts" by measuring or by calling the grader's own model.
 
 * the course's cost model bound at the notebook's top level (the grader replaced the module's attributes,
   not the functions a student's global already held), or reloaded (``importlib.reload``) or re-executed from
   its file to undo the grader's patch;
 * a plan measured by running the steps in torch's fake process group (in-process, no peer needed);
-* a plan measured by running the grader's own job (``graders.ex2_cost.measured``: ranks forked from the
+* a plan measured by running the grader's own job (``graders.ddp_from_scratch.cost.measured``: ranks forked from the
   launcher, i.e. new processes).
 
 Each must score 0 on the cell it targets (check_step_plan or check_step_cost); the other keeps its points.
@@ -19,7 +19,7 @@ import cloudpickle
 import pytest
 import submissions
 
-import graders.ex2_cost as cost
+import graders.ddp_from_scratch.cost as cost
 from course.costmodel import Link as _Link
 from course.costmodel import step_collectives as _bound_plan
 from course.costmodel import step_cost as _bound_cost
@@ -65,7 +65,7 @@ def plan_fake_pg(layers, world_size, strategy, bucket_cap_mb):
     import torch.nn as nn
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from graders import comm_spy
+    from graders.common import comm_spy
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -102,7 +102,7 @@ def plan_fake_pg(layers, world_size, strategy, bucket_cap_mb):
 
 def plan_real_job(layers, world_size, strategy, bucket_cap_mb):
     """Runs the grader's own measuring job (real ranks, forked by the course's launcher)."""
-    from graders import ex2_cost
+    from graders.ddp_from_scratch import cost as ex2_cost
 
     dims = [layers[0][0][1]] + [layer[0][0] for layer in layers]
     return ex2_cost.measured("forged", tuple(dims), world_size, bucket_cap_mb)[strategy]

@@ -1,4 +1,4 @@
-"""Forgeries of ddp_from_scratch parts 1-2 (DDP without DDP, :mod:`graders.ex2_scratch`; issue 37), written as a
+"""Forgeries of ddp_from_scratch parts 1-2 (DDP without DDP, :mod:`graders.ddp_from_scratch.checks`; issue 37), written as a
 student who read the public graders/ source would: the right collectives, carrying the right values, issued at
 the right moments (asynchronously, from the gradient hooks), whose results are thrown away, while the
 gradients the optimizer uses are made another way:
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import graders.ex2_scratch as ex2s
+import graders.ddp_from_scratch.checks as ex2s
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -97,7 +97,7 @@ class LocalFromFrames(_Decoys):
         while frame is not None and "batches" not in frame.f_locals:
             frame = frame.f_back
         batches, kind = frame.f_locals["batches"], frame.f_locals["kind"]
-        from graders.ex2_scratch_model import loss_of
+        from graders.ddp_from_scratch.harness import loss_of
 
         params = list(self.module.parameters())
         total = [torch.zeros_like(p) for p in params]
@@ -193,13 +193,13 @@ class NaiveThroughStore(nn.Module):
 
 class ClockPatched(_Decoys):
     """Overlap forged by patching the grader's spy before the harness makes it: the buckets all-reduced after
-    backward, synchronously (blocking), their results used; the spy's clock (``graders.comm_spy._CLOCK``, which the
+    backward, synchronously (blocking), their results used; the spy's clock (``graders.common.comm_spy._CLOCK``, which the
     harness's ``comm_spy.spy()`` read after the wrapper was made) set to say every collective was issued at time 0,
     before backward reached the first layer."""
 
     def __init__(self, module, bucket_size_mb):
         super().__init__(module, bucket_size_mb)
-        import graders.comm_spy as spy_module
+        import graders.common.comm_spy as spy_module
 
         spy_module._CLOCK = lambda: 0.0
 
@@ -332,7 +332,7 @@ class BroadcastFromFrames(_Decoys):
         while frame is not None and "same_seed" not in frame.f_locals:
             frame = frame.f_back
         f = frame.f_locals
-        from graders.ex2_scratch_model import make_model
+        from graders.ddp_from_scratch.harness import make_model
 
         twin = make_model(f["kind"], f["seed"] + 1, f["width"])
         with torch.no_grad():

@@ -5,13 +5,13 @@
   start) to hide a collective from the flight recorder's count. The rank unpickles the harness first and imports
   its modules and the check API (:func:`course.launcher.rank.load_payload`), and the harnesses act through
   references bound at import, so the swap reaches nothing the check reads;
-* the mixed-precision step's clip (:mod:`graders.ex2_precision`): a clip factor worked out before DDP's all-reduce
+* the mixed-precision step's clip (:mod:`graders.ddp_in_practice.precision`): a clip factor worked out before DDP's all-reduce
   from the other ranks' data recomputed locally, with the grader's record of what each rank sent rewritten to the
   unscaled values. Each rank's data is now its own secret, so the factor is another one than the synced
   gradient's, and the clipped weights show it;
-* the sampler (:mod:`graders.ex2_sampler`): torch's original methods reached behind the counting wrappers (an
+* the sampler (:mod:`graders.ddp_basics.sampler`): torch's original methods reached behind the counting wrappers (an
   attribute, the wrapper's closure, the garbage collector) and called with the profile hook removed;
-* the ZeRO save (:mod:`graders.ex3_zero`): a save that gathers every rank's share and writes it all on every rank,
+* the ZeRO save (:mod:`graders.syncbn_sharding.zero`): a save that gathers every rank's share and writes it all on every rank,
   hidden by a loader that takes each parameter from its owner's file.
 
 Each is called on the checks directly (this process; the ranks are real) and must score 0 on its target, the
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_forged_evidence import clip_factor_beforehand  # the clip factor forgery, before the rewrite
 
-import graders.ex2_precision as amp
+import graders.ddp_in_practice.precision as amp
 
 # The ranks get this module's functions by value: they cannot import a test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -46,7 +46,7 @@ fails = submissions.fails
 def _swap_the_graders_torch():
     """Replace the captured-torch object the mixed-precision harness reads (its module's ``_REAL``) by one whose
     flight-recorder reader leaves out every all_gather."""
-    import graders.ex2_precision_model as harness_module
+    import graders.ddp_in_practice.precision_harness as harness_module
 
     real = harness_module._REAL
 
@@ -206,7 +206,7 @@ def test_clip_factor_from_gradients_gathered_beforehand_loses_the_clip_cell():
 
 # --- the ZeRO save: the whole state gathered on every rank, hidden by a loader that prefers each owner --------
 
-import graders.ex3 as ex3  # noqa: E402
+import graders.syncbn_sharding.checks as ex3  # noqa: E402
 
 
 def save_gathered_everywhere(optimizer, model, rank, ckpt_dir):
@@ -267,7 +267,7 @@ def test_a_save_gathered_on_every_rank_loses_the_save_cell_whatever_the_loader()
 
 # --- the sampler: torch's original methods called behind the grader's counting wrappers --------------------
 
-import graders.ex2_sampler as sampler_checks  # noqa: E402
+import graders.ddp_basics.sampler as sampler_checks  # noqa: E402
 
 _NAMES = ("__init__", "__iter__", "__len__", "set_epoch")
 

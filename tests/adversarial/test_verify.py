@@ -20,17 +20,38 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_parse_check_calls():
-    calls = checkcalls.parse("graders.ex1.check_shards(shard_batch)\n### BEGIN HIDDEN TESTS\n"
-                             "graders.ex1.check_shards(shard_batch, world_sizes=(4,), batch_sizes=(16, 10))\n"
+    calls = checkcalls.parse("graders.parallelism.check_shards(shard_batch)\n### BEGIN HIDDEN TESTS\n"
+                             "graders.parallelism.check_shards(shard_batch, world_sizes=(4,), batch_sizes=(16, 10))\n"
                              "### END HIDDEN TESTS")
-    assert [str(c) for c in calls] == ["graders.ex1.check_shards(shard_batch)",
-                                       "graders.ex1.check_shards(shard_batch, world_sizes=(4,), batch_sizes=(16, 10))"]
+    assert [str(c) for c in calls] == ["graders.parallelism.check_shards(shard_batch)",
+                                       "graders.parallelism.check_shards(shard_batch, world_sizes=(4,), batch_sizes=(16, 10))"]
     assert calls[1].names == ["shard_batch"]
-    assert checkcalls.parse("graders.ex4.check_ddp_training('train.py')")[0].strings == ["train.py"]
-    for not_a_check in ("assert double(2) == 4", "graders.ex1.check_shards(f(x))", "x = graders.ex1.check_a(f)",
-                        "graders.ex1._private(f)", "import os\ngraders.ex1.check_a(f)", "graders.ex1.check_a(*fs)",
+    assert checkcalls.parse("graders.torchrun.check_ddp_training('train.py')")[0].strings == ["train.py"]
+    for not_a_check in ("assert double(2) == 4", "graders.parallelism.check_shards(f(x))", "x = graders.parallelism.check_a(f)",
+                        "graders.parallelism._private(f)", "import os\ngraders.parallelism.check_a(f)", "graders.parallelism.check_a(*fs)",
                         "check_a(f)", "", "syntax error("):
         assert checkcalls.parse(not_a_check) is None, not_a_check
+
+
+def test_a_call_resolves_only_to_a_check_defined_in_the_package_it_names(tmp_path, monkeypatch):
+    """``graders.<notebook>.check_x`` runs a check defined in one of that package's modules; a name the package (or
+    a module) merely imports from elsewhere is refused, as is a name it does not have."""
+    from course.grading.verifier import _resolve
+
+    pkg = tmp_path / "mychecks"
+    (pkg / "part").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from mychecks.part.checks import check_mine\nfrom os.path import join as check_foreign\n")
+    (pkg / "part" / "__init__.py").write_text("")
+    (pkg / "part" / "checks.py").write_text("from os.path import exists as check_borrowed\n\ndef check_mine(f):\n    return 1\n")
+    (tmp_path / "flat.py").write_text("from mychecks.part.checks import check_mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    call = lambda module, name: checkcalls.CheckCall(module, name, (), ())  # noqa: E731
+    assert _resolve(call("mychecks", "check_mine"))(None) == 1
+    assert _resolve(call("mychecks.part.checks", "check_mine"))(None) == 1
+    for module, name in [("mychecks", "check_foreign"), ("mychecks.part.checks", "check_borrowed"),
+                         ("mychecks", "check_none"), ("flat", "check_mine")]:
+        with pytest.raises(LookupError):
+            _resolve(call(module, name))
 
 
 class _Bomb:
@@ -61,9 +82,9 @@ def test_student_object_never_unpickles_here(tmp_path):
 
 def test_apply_verdicts_rewrites_test_outputs():
     meta = {"nbgrader": {"grade": True, "grade_id": "t", "points": 2, "solution": False, "locked": True}}
-    nb = new_notebook(cells=[new_code_cell("graders.ex1.check_shards(shard_batch)", metadata=meta,
+    nb = new_notebook(cells=[new_code_cell("graders.parallelism.check_shards(shard_batch)", metadata=meta,
                                            outputs=[new_output("stream", name="stdout", text="passed check_shards\n")]),
-                             new_code_cell("graders.ex1.check_x(f)", metadata={**meta, "nbgrader": {**meta["nbgrader"], "grade_id": "u"}},
+                             new_code_cell("graders.parallelism.check_x(f)", metadata={**meta, "nbgrader": {**meta["nbgrader"], "grade_id": "u"}},
                                            outputs=[new_output("error", ename="CheckFailed", evalue="no", traceback=[])])])
     apply_verdicts(nb, [Verdict(0, "t", "failed", "FAILED check_shards: overlap"),
                         Verdict(1, "u", "passed", stdout="passed check_x\n")])
@@ -78,21 +99,26 @@ def test_apply_verdicts_rewrites_test_outputs():
 def test_the_kernel_runs_no_check_only_a_note_of_what_the_checks_use():
     """Each check runs once, in the verifier: the kernel gets a comment naming the objects and files to
     record; a hidden call reveals only names and plain file names, never its other literals."""
-    source = ("graders.ex4.check_ddp_training('train.py', steps=3)\n### BEGIN HIDDEN TESTS\n"
-              "graders.ex4.check_restart(make_model, 'ckpt.pt', 'the hidden answer is 42')\n### END HIDDEN TESTS")
+    source = ("graders.torchrun.check_ddp_training('train.py', steps=3)\n### BEGIN HIDDEN TESTS\n"
+              "graders.torchrun.check_restart(make_model, 'ckpt.pt', 'the hidden answer is 42')\n### END HIDDEN TESTS")
     ran = checkcalls.kernel_source(source)
     assert ran.startswith(checkcalls.USES_PREFIX) and "\n" not in ran
     assert "graders" not in ran and "check_" not in ran and "hidden answer" not in ran and "steps" not in ran
     assert checkcalls.parse(ran) is None
     assert checkcalls.uses(ran) == (["make_model"], ["train.py", "ckpt.pt"])
     compile(ran, "cell", "exec")  # the kernel can run it
-    for not_a_check in ("assert double(2) == 4", "print(graders.ex1.check_a(f))"):
+    for not_a_check in ("assert double(2) == 4", "print(graders.parallelism.check_a(f))"):
         assert checkcalls.kernel_source(not_a_check) == not_a_check  # runs in the kernel as written
 
 
 def _modules():
-    return sorted(p[:-3] for p in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "graders"))
-                  if p.startswith("ex") and p.endswith(".py"))
+    """Every module of the graders' notebook packages and of their shared one (``ddp_basics.sampler``, ...)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "graders")
+    found = sorted(f"{package}.{name[:-3]}" for package in os.listdir(root) if os.path.isdir(os.path.join(root, package))
+                   for name in os.listdir(os.path.join(root, package))
+                   if name.endswith(".py") and name != "__init__.py")
+    assert len(found) > 30, found  # every grader module: none may go unaudited by a layout the walk misses
+    return found
 
 
 def _unsafe_loads(tree) -> list[str]:
