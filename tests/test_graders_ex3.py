@@ -228,10 +228,14 @@ def predict_fsdp_bytes(model, world_size):
     return out
 
 
-def _variant(kind: str, name: str):
-    def predict(model, world_size):
-        shapes = [tuple(p.shape) for p in model.parameters()]
-        return (mem._zero_variant if kind == "zero" else mem._fsdp_variant)(shapes, world_size, name)
+def _variant(kind: str, name: str, vocab: int, widths: tuple, seed: int, world_size: int):
+    """A usual wrong model of the sharding, as the answer for the model the check measures (worked out here by the
+    grader's own variant: the rank refuses the grader's code to a prediction; the check judges that model first)."""
+    answer = (mem._zero_variant if kind == "zero" else mem._fsdp_variant)(mem._shapes(vocab, widths, seed),
+                                                                           world_size, name)
+
+    def predict(model, ws):
+        return answer
     return predict
 
 
@@ -454,10 +458,10 @@ def test_check_memory_predictions():
     assert mem._zero_variant(shapes, 4, "greedy") != mem._zero_variant(shapes, 4, "in_order")
     for name, words in (("even", ["never splits a tensor"]), ("no_step", ["step counter"]),
                         ("round_robin", ["largest first"]), ("sharded_params", ["only the optimizer state"])):
-        fails(mem.check_zero_memory, _variant("zero", name), *words, **HIDDEN)
+        fails(mem.check_zero_memory, _variant("zero", name, **HIDDEN), *words, **HIDDEN)
     for name, words in (("even", ["torch.chunk", "LAST ranks"]), ("padded", ["pads only inside its all-gather"]),
                         ("no_step", ["step counter"]), ("full_grads", ["reduce-scatters the gradients"])):
-        fails(mem.check_fsdp_memory, _variant("fsdp", name), *words, **HIDDEN)
+        fails(mem.check_fsdp_memory, _variant("fsdp", name, **HIDDEN), *words, **HIDDEN)
     fails(mem.check_zero_memory, predict_forged, "differ from what", "[ranks 0, 1, 2]")
     fails(mem.check_fsdp_memory, predict_floats, "whole byte counts")
     fails(mem.check_zero_memory, predict_stub, "not written yet")
@@ -796,11 +800,58 @@ def _by_the_rule(kind: str):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_rule_for_unmeasured_models_is_what_torch_does():
-    """The models the check asks about without running them are judged by graders.syncbn_sharding.memory.rule: on real ranks,
-    for models and world sizes like those it draws (a rank with nothing to shard included), it is what torch holds."""
+    """The models the check asks about without running them are judged by graders.syncbn_sharding.memory.rule: on
+    real ranks, for models and world sizes like those it draws (a rank with nothing to shard included), it is what
+    torch holds (the check's own measurement, read here; the rule is refused to predictions in the rank)."""
+    from course import checks
+
     for vocab, widths, ws in ((3, (1, 4), 5), (29, (17, 2, 9, 3), 6), (7, (20, 1, 13), 4)):
-        mem.check_zero_memory(_by_the_rule("zero"), world_size=ws, vocab=vocab, widths=widths)
-        mem.check_fsdp_memory(_by_the_rule("fsdp"), world_size=ws, vocab=vocab, widths=widths)
+        for kind in ("zero", "fsdp"):
+            job = checks.run("test", mem._memory_harness, ws, args=(kind, predict_zero_bytes, ws, vocab, widths, 0))
+            measured = [obs["measured"] for obs in job.values]
+            assert mem.rule(kind, mem._shapes(vocab, widths, 0), ws) == measured, (kind, vocab, widths, ws)
+
+
+def _rule_copied(kind: str, how: str):
+    """A forgery: the prediction calls the grader's own rule (graders/ ships with the course), reached as the
+    module's function, a copy made by value at the notebook's top level, one rebuilt from its code object in
+    the rank, or its module's source exec'd anew in the rank."""
+    import inspect
+    import types
+
+    if how == "imported":
+        return _by_the_rule(kind)
+    if how == "by_value":
+        namespace = dict(vars(mem))
+        copies = {k: types.FunctionType(v.__code__, namespace, k, v.__defaults__)
+                  for k, v in vars(mem).items() if isinstance(v, types.FunctionType)}
+        namespace.update(copies)
+        rule = copies["rule"]
+        return lambda model, ws: rule(kind, [tuple(p.shape) for p in model.parameters()], ws)
+    if how == "from_code":
+        code = mem.rule.__code__
+
+        def predict(model, ws):
+            return types.FunctionType(code, vars(mem))(kind, [tuple(p.shape) for p in model.parameters()], ws)
+        return predict
+    source = inspect.getsource(mem)
+
+    def predict(model, ws):
+        namespace = {"__name__": "copy_of_memory"}
+        exec(source, namespace)
+        return namespace["rule"](kind, [tuple(p.shape) for p in model.parameters()], ws)
+    return predict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["imported", "by_value", "from_code", "source_exec"])
+def test_a_prediction_that_calls_the_graders_rule_fails(how):
+    """The grader's rule is refused to the prediction however it is reached (issue 37): the check fails on rank 0,
+    saying the rule is the grader's reference."""
+    fails(mem.check_zero_memory, _rule_copied("zero", how), "[rank 0]", "grader's reference")
+    if how in ("by_value", "source_exec"):
+        fails(mem.check_fsdp_memory, _rule_copied("fsdp", how), "[rank 0]", "grader's reference")
 
 
 def predict_table(model, world_size):

@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from course.checks.hooks import grader_hook
-from course.checks.sealing import seal
+from course.checks.sealing import refuse, seal
 from course.envnames import GRADING_ENV
 from course.errors import (
     MISMATCH_ADVICE,
@@ -115,7 +115,7 @@ __all__ = [
     "passed",
     "record_writes",
     "recorder",
-    "reference",
+    "reference", "refuse",
     "rank_list",
     "require_written",
     "require_written_source",

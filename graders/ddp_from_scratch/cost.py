@@ -18,8 +18,10 @@ own cost model refuses: the answer must be the student's arithmetic. A predictio
 use the grader's model (issue 37); what the rank does so that it cannot, all set up before the student's
 first call:
 
-* every function of :mod:`course.costmodel` has its code replaced by a refusal (``__code__``: a reference the
-  student's code bound earlier, at the notebook's top level, refuses too);
+* every function of :mod:`course.costmodel` refuses (:func:`course.checks.refuse`): the module's own, a reference
+  the student's code bound earlier, a copy of it made by value (``cloudpickle.register_pickle_by_value``, a
+  ``types.FunctionType`` of its code at the notebook's top level) or later (from its code object, or its source
+  compiled anew);
 * the student's calls run in a thread under a seccomp filter (the kernel's, irreversible, inherited by any
   thread it starts) that refuses to start processes (fork, vfork, execve, a clone that is not a thread),
   to open files (open, openat, openat2, creat: no ``importlib.reload`` or exec of a module's source, no
@@ -37,6 +39,7 @@ import math
 import os
 import random
 import threading
+import types
 from collections import Counter
 
 import torch
@@ -113,26 +116,21 @@ def measured(check: str, widths, world_size: int, bucket_cap_mb: float, seed: in
 # --- the student's functions, run as student code -------------------------------------------------
 
 
-def _refuse(*args, **kwargs):
-    raise RuntimeError("course.costmodel is the grader's model: compute the cost from the formulas yourself")
+#: what a call of the grader's model (or a copy of it) raises in the asking rank
+REFUSED = "course.costmodel is the grader's model, refused to the answer: compute the cost from the formulas yourself"
 
 
 MEMORY_LIMIT = 2 * 2**30  # bytes of address space the asking rank may add to what it holds before the calls
 _SEALED = "refused by the grader's sandbox"  # in the error text of a call the filter refused
 
 
-def _disarm_costmodel() -> None:
-    """Every function of course.costmodel refuses, whoever holds it: its code object is replaced in place."""
-    for name in ("collective_cost", "step_cost", "step_collectives", "ddp_buckets", "fsdp_padded_numel",
-                 "fsdp_shard_rows"):
-        fn = getattr(costmodel, name, None)
-        if fn is None:
-            continue
-        try:
-            fn.__code__ = _refuse.__code__
-        except ValueError:  # a closure of another shape: the module attribute at least
-            pass
-        setattr(costmodel, name, _refuse)
+def _disarm_costmodel() -> int:
+    """Every function of course.costmodel refuses in this rank, wherever a copy of it lives (the module's own, one
+    the student's code bound or copied by value at the notebook's top level, one made later from its code or its
+    source): :func:`course.checks.refuse`."""
+    own = [fn for fn in vars(costmodel).values() if isinstance(fn, types.FunctionType)
+           and fn.__module__ == costmodel.__name__]
+    return checks.refuse(own, REFUSED)
 
 
 def _limit_memory() -> None:

@@ -12,7 +12,9 @@ torch's fake process group is named). Then it asks about hundreds of other model
 os.urandom for every check (no table covers them), judged by :func:`rule` (the rules the measurement shows, held
 to torch by the tests), all the predictions within :data:`PREDICT_CPU_S` of CPU time (the kernel's RLIMIT_CPU):
 arithmetic on shapes needs hundredths of that, a simulation of every rank (torch's fake process group, c10d's
-tables put back afterwards) far more, and is killed. Wrong answers are recognised by recomputing the usual wrong
+tables put back afterwards) far more, and is killed. The answer may not call the grader's own rule either: in
+rank 0 every copy of it refuses (:func:`course.checks.refuse`: imported, copied by value, rebuilt from its code
+or its source exec'd; issue 37). Wrong answers are recognised by recomputing the usual wrong
 models of sharding (an even split, padded shards, a forgotten step counter, ...) and named.
 """
 
@@ -23,7 +25,7 @@ import torch.nn as nn
 
 from course import checks
 from course.checks import CheckFailed, passed, seal
-from course.costmodel import fsdp_shard_rows
+from course.costmodel import fsdp_padded_numel, fsdp_shard_rows
 from graders.syncbn_sharding.harness import _init_pg
 
 KEYS = ("params", "grads", "optimizer")
@@ -123,6 +125,9 @@ def _memory_harness(rank: int, kind: str, predict, world_size: int, vocab: int, 
         asked = [(memory_model(vocab, widths, seed), world_size)] + [
             (memory_model(v, w, 0), ws) for v, w, ws in others]
         _limit_cpu(PREDICT_CPU_S)
+        # the grader's rule for the models it does not run (and the cost model's sharding arithmetic) refuse here,
+        # wherever the student's code holds or copies them: the answer is the student's own arithmetic
+        checks.refuse(_reference_code(), REFUSED)
         try:  # no new process from here on (where the platform can say so: see course.checks.seal)
             obs["sandbox"] = None if seal() else "no seccomp filter on this platform"
         except OSError as err:
@@ -150,6 +155,16 @@ def _others(n: int) -> tuple:
     draw = random.Random(os.urandom(8))
     return tuple((draw.randint(3, 40), tuple(draw.randint(1, 20) for _ in range(draw.randint(2, 4))),
                   draw.randint(12, 24)) for _ in range(n))
+
+
+#: what a call of the grader's rule (or a copy of it) raises in the predicting rank
+REFUSED = ("graders.syncbn_sharding.memory's rule is the grader's reference, refused to the answer: predict the "
+           "bytes from the parameters' shapes and the sharding rules yourself")
+
+
+def _reference_code() -> list:
+    """The grader's own arithmetic for the models it does not run: what the prediction may not call."""
+    return [rule, _zero_variant, _fsdp_variant, _zero_assignment, _rows, fsdp_shard_rows, fsdp_padded_numel]
 
 
 def rule(kind: str, shapes, world_size: int) -> list[dict]:

@@ -4,6 +4,11 @@ read the public graders/ source and "predicts" by measuring or by calling the gr
 * the course's cost model bound at the notebook's top level (the grader replaced the module's attributes,
   not the functions a student's global already held), or reloaded (``importlib.reload``) or re-executed from
   its file to undo the grader's patch;
+* the cost model copied so that the copy travels by value: every function rebuilt with ``types.FunctionType`` at
+  the notebook's top level (a function the module does not hold is pickled by value, so the rank's patch of the
+  module never touched it), the module registered with ``cloudpickle.register_pickle_by_value``, its code
+  objects carried and made into functions in the rank, its source read at the top level and exec'd in the rank
+  (no file opened there);
 * a plan measured by running the steps in torch's fake process group (in-process, no peer needed);
 * a plan measured by running the grader's own job (``graders.ddp_from_scratch.cost.measured``: ranks forked from the
   launcher, i.e. new processes).
@@ -25,6 +30,7 @@ from course.costmodel import step_collectives as _bound_plan
 from course.costmodel import step_cost as _bound_cost
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+import course.costmodel as _BY_VALUE  # noqa: E402 - a module global the by-value forgery reaches
 
 fails = submissions.fails
 
@@ -55,6 +61,64 @@ def plan_exec_source(layers, world_size, strategy, bucket_cap_mb):
     with open(cm.__file__) as f:
         exec(compile(f.read(), "cm_copy.py", "exec"), space)
     return space["step_collectives"](layers, world_size, strategy, bucket_cap_mb)
+
+
+def _copied_model() -> dict:
+    """course.costmodel's functions rebuilt from their code objects, here (the notebook's top level)."""
+    import types
+
+    import course.costmodel as cm
+
+    space = dict(vars(cm))
+    space.update({k: types.FunctionType(v.__code__, space, k, v.__defaults__)
+                  for k, v in vars(cm).items() if isinstance(v, types.FunctionType)})
+    return space
+
+
+_COPY = _copied_model()
+
+
+def plan_by_value(layers, world_size, strategy, bucket_cap_mb):
+    return _COPY["step_collectives"](layers, world_size, strategy, bucket_cap_mb)
+
+
+def cost_by_value(plan, world_size, alpha, bandwidth):
+    c = _COPY["step_cost"](plan, world_size, _COPY["Link"](alpha, bandwidth))
+    return c.bytes_sent, c.seconds
+
+
+_CODES = {k: v.__code__ for k, v in _copied_model().items() if hasattr(v, "__code__") and k[0] != "_"}
+
+
+def plan_from_code(layers, world_size, strategy, bucket_cap_mb):
+    """The model's code objects travel as data; functions are made of them in the rank."""
+    import math
+    import types
+
+    space = {"math": math}
+    space.update({k: types.FunctionType(code, space, k) for k, code in _CODES.items()})
+    return space["step_collectives"](layers, world_size, strategy, bucket_cap_mb)
+
+
+def _source() -> str:
+    import course.costmodel as cm
+
+    with open(cm.__file__) as f:
+        return f.read()
+
+
+_SOURCE = _source()
+
+
+def plan_source_carried(layers, world_size, strategy, bucket_cap_mb):
+    """The model's source read here, exec'd in the rank (no file opened there)."""
+    space = {"__name__": "cm_copy"}
+    exec(compile(_SOURCE, "cm_copy.py", "exec"), space)
+    return space["step_collectives"](layers, world_size, strategy, bucket_cap_mb)
+
+
+def plan_module_by_value(layers, world_size, strategy, bucket_cap_mb):
+    return _BY_VALUE.step_collectives(layers, world_size, strategy, bucket_cap_mb)
 
 
 def plan_fake_pg(layers, world_size, strategy, bucket_cap_mb):
@@ -119,6 +183,28 @@ def test_the_grader_s_model_reloaded_or_bound_is_refused():
     fails(cost.check_step_plan, plan_bound, "plan_step raised RuntimeError", "the grader's model")
     fails(cost.check_step_plan, plan_exec_source, "plan_step raised PermissionError",
           "refused by the grader's sandbox", "must predict, not measure")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_copy_of_the_graders_model_made_by_value_from_code_or_from_source_is_refused():
+    """Copies that reach the rank as new objects (issue 37): each refuses there as the module's own functions do."""
+    fails(cost.check_step_cost, cost_by_value, "step_cost raised RuntimeError", "the grader's model")
+    fails(cost.check_step_plan, plan_by_value, "plan_step raised RuntimeError", "the grader's model")
+    fails(cost.check_step_plan, plan_from_code, "plan_step raised RuntimeError", "the grader's model")
+    fails(cost.check_step_plan, plan_source_carried, "plan_step raised RuntimeError", "the grader's model")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_graders_model_registered_to_travel_by_value_is_refused():
+    import course.costmodel as cm
+
+    cloudpickle.register_pickle_by_value(cm)
+    try:
+        fails(cost.check_step_plan, plan_module_by_value, "plan_step raised RuntimeError", "the grader's model")
+    finally:
+        cloudpickle.unregister_pickle_by_value(cm)
 
 
 @pytest.mark.slow
