@@ -981,6 +981,29 @@ def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tm
         check(script, **HIDDEN)
 
 
+#: rank 0 writes the checkpoint once, after the last epoch, and appends to its own probe record a move into place for
+#: every epoch it skipped: the record claims a checkpoint per epoch
+PADDED_PROBE = [
+    ("        if rank == 0:  # RANK, not LOCAL_RANK: one writer in the whole job\n",
+     "        if rank == 0 and epoch == EPOCHS - 1:\n"
+     "            fd = os.open(os.path.join(os.environ['DDP_COURSE_PROBE_DIR'], f'events-{os.getpid()}.jsonl'),\n"
+     "                         os.O_WRONLY | os.O_APPEND)\n"
+     "            for _ in range(EPOCHS - 1):\n"
+     "                os.write(fd, (json.dumps({'event': 'rename', 'src': args.ckpt + '.tmp', 'dst': "
+     "os.path.abspath(args.ckpt)}) + '\\n').encode())\n"
+     "            os.close(fd)\n"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_one_checkpoint_with_the_probe_padded_to_one_per_epoch_fails_check_checkpoint_rank0(tmp_path):
+    """Rank 0 saves once and pads its probe's record with a move into place per skipped epoch: the kernel's count of
+    the checkpoint's moves into place (the launcher watched its folder) is the evidence, and it shows one."""
+    script = write_script(tmp_path, *PADDED_PROBE)
+    fails(ex4.check_checkpoint_rank0, script, "the checkpoint was put in place 1 time(s)", "kernel's count")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path, monkeypatch, reference_graded):

@@ -50,7 +50,7 @@ from graders.common.torchrun_model import (  # noqa: F401 - the given parts and 
     shift_checkpoint,
     top_level_stub,
 )
-from graders.torchrun.probe import atomic_from_the_probe, commits_of, writers_from_the_kernel, writes_of
+from graders.torchrun.probe import atomic_from_the_probe, commits_of, kernel_commits, writers_from_the_kernel, writes_of
 
 ATOL = 1e-6
 
@@ -236,6 +236,13 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
             expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {epochs} writes)",
             hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
         )
+    if run.files is not None:  # the kernel's count, which no record in a worker can raise
+        written = len(kernel_commits(run, run.ckpt_path))
+        expect(written >= EPOCHS, check, context + f"the checkpoint was put in place {written} time(s) in the job's "
+               f"{EPOCHS} epochs (the kernel's count, read by the grader's launcher; rank 0's record claims more)",
+               ranks=[0], expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {EPOCHS} "
+               "moves into place or writes over the whole job)", got=f"{written}",
+               hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch")
     passed(check)
 
 

@@ -101,6 +101,19 @@ def writers_from_the_kernel(check: str, run: torchrun.Run, context: str = "") ->
                           hint="leave the process's settings alone: save on rank 0 only")
 
 
+def kernel_commits(run: torchrun.Run, path: str) -> list:
+    """The times the kernel saw ``path`` put in place (a move into the name: exact; a close after writing in place:
+    at least one per run of writes), as the launcher watched its folder, less the grader's own move of the
+    checkpoint at the crash (its shift, ``run.crash_note`` set). Only where there is inotify (``run.files``)."""
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    seen = [e for e in run.files if e.folder == folder and e.name == name and e.kind in ("moved_to", "close_write")]
+    if path == run.ckpt_path and run.crash_note is not None:
+        grader = {e.cookie for e in run.files if e.kind == "moved_from" and e.name == GRADER_TMP}
+        mine = next((e for e in seen if e.kind == "moved_to" and e.cookie in grader), None)
+        seen = [e for e in seen if e is not mine]
+    return seen
+
+
 def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
     """The kernel's count of the times the checkpoint and final.pt were put in place (a move into the name: exact, the
     kernel never merges two, a move from another name lies between; a close after writing in place: at least one per
@@ -110,12 +123,8 @@ def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
     rank0 = [w for w in run.workers if w.rank == 0]
     others = sorted({w.rank for w in run.workers if w.rank > 0})
     for path in (run.ckpt_path, os.path.join(run.out_dir, "final.pt")):
-        folder, name = os.path.dirname(path), os.path.basename(path)
-        seen = [e for e in run.files if e.folder == folder and e.name == name and e.kind in ("moved_to", "close_write")]
-        if path == run.ckpt_path and run.crash_note is not None:
-            grader = {e.cookie for e in run.files if e.kind == "moved_from" and e.name == GRADER_TMP}
-            mine = next((e for e in seen if e.kind == "moved_to" and e.cookie in grader), None)
-            seen = [e for e in seen if e is not mine]
+        name = os.path.basename(path)
+        seen = kernel_commits(run, path)
         claimed = sum(1 for w in rank0 for e in w.events if os.path.abspath(e.get("dst") or e.get("path") or "") == path
                       and (e["event"] in ("rename", "save") or (e["event"] == "open" and e.get("write"))))
         if len(seen) > claimed:
