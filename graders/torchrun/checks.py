@@ -190,13 +190,14 @@ def check_multinode_ranks(script: str = "train.py", *, crash_rank: int | None = 
 
 def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None = None,
                            crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
-    """Only rank 0 writes the checkpoint (after every epoch) and the final weights.
+    """Only rank 0 writes the checkpoint (once after every epoch) and the final weights.
 
     Who wrote is judged from outside the workers: the launcher asks the kernel, at each inotify event of the
     checkpoint's folder and OUT, which worker holds a file there open for writing (``/proc/<pid>/fd``, the worker's
-    RANK from the environment torchrun gave it); a rank other than 0 seen so fails. The probe's record in the
-    workers (which a worker can rewrite) only names the writes and adds those outside the watched folders; how many
-    times rank 0 wrote the checkpoint is the probe's count.
+    RANK from the environment torchrun gave it); a rank other than 0 seen so fails. How many times the checkpoint
+    and final.pt were put in place is the kernel's count too: more than one writer makes (once an epoch, final.pt
+    once) fails, fewer than one per epoch fails. The probe's record in the workers (which a worker can append to or
+    rewrite) only names the writes and adds those outside the watched folders: it can fail a job, never pass one.
 
     With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
     each rank 0 writes the checkpoint once per epoch it finished."""

@@ -12,6 +12,7 @@ import os
 
 from course.checks import CheckFailed, expect, torchrun
 from course.errors import rank_list
+from graders.common.torchrun_model import EPOCHS
 
 #: the temporary file the grader's own shift of the checkpoint (at the crash) moves into place
 GRADER_TMP = ".ddp-course-grader-shift.tmp"
@@ -70,7 +71,7 @@ def writers_from_the_kernel(check: str, run: torchrun.Run, context: str = "") ->
     (any file of OUT but the reports), open for writing, as the launcher saw it in ``/proc/<pid>/fd`` at the
     kernel's inotify events (its RANK from the environment torchrun started it with: a writer is seen when it still
     holds the file as the launcher looks, so a quick write can go unseen); when the kernel saw the checkpoint or
-    final.pt put in place more often than rank 0's record claims (:func:`_commits_beyond_rank0`: every move into
+    final.pt put in place more often than one writer does (:func:`_commits_beyond_one_writer`: every move into
     place counts exactly, a save in place at least once); or when a worker hid its open files from the launcher."""
     if run.files is None:
         return  # no inotify here: the probe's record is all there is
@@ -93,7 +94,7 @@ def writers_from_the_kernel(check: str, run: torchrun.Run, context: str = "") ->
             got="; ".join(f"{'a process without RANK' if r < 0 else f'rank {r}'} held {sorted(found[r])[:3]} open for "
                           "writing" for r in ranks) + " (the kernel's account, read by the grader's launcher)",
             hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)")
-    _commits_beyond_rank0(check, run, context)
+    _commits_beyond_one_writer(check, run, context)
     if run.files_hidden:
         raise CheckFailed(check, context + f"{len(run.files_hidden)} worker process(es) hid their open files from the "
                           "grader (made themselves undumpable), so who wrote the checkpoint cannot be seen",
@@ -114,25 +115,25 @@ def kernel_commits(run: torchrun.Run, path: str) -> list:
     return seen
 
 
-def _commits_beyond_rank0(check: str, run: torchrun.Run, context: str) -> None:
-    """The kernel's count of the times the checkpoint and final.pt were put in place (a move into the name: exact, the
-    kernel never merges two, a move from another name lies between; a close after writing in place: at least one per
-    run of writes) against the times rank 0's record says it put them there (its moves, saves and opens for writing
-    of that path, every attempt). More in the kernel's count: another process wrote it, whatever the records say.
-    The grader's own move of the checkpoint at the crash (its shift, ``run.crash_note`` set) is taken off."""
-    rank0 = [w for w in run.workers if w.rank == 0]
+def _commits_beyond_one_writer(check: str, run: torchrun.Run, context: str) -> None:
+    """The kernel's count of the times the checkpoint and final.pt were put in place (:func:`kernel_commits`)
+    against what one writer makes: the checkpoint once after every epoch (:data:`EPOCHS`, one more where the grader
+    crashed the job: the restarted attempt may redo the epoch it died in), final.pt once. More: another process
+    wrote it too (or rank 0 more often than the specification says), whatever any worker's record says: the
+    records are not consulted (a worker can append to them), only to name the other ranks."""
     others = sorted({w.rank for w in run.workers if w.rank > 0})
-    for path in (run.ckpt_path, os.path.join(run.out_dir, "final.pt")):
+    owed = {run.ckpt_path: EPOCHS + (1 if run.crash else 0), os.path.join(run.out_dir, "final.pt"): 1}
+    for path, most in owed.items():
         name = os.path.basename(path)
         seen = kernel_commits(run, path)
-        claimed = sum(1 for w in rank0 for e in w.events if os.path.abspath(e.get("dst") or e.get("path") or "") == path
-                      and (e["event"] in ("rename", "save") or (e["event"] == "open" and e.get("write"))))
-        if len(seen) > claimed:
+        if len(seen) > most:
             what = "the checkpoint" if path == run.ckpt_path else "the final weights"
+            once = f"once after each of the {EPOCHS} epochs" if path == run.ckpt_path else "once, at the end"
             raise CheckFailed(
                 check, context + f"another process wrote {what} too: {name!r} {'was' if path == run.ckpt_path else 'were'} "
-                f"put in place {len(seen)} times, but rank 0 did it only {claimed} time(s) (the other ranks: "
-                f"{rank_list(others) if others else 'none'})", ranks=others,
-                expected=f"every write of {name!r} is rank 0's", got=f"the kernel saw {len(seen)} moves into place "
-                f"or writes of {name!r} (the grader's launcher watched its folder); rank 0's record has {claimed}",
-                hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard)")
+                f"put in place {len(seen)} times, where rank 0 alone puts it there {once} (at most {most}; the other "
+                f"ranks: {rank_list(others) if others else 'none'})", ranks=others,
+                expected=f"every write of {name!r} is rank 0's, {once}", got=f"the kernel saw {len(seen)} moves into "
+                f"place or writes of {name!r} (the grader's launcher watched its folder)",
+                hint="guard every save with `if rank == 0:` (keep collectives such as barrier() outside the guard), "
+                "and save the checkpoint once per epoch")
