@@ -670,6 +670,32 @@ def test_a_forgery_of_what_the_probe_records_scores_zero_on_its_target(tmp_path,
             check(script, **story)
 
 
+#: rank 0 saves only where the launch's settings (in every worker's environment) say the size will change: after
+#: the step B leaves after, after the step the smaller job is held after, and after the last step
+SAVES_ONLY_BEFORE_CHANGES = [
+    ("    done = 0  # optimizer steps", "    leave = int(os.environ['DDP_COURSE_PROBE_LEAVE'].split(':')[1])\n"
+     "    held_size, held_steps = map(int, os.environ['DDP_COURSE_PROBE_HOLD'].split(':'))\n"
+     "    done = 0  # optimizer steps"),
+    ("    ddp_model = DDP(", "    start = done\n    ddp_model = DDP("),
+    ("        if rank == 0:\n            save_atomically(",
+     "        if rank == 0 and (done == leave or (world_size == held_size and done - start == held_steps)\n"
+     "                          or done == EPOCHS * STEPS_PER_EPOCH):\n            save_atomically("),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_script_that_saves_only_before_the_changes_it_reads_from_the_environment_loses_both_cells(tmp_path):
+    """The launch's plan is in the workers' environment (the probe needs it); a script that reads it and saves only
+    just before each change of size leaves the right weights wherever the grader looks, but not a checkpoint after
+    every step: the kernel's count of CKPT's moves into place (the launcher watched its folder) fails both rounds'
+    checks (issue 37)."""
+    script = tmp_path / "elastic.py"
+    script.write_text(forged(SAVES_ONLY_BEFORE_CHANGES))
+    submissions.fails(ex4e.check_elastic_shrink, str(script), "put CKPT in place", "kernel's count")
+    submissions.fails(ex4e.check_elastic_grow, str(script), "put CKPT in place", "kernel's count")
+
+
 #: Another checkpoint layout: the DDP wrapper's state dict ("module." names) and the optimizer's, in a list under
 #: one key, the position as a small dict; the job's step count taken from it.
 WRAPPED_LAYOUT = '''

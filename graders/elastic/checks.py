@@ -55,7 +55,17 @@ from course import checks
 from course.checks import CheckFailed, expect, passed, torchrun
 from course.errors import rank_list
 from graders.common.torchrun_model import make_model, top_level_stub  # noqa: F401 - make_model: as tests name it here
-from graders.elastic.evidence import ATOL, Snapshot, at_round, distance, fresh, loaded, replay, weigh
+from graders.elastic.evidence import (
+    ATOL,
+    Snapshot,
+    at_round,
+    commits_by_round,
+    distance,
+    fresh,
+    loaded,
+    replay,
+    weigh,
+)
 from graders.elastic.story import (  # noqa: F401 - the given parts and the stories, as tests name them here
     EPOCHS,
     GLOBAL_BATCH,
@@ -315,6 +325,20 @@ def _lr_hint(rule: Rule) -> str:
             "own world size)")
 
 
+def _require_saved_every_step(check: str, story: Story, rounds: list[Round]) -> None:
+    """Rank 0 put CKPT in place after every optimizer step of ``rounds``: at least one commit a step in the kernel's
+    account (:func:`commits_by_round`), whatever the job knew of when its size would change."""
+    commits = commits_by_round(story)
+    for r in rounds if commits is not None else ():
+        steps = len(r.batches)
+        expect(commits.get(r.number, 0) >= steps, check,
+               f"{r.name()} put CKPT in place {commits.get(r.number, 0)} time(s) in its {steps} optimizer step(s) (the "
+               "kernel's count, read by the grader's launcher)", ranks=[0],
+               expected=f"a checkpoint after every optimizer step: at least {steps} moves into place",
+               hint="rank 0 replaces CKPT after every optimizer step (a temporary file, then os.replace): a node can "
+               "leave at any step, and the job can only continue from what CKPT holds then")
+
+
 def _require_steps(check: str, story: Story, r: Round) -> None:
     """Each of ``r``'s steps followed the stated rule (dataset samples, as many per rank and per step as it says,
     at its learning rate), none trained already in that epoch (the steps as the probe saw them: the weights the
@@ -411,6 +435,7 @@ def check_elastic_shrink(script: str = "elastic.py", nodes: tuple[int, int, int]
                      "CKPT (as the grader read it when node C joined)" if story.grown is not None else
                      "CKPT (as the grader read it when the job was over)")
     _require_steps(check, story, shrunk)
+    _require_saved_every_step(check, story, [departed, shrunk])
     passed(check)
 
 
@@ -450,6 +475,7 @@ def check_elastic_grow(script: str = "elastic.py", nodes: tuple[int, int, int] =
                           hint="at the end, on rank 0: torch.save(model.state_dict(), os.path.join(args.out, 'final.pt'))")
     _require_carried(check, story, grown, "the grown job", "node C joined", final, "final.pt")
     _require_steps(check, story, grown)
+    _require_saved_every_step(check, story, [grown])
     rule, table = story.rule, _table(story)
     refs = refs_of(story, grown)
     steps = [rr.batches[i] for rr, i in refs]

@@ -241,3 +241,34 @@ def weigh(story: Story) -> None:
         end = story.end[r.number]
         story.matched[r.number] = (matches(story.replay[r.number], getattr(end, "weights", None))
                                    if story.replay[r.number] else [])
+
+
+def commits_by_round(story: Story) -> dict[int, int] | None:
+    """How many times each round put CKPT in place, in the kernel's account of CKPT's folder (read by the launcher,
+    from its own process: no worker can add to it): the moves into CKPT (and closes after writing it in place)
+    between the grader's own move that changed CKPT when the round started and its next one (the first round runs
+    before any). A round that started without a change of the grader's is counted with the one before. None where
+    the kernel could not be asked."""
+    files = story.run.files
+    if files is None:
+        return None
+    folder, name = os.path.dirname(story.run.ckpt_path), os.path.basename(story.run.ckpt_path)
+    graders = {e.cookie for e in files if e.kind == "moved_from" and e.name == _TMP}
+    segments, count = [], 0
+    for e in files:
+        if e.folder != folder or e.name != name or e.kind not in ("moved_to", "close_write"):
+            continue
+        if e.kind == "moved_to" and e.cookie in graders:
+            segments.append(count)
+            count = 0
+        else:
+            count += 1
+    segments.append(count)
+    found, at = {}, 0
+    for i, r in enumerate(story.rounds):
+        snap = story.start.get(r.number)
+        if i and isinstance(snap, Snapshot) and snap.seed is not None:
+            at += 1
+        found[r.number] = segments[at] if at < len(segments) else 0
+    return found
+

@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from course.launcher.fswatch import FolderWatch
 from course.launcher.torchrun.runner import (
     AGENT,
     PROBE_SCRIPT,
@@ -199,6 +200,7 @@ def _launch(script: str, plan: Plan, input_features: int,
                                            start_new_session=True)
 
         gates = _Gates(probe_dir, ckpt_path, on_round)
+        watch = FolderWatch([ckpt_dir])  # the kernel's account of CKPT's folder, from this process, before any worker
         started = time.monotonic()
         timed_out = idle = False
         try:
@@ -224,6 +226,7 @@ def _launch(script: str, plan: Plan, input_features: int,
             _stop(list(procs.values()), dump_stacks=timed_out)
             for fh in logs:
                 fh.close()
+            files = watch.stop()
         gates.notes.append((None, gates.note(False)))
         run = Run(
             scenario="elastic",  # type: ignore[arg-type]
@@ -238,6 +241,8 @@ def _launch(script: str, plan: Plan, input_features: int,
             out_dir=out_dir,
             ckpt_path=ckpt_path,
             round_notes=gates.notes,
+            files=files,
+            files_problem=watch.problem,
         )
         _observe(run, probe_dir)
         return run
