@@ -88,7 +88,7 @@ def test_every_test_cell_has_a_hidden_variant_on_the_hidden_restart_run():
     assert cells[0].source == 'graders.torchrun.check_standalone_ranks("train.py")'
     for cell in cells[1:]:
         hidden = cell.source.split("### BEGIN HIDDEN TESTS", 1)[1].split("### END HIDDEN TESTS")[0]
-        calls = re.findall(r"graders\.ex4\.(check_\w+)\(\"train\.py\", (.*)\)", hidden)
+        calls = re.findall(r"graders\.torchrun\.(check_\w+)\(\"train\.py\", (.*)\)", hidden)
         assert len(calls) == 1 and calls[0][1] == "crash_rank=0, crash_step=3, layout=(1, 1)", cell.source
         assert HIDDEN == {"crash_rank": 0, "crash_step": 3, "layout": (1, 1)}
 
