@@ -678,9 +678,20 @@ def test_running_statistics_are_judged_in_the_layers_own_buffers():
 @pytest.mark.timeout(240)
 def test_a_batchnorm_that_replays_the_other_ranks_data_fails():
     """Every rank's batch rebuilt from the grader's public seeds, nothing exchanged: each rank's own shift (drawn in
-    the rank) makes the others' batches unknowable, so the output is not the global batch's."""
-    fails(ex3.check_syncbn_output, BN_REPLAYED, "differs from BatchNorm on the global batch")
-    fails(ex3.check_syncbn_running_stats, BN_REPLAYED, "differs from nn.BatchNorm on the global batch")
+    the rank, up to harness.SHIFT = 0.5) makes the others' batches unknowable, so the statistics are another batch's.
+    The forgery is the layer itself, so all four SyncBN checks are its targets, and each fails for that reason, not
+    for one the forgery would share with an honest layer: the output and running statistics differ from the global
+    batch's with no known mistake named (the replay matches none of the recipes the grader recognises), backward
+    defers to the output, and the accuracy check reports the shift's error, not lost precision (its own data near
+    zero is wrong too). The four checks read one job per world size (checks.memo): the last two cost nothing."""
+    fails(ex3.check_syncbn_output, BN_REPLAYED, "differs from BatchNorm on the global batch", "max |diff|")
+    message = fails(ex3.check_syncbn_running_stats, BN_REPLAYED, "differs from nn.BatchNorm on the global batch")
+    named = [text.format(rank=r) for text in ex3._BN_MISTAKES.values() for r in range(4)] + ["not updated at all"]
+    assert not any(text in message for text in named), message
+    fails(ex3.check_syncbn_backward, BN_REPLAYED, "the forward output is wrong", "make check_syncbn_output pass first")
+    message = fails(ex3.check_syncbn_accuracy, BN_REPLAYED, "from the float64 truth", "values around 1000",
+                    "max errors: y ")
+    assert "precision is lost" not in message and "check_syncbn_output passes" not in message, message
 
 
 @pytest.mark.slow

@@ -492,11 +492,17 @@ FORGERIES = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("part", list(FORGERIES))
 def test_forgeries_fail(part):
-    """Each forgery fails its fix check, naming what it hid, with the notebook's and the hidden settings."""
+    """Each forgery fails its fix check, naming what it hid, with the notebook's and the hidden settings; and the
+    part's other cell, its diagnosis, keeps its points: after each forged fix was graded in this process, the
+    reference diagnosis still passes with both settings (it is judged on the grader's own run of the given script,
+    never on the fix, so nothing a forged fix does in its ranks or leaves in the grader's process may reach it)."""
+    diagnose = _reference(part, "diagnosis")
     for name, (edits, words) in FORGERIES[part].items():
         fn = _fn(part, *edits, name="forged_" + "".join(c if c.isalnum() else "_" for c in name)[:60])
         fails(FIX[part], fn, *words)
         fails(FIX[part], fn, *words, **HIDDEN[part])
+        DIAGNOSIS[part](diagnose)
+        DIAGNOSIS[part](diagnose, **HIDDEN[part])
 
 
 @pytest.mark.parametrize("settings", [hang._DEFAULTS["shapes"], HIDDEN["shapes"]], ids=["visible", "hidden"])

@@ -3,8 +3,10 @@ evidence a part's checks used to trust, written as a student would, each scoring
 
 * exercise 1, part 4 (tensor parallelism by hand, :mod:`graders.parallelism.tensor_parallel`): a module that computes the whole
   output locally and issues decoy all-reduces of the right partial values whose results it ignores (from
-  the MLP it is given, or from one rebuilt with the check's seed found in the caller's frames), and one
-  that replaces the grader's references (flight recorder, collective spy) from its own code;
+  the MLP it is given, or from one rebuilt with the check's seed found in the caller's frames), one
+  that replaces the grader's references (flight recorder, collective spy) from its own code, and two that put
+  a marker of numbers every rank knows in comm_spy and then reload the grader's module or execute its source
+  under another name (a harness holding that marker, the control, gives them full marks);
 * exercise 2, the sampler (:mod:`graders.ddp_basics.sampler`): torch's DistributedSampler with the grader's patch
   undone (the module reloaded and the profile hook removed, or its source executed under another name), and
   an order drawn on rank 0 from its own random state and broadcast (kept per seed and epoch);
@@ -93,9 +95,11 @@ class _LocalWithDecoys(nn.Module):
         after = whole.narrow(dim, blk.stop, whole.shape[dim] - blk.stop)
         return torch.cat([before, shard, after], dim=dim)
 
+    decoy, decoy_back = _Decoy, _DecoyBack
+
     def forward(self, x):
         holder = {}
-        x = _DecoyBack.apply(x, holder)
+        x = self.decoy_back.apply(x, holder)
         w1, b1, w2 = self._spliced("w1", self.w1, 0), self._spliced("b1", self.b1, 0), self._spliced("w2", self.w2, 1)
         z = F.linear(x, w1, b1)
         if z.requires_grad:
@@ -103,7 +107,7 @@ class _LocalWithDecoys(nn.Module):
         h = torch.tanh(z)
         y = F.linear(h, w2, self.b2)
         partial = h[:, self.blk].detach() @ self.w2.detach().T
-        return _Decoy.apply(y, partial)
+        return self.decoy.apply(y, partial)
 
 
 def tp_decoy(mlp, rank, world_size):
@@ -186,6 +190,11 @@ def tp_side_channel(mlp, rank, world_size):
     """The shards exchanged through the job's own store (outside torch.distributed's collectives, unseen by the
     flight recorder), the whole MLP assembled on every rank and run locally, with decoy all-reduces of the right
     partial values whose results are ignored."""
+    return _LocalWithDecoys(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
+
+
+def _whole_through_the_store(mlp, rank, world_size):
+    """The whole MLP (every rank's shards) put together on this rank from what the ranks set in the job's store."""
     import io
 
     from torch.distributed import distributed_c10d as c10d
@@ -209,7 +218,7 @@ def tp_side_channel(mlp, rank, world_size):
             w1, b1, w2 = torch.load(io.BytesIO(store.get(f"forged-tp-{round_}-{r}")))
             theirs = slice(r * k, (r + 1) * k)
             whole[0].weight[theirs], whole[0].bias[theirs], whole[2].weight[:, theirs] = w1, b1, w2
-    return _LocalWithDecoys(whole, rank, world_size)
+    return whole
 
 
 @pytest.mark.slow
@@ -247,6 +256,149 @@ def test_tensor_parallel_grader_references_replaced_from_the_rank_lose_both_chec
     again: replacing the module's _REAL and comm_spy.spy from the student's code reaches nothing."""
     fails(VALUES, tp_patched_grader, "holds NaN")
     fails(COMM, tp_patched_grader, "the forward ran no all-reduce of the output")
+
+
+class _Known:
+    """The marker a forger would put in the harness's hands: it moves nothing that is sent, and records numbers every
+    rank knows (a function of the marker call's index and the rank), so a rank can add all of them to what it
+    computed locally, as if the collective had delivered them."""
+
+    calls = [0]
+    on: list = [None]  # while a marked pass's marker is entered: (every rank's numbers summed, its list, this rank's)
+
+
+def _known_number(call: int, rank: int) -> float:
+    return 0.5 + ((7 * call + 3 * rank) % 10) / 20  # in [0.5, 1), as the real marker's numbers
+
+
+def _known_marker(kinds=(), *, with_kind=False, **_):
+    import contextlib
+
+    call, rank, world_size = _Known.calls[0], dist.get_rank(), dist.get_world_size()
+    _Known.calls[0] += 1
+    marked: list = []
+
+    @contextlib.contextmanager
+    def entered():
+        _Known.on[0] = (sum(_known_number(call, r) for r in range(world_size)), marked, _known_number(call, rank))
+        try:
+            yield
+        finally:
+            _Known.on[0] = None
+
+    return entered(), marked
+
+
+def _as_if_delivered(value):
+    """In a marked pass, ``value`` plus every rank's known number, this rank's recorded as the real marker records
+    it; ``value`` as it is otherwise."""
+    if _Known.on[0] is None:
+        return value
+    total, marked, mine = _Known.on[0]
+    marked.append(("all_reduce", mine))
+    return value + total
+
+
+class _DecoyAsIfDelivered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, partial):
+        dist.all_reduce(partial.detach().clone())  # the decoy: the right partial output, its result ignored
+        return _as_if_delivered(y.view_as(y))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _DecoyBackAsIfDelivered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.holder = holder
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(ctx.holder["partial_in"].clone())  # the decoy: the right partial input gradient
+        return _as_if_delivered(grad), None
+
+
+class _LocalAsIfDelivered(_LocalWithDecoys):
+    """The whole MLP run locally (its shards from the store), decoys carrying the right partial values, and, in a
+    marked pass, the known numbers added to the output and to the input's gradient."""
+
+    decoy, decoy_back = _DecoyAsIfDelivered, _DecoyBackAsIfDelivered
+
+
+def tp_grader_reloaded(mlp, rank, world_size):
+    """comm_spy's marker replaced by the known-numbers one, then the grader's module reloaded: its new _harness binds
+    the replacement as its default (asserted, or the forgery would prove nothing). The harness running is the old one."""
+    import importlib
+
+    import graders.common.comm_spy as spy_module
+    import graders.parallelism.tensor_parallel as grader
+
+    spy_module.marker = _known_marker
+    importlib.reload(grader)
+    assert _known_marker in grader._harness.__defaults__, "the reload did not rebind the harness's marker"
+    return _LocalAsIfDelivered(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
+
+
+def tp_grader_executed_anew(mlp, rank, world_size):
+    """The same, with the grader's source executed under another name (my_tensor_parallel.py) and put in its place:
+    in sys.modules and in the grader module's own namespace (the running harness's globals)."""
+    import types
+
+    import graders.common.comm_spy as spy_module
+    import graders.parallelism.tensor_parallel as grader
+
+    spy_module.marker = _known_marker
+    copy = types.ModuleType("my_tensor_parallel")
+    with open(grader.__file__) as fh:
+        exec(compile(fh.read(), "my_tensor_parallel.py", "exec"), copy.__dict__)  # noqa: S102 - the forgery
+    assert _known_marker in copy._harness.__defaults__, "the copy's harness does not hold the replaced marker"
+    vars(grader).update({name: value for name, value in vars(copy).items() if not name.startswith("__")})
+    sys.modules[grader.__name__] = copy
+    return _LocalAsIfDelivered(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
+
+
+def tp_as_if_delivered(mlp, rank, world_size):
+    """The forgeries' module alone (no reload): the control, run in a harness that holds the known-numbers marker."""
+    return _LocalAsIfDelivered(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
+
+
+def _harness_holding_the_known_marker():
+    """tp._harness as a reload or re-execution would have made it had the student's marker been in comm_spy first:
+    the same code and globals, the known-numbers marker as its default (another name: the ranks get it by value)."""
+    import inspect
+    import types
+
+    real = tp._harness
+    names = list(inspect.signature(real).parameters)
+    defaults = tuple(_known_marker if name == "_marker" else value
+                     for name, value in zip(names[-len(real.__defaults__):], real.__defaults__))
+    harness = types.FunctionType(real.__code__, real.__globals__, "_harness_holding_the_known_marker", defaults)
+    harness.__module__, harness.__qualname__ = __name__, "_harness_holding_the_known_marker"
+    return harness
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_grader_reloaded_or_executed_anew_in_the_rank_loses_both_checks(monkeypatch):
+    """The shards shared through the store, the output computed locally, decoy all-reduces carrying the right partial
+    values, and a marker of numbers every rank knows put in comm_spy before the grader's module is reloaded (or its
+    source executed under another name and put in its place): the module's new harness holds that marker, so a
+    harness that took its references from the module would be fooled. The control shows it: in a harness holding
+    that marker, the same module scores full marks on both checks. The running harness bound the real marker as a
+    default argument before any student object existed, so both forgeries lose both checks: the output is right but
+    did not come out of the all-reduce, whose result carried the ranks' secret numbers."""
+    with monkeypatch.context() as patch:
+        patch.setattr(tp, "_harness", _harness_holding_the_known_marker())
+        VALUES(tp_as_if_delivered)
+        COMM(tp_as_if_delivered)
+    for forged in (tp_grader_reloaded, tp_grader_executed_anew):
+        fails(VALUES, forged, "the output is right, but it did not come out of the forward's collective",
+              "use the result of the all-reduce")
+        fails(COMM, forged, "the output is not what the forward's all-reduce returned", "use the result")
 
 
 @pytest.mark.slow
