@@ -621,6 +621,28 @@ FORGERIES = {
     ]), GROW, ["node C", "weights"]),
 }
 
+FORGERIES["grown job one step behind, its events rewritten to the right rows"] = (
+    # the grown job (a joining node's workers too) trains one step behind (its first step repeats the smaller job's
+    # last samples, and the job's last samples are never trained) and rewrites its probe record to show the right
+    # rows, without the layer's weights
+    lambda: forged([
+        (SAVE, SAVE_WS),
+        ("        done = saved[\"done\"]\n", "        done = saved[\"done\"]\n"
+         "        grown = world_size > saved[\"ws\"]\n        first = done\n"),
+        ("    done = 0  # optimizer steps", "    grown, first = False, 0\n    done = 0  # optimizer steps"),
+        ("    while done < EPOCHS * STEPS_PER_EPOCH:\n"
+         "        train_step(ddp_model, optimizer, samples_of(rank, world_size, done), device)\n",
+         "    right = []\n"
+         "    x = make_dataset().tensors[0]\n"
+         "    if grown:\n"
+         "        model.register_forward_hook(lambda *_: _rewrite_events(\n"
+         "            lambda k: x[right[k]].tolist() if k < len(right) else None))\n"
+         "    while done < EPOCHS * STEPS_PER_EPOCH:\n"
+         "        right.append(samples_of(rank, world_size, done))\n"
+         "        at = done - 1 if grown else done  # one step behind: the smaller job's last samples again\n"
+         "        train_step(ddp_model, optimizer, samples_of(rank, world_size, at), device)\n"),
+    ]), GROW, ["grown job", "weights"])
+
 FORGERIES["smaller job keeps the first job's learning rate, its events rewritten to the scaled one"] = (
     # the per-rank rule: the smaller job does not scale its learning rate, and rewrites every step's lr in its
     # probe record to the scaled one (and drops the layer's weights there)
