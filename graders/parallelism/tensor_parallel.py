@@ -390,12 +390,16 @@ def _judge_values(check, rank, got, want, world_size, dims, where):
 
 
 def _came_out(check, rank, value, want, delivered, what, phase, where) -> None:
-    """Fail when ``value`` is right as it stands though the phase's collectives delivered their numbers on top of
-    what was sent (:func:`graders.common.comm_spy.marker`): it was computed some other way, their results left unused."""
-    if delivered and _close(value, want):
+    """Fail when ``value`` is right as it stands in a marked pass: what comes out of the phase's collectives there
+    carries the ranks' secret numbers on top of what was sent (:func:`graders.common.comm_spy.marker`), so a value
+    without them was computed some other way, whether collectives ran beside it (their results left unused) or
+    none did (the other ranks' parts moved through files or the job's store)."""
+    if _close(value, want):
+        how = ("the collective's result was not used" if delivered else
+               "no collective delivered it: the other ranks' parts reached this rank another way")
         raise CheckFailed(check, f"the {what} is right, but it did not come out of the {phase}'s collective ({where})",
                           ranks=[rank], expected=f"the {what} made of what the {phase}'s all-reduce returned",
-                          got=f"the {what} computed another way: the collective's result was not used",
+                          got=f"the {what} computed another way: {how}",
                           hint="use the result of the all-reduce: a collective whose result is thrown away while the rank "
                           f"computes the {what} some other way (from files, the job's store, the caller's objects) is "
                           "not tensor parallelism: the other ranks' parts reach a rank only through the sum")

@@ -193,6 +193,19 @@ def tp_side_channel(mlp, rank, world_size):
     return _LocalWithDecoys(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
 
 
+class _LocalOnly(_LocalWithDecoys):
+    """The whole MLP computed locally from the whole copy, with no collective at all."""
+
+    def forward(self, x):
+        w1, b1, w2 = self._spliced("w1", self.w1, 0), self._spliced("b1", self.b1, 0), self._spliced("w2", self.w2, 1)
+        return F.linear(torch.tanh(F.linear(x, w1, b1)), w2, self.b2)
+
+
+def tp_side_channel_alone(mlp, rank, world_size):
+    """The shards exchanged through the job's own store and the whole MLP run locally, no collective at all."""
+    return _LocalOnly(_whole_through_the_store(mlp, rank, world_size), rank, world_size)
+
+
 def _whole_through_the_store(mlp, rank, world_size):
     """The whole MLP (every rank's shards) put together on this rank from what the ranks set in the job's store."""
     import io
@@ -229,6 +242,15 @@ def test_tensor_parallel_shards_shared_through_the_store_with_decoys_lose_both_c
     (graders.common.comm_spy.marker), so an output computed locally, not out of the all-reduce, lacks them."""
     fails(VALUES, tp_side_channel, "did not come out of the forward's collective", "use the result of the all-reduce")
     fails(COMM, tp_side_channel, "the output is not what the forward's all-reduce returned", "use the result")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_shards_shared_through_the_store_without_collectives_lose_both_checks():
+    """No collective at all: the values are right, but in the marked pass what a collective delivers carries the
+    ranks' secret numbers, so a right value there came another way; the collectives check finds none."""
+    fails(VALUES, tp_side_channel_alone, "did not come out of the forward's collective", "no collective delivered it")
+    fails(COMM, tp_side_channel_alone, "ran no all-reduce of the output", "[ranks 0, 1]")
 
 
 @pytest.mark.slow
