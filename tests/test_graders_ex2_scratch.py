@@ -54,16 +54,21 @@ class NaiveDDP(nn.Module):
                 p.grad /= world_size
 
 
-def _buckets(params, bucket_size_mb):
-    limit = bucket_size_mb * 2**20
+def _buckets(params, bucket_size_mb, *, before_the_limit=False):
+    """DDP's rule: a bucket closes once it reaches or exceeds the limit. ``before_the_limit``: the known mistake
+    (the rule the notebook stated before issue 40), a bucket closes before the parameter that would cross it."""
+    limit = int(bucket_size_mb * 2**20)
     buckets, current, size = [], [], 0
     for p in reversed([p for p in params if p.requires_grad]):
         nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > limit:
+        if before_the_limit and current and size + nbytes > limit:
             buckets.append(current)
             current, size = [], 0
         current.append(p)
         size += nbytes
+        if not before_the_limit and size >= limit:
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
@@ -73,7 +78,7 @@ class BucketedDDP(nn.Module):
     """The reference; its keyword switches make the realistic mistakes below (one thing changed each)."""
 
     def __init__(self, module, bucket_size_mb, *, broadcast=True, average=True, per_param=False, launch_unfilled=True,
-                 in_hooks=True, wait_in_finish=True, rank_order=False):
+                 in_hooks=True, wait_in_finish=True, rank_order=False, before_the_limit=False):
         super().__init__()
         self.module = module
         self.average, self.launch_unfilled, self.in_hooks, self.wait_in_finish = (
@@ -81,10 +86,11 @@ class BucketedDDP(nn.Module):
         if broadcast:
             for p in module.parameters():
                 dist.broadcast(p.data, src=0)
-        self.buckets = [[p] for p in reversed(list(module.parameters()))] if per_param else _buckets(
-            module.parameters(), bucket_size_mb)
+        params = list(module.parameters())
         if rank_order and dist.get_rank() % 2 == 1:
-            self.buckets.reverse()  # another order on odd ranks: the all-reduces no longer match
+            params.reverse()  # another order on odd ranks: other buckets, whose all-reduces no longer match
+        self.buckets = [[p] for p in reversed(params)] if per_param else _buckets(
+            params, bucket_size_mb, before_the_limit=before_the_limit)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()
         for p in self.bucket_of:
@@ -349,6 +355,7 @@ Unfilled = _variant(launch_unfilled=False)
 AfterBackward = _variant(in_hooks=False)  # right buckets, all launched in finish: no overlap
 AfterStep = _variant(wait_in_finish=False)  # waits on the handles in the next forward, after step()
 RankOrder = _variant(rank_order=True)
+ClosedBeforeTheLimit = _variant(before_the_limit=True)  # the rule the notebook stated before issue 40
 
 
 class OneBucket(BucketedDDP):
@@ -556,15 +563,76 @@ class SendRecvWithDecoys(StoreDecoys):
 
 def test_bucket_rule_and_test_models():
     mlp = ex2s.make_model("mlp", 0)
-    assert ex2s.buckets_of(mlp, 0.001) == [["l3.bias", "l3.weight", "l2.bias"], ["l2.weight"], ["l1.bias", "l1.weight"]]
+    # 3 + 48 + 16 + 256 values: l2.weight takes the bucket past 262 values (1048 bytes) and stays in it
+    assert ex2s.buckets_of(mlp, 0.001) == [["l3.bias", "l3.weight", "l2.bias", "l2.weight"], ["l1.bias", "l1.weight"]]
     assert ex2s.buckets_of(mlp, 1.0) == [[n for n, _ in reversed(list(mlp.named_parameters()))]]
-    assert len(ex2s.buckets_of(mlp, 1e-9)) == 6  # every parameter bigger than the limit: a bucket each
+    assert len(ex2s.buckets_of(mlp, 1e-9)) == 6  # every parameter reaches the limit alone: a bucket each
+    exact = (3 + 48 + 16) * 4 / 2**20  # a limit the first three parameters reach exactly: they close the bucket
+    assert ex2s.buckets_of(mlp, exact)[0] == ["l3.bias", "l3.weight", "l2.bias"]
     tied = ex2s.make_model("tied", 0)
     assert tied.head.weight is tied.embed.weight and len(list(tied.parameters())) == 3
     for kwargs in ({"bucket_size_mb": 0.001, "width": 16}, {"bucket_size_mb": HIDDEN["bucket_size_mb"], "width": 24}):
         buckets = ex2s.buckets_of(ex2s.make_model("unused", 0, kwargs["width"]), kwargs["bucket_size_mb"])
         assert any(any(n.startswith("spare.") for n in b) and not all(n.startswith("spare.") for n in b) for b in buckets)
-        assert len(ex2s.buckets_of(ex2s.make_model("mlp", 0, kwargs["width"]), kwargs["bucket_size_mb"])) >= 3
+        mlp_buckets = ex2s.buckets_of(ex2s.make_model("mlp", 0, kwargs["width"]), kwargs["bucket_size_mb"])
+        assert len(mlp_buckets) >= 2 and "l1.weight" not in mlp_buckets[0]  # check_overlap has a bucket to overlap
+        # the old rule gives other sizes: check_buckets tells it apart
+        old = _buckets(ex2s.make_model("mlp", 0, kwargs["width"]).parameters(), kwargs["bucket_size_mb"],
+                       before_the_limit=True)
+        assert sorted(sum(p.numel() for p in b) for b in old) != sorted(
+            sum(ex2s.make_model("mlp", 0, kwargs["width"]).get_parameter(n).numel() for n in b) for b in mlp_buckets)
+
+
+CAPS = (1e-9, 0.0002, 0.001, (3 + 48 + 16) * 4 / 2**20, 0.0015, 0.002, 0.01, 1.0)
+
+
+def test_bucket_rule_is_torchs_own_assignment():
+    """buckets_of is what torch's bucket assignment (the function DDP calls to form buckets) gives for the
+    parameters in reverse order, at every cap, on every model of the notebook (a cap reached exactly included)."""
+    for kind in ("mlp", "unused", "tied"):
+        for width in (16, 24):
+            model = ex2s.make_model(kind, 0, width)
+            reverse = list(reversed(list(model.named_parameters())))
+            for cap in CAPS:
+                indices, _ = dist._compute_bucket_assignment_by_size([p for _, p in reverse], [int(cap * 2**20)])
+                assert ex2s.buckets_of(model, cap) == [[reverse[i][0] for i in b] for b in indices], (kind, width, cap)
+
+
+def ddp_rebuilt_buckets(rank, width, bucket_size_mb):
+    """The MLP under torch's DDP at ``bucket_cap_mb=bucket_size_mb``: the parameter names of each bucket DDP hands
+    its communication hook, per step (step 1: one bucket; from step 2: the buckets DDP rebuilt in arrival order)."""
+    dist.init_process_group("gloo")
+    model = ex2s.make_model("mlp", 0, width)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ddp_model = DDP(model, bucket_cap_mb=bucket_size_mb)
+    steps: list[list[list[str]]] = []
+
+    def hook(state, bucket):
+        steps[-1].append([names[id(p)] for p in bucket.parameters()])
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp_model.register_comm_hook(None, hook)
+    for batches in ex2s.make_batches("mlp", 0, 2, 3):
+        steps.append([])
+        x, y = batches[rank]
+        nn.functional.mse_loss(ddp_model(x), y).backward()
+    dist.destroy_process_group()
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("width, bucket_size_mb", [(16, 0.001), (HIDDEN["width"], HIDDEN["bucket_size_mb"])])
+def test_bucket_rule_is_the_buckets_torch_ddp_rebuilds(width, bucket_size_mb):
+    """The buckets check_buckets asks for are the ones a real DDP model forms at the same cap on 2 gloo ranks,
+    once it has rebuilt them after its first step (which sends every gradient in one bucket)."""
+    import course
+
+    want = ex2s.buckets_of(ex2s.make_model("mlp", 0, width), bucket_size_mb)
+    for steps in course.run_ranks(ddp_rebuilt_buckets, 2, args=(width, bucket_size_mb), backend="gloo", echo=False,
+                                  timeout=60):
+        assert len(steps[0]) == 1, steps[0]
+        assert steps[1] == steps[2] == want, (steps, want)
 
 
 @pytest.mark.slow
@@ -610,7 +678,7 @@ def test_bucketed_mistakes_lose_exactly_their_checks():
     # one all-reduce per parameter: right weights and overlap, wrong communication
     ex2s.check_bucketed(PerParam)
     ex2s.check_overlap(PerParam)
-    fails(ex2s.check_buckets, PerParam, "6 all-reduces", "one all-reduce per parameter", "3 all-reduces carrying")
+    fails(ex2s.check_buckets, PerParam, "6 all-reduces", "one all-reduce per parameter", "2 all-reduces carrying")
     # everything in one all-reduce after backward
     ex2s.check_bucketed(OneBucket)
     fails(ex2s.check_buckets, OneBucket, "1 all-reduces carrying 435", "every gradient in one all-reduce")
@@ -625,6 +693,14 @@ def test_bucketed_mistakes_lose_exactly_their_checks():
     ex2s.check_buckets(Summed)
     ex2s.check_overlap(Summed)
     fails(ex2s.check_bucketed, Summed, "SUM over the 2 ranks")
+    # the rule DDP does not follow (the notebook's before issue 40): right averages and overlap, other buckets
+    ex2s.check_bucketed(ClosedBeforeTheLimit)
+    ex2s.check_overlap(ClosedBeforeTheLimit)
+    fails(ex2s.check_buckets, ClosedBeforeTheLimit, "3 all-reduces carrying 67, 256, 112 values",
+          "2 all-reduces carrying 112, 323 values", "closed BEFORE the parameter", "reach or exceed",
+          "stays in the bucket it crossed it in")
+    fails(ex2s.check_buckets, ClosedBeforeTheLimit, "3 all-reduces carrying 99, 576, 168 values",
+          "closed BEFORE the parameter", **HIDDEN)
     # no broadcast
     fails(ex2s.check_broadcast, NoBroadcast, "[rank 1]", "own initial values", bucket_size_mb=0.001)
     ex2s.check_bucketed(NoBroadcast)
@@ -669,7 +745,7 @@ def test_buckets_in_another_order_on_some_ranks_are_reported_not_hung(monkeypatc
 def test_forgeries_do_not_pass():
     fails(ex2s.check_overlap, FakeOverlap, "no all-reduce carrying this step's gradients had started",
           "carried none of this step's gradients", "zeros")
-    fails(ex2s.check_buckets, FakeOverlap, "4 all-reduces carrying 3, 67, 256, 112 values", "nothing else")
+    fails(ex2s.check_buckets, FakeOverlap, "3 all-reduces carrying 3, 323, 112 values", "nothing else")
     fails(ex2s.check_overlap, FakeOverlapEmpty, "no all-reduce carrying this step's gradients had started")
     fails(ex2s.check_buckets, ForgedRecorder, "did not all-reduce one flat tensor per bucket", "0 all-reduces",
           "no all-reduce ran in this step")
@@ -705,12 +781,12 @@ def test_collectives_are_judged_by_what_they_carry():
     for cls in (Padded, ZeroDecoys, AllGatherBuckets):
         ex2s.check_bucketed(cls)
         ex2s.check_overlap(cls)
-    fails(ex2s.check_buckets, Padded, "did not all-reduce one flat tensor per bucket", "68, 257, 113 values",
+    fails(ex2s.check_buckets, Padded, "did not all-reduce one flat tensor per bucket", "324, 113 values",
           "no padding")
-    fails(ex2s.check_buckets, ZeroDecoys, "6 all-reduces carrying 67, 67, 256, 256, 112, 112 values", "nothing else")
+    fails(ex2s.check_buckets, ZeroDecoys, "4 all-reduces carrying 323, 323, 112, 112 values", "nothing else")
     fails(ex2s.check_buckets, AllGatherBuckets, "other collectives than all_reduce", "all_gather",
           "dist.all_reduce(flat, async_op=True)")
-    fails(ex2s.check_buckets, AllGatherWithDecoys, "other collectives than all_reduce", "3 x all_gather, and 3 all-reduces")
+    fails(ex2s.check_buckets, AllGatherWithDecoys, "other collectives than all_reduce", "2 x all_gather, and 2 all-reduces")
     ex2s.check_bucketed(SendRecvWithDecoys)
     fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", "x send", "x recv")
     fails(ex2s.check_buckets, SendRecvWithDecoys, "other collectives than all_reduce", **HIDDEN)
@@ -746,8 +822,16 @@ WRONG = {
     "gradients summed, not averaged": ("ex2s_naive", "                p.grad /= world_size\n", "",
                                        ["ex2s_test_naive"], ["SUM over the 2 ranks"]),
     "one all-reduce per parameter": (
-        "ex2s_bucketed", "            if current and size + nbytes > limit:", "            if current:",
-        ["ex2s_test_buckets"], ["one all-reduce per parameter"]),
+        "ex2s_bucketed", "            if size >= limit:  # the parameter that reaches the limit stays in the bucket, which "
+        "closes", "            if True:", ["ex2s_test_buckets"], ["one all-reduce per parameter"]),
+    "buckets closed before the parameter that crosses the limit": (
+        "ex2s_bucketed", "            current.append(p)\n            size += p.numel() * p.element_size()\n"
+        "            if size >= limit:  # the parameter that reaches the limit stays in the bucket, which closes\n"
+        "                self.buckets.append(current)\n                current, size = [], 0\n",
+        "            nbytes = p.numel() * p.element_size()\n            if current and size + nbytes > limit:\n"
+        "                self.buckets.append(current)\n                current, size = [], 0\n"
+        "            current.append(p)\n            size += nbytes\n",
+        ["ex2s_test_buckets"], ["closed BEFORE the parameter", "reach or exceed"]),
     "all-reduced after backward, not from the hooks": (
         "ex2s_bucketed", "            if self.waiting[i] == 0:  # the bucket's last gradient: send it while backward goes on",
         "            if False:", ["ex2s_test_overlap"], ["no all-reduce carrying this step's gradients had started"]),
@@ -764,12 +848,12 @@ WRONG = {
     "unfilled buckets never launched": ("ex2s_bucketed", "                self.launch(i)\n        world_size",
                                         "                pass\n        world_size",
                                         ["ex2s_test_bucketed"], ["share a bucket with `spare`"]),
-    "buckets in another order on odd ranks": (
-        "ex2s_bucketed", "        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for",
-        "        if dist.get_rank() % 2:\n            self.buckets.reverse()\n"
-        "        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for",
-        # the hooks still launch in gradient order; only the unfilled buckets, launched by index, then differ
-        ["ex2s_test_bucketed"], ["formed different buckets"]),
+    "parameters in another order on odd ranks": (
+        "ex2s_bucketed", "        for p in reversed([p for p in module.parameters() if p.requires_grad]):",
+        "        params = [p for p in module.parameters() if p.requires_grad]\n        if dist.get_rank() % 2:\n"
+        "            params.reverse()\n        for p in reversed(params):",
+        # other buckets on odd ranks: their first all-reduces differ in size, in every bucketed test
+        ["ex2s_test_bucketed", "ex2s_test_buckets", "ex2s_test_overlap"], ["formed different buckets"]),
 }
 
 

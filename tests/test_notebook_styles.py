@@ -232,17 +232,12 @@ class NaiveDDP:
     # torch.futures.wait_all (test_graders_ex2_scratch.BucketedFutures)
     "ex2s_bucketed": '''
 def _buckets(params, bucket_size_mb):
-    limit = bucket_size_mb * 2**20
-    buckets, current, size = [], [], 0
+    cap = int(bucket_size_mb * 2**20)
+    buckets = [[]]
     for p in reversed([p for p in params if p.requires_grad]):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > limit:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
+        if sum(q.numel() * q.element_size() for q in buckets[-1]) >= cap:
+            buckets.append([])
+        buckets[-1].append(p)
     return buckets
 
 

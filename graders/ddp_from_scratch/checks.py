@@ -6,9 +6,9 @@ the same interface, ``Wrapper(module, ...)``, ``wrapper(x)`` (the module's forwa
 
 * ``NaiveDDP(module)``: rank 0's parameters broadcast at construction; after backward, one
   all-reduce per gradient, averaged;
-* ``BucketedDDP(module, bucket_size_mb)``: the gradients grouped in buckets of at most
-  ``bucket_size_mb`` MiB (in reverse order of ``module.parameters()``), each bucket all-reduced as
-  one flat tensor, asynchronously, from a gradient hook as soon as all its gradients are ready;
+* ``BucketedDDP(module, bucket_size_mb)``: the gradients grouped in buckets by DDP's rule (in reverse
+  order of ``module.parameters()``, a bucket closing once it reaches or exceeds ``bucket_size_mb`` MiB,
+  the parameter that crosses the limit in it), each bucket all-reduced as one flat tensor, asynchronously, from a gradient hook as soon as all its gradients are ready;
   ``finish_gradient_synchronization`` launches what never filled and waits for every bucket.
 
 Each check runs the class on real ranks, in a harness that builds the model, the data and the
@@ -30,8 +30,9 @@ optimizer, and judges what happened, never what the student's objects say:
   decoy all-reduces whose results are dropped, with the gradients sent through the job's store, or every
   rank's batch read from the harness's frames and the average recomputed locally) carries no such sum;
 * :func:`check_buckets`: what each step communicated: every collective the flight recorder lists
-  (written by the process group itself; any kind, any size) is one all-reduce per bucket the size
-  limit implies, and what each carried (the harness's spy on the collectives' dispatcher ops) is
+  (written by the process group itself; any kind, any size) is one all-reduce per bucket DDP's rule
+  gives (:func:`graders.ddp_from_scratch.harness.buckets_of`, held to torch's own bucket assignment by
+  the tests), and what each carried (the harness's spy on the collectives' dispatcher ops) is
   that bucket's gradients, as this rank's backward computed them (the grader recomputes them from
   the weights the step started with and the rank's batch); padding, decoys (zeros, an old copy) and
   other collectives (all_gather, send/recv, ...) fail it;
@@ -337,7 +338,7 @@ def _what(values: torch.Tensor) -> str:
 
 
 def check_buckets(wrapper_cls, *, bucket_size_mb=0.001, world_size=2, width=16, seed=0, steps=2):
-    """Each step communicates exactly one all-reduce per bucket the size limit implies, each carrying that
+    """Each step communicates exactly one all-reduce per bucket of DDP's rule (:func:`buckets_of`), each carrying that
     bucket's gradients (as this rank's backward left them, or divided by the world size), and no other
     collective: judged from the flight recorder (every kind, every size) and from what each call carried."""
     check = "check_buckets"
@@ -393,16 +394,33 @@ def _judge_sizes(check, rank, step, s, where, expected, buckets, sizes, want, bu
                 f"({int(bucket_size_mb * MiB)} bytes, float32 = 4 bytes per value) makes {len(buckets)} buckets")
     elif not calls:
         hint = "no all-reduce ran in this step: launch each bucket's `dist.all_reduce(flat, async_op=True)`"
+    elif got == sorted(_closed_before_the_limit(sizes, bucket_size_mb)):
+        hint = ("these are buckets closed BEFORE the parameter that would take them past the limit, so none "
+                "reaches it: that is not DDP's rule. DDP adds each parameter to the current bucket first and closes "
+                "the bucket once its bytes reach or exceed the limit: the parameter that crosses the limit stays "
+                "in the bucket it crossed it in (lesson 2, how DDP forms its buckets)")
     elif len(got) == len(want):
         hint = ("each all-reduce must carry exactly its bucket's values, nothing added (no padding, no extra "
                 "values) and nothing left out; form the buckets in reverse order of `module.parameters()`, a "
-                "bucket taking the next parameter while its size stays within the limit")
+                "bucket closing once its bytes reach or exceed the limit")
     else:
-        hint = ("form the buckets in reverse order of `module.parameters()`: a bucket takes the next parameter "
-                "while its size (numel * element_size()) stays within the limit, else a new bucket starts; "
+        hint = ("form the buckets in reverse order of `module.parameters()`: each parameter joins the current "
+                "bucket, which closes once its bytes (numel * element_size()) reach or exceed the limit; "
                 "all-reduce each bucket exactly once per step, and nothing else")
     raise CheckFailed(check, f"step {step + 1} did not all-reduce one flat tensor per bucket ({where})", ranks=[rank],
                       expected=expected, got=f"{len(calls)} all-reduces carrying {described} values", hint=hint)
+
+
+def _closed_before_the_limit(sizes: dict, bucket_size_mb: float) -> list[int]:
+    """The bucket sizes (values) of the rule DDP does not follow, a known mistake: a bucket takes the next
+    float32 parameter only while it stays within the limit, else that parameter starts a new bucket."""
+    limit, out, current = int(bucket_size_mb * MiB), [], 0
+    for numel in reversed(list(sizes.values())):
+        if current and (current + numel) * 4 > limit:
+            out.append(current)
+            current = 0
+        current += numel
+    return out + ([current] if current else [])
 
 
 def _judge_content(check, rank, step, s, where, world_size, buckets, targets):

@@ -111,20 +111,20 @@ def loss_of(kind: str, output, target):
 
 
 def buckets_of(model: nn.Module, bucket_size_mb: float) -> list[list[str]]:
-    """The buckets the notebook's rule gives: parameters in reverse order of ``model.parameters()``, a
-    bucket takes the next one while its size stays within ``bucket_size_mb`` MiB; a parameter bigger
-    than the limit has a bucket of its own."""
-    limit = bucket_size_mb * MiB
+    """The buckets of DDP's rule (torch's ``_compute_bucket_assignment_by_size``, on the parameters in reverse
+    order of ``model.parameters()``, as DDP rebuilds them): each parameter joins the current bucket, which
+    closes once its bytes reach or exceed ``bucket_size_mb`` MiB (rounded down to whole bytes, as DDP's
+    ``int(bucket_cap_mb * 2**20)``): the parameter that crosses the limit stays in that bucket."""
+    limit = int(bucket_size_mb * MiB)
     buckets, current, size = [], [], 0
     for name, p in reversed(list(model.named_parameters())):
         if not p.requires_grad:
             continue
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > limit:
+        current.append(name)
+        size += p.numel() * p.element_size()
+        if size >= limit:
             buckets.append(current)
             current, size = [], 0
-        current.append(name)
-        size += nbytes
     if current:
         buckets.append(current)
     return buckets

@@ -38,15 +38,15 @@ fails = submissions.fails
 
 
 def _buckets(params, bucket_size_mb):
-    limit = bucket_size_mb * 2**20
+    """DDP's rule: a bucket closes once its bytes reach or exceed the limit."""
+    limit = int(bucket_size_mb * 2**20)
     buckets, current, size = [], [], 0
     for p in reversed([p for p in params if p.requires_grad]):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > limit:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
             buckets.append(current)
             current, size = [], 0
-        current.append(p)
-        size += nbytes
     if current:
         buckets.append(current)
     return buckets
