@@ -193,3 +193,44 @@ def test_fsdp2_mixed_precision_and_clipping_by_the_global_norm(nb):
     returned = [float(v) for v in re.search(r"holding ([\d.]+) on rank 0, ([\d.]+) on rank 1", text).groups()]
     assert abs(root - (own[0] ** 2 + own[1] ** 2) ** 0.5) < 1e-4 and returned == [root, root], text
     assert "returned a DTensor" in text and "after clipping: 0.01000" in text
+
+
+def test_zero_broadcasts_each_parameter_from_its_owner_after_the_step(nb):
+    """Issue 40: what a ZeroRedundancyOptimizer step sends, live: by default one broadcast per parameter, the whole
+    parameter, from the rank that owns it; with parameters_as_bucket_view=True one per rank."""
+    text = output_of(nb, "course.run_ranks(zero_broadcasts, 2, args=(bucket_view,))")
+    assert world_sizes(text) == [2, 2]
+    default, flat = text.split("parameters_as_bucket_view=True")
+    assert "parameters_as_bucket_view=False: optimizer.step() ran 4 collectives" in default
+    sent = {name: (int(n), int(root)) for n, root, name in
+            re.findall(r"broadcast_ of (\d+) values from rank (\d): (\S+)", default)}
+    assert sent == {"0.weight": (128, 0), "2.weight": (64, 1), "0.bias": (16, 1), "2.bias": (4, 1)}, default
+    assert ": optimizer.step() ran 2 collectives" in flat
+    assert "broadcast_ of 128 values from rank 0: 0.weight" in flat
+    assert "broadcast_ of 84 values from rank 1: a flat buffer of parameters" in flat
+    after = " ".join(nb.cells[next(i for i, c in enumerate(nb.cells) if "def zero_broadcasts(" in c.source) + 1].source.split())
+    assert "rank 0 owns the 16×8 weight (128 values), rank 1 the other three (84 values together)" in after
+
+
+def test_fsdp2_pads_dim_0_in_its_collectives_not_in_the_shards(nb):
+    """Issue 40: 10 rows on 4 ranks: torch.chunk's shards (3, 3, 3, 1 rows), collectives of 12 padded rows; the
+    predict-then-run answer states the measured numbers."""
+    text = output_of(nb, "_ = course.run_ranks(fsdp_padding, 4)")
+    assert world_sizes(text) == [4]
+    for rank, rows in enumerate((3, 3, 3, 1)):
+        assert f"[rank {rank}] rank {rank}: holds weight ({rows}, 4), bias ({rows},)" in text, text
+    assert "_allgather_base_: the whole tensor 60 values, each rank's part 15" in text
+    assert "_reduce_scatter_base_: the whole tensor 60 values, each rank's part 15" in text
+    answer = " ".join(_answer_before(nb, "_ = course.run_ranks(fsdp_padding, 4)").split())
+    assert "Ranks 0 to 2 hold 3 rows" in answer and "rank 3 holds 1 row" in answer
+    assert "15 values" in answer and "delivers 60 values, 10 of them padding" in answer
+
+
+def test_fsdp2_units_without_parameters_of_their_own_send_nothing(nb):
+    """Issue 40: a root holding every parameter gathers once; per-layer units gather twice and reduce-scatter once
+    each; a root (or a ReLU) unit holding no parameters adds no collective."""
+    text = output_of(nb, "course.run_ranks(unit_collectives, 2, args=(layout,))")
+    assert world_sizes(text) == [2, 2, 2]
+    assert "the root only: 1 x _allgather_base_ of 144, 1 x _reduce_scatter_base_ of 144" in text
+    for layout in ("each Linear, then the root", "every module, then the root"):
+        assert f"{layout}: 4 x _allgather_base_ of 72, 2 x _reduce_scatter_base_ of 72" in text, text
