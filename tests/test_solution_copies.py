@@ -26,9 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 20
 #: (grader module, notebook) pairs known to share a solution window, and why it stays for now
 KNOWN = {
-    ("ddp_from_scratch/harness.py", "ddp_from_scratch.ipynb"):
-        "buckets_of: the checks need the buckets the notebook's rule gives to judge each step's all-reduces; "
-        "the rule is the notebook's own words, the code of it is the bucket part of the solution (open in issue 38)",
     ("ddp_basics/sampler.py", "debug_training.ipynb"):
         "the DataLoader-with-sampler loop calling sampler.set_epoch(epoch) at each epoch: lesson 2 teaches that loop "
         "(other names), the sampler check's reference runs it; the drill's fix is finding that it is missing",
