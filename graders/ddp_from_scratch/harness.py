@@ -245,7 +245,8 @@ def train_harness(rank, wrapper_cls, kwargs, kinds, width, seed, same_seed, step
         signal: list = [None]  # the store key that tells the late rank so, in a watched step
 
         def on_first(grad, at_first=at_first, signal=signal):
-            # the checker keeps the calls whose gradient is the true one: a call made by hand, early, is not backward
+            # the checker takes the last call whose gradient is the true one: backward's own comes after any made
+            # by hand before it
             at_first.append((clock(), grad.detach().to("cpu", torch.float32).clone() if watch else None))
             if signal[0] is not None:
                 store.set(signal[0], "1")

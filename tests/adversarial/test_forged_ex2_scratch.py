@@ -227,6 +227,68 @@ def test_the_spy_s_clock_patched_in_init_loses_the_overlap_cell():
     ex2s.check_buckets(ClockPatched)
 
 
+class FirstLayerForgedFromFrames(_Decoys):
+    """Overlap forged through the harness's frames: when the last layer's bucket is ready its gradients are
+    all-reduced asynchronously (the launch the check looks for), then, before waiting for that all-reduce
+    (blocking: no overlap), the hook computes the first layer's true gradient on a copy of the model from the
+    step's batch, appends it with an early time to the grader's record of its first-layer hook (reached through
+    the frames) and tells the held-back rank to go."""
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i]:
+            return
+        work = dist.all_reduce(self._flat(i), async_op=True)
+        if i == 0:
+            import copy
+
+            from graders.ddp_from_scratch.harness import loss_of
+
+            frame = sys._getframe()
+            while frame is not None and "at_first" not in frame.f_locals:
+                frame = frame.f_back
+            if frame is not None:
+                local = frame.f_locals
+                twin = copy.deepcopy(local["model"])
+                with torch.enable_grad():  # a hook runs with grad mode off
+                    loss_of("mlp", twin(local["x"]), local["y"]).backward()
+                local["at_first"].append((local["clock"](), twin.l1.weight.grad.detach().to("cpu").clone()))
+                if local["signal"][0] is not None:
+                    local["store"].set(local["signal"][0], "1")
+        work.wait()  # blocking: backward waits here for the slowest rank
+        self.works[i] = work
+
+    def finish_gradient_synchronization(self):
+        n = dist.get_world_size()
+        for i, bucket in enumerate(self.buckets):
+            flat = self._flat(i)
+            if i not in self.works:
+                dist.all_reduce(flat)
+            flat /= n
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self.waiting, self.works, self._sent = [len(b) for b in self.buckets], {}, {}
+
+    def _flat(self, i):
+        if i in getattr(self, "_sent", {}):
+            return self._sent[i]
+        flat = super()._flat(i)
+        self._sent = {**getattr(self, "_sent", {}), i: flat}
+        return flat
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_first_layer_time_forged_through_the_frames_loses_the_overlap_cell():
+    """The grader's record of its first-layer hook is reachable through the frames, and an early entry with the true
+    gradient can be added; but backward's own call of that hook comes later (after the blocking wait), and the
+    check judges the step by backward's last call with the true gradient."""
+    fails(ex2s.check_overlap, FirstLayerForgedFromFrames, "backward waited for the communication")
+
+
 # --- in the notebook ------------------------------------------------------------------------------------
 
 A, NB = "ex2-ddp-basics", "ddp_from_scratch"
