@@ -163,6 +163,16 @@ def test_evaluation_counts_each_sample_once(nb):
     assert padded[2] != pytest.approx(true, abs=1e-3) and unpadded[1] != pytest.approx(true, abs=1e-3)
 
 
+def test_a_joined_rank_sends_zeros_and_ddp_divides_by_the_initial_world_size_unless_told(nb):
+    """Rank 0's second step, the other rank joined: the sum of gradients (1 + 0) over 2 by default, over 1 with
+    divide_by_initial_world_size=False; both ranks' first step is the plain average."""
+    text = output_of(nb, "run_ranks(joined_gradients")
+    assert world_sizes(text) == [2, 2]
+    pattern = r"divide_by_initial_world_size=(True|False): rank 0's gradient in each step (\[.*?\]), rank 1's (\[.*?\])"
+    found = {d: (ast.literal_eval(a), ast.literal_eval(b)) for d, a, b in rows(pattern, text)}
+    assert found == {"True": ([1.0, 0.5], [1.0]), "False": ([1.0, 1.0], [1.0])}, found
+
+
 def test_set_epoch_reshuffles_and_keeps_shards_disjoint(nb):
     text = output_of(nb, "run_ranks(epoch_orders")
     [ws, ws2] = world_sizes(text)
