@@ -687,11 +687,12 @@ def test_tiny_course_end_to_end(tmp_path):
 SAM_SLEEPS = 15
 
 
-def course_with_a_slow_submission(tmp_path: Path) -> Path:
+def course_with_a_slow_submission(tmp_path: Path, db_url: str | None = None) -> Path:
     """The tiny course with two submissions: alice's reference, and sam's, the reference that sleeps
-    :data:`SAM_SLEEPS` s in its first answer cell (once: its checks then pass)."""
+    :data:`SAM_SLEEPS` s in its first answer cell (once: its checks then pass); its gradebook at ``db_url`` (else
+    the default SQLite file)."""
     course_dir = tmp_path / "course"
-    cli("init", str(course_dir), "--exercises", str(TINY), cwd=tmp_path)
+    cli("init", str(course_dir), "--exercises", str(TINY), *(["--db", db_url] if db_url else []), cwd=tmp_path)
     cli("release", cwd=course_dir)
     incoming = tmp_path / "incoming"
     write_samples(course_dir, {"alice": "reference"}, "ex0-tiny", "tiny", incoming)

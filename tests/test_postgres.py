@@ -275,3 +275,34 @@ def test_postgres_gradebook_grades_like_sqlite(tmp_path, new_database):
     assert re.search(rf"{ASSIGNMENT}\s*│\s*yes\s*│\s*{n}\s*│\s*{n}\s*│\s*{n}\s*│\s*0\s*│", status), status
     steps = [f"{name} {t - prev:.0f}s" for (_, prev), (name, t) in zip(marks, marks[1:])]
     print(f"\nphases: {', '.join(steps)}; total {marks[-1][1] - marks[0][1]:.0f}s")
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_ctrl_c_during_autograde_with_two_jobs_on_postgres_leaves_the_submission_for_the_next_run(
+        tmp_path, new_database):
+    """Autograde with two workers on a PostgreSQL gradebook, stopped by Ctrl-C while sam's notebook runs: sam's
+    submission is not graded (interrupted), in PostgreSQL and in what status says, nothing is called failed, no
+    SQLite file appears; the next run grades what is left, and the export shows both graded."""
+    from test_instructor import cli as course_cli
+    from test_instructor import course_with_a_slow_submission, sam_row, stop_while_grading
+    from test_instructor import read_csv as course_csv
+
+    course_dir = course_with_a_slow_submission(tmp_path, db_url=new_database())
+    rc, output, _ = stop_while_grading(course_dir, ["--jobs", "2"], "ctrl-c")
+    assert rc == 130, output
+    assert "interrupted" in sam_row(output) and "failed" not in output, output
+    wide = {"COLUMNS": "250"}
+    status = course_cli("status", cwd=course_dir, env=wide).stdout
+    assert "not graded (interrupted)" in sam_row(status) and "failed" not in status, status
+    assert not (course_dir / "gradebook.db").exists()
+
+    rerun = course_cli("autograde", "--jobs", "2", cwd=course_dir, env=wide).stdout
+    assert re.search(r"graded\s+sam · ex0-tiny 4/4", rerun), rerun
+    assert "interrupted" not in course_cli("status", cwd=course_dir, env=wide).stdout
+    course_cli("export", "--out", str(tmp_path / "grades.csv"), cwd=course_dir)
+    grades = course_csv(tmp_path / "grades.csv")
+    assert {student: grades[(student, "ex0-tiny")]["status"] for student in ("alice", "sam")} == \
+        {"alice": "graded", "sam": "graded"}, grades
+
