@@ -25,7 +25,14 @@ from course.proc import PR_SET_DUMPABLE, close_descriptors_except, prctl, set_pr
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "course.launcher.rank"]
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initialising CUDA
 
-_FORKSERVER_LOG = os.path.join(tempfile.gettempdir(), f"ddp-course-forkserver-{os.getuid()}.log")
+
+
+def _forkserver_log() -> str:
+    """Where the forkserver's output goes: found when it starts (a process forked from a zygote gets its
+    temporary folder, TMPDIR, after this module was imported)."""
+    return os.path.join(tempfile.gettempdir(), f"ddp-course-forkserver-{os.getuid()}.log")
+
+
 _NO_MAIN = threading.local()
 
 
@@ -49,7 +56,7 @@ def ensure_running():
             except (AttributeError, ValueError, OSError):
                 pass
         saved = [os.dup(1), os.dup(2)]
-        log = os.open(_FORKSERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = os.open(_forkserver_log(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         # The forkserver must not initialise CUDA (a rank forked after cuInit cannot use the GPU):
         # if anything it preloads asks torch.cuda.is_available(), NVML answers instead of the driver.
         nvml_before = os.environ.get(_NVML_CHECK)

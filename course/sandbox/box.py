@@ -37,6 +37,7 @@ from pathlib import Path
 from course.envnames import GRADING_ENV, TOKEN_ENV
 from course.paths import CHECKOUT
 from course.proc import kill_tree
+from course.sandbox import landlock
 from course.sandbox.limits import GiB, Limits
 from course.sandbox.linux import (
     Cgroups,
@@ -183,6 +184,8 @@ class Sandbox:
         #: a dedicated uid (root): with namespaces, or without them if Python is reachable by another user
         self.switch_uid = os.geteuid() == 0 and not forced and (ok or not any(map(blocking_ancestor, python_paths())))
         self.why_partial = why
+        #: not isolated, but Landlock here: the submission reads all but the hidden folders and writes only its own
+        self.confined = not ok and landlock.abi() > 0
         self._summary = ""
         #: a short folder for the kernel's unix sockets and connection file (see _lock_dir)
         self.runtime_dir = ""
@@ -270,6 +273,11 @@ class Sandbox:
         if self.isolated:
             return (f"sandbox: full (uid {self.uid}, no network, sources and course files hidden, "
                     f"{memory}, at most {self.limits.nproc} processes)")
+        if self.confined:
+            who = f"uid {self.uid}" if self.switch_uid else "this user"
+            return (f"sandbox: partial, {self.why_partial}: the submission runs as {who} with rlimits ({memory}), "
+                    "confined by Landlock to writing its own folder and reading all but the sources, course files, "
+                    "home folders and /tmp; it can use the network")
         if self.switch_uid:
             return (f"sandbox: partial, {self.why_partial}: the submission runs as uid {self.uid} ({memory}, at most "
                     f"{self.limits.nproc} processes) but can use the network and read world-readable files "
@@ -290,6 +298,8 @@ class Sandbox:
             "XDG_CACHE_HOME": os.path.join(home, ".cache"),
             TOKEN_ENV: self.token,
             GRADING_ENV: "1",  # course.warm_up() starts nothing: no check runs in a graded kernel
+            # confined, /tmp is out of reach: the short per-sandbox folder holds the temporary files (and sockets)
+            **({"TMPDIR": self.runtime_dir} if self.confined and self.runtime_dir else {}),
             # CUDA cannot start under an address-space limit (it reserves far more than it uses): without a
             # cgroup, GPUs are hidden, so torch runs on the CPU instead of warning on every cell's stderr
             **({} if self.cgroups.paths else {"CUDA_VISIBLE_DEVICES": ""}),
@@ -342,6 +352,13 @@ class Sandbox:
                     cmd += ["--expose", path]
             for path in self.cgroups.paths:
                 cmd += ["--cgroup", path]
+        elif self.confined:
+            cmd += ["--confine", "--writable", self.runtime_dir]
+            for path in [*self.hide, *(p for p in _homes() if p not in self.hide)]:
+                cmd += ["--hide", path]
+            for path in [*python_paths(), self.runtime_dir]:
+                if not any(is_under(path, hidden) for hidden in self.hide):
+                    cmd += ["--expose", path]
         if not self.cgroups.paths:
             cmd += ["--address-space", str(lim.address_space)]
         if relay_output:

@@ -1,6 +1,12 @@
 """The Docker grading path attacked (issue 38): attack submissions graded in the grader image, run with the flags
 docker/README.md documents (``tests/test_docker.py``'s ``GRADER_RUN_FLAGS``), as an instructor grades there.
 
+There the sandbox cannot isolate (Docker's default seccomp profile refuses the user namespaces it needs): the
+submission runs as the container's user, who owns the mounted folders. Before Landlock confined it
+(:mod:`course.sandbox.landlock`), the write attack below wrote into another student's submission beside it
+(measured 2026-12-06); now the kernel refuses it every write outside its own folder and every read of the
+sources, the course folder, the homes and /tmp.
+
 The attacks played are those whose outcome can differ inside the container (the table above
 ``attacks.ATTACKS`` says why for each path): the image holds the course's source notebooks and its own
 gradebook-free course folder, the mounted folder holds other students' work, and the container's user has a
@@ -32,21 +38,6 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-#: measured 2026-12-06 (docker 20.10, this repository's images): the sandbox in the grader container is partial
-#: (Docker's default seccomp profile refuses unshare: no user namespace), so the submission runs as the container's
-#: user and writes whatever that user can, other students' submissions and planted files in the mounted folder
-#: included; with --security-opt seccomp=unconfined and systempaths=unconfined the sandbox becomes rootless
-#: (sources, course files and homes hidden) but the mounted folder stays writable. Strict: the day the Docker path
-#: stops it, this test passes and must lose its mark.
-KNOWN_HOLE = ("the Docker grading path's sandbox does not keep a submission from writing the other submissions in "
-              "the mounted folders (partial sandbox: no user namespace under Docker's default seccomp profile)")
-
-
-class WroteOutsideItsSandbox(AssertionError):
-    """The known hole shows: the only failure the xfail mark below expects (any other fails the test)."""
-
-
-@pytest.mark.xfail(strict=True, raises=WroteOutsideItsSandbox, reason=KNOWN_HOLE)
 @pytest.mark.timeout(900)
 def test_attacks_graded_in_the_grader_image_earn_their_honest_points_and_reach_nothing(
         grader_image, tmp_path):  # noqa: F811 - test_docker's fixture
@@ -87,9 +78,8 @@ def test_attacks_graded_in_the_grader_image_earn_their_honest_points_and_reach_n
             for line in attacks.hidden_lines(source):
                 assert line not in text, f"a hidden test reached the submission in the container: {line}"
         elif name == "write_gradebook":
-            if f"{attacks.WRITE_MARK} wrote" in text or f"{attacks.WRITE_MARK} planted" in text:
-                raise WroteOutsideItsSandbox(text[-3000:])
+            assert f"{attacks.WRITE_MARK} wrote" not in text and f"{attacks.WRITE_MARK} planted" not in text, \
+                text[-3000:]
         else:
             assert "PWNED" not in text and "passed check" not in text.replace("passed check_", ""), text[-3000:]
-    if _digest(honest) != before or (honest.parent / "planted.txt").exists():
-        raise WroteOutsideItsSandbox("another student's submission changed, or a file was planted beside it")
+    assert _digest(honest) == before and not (honest.parent / "planted.txt").exists()
