@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -234,13 +236,39 @@ class NotebookError(CourseError):
     """A notebook that cannot be read or graded; ``str()`` is one line for the user."""
 
 
-class CheckFailed(AssertionError):
-    """A check found a mistake in the student's code. ``str()`` is the full student-facing message.
+#: the levels of a failed check's message, as a tutor escalates: 1 what is wrong (the check, the ranks, what was
+#: expected, what happened), 2 the idea the check tests and the lesson section that teaches it, 3 where in the
+#: student's code it breaks (the ``try:`` line). No level shows solution code.
+HINT_LEVELS = 3
+#: course.envnames.CHECK_PACKAGES_ENV, spelt out: this module imports nothing of the project
+CHECK_PACKAGES_ENV = "DDP_COURSE_CHECK_PACKAGES"
+#: the failures the notebook showed, oldest first (:meth:`CheckFailed._render_traceback_`), for ``course.hint()``
+SHOWN: list[CheckFailed] = []
 
-    ``FAILED check_x [rank 1]: problem``, then what was expected, what happened, what to try,
-    and a detail (a traceback from the student's code, where stuck ranks waited).
+
+def _raising_package() -> str | None:
+    """The check package (``graders.ddp_basics``) of the outermost frame on the stack that is in one (under
+    ``graders`` or a root named in ``DDP_COURSE_CHECK_PACKAGES``): the package whose check the test cell called."""
+    roots = {"graders", *(name.strip() for name in os.environ.get(CHECK_PACKAGES_ENV, "").split(","))}
+    found, frame = None, sys._getframe(1)
+    while frame is not None:
+        top, _, rest = str(frame.f_globals.get("__name__", "")).partition(".")
+        if top in roots and rest:
+            found = f"{top}.{rest.split('.')[0]}"
+        frame = frame.f_back
+    return found
+
+
+class CheckFailed(AssertionError):
+    """A check found a mistake in the student's code.
+
+    ``FAILED check_x [rank 1]: problem``, then what was expected, what happened, the idea and the lesson
+    section that teaches it (``concept``, ``lesson``: level 2), what to try (``hint``: level 3), and a detail
+    (a traceback from the student's code, where stuck ranks waited: evidence, shown at every level).
+    :meth:`render` gives one level (:data:`HINT_LEVELS`); ``str()`` is every level, for logs and tests; what a
+    student sees (the notebook, the verifier's verdict, the feedback, ``ddp-course check``) starts at level 1.
     ``hung``: the failure is a job that did not finish (past its deadline, or deadlocked), not a crash
-    (set by :func:`course.checks.run`).
+    (set by :func:`course.checks.run`). ``package``: the check package that raised it (``graders.ddp_basics``).
     """
 
     hung: bool = False
@@ -263,17 +291,53 @@ class CheckFailed(AssertionError):
         self.got = got
         self.hint = hint
         self.detail = detail
+        self.package = _raising_package()
+        self.concept: str | None = None  # level 2, filled in from the package's concepts by the code that shows it
+        self.lesson: str | None = None
         super().__init__(self.render())
 
-    def render(self) -> str:
+    @property
+    def not_written(self) -> bool:
+        """The answer is still nbgrader's stub: level 1 says so, and there is nothing more to ask."""
+        return "not written yet" in self.problem
+
+    @property
+    def deepest(self) -> int:
+        """The last level that adds something to the one before."""
+        if self.not_written:
+            return 1
+        if self.hint:
+            return HINT_LEVELS
+        return 2 if self.concept or self.package else 1
+
+    def ask(self, level: int = 1) -> str:
+        """How a student asks for the level after ``level``, in the notebook and on the command line."""
+        notebook = f"{self.package.rpartition('.')[2]}.ipynb" if self.package else "NOTEBOOK"
+        what = "a hint" if level == 1 else "where your code breaks it"
+        return (f'for {what}, run course.hint("{self.check}") in the notebook, or '
+                f"ddp-course check {notebook} --hint {self.check}")
+
+    def render(self, level: int | None = None) -> str:
+        """The message up to ``level`` (1 to :data:`HINT_LEVELS`, at most :attr:`deepest`), with a line saying how
+        to ask for the next; every level ends with the detail. ``None``: every part there is (``str()``)."""
+        full = level is None
+        level = HINT_LEVELS if level is None else max(1, min(level, self.deepest))
+        if level == 2 and not (self.concept or self.lesson):  # a package without concepts: on to what to try
+            level = self.deepest
         where = f" [{rank_list(self.ranks)}]" if self.ranks else ""
         lines = [f"FAILED {self.check}{where}: {self.problem}"]
         if self.expected is not None:
             lines.append(f"  expected: {self.expected}")
         if self.got is not None:
             lines.append(f"  got:      {self.got}")
-        if self.hint:
+        if level >= 2 and self.concept:
+            lines.append(f"  idea:     {self.concept}")
+        if level >= 2 and self.lesson:
+            lines.append(f"  read:     {self.lesson}")
+        if level >= 3 and self.hint:
             lines.append(f"  try:      {self.hint}")
+        if not full and level < self.deepest:
+            lines.append(f"  more:     {self.ask(level)}")
         if self.detail:
             lines.append(_indent(self.detail, "  | "))
         return "\n".join(lines)
@@ -282,5 +346,7 @@ class CheckFailed(AssertionError):
         return self.render()
 
     def _render_traceback_(self) -> list[str]:
-        # IPython renders this instead of a traceback through the graders' frames.
-        return self.render().splitlines()
+        # IPython renders this instead of a traceback through the graders' frames: level 1, remembered for
+        # course.hint(), which gives the next.
+        SHOWN[:] = [err for err in SHOWN if err is not self][-31:] + [self]
+        return self.render(1).splitlines()

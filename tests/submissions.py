@@ -153,9 +153,12 @@ def scores(report) -> dict[str, float]:
 
 
 def messages(report) -> dict[str, str]:
-    """{grade_id: message} of a GradeReport (or of its JSON as a dict)."""
+    """{grade_id: message} of a GradeReport (or of its JSON as a dict): what the test cell shows (a failed check's
+    level 1), then the check's message at its last hint level (the idea, the lesson section and what to try), so a
+    test can name any word of the diagnosis; tests/test_hints.py holds what each level shows."""
     tests = report["tests"] if isinstance(report, dict) else [vars(t) for t in report.tests]
-    return {t["id"]: t["message"] for t in tests}
+    levels = report.get("hints", {}) if isinstance(report, dict) else report.hints
+    return {t["id"]: t["message"] + (f"\n{levels[t['id']][-1]}" if levels.get(t["id"]) else "") for t in tests}
 
 
 def full_marks(assignment: str, notebook: str | None = None) -> dict[str, float]:

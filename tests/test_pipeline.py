@@ -130,10 +130,12 @@ def test_grade_and_autograde_give_every_test_cell_the_same_score_and_message(tmp
             assert all("not written yet" in message for _, message in by_grade.values()), by_grade
         elif student == "hostile":
             assert scores == submissions.losing(A, "ex1_test_average_gradients"), (student, by_grade)
-            assert "divide" in by_grade["ex1_test_average_gradients"][1]
+            assert "row-weighted SUM" in by_grade["ex1_test_average_gradients"][1]
         elif student == "wrong":
             assert scores == submissions.losing(A, "ex1_test_average_gradients", "ex1_test_shards"), by_grade
-            assert "divide" in by_grade["ex1_test_average_gradients"][1]
+            # what is wrong, not the fix (hint level 1): "divide" is level 3's word
+            message = by_grade["ex1_test_average_gradients"][1]
+            assert "row-weighted SUM" in message and "divide" not in message and "try:" not in message, message
             assert "overlap" in by_grade["ex1_test_shards"][1]
         elif student == "broken_cells":  # the message nbgrader records (feedback shows it) says the cause first
             assert scores == submissions.losing(A, "ex1_test_shards", "ex1_test_shard_sizes", "ex1_test_two_stage"), \

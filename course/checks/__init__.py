@@ -11,7 +11,7 @@ student's objects, e.g. ``graders.ddp_basics.check_training(train)``. It
 3. compares the ranks' observations with what is right and either returns (the
    cell passes; :func:`passed` prints the one line it shows) or raises
    :class:`CheckFailed`, whose text names the check, the ranks, what was expected,
-   what happened and what to try.
+   what happened and (hint level 3, when asked) what to try.
 
 What every exercise needs is here, so an exercise module holds only its checks and their data:
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
+from course.errors import CheckFailed
+from course.grading import hints
 from course.grading.notebook import Execution, Timeouts, timeout_output
 
 
@@ -74,7 +76,7 @@ def _kernel_like_warnings():
         yield
 
 
-def _run_cell(shell, cell: NotebookNode, seconds: float) -> None:
+def _run_cell(shell, cell: NotebookNode, seconds: float, hint_levels: dict | None = None) -> None:
     from IPython.utils.capture import capture_output
 
     outputs = []
@@ -96,6 +98,12 @@ def _run_cell(shell, cell: NotebookNode, seconds: float) -> None:
     error = None if result is None else (result.error_before_exec or result.error_in_exec)
     if outputs_timeout or isinstance(error, CellTimeout):
         outputs.append(timeout_output(seconds))
+    elif isinstance(error, CheckFailed):  # as the verifier's verdict: level 1, the other levels for --hint
+        hints.attach(error)
+        outputs.append(nbformat.v4.new_output("error", ename="CheckFailed", evalue=error.render(1), traceback=[]))
+        gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        if gid is not None and hint_levels is not None:
+            hint_levels[str(gid)] = {"check": error.check, "package": error.package or "", "levels": hints.levels(error)}
     elif error is not None:
         outputs.append(nbformat.v4.new_output("error", ename=type(error).__name__, evalue=str(error), traceback=[]))
     elif result is not None and result.result is not None:
@@ -116,7 +124,7 @@ def run_in_process(nb: NotebookNode, cwd: str | Path, timeouts: Timeouts = Timeo
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code" or not cell.source.strip():
                 continue
-            _run_cell(shell, cell, timeouts.for_cell(cell))
+            _run_cell(shell, cell, timeouts.for_cell(cell), run.hints)
             run.ran.add(index)
     finally:
         os.chdir(old_cwd)

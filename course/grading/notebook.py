@@ -33,6 +33,9 @@ class Execution:
     aborted: str = ""
     #: report-level lines from the pipeline: how isolated the run was, cells graded from their own output
     notes: list[str] = field(default_factory=list)
+    #: grade id -> the failed check of that test cell: ``{"check", "package", "levels"}``, its message at every
+    #: hint level (:mod:`course.grading.hints`)
+    hints: dict[str, dict] = field(default_factory=dict)
 
 
 def read(path: str | Path) -> NotebookNode:

@@ -144,6 +144,8 @@ def run(nb, submission_dir: str | Path, config: Config) -> Execution:
         state = resources.get("ddp_course", {})
         ran = {i for i, cell in enumerate(nb.cells)
                if cell.get("cell_type") == "code" and cell.get("execution_count") is not None}
-        return Execution(nb, ran, state.get("stopped", ""), list(dict.fromkeys(state.get("notes", []))))
+        found = {v["grade_id"]: {"check": v["check"], "package": v["package"], "levels": v["levels"]}
+                 for v in state.get("verdicts", []) if v.get("levels")}
+        return Execution(nb, ran, state.get("stopped", ""), list(dict.fromkeys(state.get("notes", []))), found)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

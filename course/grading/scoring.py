@@ -46,6 +46,9 @@ class GradeReport:
     #: test id -> what its check jobs ran on, as the verifier saw them ("gloo, GPUs hidden", "nccl"); a test whose
     #: cell started no job through the check API (or was not verified) has no entry
     ran_on: dict[str, list[str]] = field(default_factory=dict)
+    #: test id -> its failed check's message at every hint level (the test's ``message`` shows level 1, as the
+    #: feedback does: :mod:`course.grading.hints`); for the instructor, and ``ddp-course check --hint``
+    hints: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -116,4 +119,6 @@ def score_notebook(run: Execution, graded: list[GradedCell], name: str) -> Grade
         tests.append(score_cell(cell, g.points, index in run.ran, run.aborted))
         if ran_on(cell):
             backends[g.grade_id] = ran_on(cell)
-    return GradeReport(name, sum(t.score for t in tests), sum(t.max_score for t in tests), tests, ran_on=backends)
+    levels = {t.id: list(run.hints[t.id]["levels"]) for t in tests if t.message and t.id in run.hints}
+    return GradeReport(name, sum(t.score for t in tests), sum(t.max_score for t in tests), tests, ran_on=backends,
+                       hints=levels)

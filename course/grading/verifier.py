@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from course.grading import cells as cell_kinds
-from course.grading import checkcalls
+from course.grading import checkcalls, hints
 from course.grading.cells import TEST_CELL_TIMEOUT, is_test_cell
 from course.grading.student import StudentObject, StudentObjectUsed
 
@@ -67,7 +67,7 @@ class Verdict:
     #: "passed", "failed", "not run" (the cell never ran) or "unchecked" (not a check call:
     #: graded from the notebook's own output); "" only while the verifier has not answered
     status: VerdictStatus
-    #: the student-facing message (CheckFailed's text on failure)
+    #: the student-facing message (a CheckFailed's level 1 on failure: :mod:`course.grading.hints`)
     message: str = ""
     #: what the checks printed on success ("passed check_x")
     stdout: str = ""
@@ -77,6 +77,11 @@ class Verdict:
     #: what the cell's check jobs ran on ("gloo, GPUs hidden", "nccl"), each once; empty when they started none
     #: through :func:`course.checks.run` (an unchecked cell, a torchrun launch)
     ran_on: list[str] = field(default_factory=list)
+    #: the check that failed, its package and its message at every hint level (level 1 is ``message``); for
+    #: ``ddp-course check --hint``, never written into the notebook
+    check: str = ""
+    package: str = ""
+    levels: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -172,6 +177,8 @@ def verify_notebook(nb, workdir: str, *, hide=(), limits=None, cell_timeout: flo
                 v.message = result.get("message", "")
                 v.stdout = result.get("stdout", "")
                 v.ran_on = [str(r) for r in result.get("ran_on") or []]
+                v.check, v.package = str(result.get("check", "")), str(result.get("package") or "")
+                v.levels = [str(text) for text in result.get("levels") or []]
     for v in verdicts.values():
         if v.status == "":
             v.status = "failed"
@@ -316,7 +323,8 @@ def _verify_cell(request: dict, cell_timeout: float) -> dict:
             return failed(f"the grader cannot verify this test safely: the check looked inside {misuse}")
         return {**result, "status": "passed", "stdout": printed.getvalue()}
     except CheckFailed as err:
-        return failed(str(err))
+        hints.attach(err, current.module)
+        return {**failed(err.render(1)), "check": err.check, "package": err.package, "levels": hints.levels(err)}
     except StudentObjectUsed as err:
         return failed(f"the grader cannot verify this test safely: {err}")
     except LaunchError as err:

@@ -2,7 +2,7 @@
 
 nbgrader's generate_feedback writes ``feedback/<student>/<assignment>/<notebook>.html``:
 each test cell with its score and output (a failed check's message says what
-went wrong and what to try). :class:`~course.instructor.redact.RedactHiddenTests`
+went wrong, hint level 1, and how to ask for the next: :mod:`course.grading.hints`). :class:`~course.instructor.redact.RedactHiddenTests`
 takes the hidden tests out first (nbgrader #917); then every page is read back
 and one that still shows a hidden test line is deleted and reported, and each
 page gets a style that wraps long output lines (a check's message, a traceback)

@@ -7,7 +7,8 @@ course as ``release`` makes it), so an edited or deleted test cell changes nothi
 either. Each test cell's message is the one its feedback shows. The hidden tests are not run
 (a student's machine must not need them): where a test cell has some, the count recorded
 in the workspace's manifest (or read from the course's source) says "N hidden variants are
-graded too".
+graded too". A failed check shows level 1 of its message (what is wrong); ``--hint check_x`` shows the next
+level of that check's failure and records the request beside the notebook (:mod:`course.grading.hints`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class CheckedCell:
     printed: str = ""
     #: how many hidden variants of it the grader runs too
     hidden: int = 0
+    #: the check that failed ("" when it passed, or when the cell failed for another reason)
+    check: str = ""
 
     @property
     def passed(self) -> bool:
@@ -48,9 +51,14 @@ class CheckReport:
     max_score: float
     tests: list[CheckedCell] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the failed check of each test cell, by grade id: its package and its message at every hint level (not
+    #: in the JSON: a level is given when asked for, and the asking recorded)
+    hints: dict[str, dict] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        data = asdict(self)
+        data.pop("hints")
+        return json.dumps(data)
 
 
 def student_original(path: Path, exercises: Path | None):
@@ -99,17 +107,39 @@ def check_notebook(path: str | Path, *, exercises: str | Path | None = None, tim
             gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
             printed.setdefault(gid, "".join(o.get("text", "") for o in cell.get("outputs", [])
                                             if o.get("output_type") == "stream" and o.get("name") == "stdout"))
+    found = run.hints if run is not None else {}
     tests = [CheckedCell(t.id, t.score, t.max_score, t.message, printed.get(t.id, "") if t.score >= t.max_score
-                         else "", hidden.get(t.id, 0)) for t in report.tests]
-    return CheckReport(str(path), report.score, report.max_score, tests, list(report.notes))
+                         else "", hidden.get(t.id, 0), found[t.id]["check"] if t.id in found and t.score < t.max_score
+                         else "") for t in report.tests]
+    return CheckReport(str(path), report.score, report.max_score, tests, list(report.notes),
+                       {gid: found[gid] for gid in found if any(t.id == gid and t.check for t in tests)})
+
+
+def give_hint(report: CheckReport, check: str, folder: Path) -> tuple[str, int] | None:
+    """(the text, the level) of the next hint for ``check``'s failure in ``report``, the request recorded in
+    ``folder``; None when ``check`` did not fail."""
+    from course.grading import hints
+
+    for t in report.tests:
+        if t.check == check and t.id in report.hints:
+            found = report.hints[t.id]
+            levels = found["levels"]
+            failure = hints.fingerprint(found["package"] or None, check, levels[0])
+            level = hints.next_level(hints.read_record(folder), check, failure)
+            level = min(level, len(dict.fromkeys(levels)))  # the last level that adds something
+            hints.record(folder, check=check, package=found["package"] or None, level=level, failure=failure,
+                         asked_in="check")
+            return levels[level - 1], level
+    return None
 
 
 def hidden_line(n: int) -> str:
     return f"{n} hidden variant is graded too" if n == 1 else f"{n} hidden variants are graded too"
 
 
-def report_lines(report: CheckReport) -> list[str]:
-    """The report as the student reads it: each test cell, its points, the feedback's message, its hidden count."""
+def report_lines(report: CheckReport, hint: tuple[str, str, int] | None = None) -> list[str]:
+    """The report as the student reads it: each test cell, its points, the feedback's message (level 1 of a failed
+    check's; ``hint``: (check, text, level) shown in its place), its hidden count."""
     lines = [f"{report.notebook}: the visible checks, run as the grader runs them"]
     from course.grading.grade import NO_ANSWERS
 
@@ -121,6 +151,8 @@ def report_lines(report: CheckReport) -> list[str]:
         verdict = "passed" if t.passed else "FAILED"
         lines.append(f"  {t.id:<{width}}  {t.score:g}/{t.max_score:g}  {verdict}")
         body = t.printed.rstrip("\n") if t.passed else t.message
+        if hint is not None and not t.passed and t.check == hint[0]:
+            body = f"hint level {hint[2]} for {t.check}:\n{hint[1]}"
         lines += [f"      {line}" for line in body.splitlines() if line.strip()]
         if t.hidden:
             lines.append(f"      ({hidden_line(t.hidden)})")
@@ -134,12 +166,15 @@ def report_lines(report: CheckReport) -> list[str]:
 @click.command()
 @notebook_run_options(json_help="Print one JSON object on stdout and nothing else.",
                       exercises_help="Folder of the course's exercises (default: the installed course's exercises/).")
-def command(notebook, as_json, exercises, test_timeout, timeout):
+@click.option("--hint", "hint_check", metavar="CHECK", default=None,
+              help="Show the next hint level of CHECK's failure (2: the idea and the lesson section that teaches "
+                   "it; 3: where your code breaks it) and record that you asked.")
+def command(notebook, as_json, exercises, test_timeout, timeout, hint_check):
     """Run NOTEBOOK's visible checks as the grader will, and print what its feedback will say.
 
     The notebook runs in a fresh kernel (save it first); its test cells come back as the exercise has
-    them. Hidden tests are not run: each test cell that has some says how many. Exits 0 whenever the
-    checks ran, whatever they found.
+    them. Hidden tests are not run: each test cell that has some says how many. A failed check says what is
+    wrong; --hint CHECK asks for more, one level each time. Exits 0 whenever the checks ran, whatever they found.
     """
     from course.errors import CourseError
 
@@ -152,4 +187,15 @@ def command(notebook, as_json, exercises, test_timeout, timeout):
     except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CourseError(f"{notebook}: the checks did not run ({type(err).__name__}: {first})") from None
-    click.echo(report.to_json() if as_json else "\n".join(report_lines(report)))
+    hint = None
+    if hint_check:
+        given = give_hint(report, hint_check, notebook.resolve().parent)
+        if given is None:
+            report.notes.append(f"no hint for {hint_check}: it did not fail in this run")
+        else:
+            hint = (hint_check, *given)
+    if as_json:
+        click.echo(report.to_json() if hint is None else json.dumps({**json.loads(report.to_json()), "hint": {
+            "check": hint[0], "level": hint[2], "text": hint[1]}}))
+    else:
+        click.echo("\n".join(report_lines(report, hint)))

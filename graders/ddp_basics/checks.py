@@ -110,12 +110,12 @@ def check_cleanup(cleanup, *, world_sizes=(2, 3)):
                               ranks=still_up, expected="the default process group destroyed on every rank",
                               got=f"{checks.rank_list(still_up)}: a new init_process_group failed with "
                               f"\"{job.values[still_up[0]]['error']}\"",
-                              hint="call dist.destroy_process_group() in cleanup, on every rank")
+                              hint="in cleanup, destroy the process group (destroy_process_group) on every rank")
         broken = [r for r, o in enumerate(job.values) if not o["rejoined"]]
         if broken:
             raise CheckFailed(check, f"after cleanup() a new process group does not work ({world_size}-rank job)",
                               ranks=broken, got=job.values[broken[0]].get("error"),
-                              hint="cleanup() should only call dist.destroy_process_group()")
+                              hint="cleanup() should only destroy the process group (destroy_process_group)")
     passed(check)
 
 
@@ -150,7 +150,8 @@ def _judge_steps(check, obs, n, batch_size, epochs, where) -> None:
         raise CheckFailed(check, f"train() took the wrong number of optimizer steps ({where})",
                           ranks=[r for r, k in enumerate(counts) if k != epochs * per_epoch],
                           expected=f"{epochs} epochs x {per_epoch} batches = {epochs * per_epoch} steps per rank",
-                          got=f"{counts}", hint="for epoch in range(epochs): for x, y in loader: ... optimizer.step()")
+                          got=f"{counts}",
+                          hint="one optimizer step per batch: every epoch goes through every batch of the loader")
     for rank, o in enumerate(obs):
         for e in range(epochs):
             epoch_steps = o["steps"][e * per_epoch:(e + 1) * per_epoch]

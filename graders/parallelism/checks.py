@@ -315,7 +315,7 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
         ("does not require grad", "rank 0 called backward on a detached tensor: keep stage 0's output attached "
                                   "(send out.detach(), but call out.backward(grad) on the original output)"),
         ("NoneType", "rank 1's received activations need requires_grad_() before stage 1 runs, so that "
-                     "act.grad exists after loss.backward() and can be sent back"),
+                     "act.grad exists after backward from the loss and can be sent back"),
     ]
     for dim in dims:
         dim = tuple(dim)
@@ -337,7 +337,7 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
             grads = obs["grads"]
             empty = [k for k, g in grads.items() if g is None]
             if empty:
-                hint = ("call loss.backward() on rank 1" if rank == 1 else
+                hint = ("rank 1 must run backward from its loss" if rank == 1 else
                         "rank 0 must receive the gradient of its activations from rank 1 and call "
                         "out.backward(grad) on its (not detached) stage output")
                 raise CheckFailed(check, f"stage {rank} has no gradients after the step ({where})", ranks=[rank],
@@ -345,7 +345,7 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
                                   hint=hint)
             if not _close(grads, {k: full[k] for k in grads}):
                 hint = ("rank 1 must send back act.grad, the gradient of the activations it received" if rank == 0
-                        else "call loss.backward() once, on the loss of this batch")
+                        else "run backward once, from the loss of this batch")
                 raise CheckFailed(check, f"stage {rank}'s gradients differ from the single model's ({where})",
                                   ranks=[rank], expected="the same gradients as the unsplit model, within 1e-6",
                                   got=f"max difference {_max_diff(grads, {k: full[k] for k in grads}):.3g}", hint=hint)

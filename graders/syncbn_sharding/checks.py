@@ -239,8 +239,8 @@ def check_syncbn_running_stats(bn_cls, hidden: bool = False) -> None:
 def _in_place(check: str, ws: int, sizes, tail, step: int, rank: int, key: str, seen: dict, want) -> None:
     """The layer's own ``key`` buffer (the tensor it was built with) holds the statistics, outside autograd."""
     where = f"{_where(ws, sizes, tail)}, forward #{step + 1}"
-    hint = (f"update the buffer itself, in place and without gradient: with torch.no_grad(): "
-            f"self.{key}.mul_(1 - self.momentum).add_(self.momentum * batch_value) (or .copy_(...))")
+    hint = (f"update the buffer itself ({key}), in place and outside autograd (under torch.no_grad()): scale it "
+            "by (1 - momentum) and add momentum times the batch's statistic")
     replaced = seen.get(f"{key}_replaced")
     if replaced is not None:
         right = replaced.shape == want.shape and _close(replaced, want)

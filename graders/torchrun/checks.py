@@ -575,11 +575,13 @@ def check_destroy(script: str = "train.py", *, crash_rank: int | None = None,
     expect(
         not missing,
         check,
-        _restart_context(run) + f"{rank_list(missing)} never called dist.destroy_process_group()" if not set(missing) & set(called) else
+        _restart_context(run) + f"{rank_list(missing)} never called destroy_process_group: "
+        f"{'it' if len(missing) == 1 else 'they'} exited still in the process group"
+        if not set(missing) & set(called) else
         f"{rank_list(missing)} still held the default process group at exit "
         "(destroy_process_group was called for another group, or the group was made again)",
         ranks=missing,
-        hint="end main() with dist.destroy_process_group() on every rank: it releases the process group's "
-        "sockets and threads (and, with NCCL, avoids warnings and hangs at exit)",
+        hint="end main() by destroying the process group (destroy_process_group) on every rank: it releases the "
+        "process group's sockets and threads (and, with NCCL, avoids warnings and hangs at exit)",
     )
     passed(check)
