@@ -81,14 +81,14 @@ def test_the_partial_sandbox_confines_a_submission_where_it_cannot_isolate(tmp_p
     beside.mkdir()
     hidden.mkdir()
     (hidden / "solution.txt").write_text("the answer")
-    probe = ("import os\n"
-             "open('mine.txt', 'w').write('ok')\n"
-             "for name, path in (('beside', %r), ('hidden', %r)):\n"
+    targets = repr((("beside", str(beside / "x.txt")), ("hidden", str(hidden / "solution.txt"))))
+    probe = ("open('mine.txt', 'w').write('ok')\n"
+             f"for name, path in {targets}:\n"
              "    try:\n"
              "        open(path, 'a').write('x') if name == 'beside' else open(path).read()\n"
              "        print(name, 'reached')\n"
              "    except OSError:\n"
-             "        print(name, 'refused')\n") % (str(beside / "x.txt"), str(hidden / "solution.txt"))
+             "        print(name, 'refused')\n")
     with Sandbox(tmp_path / "w", hide=[str(hidden)]) as box:
         assert box.confined and "confined by Landlock" in box.summary
         proc = subprocess.run(box.command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60)
