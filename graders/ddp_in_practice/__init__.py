@@ -6,7 +6,7 @@ that unpickles one harness imports that module alone.
 
 from __future__ import annotations
 
-import importlib
+from graders.common.exports import lazy
 
 #: public name -> the module of this package that defines it
 EXPORTS = {
@@ -20,15 +20,4 @@ EXPORTS = {
     "check_uneven": "checks",
 }
 __all__ = sorted(EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *EXPORTS})
+__getattr__, __dir__ = lazy(__name__, EXPORTS)
