@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import tempfile
 import threading
 import types
 from collections import Counter
@@ -148,6 +149,7 @@ def _ask_harness(rank, fn, calls):
     """Call the student's ``fn`` on each argument tuple, sealed (see the module's docstring); plain data back
     (or the error's text)."""
     _disarm_costmodel()
+    tempfile.gettempdir()  # found now: sealed, a job's first file fails as the seal's refusal, not as "no temp folder"
     _limit_memory()
     box: dict = {}
 
