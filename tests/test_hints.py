@@ -69,15 +69,23 @@ def test_a_failure_of_code_not_written_yet_needs_no_hint():
     assert "more:" not in err.render(1) and "try:" not in err.render(1)
 
 
-def test_the_notebook_shows_level_one_and_course_hint_escalates_to_three(tmp_path):
+def test_the_notebook_shows_level_one_and_course_hint_escalates_to_three(tmp_path, monkeypatch):
+    import sys
+
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
     err = _failure(expected="disjoint rows", got="rows twice", hint=HINT)
+    # the shell installs its namespace as sys.modules["__main__"] (without __spec__, which multiprocessing reads
+    # when a later test in this process starts ranks): put the test process's own back afterwards
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
     shell = InteractiveShell.instance()
-    shell.user_ns["err"] = err
-    with capture_output() as shown:
-        shell.run_cell("raise err", store_history=False)
+    try:
+        shell.user_ns["err"] = err
+        with capture_output() as shown:
+            shell.run_cell("raise err", store_history=False)
+    finally:
+        InteractiveShell.clear_instance()
     assert "FAILED check_shards" in shown.stdout and "more:" in shown.stdout and HINT not in shown.stdout
     assert SHOWN[-1] is err
     texts = [hint("check_shards", folder=str(tmp_path)) for _ in range(4)]
