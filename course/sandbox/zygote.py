@@ -441,6 +441,10 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
                 os.close(fd)
             continue
         if pid == 0:
+            if report_fd is not None:  # this zygote is undumpable; its child is not, from its first step: else
+                from course.proc import PR_SET_DUMPABLE, prctl  # (loaded: make_undumpable came from there)
+
+                prctl(PR_SET_DUMPABLE, 1)  # a launcher that looks at its open files then would call them hidden
             _child(request, fds)
         if report_fd is not None:
             rank = str(request.get("env", {}).get("RANK", "-"))
