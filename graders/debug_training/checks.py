@@ -43,11 +43,11 @@ import tempfile
 
 import torch
 import torch.nn as nn
-from torch.utils.data import Dataset
 
 from course import checks
 from course.checks import CheckFailed, passed
 from graders.common.ddp_model import file_digest
+from graders.common.samples import Samples
 
 HOLD_LIMIT = 4.0  # least seconds rank 0's checkpoint write waits for ranks that neither wait for it nor return
 JOB_TIMEOUT = 40.0
@@ -58,26 +58,6 @@ _REAL = checks.REAL  # torch's own functions, taken before any student code runs
 
 
 # --- data and model ----------------------------------------------------------------------------------
-
-
-class Samples(Dataset):
-    """n labelled points; every row of x is distinct, so a batch tells which samples it holds."""
-
-    def __init__(self, n: int, seed: int):
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, FEATURES, generator=gen)
-        teacher = torch.randn(FEATURES, CLASSES, generator=gen)
-        self.y = (self.x @ teacher + 0.8 * torch.randn(n, CLASSES, generator=gen)).argmax(dim=1)
-        self.rows = {tuple(row.tolist()): i for i, row in enumerate(self.x)}
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def indices_of(self, x: torch.Tensor) -> list[int]:
-        return [self.rows.get(tuple(row), -1) for row in x.detach().to("cpu", torch.float32).reshape(-1, FEATURES).tolist()]
 
 
 def make_model(seed: int) -> nn.Module:

@@ -25,10 +25,10 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 from course import checks
 from course.checks import CheckFailed
+from graders.common.samples import Samples
 from graders.find_the_hang.evidence import in_torch_collective_code, torch_code
 
 FEATURES = 4
@@ -44,26 +44,6 @@ JOURNAL_EVERY = 0.05  # seconds between two looks at the rank's flight recorder
 
 
 # --- data and model ----------------------------------------------------------------------------------
-
-
-class Samples(Dataset):
-    """n labelled points of ``classes`` classes; every row of x is distinct, so a batch tells which samples it holds."""
-
-    def __init__(self, n: int, seed: int, classes: int = 3):
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, FEATURES, generator=gen)
-        teacher = torch.randn(FEATURES, classes, generator=gen)
-        self.y = (self.x @ teacher + 0.8 * torch.randn(n, classes, generator=gen)).argmax(dim=1)
-        self.rows = {tuple(row.tolist()): i for i, row in enumerate(self.x)}
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def indices_of(self, x: torch.Tensor) -> list[int]:
-        return [self.rows.get(tuple(row), -1) for row in x.detach().to("cpu", torch.float32).reshape(-1, FEATURES).tolist()]
 
 
 def make_model(seed: int, classes: int = 3) -> nn.Module:
