@@ -163,3 +163,47 @@ def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_and_rank(probe_dir
         lines += chunk
     os.close(read)
     assert lines.decode().splitlines() == [f"Z {z.pid}", f"{ranked.pid} 5", f"{unranked.pid} -"]
+
+
+_FORKER = textwrap.dedent('''
+    import json, os, subprocess, sys
+    from course.sandbox import zygote as zygotes
+    read, write = os.pipe()
+    spare = os.open(os.path.join(sys.argv[1], "zprobe.py"), os.O_RDONLY)  # the caller's: not the zygote's
+    z = zygotes.Zygote(preload=("json",), report_fd=write, fork=True)
+    os.close(write)
+    child = z.popen([sys.executable, "-m", "zprobe"], env=dict(os.environ), cwd=sys.argv[1], stdout=subprocess.PIPE)
+    out, _ = child.communicate(timeout=120)
+    zfds = [os.readlink(f"/proc/{z.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{z.pid}/fd")]  # set up: serving
+    mine = {name: os.readlink(f"/proc/self/fd/{fd}") for name, fd in (("spare", spare),)}
+    print(json.dumps({
+        "zygote_ppid": int(open(f"/proc/{z.pid}/stat").read().rsplit(")", 1)[1].split()[1]), "me": os.getpid(),
+        "zygote_comm": open(f"/proc/{z.pid}/comm").read().strip(),
+        "zygote_cmdline": open(f"/proc/{z.pid}/cmdline", "rb").read().decode().split("\\0")[:5],
+        "zygote_fds": zfds, "mine": mine, "child": json.loads(out), "child_pid": child.pid,
+    }))
+    z.close()
+    print(json.dumps({"zygote_exit": z._proc.returncode, "report": os.read(read, 4096).decode().splitlines()}))
+''')
+
+
+@pytest.mark.parametrize("flags", [["-s", "-P"], []], ids=["the-zygotes-flags", "plain-python"])
+def test_a_zygote_forked_from_its_caller_is_one_an_exec_would_give(probe_dir, flags):
+    """Zygote(fork=True) (torchrun's agents: one import of torch, not two) forks the caller where that gives the
+    zygote an exec would (the caller started with the zygote's flags and has imported the preload): the zygote
+    is the caller's child, holds only its channels and the standard streams, names itself, reports, runs modules
+    as a fresh interpreter would and ends when closed. A caller without those flags gets an exec'd zygote."""
+    out = subprocess.run([sys.executable, *flags, "-c", _FORKER, str(probe_dir)], capture_output=True, text=True,
+                         timeout=150, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    seen, ended = (json.loads(line) for line in out.stdout.splitlines())
+    forked = bool(flags)
+    assert seen["zygote_ppid"] == seen["me"]
+    assert seen["zygote_comm"] == "zygote"
+    assert ("course.sandbox.zygote" in seen["zygote_cmdline"]) is not forked, seen["zygote_cmdline"]
+    assert not set(seen["mine"].values()) & set(seen["zygote_fds"]), seen  # the caller's descriptors stay its own
+    child = seen["child"]
+    assert child["name"] == "__main__" and child["path0"] == str(probe_dir) and child["comm"] == "zprobe", child
+    assert sorted(child["fds"])[:3] == [0, 1, 2] and len(child["fds"]) == 4, child  # + its own listing
+    assert ended["zygote_exit"] == 0
+    assert ended["report"][0].startswith("Z ") and ended["report"][1] == f"{seen['child_pid']} -", ended

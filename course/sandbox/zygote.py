@@ -150,19 +150,27 @@ class ZygoteProcess:
 class Zygote:
     """One zygote process (see the module's text); ``popen`` forks a process from it."""
 
-    def __init__(self, preload=PRELOAD, report_fd: int | None = None):
+    def __init__(self, preload=PRELOAD, report_fd: int | None = None, fork: bool = False):
         """``report_fd``: a descriptor (a pipe's end) on which the zygote says ``Z ITS-PID`` once, then
         ``PID RANK`` for each process it forks (RANK from the environment it was given, ``-`` for none); the
-        zygote then makes itself undumpable (no process of its uid may trace it or read its descriptors)."""
+        zygote then makes itself undumpable (no process of its uid may trace it or read its descriptors).
+
+        ``fork``: start the zygote by forking this process instead of a fresh Python, where that gives the same
+        zygote (:func:`_forkable`): this process has imported all of ``preload`` already, runs with the zygote's
+        flags and no code but ours has run in it (torchrun's agent, which imports torch anyway: one import of
+        torch instead of two)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.preload = tuple(preload)
-        fds, extra = [theirs.fileno()], []
-        if report_fd is not None:
-            fds.append(report_fd)
-            extra = [str(report_fd)]
-        self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
-            [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload), *extra],
-            pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=False)
+        if fork and _forkable(self.preload):
+            self._proc = _fork_zygote(ours, theirs, self.preload, report_fd)
+        else:
+            fds, extra = [theirs.fileno()], []
+            if report_fd is not None:
+                fds.append(report_fd)
+                extra = [str(report_fd)]
+            self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
+                [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload),
+                 *extra], pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=False)
         theirs.close()
         self._sock = ours
         self.pid = self._proc.pid
@@ -220,6 +228,65 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def _forkable(preload: tuple[str, ...]) -> bool:
+    """Whether a zygote forked from this process is the one a fresh Python would make: every module of
+    ``preload`` imported here, and this Python started with the zygote's flags (nothing imported from the folder
+    it started in, no user site)."""
+    flags = (sys.flags.safe_path and sys.flags.no_user_site) if sys.version_info >= (3, 11) else sys.flags.isolated
+    return bool(flags) and all(name in sys.modules for name in preload)
+
+
+class _Forked:
+    """The zygote forked from this process, seen as the ``Popen`` of an exec'd one (what :class:`Zygote` uses)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["zygote"], timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_zygote(ours: socket.socket, theirs: socket.socket, preload: tuple[str, ...], report_fd: int | None) -> _Forked:
+    """Fork this process into a zygote serving on ``theirs`` (its stdin /dev/null, its other descriptors closed
+    but its stdout, stderr, ``theirs`` and ``report_fd``: what an exec'd zygote is given)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the zygote; ends in os._exit
+        code = 1
+        try:
+            from course.proc import close_descriptors_except
+
+            ours.close()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            close_descriptors_except({0, 1, 2, theirs.fileno(), *([report_fd] if report_fd is not None else [])})
+            code = serve(theirs.fileno(), list(preload), report_fd)
+        except BaseException as exc:  # noqa: BLE001 - said on our stderr, as an exec'd zygote's would be
+            os.write(2, f"zygote: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    return _Forked(pid)
 
 
 #: the zygote this process's sandboxes use (set by an autograde worker), or None: every process is exec'd

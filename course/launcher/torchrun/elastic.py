@@ -192,10 +192,7 @@ def _launch(script: str, plan: Plan, input_features: int,
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",
                    f"--log-dir={job}/logs{name}", PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
             logs.append(open(os.path.join(job, f"agent{name}.log"), "wb"))  # noqa: SIM115 - closed below
-            # every worker exec'd here (no zygote, course.launcher.torchrun.agent): with forked workers the visible
-            # story once ended early (node A gave up after B left, 1 of about 13 runs), not yet understood
-            procs[name] = subprocess.Popen(dies_with_caller(cmd), cwd=job,
-                                           env={**env, "DDP_COURSE_PROBE_NODE": name, "DDP_COURSE_ZYGOTE": "0"},
+            procs[name] = subprocess.Popen(dies_with_caller(cmd), cwd=job, env={**env, "DDP_COURSE_PROBE_NODE": name},
                                            stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
                                            start_new_session=True)
 

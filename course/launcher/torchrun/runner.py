@@ -46,6 +46,7 @@ from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
 from course.launcher.torchrun.workers import PROBE_SCRIPT, ZYGOTE_NAME, ZygoteReports
 from course.proc import alive, dies_with_caller
+from course.sandbox.box import python_flags
 
 NODES_TIMEOUT = 180.0
 RESTART_TIMEOUT = 240.0
@@ -56,7 +57,9 @@ STRANDED_AFTER = 15.0
 
 #: torchrun's agent: ``python -m torch.distributed.run``, its workers forked from a warm zygote
 #: (:mod:`course.launcher.torchrun.agent`)
-AGENT = [sys.executable, "-m", "course.launcher.torchrun.agent"]
+#: (with the zygote's flags: nothing imported from the job's folder, where the workers write, nor a user site;
+#: the agent forks its workers' zygote from itself, see course.launcher.torchrun.agent)
+AGENT = [sys.executable, *python_flags(), "-m", "course.launcher.torchrun.agent"]
 #: the two launches every check reads (see the module doc)
 Scenario = Literal["nodes", "restart"]
 
@@ -189,12 +192,6 @@ def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
     return _CACHE[key]
 
 
-def zygote_pays(starts: int) -> dict[str, str]:
-    """The environment an agent that will start ``starts`` workers in all gets: its zygote (about 1.8 CPU s of
-    imports, see course.launcher.torchrun.agent) pays from the second worker on; one worker is exec'd."""
-    return {} if starts >= 2 else {"DDP_COURSE_ZYGOTE": "0"}
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -294,10 +291,9 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         started = time.monotonic()
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
-            starts = layout[i] * (2 if scenario == "restart" else 1)  # a restart run starts every worker again
             # a session of its own (_stop kills its group), and killed when this process dies before _stop can
             procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job,
-                                          env={**env, **reports.env(), **zygote_pays(starts)},
+                                          env={**env, **reports.env()},
                                           pass_fds=reports.fds(), stdin=subprocess.DEVNULL,
                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         reports.started()
