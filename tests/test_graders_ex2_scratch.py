@@ -663,7 +663,7 @@ def test_torch_ddp_itself_meets_the_reference():
 @pytest.mark.timeout(300)
 def test_naive_mistakes():
     fails(ex2s.check_broadcast, NaiveNoBroadcast, "[rank 1]", "does not hold rank 0's weights",
-          "still hold this rank's own initial values", "dist.broadcast(p.data, src=0)")
+          "still hold this rank's own initial values", "broadcast every parameter of the module from rank 0")
     fails(ex2s.check_broadcast, NaiveAveragedStart, "[rank 0]", "hold other values", "do not average")
     ex2s.check_naive(NaiveNoBroadcast)  # same-seeded ranks: the broadcast is judged only by check_broadcast
     ex2s.check_broadcast(NaiveSum)

@@ -271,10 +271,10 @@ def check_broadcast(wrapper_cls, *, bucket_size_mb=None, world_size=2, width=16,
                     got=(f"{len(differ)} parameters still hold this rank's own initial values"
                          if same_as_own else f"{len(differ)} parameters hold other values: "
                          + ", ".join(f"`{k}`" for k in differ[:4])),
-                    hint=("broadcast every parameter from rank 0 in __init__: `dist.broadcast(p.data, src=0)` for each "
-                          "p in `module.parameters()` (in place: the module must keep its own Parameter objects)"
-                          if same_as_own else "copy rank 0's values, do not average or re-initialise them: "
-                          "`dist.broadcast(p.data, src=0)` for each parameter"))
+                    hint=("in __init__, broadcast every parameter of the module from rank 0, in place on the parameter's "
+                          "own tensor (the module must keep its own Parameter objects)"
+                          if same_as_own else "copy rank 0's values, do not average or re-initialise them: a "
+                          "broadcast from rank 0 of each parameter, in place"))
     passed(check)
 
 

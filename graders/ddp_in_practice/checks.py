@@ -432,8 +432,8 @@ def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
         raise CheckFailed(check, f"the weights did not change ({where})", ranks=range(world_size),
                           expected=f"trained weights: at least {fewest} SGD steps on every rank",
                           got=f"optimizer steps per rank: {[o['steps'] for o in obs]}",
-                          hint="train with the given loop: train_steps(ddp_model, optimizer, batches) takes one "
-                          "SGD step per batch it is given")
+                          hint="train with the given loop (train_steps, given the DDP model, the optimizer and the "
+                          "batches): it takes one SGD step per batch it is given")
     found = {mode: _diff(states[0], _uneven_reference(counts, size, lr, seed, mode)) for mode in ACCEPTED}
     if min(found.values()) > ATOL:
         recycled = _diff(states[0], _uneven_reference(counts, size, lr, seed, "recycled")) <= ATOL

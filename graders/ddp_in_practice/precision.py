@@ -100,8 +100,8 @@ def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1
                           expected="every forward of the linear layers under torch.autocast(..., dtype=torch.bfloat16): "
                           "outputs in bfloat16",
                           got=f"linear layer outputs on rank {plain[0]}: {obs[plain[0]]['calls'][0]['linear_dtypes']}",
-                          hint="run each micro-batch's forward (the model call and the loss) inside `with "
-                          "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):`, its backward after it")
+                          hint="run each micro-batch's forward (the model call and the loss) inside a torch.autocast "
+                          "context for the batch's device type with dtype bfloat16, its backward after the context")
     _judge_bf16(check, obs, k, size, seeds, where)
     states = [o["state"] for o in obs]
     differ = [r for r in range(1, world_size) if any(not torch.equal(states[0][n], states[r][n]) for n in states[0])]
@@ -172,8 +172,8 @@ def _judge_bf16(check, obs, k, size, seeds, where):
                               ranks=range(world_size), expected=f"in call {call + 1}, the gradients of a forward under "
                               "bf16 autocast (as the grader recomputes them at the call's weights)",
                               got=f"{near:.3g} from the bf16 forward's gradients, {far:.3g} from a float32 forward's",
-                              hint="run each micro-batch's forward (the model call and the loss) inside `with "
-                              "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):`")
+                              hint="run each micro-batch's forward (the model call and the loss) inside a "
+                              "torch.autocast context for the batch's device type with dtype bfloat16")
 
 
 def _unflatten(flat: torch.Tensor, params: list[str], order: list[str], shapes: dict) -> torch.Tensor:

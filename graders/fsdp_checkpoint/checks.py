@@ -242,8 +242,8 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
     where = _where(ws)
     odd = [r for r, obs in enumerate(values) if obs["optimizer"] is not None]
     expect(not odd, check, f"make_optimizer returned {values[odd[0]]['optimizer'] if odd else ''}, not an optimizer "
-           f"({where})", ranks=odd, hint="return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), built after "
-           "shard(model)")
+           f"({where})", ranks=odd, hint="return an SGD optimizer over the model's parameters, with the lr it is given and "
+           "momentum 0.9, built after shard(model)")
     foreign = [r for r, obs in enumerate(values) if obs["foreign"]]
     if foreign:
         obs = values[foreign[0]]
@@ -283,7 +283,7 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                           "update them")
     else:
         got_text, hint = (f"max |diff| {diff:.3g}",
-                          "return torch.optim.SGD(..., lr=lr, momentum=0.9) over every parameter of the sharded "
+                          "return SGD with the lr it is given and momentum 0.9 over every parameter of the sharded "
                           "model, built after shard(model), and nothing else (no other optimizer, no other settings)")
     raise CheckFailed(
         check, f"after {steps} steps the gathered weights differ from single-process SGD on the global batch "
@@ -326,9 +326,8 @@ _LOAD_MISTAKES = [
     Mistake(lambda rank, text: "Missing key in checkpoint" in text,
             "load_checkpoint asked the checkpoint for state that save_checkpoint did not save ({ws}-rank job)",
             expected="a checkpoint with the model's and the optimizer's state, under the keys load_checkpoint asks for",
-            hint="save the model's AND the optimizer's state dicts, under the same keys the load uses: "
-            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path) with "
-            "model_sd, optim_sd = get_state_dict(model, optimizer)",
+            hint="save the model's AND the optimizer's state dicts (both from get_state_dict) with dcp.save, "
+            "under the same keys the load asks for",
             got=r"(?<=Error: )Missing key in checkpoint state_dict: [^\s{]+"),  # DCP's own words, the key it lacks
     Mistake(lambda rank, text: "FileNotFoundError" in text or "IsADirectoryError" in text,
             "load_checkpoint looked for a file DCP does not write ({ws}-rank job): it was given the checkpoint as DCP "
@@ -346,8 +345,8 @@ _LOAD_MISTAKES = [
 def _checkpoint_files(check: str, path: str, ws: int) -> None:
     """Every rank's shard is in the DCP folder: ``.metadata`` and one ``__<rank>_<n>.distcp`` per rank."""
     where = _where(ws)
-    hint = ("model_sd, optim_sd = get_state_dict(model, optimizer); "
-            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
+    hint = ("save on every rank with dcp.save (the model's and the optimizer's state dicts from get_state_dict) into "
+            "the folder it is given: each rank writes its own shard")
     if os.path.isfile(path):
         raise CheckFailed(
             check, f"save_checkpoint wrote ONE file at `path` (torch.save?), not a DCP checkpoint folder ({where})",

@@ -217,8 +217,8 @@ def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> d
     SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size).
     Returns where it found them: {"params" / "momentum": {parameter name: the checkpoint's key}}."""
     where = f"{ws}-rank job, the folder read with torch.distributed.checkpoint by the grader"
-    hint = ("on every rank: model_sd, optim_sd = get_state_dict(model, optimizer); "
-            "dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)")
+    hint = ("on every rank: the model's and the optimizer's state dicts from get_state_dict, saved together in one "
+            "dict with dcp.save to the folder it is given")
     if read[0]["error"]:
         raise CheckFailed(
             check, f"the folder save_checkpoint wrote is not a checkpoint torch.distributed.checkpoint can read ({where})",
@@ -272,8 +272,8 @@ def _pieces_verdict(check: str, chunks: dict[str, list[dict]], keys: dict[str, d
     where = f"{ws}-rank job, the folder's .metadata read by the grader"
     writers = [{os.path.basename(w) for w in obs.get("writes", []) if os.path.dirname(w) == os.path.abspath(path)}
                for obs in saved]
-    hint = ("save the sharded state dicts as they are, on every rank: model_sd, optim_sd = get_state_dict(model, "
-            "optimizer); dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path); a full state dict "
+    hint = ("save the sharded state dicts as they are, on every rank (get_state_dict's, as it returns them, into "
+            "dcp.save); a full state dict "
             "(full_state_dict=True, full_tensor()) gathers every weight on every rank first")
     for kind, what in (("params", "weights"), ("momentum", "momentum")):
         for name, key in keys.get(kind, {}).items():
