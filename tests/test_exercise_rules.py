@@ -171,3 +171,67 @@ def test_every_check_a_test_cell_calls_is_defined_where_the_call_names_it(path):
         for call in calls or []:
             fn = getattr(importlib.import_module(call.module), call.function, None)
             assert callable(fn) and fn.__module__.startswith(call.module + "."), f"{path.name}: {call.module}.{call.function}"
+
+
+# --- points follow the work (the authoring guide's rule; tests/effort.py) ------------------------------------------
+
+import effort  # noqa: E402
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_each_parts_points_follow_the_work_it_takes(path):
+    """A part is worth its estimated minutes over 5, within a point (effort.py: reading, writing the reference's
+    lines, running its checks, 5 minutes an idea, each named), and every test cell at least 1."""
+    parts = effort.parts(path)
+    assert len(parts) == len(effort.IDEAS[path.stem]), f"{path.name}: name the ideas of each of its {len(parts)} parts"
+    for part in parts:
+        assert part.ideas and part.checks and part.lines, (path.name, part.title)
+        assert all(points >= 1 for _, points in part.checks), (path.name, part.title)
+        assert abs(part.points - part.minutes / effort.MINUTES_PER_POINT) <= 1, (
+            f"{path.name} {part.title!r}: {part.points:g} points for about {part.minutes:.0f} minutes of work "
+            f"(the rule: {part.rule_points})")
+
+
+def _points_text(part) -> str:
+    points = [f"{p:g}" for _, p in part.checks]
+    return " + ".join(points) + (" point" if points == ["1"] else " points")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_a_notebook_states_its_points_and_minutes_as_its_cells_hold_them(path):
+    """What a student reads before starting: each part's heading gives its cells' points in order and about how
+    long it takes (within 5 minutes of the estimate); the introduction gives the notebook's total and minutes;
+    its table of parts gives each part's points."""
+    cells = nbformat.read(str(path), as_version=4).cells
+    parts = effort.parts(path)
+    for part in parts:
+        if part.title.startswith("Part"):
+            stated = re.search(r"\((.*), about (\d+) minutes\)$", part.title)
+            assert stated, f"{path.name}: {part.title!r} does not say its points and minutes"
+            assert stated.group(1) == _points_text(part), (part.title, _points_text(part))
+            assert abs(int(stated.group(2)) - part.minutes) <= 5, (part.title, round(part.minutes))
+    intro = cells[0].source
+    total = sum(part.points for part in parts)
+    assert re.search(rf"\*\*(Total: )?{total:g} points\b", intro), f"{path.name}: the introduction's total is not {total:g}"
+    minutes = re.search(r"[Aa]bout (\d+) minutes", intro)
+    assert minutes and abs(int(minutes.group(1)) - sum(p.minutes for p in parts)) <= 5 * len(parts), path.name
+    rows = {int(m.group(1)): m.group(2) for c in cells if c.cell_type == "markdown"
+            for m in re.finditer(r"^\| (\d) \|.*\| ([\d +]+) \|$", c.source, re.M)}
+    for number, part in enumerate(parts, 1):
+        if number in rows:
+            assert rows[number] + " points" == _points_text(part).replace(" point", " points").replace("pointss", "points"), (
+                path.name, number, rows[number])
+
+
+def test_the_rules_fail_points_that_do_not_follow_the_work(tmp_path):
+    """Both rules can fail: part 3 of exercise 1 given its old 3 points (about 35 minutes of work: 7)."""
+    nb = nbformat.read(str(ROOT / "exercises/ex1-parallelism/parallelism.ipynb"), as_version=4)
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "ex1_test_two_stage":
+            cell.metadata["nbgrader"]["points"] = 3
+    copy = tmp_path / "parallelism.ipynb"
+    nbformat.write(nb, str(copy))
+    with pytest.raises(AssertionError, match="3 points for about 3[45] minutes"):
+        test_each_parts_points_follow_the_work_it_takes(copy)
+    with pytest.raises(AssertionError):
+        test_a_notebook_states_its_points_and_minutes_as_its_cells_hold_them(copy)

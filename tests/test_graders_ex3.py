@@ -521,7 +521,7 @@ def test_check_shard_save_and_load():
 def test_reference_solution_scores_full_marks():
     report = submissions.grade(submissions.source_path(A))
     assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
-    assert report.max_score == 20
+    assert report.max_score == 29
 
 
 @pytest.mark.slow

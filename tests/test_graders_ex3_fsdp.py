@@ -605,14 +605,14 @@ def test_check_export_names_a_gather_on_rank_0_only():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks():
-    assert submissions.assert_reference_full_marks(A, NB).max_score == 16
+    assert submissions.assert_reference_full_marks(A, NB).max_score == 18
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
     report = submissions.assert_untouched_scores_zero(A, tmp_path, NB)  # checked: no solution, no hidden test
-    assert report.max_score == 16
+    assert report.max_score == 18
     assert all(t.message.startswith("FAILED check_") for t in report.tests), report.tests
 
 

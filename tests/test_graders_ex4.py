@@ -597,7 +597,7 @@ def reference_graded(tmp_path_factory):
 def test_reference_solution_scores_full_marks(reference_graded):
     path, report = reference_graded.path, reference_graded.report
     assert submissions.scores(report) == submissions.full_marks(A), submissions.messages(report)
-    assert report.max_score == 15
+    assert report.max_score == 19
     assert (path.parent / "train.py").exists()  # %%writefile wrote it next to the notebook
     print(f"graded the reference ex4 notebook in {reference_graded.seconds:.1f} s")
 

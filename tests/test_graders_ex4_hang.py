@@ -379,8 +379,8 @@ def test_wrong_answers_lose_exactly_their_cells(tmp_path):
 
 
 def test_the_points_add_up():
-    assert sum(submissions.full_marks(A, NB).values()) == 12
-    assert math.isclose(sum(v for k, v in submissions.full_marks(A, NB).items() if "diagnosis" in k), 4)
+    assert sum(submissions.full_marks(A, NB).values()) == 16
+    assert math.isclose(sum(v for k, v in submissions.full_marks(A, NB).items() if "diagnosis" in k), 5)
 
 
 # --- forgeries: what a student who read graders/ might try -----------------------------------------------------
