@@ -420,7 +420,9 @@ def _is_worker(proc) -> bool:
     import psutil
 
     try:
-        return proc.name() == "torchrun_probe" or "torchrun_probe.py" in _cmdline(proc)
+        # exec'd: `python -u .../torchrun_probe.py SCRIPT ...` (an agent's, or its zygote's, command line names the
+        # probe further on: its own arguments)
+        return proc.name() == "torchrun_probe" or proc.cmdline()[1:3] == ["-u", runner.PROBE_SCRIPT]
     except psutil.Error:
         return False
 
@@ -469,9 +471,10 @@ def test_no_agent_or_worker_outlives_the_process_that_launched_them(tmp_path, si
             assert time.monotonic() < end, [_cmdline(p) for p in tree]
             time.sleep(0.2)
             tree = launcher.children(recursive=True)
-        # each agent's zygote is forked from the agent (its command line is the agent's; its name is not)
+        # each agent's zygote is forked from the agent, and its workers from the zygote: their command line is the
+        # agent's, their names are not
         assert len([p for p in tree if "course.launcher.torchrun.agent" in _cmdline(p)
-                    and p.name() != ZYGOTE_NAME]) == 2, [(p.name(), _cmdline(p)) for p in tree]
+                    and p.name() != ZYGOTE_NAME and not _is_worker(p)]) == 2, [(p.name(), _cmdline(p)) for p in tree]
         proc.send_signal(getattr(signal, sig))
         proc.wait(timeout=30)
         left = _still_running(tree, within=15)
