@@ -174,7 +174,25 @@ def pytest_sessionfinish(session):
         report_sections.sections.clear()
 
 
+#: on the controller: per xdist worker, the seconds its tests took and when (since the session began) it reported
+#: last; the summary's "workers" section shows how evenly the files were spread and how long the run's tail was
+_workers: dict[str, list[float]] = {}
+_began = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # set by xdist on the controller
+    name = getattr(getattr(node, "gateway", None), "id", None)
+    if name:
+        busy = _workers.setdefault(name, [0.0, 0.0])
+        busy[0] += report.duration
+        busy[1] = time.monotonic() - _began
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _workers:
+        report_sections.add("workers (busy s, last report at s)", [
+            f"{name}: {busy:.0f} s busy, last report at {last:.0f} s" for name, (busy, last) in sorted(_workers.items())])
     for title, lines in report_sections.sections:
         terminalreporter.section(title)
         for line in lines:
