@@ -275,7 +275,7 @@ def _fork_zygote(ours: socket.socket, theirs: socket.socket, preload: tuple[str,
     if pid == 0:  # pragma: no cover - the zygote; ends in os._exit
         code = 1
         try:
-            _name("zygote")  # first: until then it is a copy of its caller, by name too (a launcher's walk tells them apart)
+            _name("zygote")  # first: until then it is its caller's copy, by name too (a launcher's walk reads names)
             from course.proc import close_descriptors_except
 
             ours.close()

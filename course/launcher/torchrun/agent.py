@@ -5,13 +5,14 @@ monitoring and failure report, unchanged) with one difference, in how a worker p
 worker runs the same probe (:mod:`~course.launcher.torchrun.torchrun_probe`), and a fresh Python spends
 about 2.5 CPU seconds importing torch and, at the first DDP construction, ``torch._dynamo``: nearly all of
 a worker's cost on this course's small jobs (an elastic launch started 8 workers and spent 19 of its 29 CPU
-seconds in them). So the agent keeps a warm zygote (:class:`course.sandbox.zygote.Zygote`): it imports the
-workers' modules (:data:`PRELOAD`, torch among them, which it needs itself) and forks the zygote from itself
-before torchrun's code runs (one import of torch per agent, not two: about 1.1 CPU s less per agent; the
-launcher starts the agent with the zygote's flags, so nothing is imported from the job's folder), and torch's subprocess handler forks each worker from it instead of
-exec'ing ``python -u torchrun_probe.py SCRIPT ARGS``: the child takes the worker's environment, streams,
-working folder and a session of its own, and runs the probe as ``__main__``, as the fresh interpreter would
-(see the zygote's module text for what a forked process shares with its zygote). A worker whose
+seconds in them). So the agent keeps a warm zygote (:class:`course.sandbox.zygote.Zygote`): it imports
+the workers' modules (:data:`PRELOAD`, torch among them, which it needs itself) and forks the zygote from
+itself before torchrun's code runs (one import of torch per agent, not two: about 1.1 CPU s less per agent;
+the launcher starts the agent with the zygote's flags, so nothing is imported from the job's folder). Torch's
+subprocess handler then forks each worker from the zygote instead of exec'ing
+``python -u torchrun_probe.py SCRIPT ARGS``: the child takes the worker's environment, streams, working folder
+and a session of its own, and runs the probe as ``__main__``, as the fresh interpreter would (see the zygote's
+module text for what a forked process shares with its zygote). A worker whose
 environment differs in what is read at import time, or any failure to reach the zygote, is exec'd as
 before; ``DDP_COURSE_ZYGOTE=0`` exec's every worker.
 
@@ -93,7 +94,10 @@ def start_zygote():
         import importlib
 
         for name in PRELOAD:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - not preloaded: the zygote is then exec'd (Zygote's fork needs them all)
+                pass
         try:
             return zygotes.Zygote(PRELOAD, report_fd=report_fd, fork=True)
         except OSError as exc:
