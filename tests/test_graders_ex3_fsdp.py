@@ -48,11 +48,14 @@ fails = submissions.fails
 
 
 def test_the_training_data_tells_the_mistakes_apart():
-    """Not training at all ends far from the right weights."""
-    for spec, ws, steps in (((8, 3, 0), 2, 3), ((8, 3, 1), 3, 4), ((10, 3, 1), 3, 3)):
-        right = fsdp_model._training_reference(spec, ws, steps)
+    """Not training at all ends far from the right weights, and so does weight decay on every parameter or on none
+    (the visible and the hidden decay)."""
+    for spec, ws, steps, wd in (((8, 3, 0), 2, 3, 0.1), ((8, 3, 1), 3, 4, 0.03), ((10, 3, 1), 3, 3, 0.1)):
+        right = fsdp_model._training_reference(spec, ws, steps, wd)
         untrained = {n: p.detach() for n, p in fsdp_model.make_net(spec).named_parameters()}
         assert fsdp_model._max_diff(right, untrained) > 100 * fsdp.ATOL
+        no_decay = fsdp_model._training_reference(spec, ws, steps, 0.0)
+        assert fsdp_model._max_diff(right, no_decay) > 10 * fsdp.ATOL
 
 
 def test_a_gloo_job_hides_the_gpus(monkeypatch):
@@ -199,53 +202,89 @@ def test_check_shard():
 # --- part 2: training ------------------------------------------------------------------------------
 
 
-def make_optimizer(model, lr, shard):
+def make_optimizer(model, lr, weight_decay, shard):
     shard(model)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    biases = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.SGD([{"params": matrices, "weight_decay": weight_decay}, {"params": biases, "weight_decay": 0.0}],
+                           lr=lr, momentum=0.9)
 
 
-def make_optimizer_from_the_result(model, lr, shard):
-    """Right, another style: the parameters taken from what shard returns, in one param group of a dict."""
+def make_optimizer_from_the_result(model, lr, weight_decay, shard):
+    """Right, another style: the parameters taken from what shard returns, the decay set for the whole optimizer
+    and undone in the biases' group."""
     sharded = shard(model)
-    return torch.optim.SGD([{"params": list(sharded.parameters())}], lr=lr, momentum=0.9)
+    decay = [p for p in sharded.parameters() if len(p.shape) > 1]
+    rest = [p for p in sharded.parameters() if len(p.shape) == 1]
+    return torch.optim.SGD([{"params": decay}, {"params": rest, "weight_decay": 0}], lr=lr, momentum=0.9,
+                           weight_decay=weight_decay)
 
 
-def make_optimizer_groups_for_loop(model, lr, shard):
-    """Right, another style: weights and biases in two param groups (as one does for weight decay), SGD's for-loop
-    implementation (foreach=False) over the DTensors, the parameters found by name after sharding."""
+def make_optimizer_groups_for_loop(model, lr, weight_decay, shard):
+    """Right, another style (the nanoGPT/minGPT habit): weights and biases told apart by name after sharding, SGD's
+    for-loop implementation (foreach=False) over the DTensors."""
     shard(model)
     named = list(model.named_parameters())
     weights = [p for name, p in named if name.endswith("weight")]
     others = [p for name, p in named if not name.endswith("weight")]
-    return torch.optim.SGD([{"params": weights}, {"params": others}], lr=lr, momentum=0.9, foreach=False)
+    return torch.optim.SGD([{"params": weights, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}],
+                           lr=lr, momentum=0.9, foreach=False)
 
 
-def make_optimizer_first(model, lr, shard):
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+def make_optimizer_per_parameter(model, lr, weight_decay, shard):
+    """Right, another style: one param group per parameter, in a generator."""
+    shard(model)
+    return torch.optim.SGD(({"params": [p], "weight_decay": weight_decay if p.dim() >= 2 else 0.0}
+                            for p in model.parameters()), lr=lr, momentum=0.9)
+
+
+def make_optimizer_first(model, lr, weight_decay, shard):
+    optimizer = make_optimizer(model, lr, weight_decay, lambda m: m)  # the groups, before sharding
     shard(model)
     return optimizer
 
 
-def make_optimizer_unsharded(model, lr, shard):
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+def make_optimizer_unsharded(model, lr, weight_decay, shard):
+    return make_optimizer(model, lr, weight_decay, lambda m: m)
 
 
-def make_adam(model, lr, shard):
+def make_adam(model, lr, weight_decay, shard):
     shard(model)
     return torch.optim.Adam(model.parameters(), lr=lr)
 
 
-def make_optimizer_no_momentum(model, lr, shard):
+def make_optimizer_no_momentum(model, lr, weight_decay, shard):
     shard(model)
     return torch.optim.SGD(model.parameters(), lr=lr)
 
 
-def make_optimizer_forged(model, lr, shard):
+def make_optimizer_decay_everywhere(model, lr, weight_decay, shard):
+    """Wrong, the common slip: weight_decay for the whole optimizer, the biases decayed too."""
+    shard(model)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def make_optimizer_no_decay(model, lr, weight_decay, shard):
+    """Wrong: the decay left out."""
+    shard(model)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def make_optimizer_local_shape(model, lr, weight_decay, shard):
+    """Wrong: the decay chosen by the shape of this rank's piece (to_local()), whose rows can be none."""
+    shard(model)
+    params = list(model.parameters())
+    return torch.optim.SGD([{"params": [p for p in params if p.to_local().numel() > 16], "weight_decay": weight_decay},
+                            {"params": [p for p in params if p.to_local().numel() <= 16], "weight_decay": 0.0}],
+                           lr=lr, momentum=0.9)
+
+
+def make_optimizer_forged(model, lr, weight_decay, shard):
     """A forgery: an SGD whose step does nothing, and DTensor.to_local patched to hide it."""
     from torch.distributed.tensor import DTensor
 
     shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = make_optimizer(model, lr, weight_decay, lambda m: m)
     optimizer.step = lambda *args, **kwargs: None
     DTensor.to_local = lambda self, **kwargs: torch.zeros(1)
     torch.nn.Module.named_parameters = lambda self, *a, **k: iter(())
@@ -256,9 +295,13 @@ def make_optimizer_forged(model, lr, shard):
 @pytest.mark.timeout(180)
 def test_check_training():
     fsdp.check_training(make_optimizer)
-    fsdp.check_training(make_optimizer, world_size=3, seed=1, steps=4)
+    fsdp.check_training(make_optimizer, world_size=3, seed=1, steps=4, weight_decay=0.03)
     fsdp.check_training(make_optimizer_from_the_result)
     fsdp.check_training(make_optimizer_groups_for_loop, world_size=3, seed=2)
+    fsdp.check_training(make_optimizer_per_parameter, weight_decay=0.03)
+    fails(fsdp.check_training, make_optimizer_decay_everywhere, "weight decay 0.1 on", "bias", "[ranks 0, 1]")
+    fails(fsdp.check_training, make_optimizer_no_decay, "no weight decay on the weight matrix", "weight_decay=0.1")
+    fails(fsdp.check_training, make_optimizer_local_shape, "weight decay", "[rank")
     fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]")
     fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)")
     fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]")
@@ -605,14 +648,14 @@ def test_check_export_names_a_gather_on_rank_0_only():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks():
-    assert submissions.assert_reference_full_marks(A, NB).max_score == 18
+    assert submissions.assert_reference_full_marks(A, NB).max_score == 20
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
     report = submissions.assert_untouched_scores_zero(A, tmp_path, NB)  # checked: no solution, no hidden test
-    assert report.max_score == 18
+    assert report.max_score == 20
     assert all(t.message.startswith("FAILED check_") for t in report.tests), report.tests
 
 
@@ -630,14 +673,17 @@ WRONG = {
         [("ex3f_shard_model", "    fully_shard(model)  # the root unit: embed and head\n", "")],
         "ex3f_test_shard", ["the root's own parameters are not sharded", "embed.weight"]),
     "the optimizer built before sharding": (
-        [("ex3f_training", "    shard(model)  # first: fully_shard replaces the parameters\n"
-          "    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
-          "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n    shard(model)\n"
-          "    return optimizer")],
+        [("ex3f_training", "    shard(model)  # first: fully_shard replaces the parameters\n", ""),
+         ("ex3f_training", "    return torch.optim.SGD(groups, lr=lr, momentum=0.9)",
+          "    optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)\n    shard(model)\n    return optimizer")],
         "ex3f_test_training", ["built before shard(model)", "never changed"]),
     "SGD without momentum": (
         [("ex3f_training", "lr=lr, momentum=0.9)", "lr=lr)")],
         "ex3f_test_training", ["not SGD", "momentum=0)"]),
+    "weight decay on every parameter": (
+        [("ex3f_training", "    return torch.optim.SGD(groups, lr=lr, momentum=0.9)",
+          "    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)")],
+        "ex3f_test_training", ["weight decay 0.1 on", "bias"]),
     "torch.save on rank 0": (
         [("ex3f_checkpoint", "    model_sd, optim_sd = get_state_dict(model, optimizer)\n"
           "    dcp.save({\"model\": model_sd, \"optimizer\": optim_sd}, checkpoint_id=path)",

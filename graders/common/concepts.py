@@ -116,7 +116,8 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
     "fsdp_checkpoint": {
         "check_shard": ("fully sharding splits each unit's parameters across the ranks and gathers a unit "
                         "just before it runs", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
-        "check_training": ("the optimizer must see the sharded parameters, so it is built after sharding", L3,
+        "check_training": ("the optimizer must see the sharded parameters, so it is built after sharding; param "
+                           "groups pick parameters by what a DTensor reports of the full tensor", L3,
                            "5. Sharding everything: FSDP2 `fully_shard`"),
         "check_checkpoint": ("a distributed checkpoint has each rank write its own shard, and loads at any "
                              "world size", L3, "5. Sharding everything: FSDP2 `fully_shard`"),

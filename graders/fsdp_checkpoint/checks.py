@@ -9,10 +9,10 @@ of the grader's (:class:`Net`: ``embed``, ``blocks``, an ``nn.ModuleList`` of :c
   (:func:`check_shard`: every parameter is a DTensor whose rows are split across all ranks; torch's flight
   recorder shows the all-gathers of one forward: one of the root's own parameters, then the fewest the budget
   allows, ceil(depth / 2), none of more than two blocks, each block's parameters whole when it starts);
-* ``make_optimizer(model, lr, shard)``: shard the model, THEN build SGD over its parameters (:func:`check_training`:
-  after a few steps of the given training step (MSE, zero_grad, backward, step) the gathered weights equal
-  single-process SGD on the global batch; the check passes its own correct ``shard``, so this part is graded
-  on its own);
+* ``make_optimizer(model, lr, weight_decay, shard)``: shard the model, THEN build SGD over its parameters, with
+  weight decay on the weight matrices only (:func:`check_training`: after a few steps of the given training step
+  (MSE, zero_grad, backward, step) the gathered weights equal single-process SGD on the global batch with those
+  groups; the check passes its own correct ``shard``, so this part is graded on its own);
 * ``save_checkpoint(model, optimizer, path)`` / ``load_checkpoint(model, optimizer, path)``: a
   torch.distributed.checkpoint (DCP) round trip (:func:`check_checkpoint`: one job trains and saves,
   every rank's shard must be in the folder; the grader reads the folder with DCP itself, whole on one
@@ -238,12 +238,15 @@ def check_shard(shard_model, world_size: int = 2, width: int = 8, depth: int = 3
 # =========================================================================== part 2: training
 
 
-def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, steps: int) -> None:
+TRAINING_HINT = (f"shard(model) first, then SGD (the lr given, momentum {MOMENTUM}) over every parameter of the "
+                 "sharded model, in param groups: the weight_decay given on the weight matrices, 0 on the biases")
+
+
+def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, steps: int, weight_decay: float) -> None:
     where = _where(ws)
     odd = [r for r, obs in enumerate(values) if obs["optimizer"] is not None]
     expect(not odd, check, f"make_optimizer returned {values[odd[0]]['optimizer'] if odd else ''}, not an optimizer "
-           f"({where})", ranks=odd, hint="return an SGD optimizer over the model's parameters, with the lr it is given and "
-           "momentum 0.9, built after shard(model)")
+           f"({where})", ranks=odd, hint=TRAINING_HINT)
     foreign = [r for r, obs in enumerate(values) if obs["foreign"]]
     if foreign:
         obs = values[foreign[0]]
@@ -254,7 +257,7 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
             expected="an optimizer over the sharded model's parameters (the DTensors fully_shard put in)",
             got=f"after {steps} steps the weights " + ("never changed" if unchanged else "are not what SGD gives"),
             hint="fully_shard replaces every parameter with a new sharded one, and the old ones never get a gradient "
-            "again: call shard(model) first, THEN torch.optim.SGD(model.parameters(), ...)")
+            "again: call shard(model) first, THEN build the optimizer over the model's parameters")
     plain = [r for r, obs in enumerate(values) if obs["plain"]]
     expect(not plain, check, f"after make_optimizer, parameters are not sharded: {', '.join(values[plain[0]]['plain'][:4]) if plain else ''} "
            f"({where})", ranks=plain, hint="call shard(model) (the function you are given) before building the optimizer")
@@ -266,10 +269,27 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                 check, f"the optimizer is not SGD(lr=lr, momentum={MOMENTUM}) ({where})", ranks=[rank],
                 expected=f"torch.optim.SGD with lr={LR} (the lr given) and momentum={MOMENTUM}",
                 got=f"{obs['type']} ({shown})",
-                hint=f"return torch.optim.SGD(model.parameters(), lr=lr, momentum={MOMENTUM})")
+                hint=TRAINING_HINT)
+
+    def decay(rank, obs):
+        wrong = [(name, wd) for wd, params in obs["decay"] for name, dim in params
+                 if abs(wd - (weight_decay if dim >= 2 else 0.0)) > 1e-12]
+        if wrong:
+            matrices = [n for n, wd in wrong if wd == 0.0]
+            raise CheckFailed(
+                check, (f"no weight decay on the weight matrix {matrices[0]}" if matrices else
+                        f"weight decay {wrong[0][1]:g} on {wrong[0][0]}, a " + ("bias" if "bias" in wrong[0][0] else
+                                                                              "parameter of one dimension"))
+                + f" ({where})", ranks=[rank],
+                expected=f"weight_decay={weight_decay:g} (the value given) on every parameter of two or more "
+                "dimensions (the Linear weights), 0 on the biases",
+                got=", ".join(f"{n}: {wd:g}" for n, wd in wrong[:4]) + (" ..." if len(wrong) > 4 else ""),
+                hint="param groups: a list of dicts, each with its own params and weight_decay; a DTensor "
+                "parameter reports the full tensor's dimensions (p.ndim), so choose by them after sharding")
 
     checks.on_every_rank(values, settings)
-    want = _training_reference(spec, ws, steps)
+    checks.on_every_rank(values, decay)
+    want = _training_reference(spec, ws, steps, weight_decay)
     got = _full([obs["final"] for obs in values])
     diff = _max_diff(got, want)
     if diff <= ATOL:
@@ -282,25 +302,25 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                           "return a plain torch.optim.SGD over the sharded model's parameters: its step() must "
                           "update them")
     else:
-        got_text, hint = (f"max |diff| {diff:.3g}",
-                          "return SGD with the lr it is given and momentum 0.9 over every parameter of the sharded "
-                          "model, built after shard(model), and nothing else (no other optimizer, no other settings)")
+        got_text, hint = (f"max |diff| {diff:.3g}", TRAINING_HINT + ", and nothing else (no other optimizer or settings)")
     raise CheckFailed(
         check, f"after {steps} steps the gathered weights differ from single-process SGD on the global batch "
         f"({where})", ranks=wrong_ranks or list(range(ws)),
-        expected=f"SGD(lr={LR}, momentum={MOMENTUM}) on all ranks' batches together, within {ATOL:g}",
+        expected=f"SGD(lr={LR}, momentum={MOMENTUM}, weight_decay={weight_decay:g} on the weight matrices, 0 on the "
+        f"biases) on all ranks' batches together, within {ATOL:g}",
         got=got_text, hint=hint)
 
 
 def check_training(make_optimizer, world_size: int = 2, steps: int = STEPS, seed: int = 0,
-                   width: int = 8, depth: int = 3) -> None:
-    """With the optimizer built after sharding, k given training steps give single-process SGD's weights."""
+                   width: int = 8, depth: int = 3, weight_decay: float = 0.1) -> None:
+    """With the optimizer built after sharding, k given training steps give the weights of single-process SGD
+    whose weight decay ``weight_decay`` applies to the weight matrices only."""
     check = "check_training"
     checks.require_written(check, make_optimizer=make_optimizer)
     spec = (width, depth, seed)
-    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, spec, steps),
+    job = checks.run(check, _training_harness, world_size, args=(make_optimizer, spec, steps, weight_decay),
                      env=_job_env(world_size))
-    _training_verdict(check, job.values, spec, world_size, steps)
+    _training_verdict(check, job.values, spec, world_size, steps, weight_decay)
     passed(check)
 
 

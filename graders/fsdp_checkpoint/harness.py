@@ -224,17 +224,21 @@ def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor
     return loss.item()
 
 
-def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int) -> dict:
+def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int, weight_decay: float) -> dict:
     dev = _join()
     model = make_net(spec).to(dev)
-    optimizer = make_optimizer(model, LR, reference_shard)
+    optimizer = make_optimizer(model, LR, weight_decay, reference_shard)
     if not _IS_INSTANCE(optimizer, _OPTIMIZER):
         return {"optimizer": type(optimizer).__name__}
     init = _locals(model)
     own = {id(p) for _, p in _NAMED_PARAMETERS(model)}
+    names = {id(p): name for name, p in _NAMED_PARAMETERS(model)}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     obs = {"optimizer": None, "sgd": type(optimizer) is _SGD, "type": type(optimizer).__name__,
            "groups": [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups],
+           # what each group decays: (its weight_decay, the names of its parameters with their number of dimensions)
+           "decay": [[float(g.get("weight_decay", 0)), [[names.get(id(p), "?"), p.dim()] for p in g["params"]]]
+                     for g in optimizer.param_groups],
            "foreign": sum(id(p) not in own for p in held), "held": len(held),
            "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
            "init": init}
@@ -244,12 +248,20 @@ def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int) -> dic
     return obs
 
 
+def decays(p: torch.Tensor) -> bool:
+    """Whether part 2's optimizer decays ``p``: the weight matrices (two dimensions or more), not the biases."""
+    return p.dim() >= 2
+
+
 @checks.reference
 @torch.no_grad()
-def _training_reference(spec: tuple, ws: int, steps: int) -> dict[str, torch.Tensor]:
-    """Single-process SGD on the global batch."""
+def _training_reference(spec: tuple, ws: int, steps: int, weight_decay: float) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the global batch, ``weight_decay`` on the weight matrices only."""
     model = make_net(spec)
-    optimizer = reference_optimizer(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD([{"params": [p for p in params if decays(p)], "weight_decay": weight_decay},
+                                 {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
+                                lr=LR, momentum=MOMENTUM)
     for step in range(steps):
         with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
             reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
