@@ -270,6 +270,11 @@ def make_optimizer_no_decay(model, lr, weight_decay, shard):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
+def make_optimizer_decay_halved(model, lr, weight_decay, shard):
+    """Wrong: a decay of its own, not the one given."""
+    return make_optimizer(model, lr, weight_decay / 2, shard)
+
+
 def make_optimizer_local_shape(model, lr, weight_decay, shard):
     """Wrong: the decay chosen by the shape of this rank's piece (to_local()), whose rows can be none."""
     shard(model)
@@ -302,6 +307,7 @@ def test_check_training():
     fails(fsdp.check_training, make_optimizer_decay_everywhere, "weight decay 0.1 on", "bias", "[ranks 0, 1]")
     fails(fsdp.check_training, make_optimizer_no_decay, "no weight decay on the weight matrix", "weight_decay=0.1")
     fails(fsdp.check_training, make_optimizer_local_shape, "weight decay", "[rank")
+    fails(fsdp.check_training, make_optimizer_decay_halved, "weight decay 0.05 on the weight matrix", "not the 0.1 given")
     fails(fsdp.check_training, make_optimizer_first, "built before shard(model)", "never changed", "[ranks 0, 1]")
     fails(fsdp.check_training, make_optimizer_unsharded, "parameters are not sharded", "call shard(model)")
     fails(fsdp.check_training, make_adam, "not SGD", "Adam", "[ranks 0, 1]")

@@ -272,18 +272,18 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                 hint=TRAINING_HINT)
 
     def decay(rank, obs):
-        wrong = [(name, wd) for wd, params in obs["decay"] for name, dim in params
+        wrong = [(name, wd, dim) for wd, params in obs["decay"] for name, dim in params
                  if abs(wd - (weight_decay if dim >= 2 else 0.0)) > 1e-12]
         if wrong:
-            matrices = [n for n, wd in wrong if wd == 0.0]
+            name, wd, dim = next((w for w in wrong if w[2] >= 2 and w[1] == 0.0), wrong[0])
+            what = ("no weight decay on the weight matrix " + name if dim >= 2 and wd == 0.0 else
+                    f"weight decay {wd:g} on the weight matrix {name}, not the {weight_decay:g} given" if dim >= 2 else
+                    f"weight decay {wd:g} on {name}, a " + ("bias" if "bias" in name else "parameter of one dimension"))
             raise CheckFailed(
-                check, (f"no weight decay on the weight matrix {matrices[0]}" if matrices else
-                        f"weight decay {wrong[0][1]:g} on {wrong[0][0]}, a " + ("bias" if "bias" in wrong[0][0] else
-                                                                              "parameter of one dimension"))
-                + f" ({where})", ranks=[rank],
+                check, what + f" ({where})", ranks=[rank],
                 expected=f"weight_decay={weight_decay:g} (the value given) on every parameter of two or more "
                 "dimensions (the Linear weights), 0 on the biases",
-                got=", ".join(f"{n}: {wd:g}" for n, wd in wrong[:4]) + (" ..." if len(wrong) > 4 else ""),
+                got=", ".join(f"{n}: {w:g}" for n, w, _ in wrong[:4]) + (" ..." if len(wrong) > 4 else ""),
                 hint="param groups: a list of dicts, each with its own params and weight_decay; a DTensor "
                 "parameter reports the full tensor's dimensions (p.ndim), so choose by them after sharding")
 
