@@ -123,10 +123,6 @@ class Part:
     def rule_points(self) -> int:
         return max(1, round(self.minutes / MINUTES_PER_POINT))
 
-    @property
-    def stated_minutes(self) -> int:
-        return max(5, 5 * round(self.minutes / 5))
-
 
 def _written(lines: list[str]) -> list[str]:
     return [line for line in lines if line.strip() and not line.strip().startswith("#")]
@@ -170,13 +166,3 @@ def parts(path: Path) -> list[Part]:
         part.lines = len(written)
     return found
 
-
-def split(total: int, weights: list[float]) -> list[int]:
-    """``total`` points over cells in proportion to ``weights`` (largest remainder; each cell at least 1)."""
-    raw = [total * w / sum(weights) for w in weights]
-    out = [max(1, int(r)) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: (out[i] - raw[i], i)):
-        if sum(out) >= total:
-            break
-        out[i] += 1
-    return out

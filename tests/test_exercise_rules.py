@@ -193,9 +193,9 @@ def test_each_parts_points_follow_the_work_it_takes(path):
             f"(the rule: {part.rule_points})")
 
 
-def _points_text(part) -> str:
-    points = [f"{p:g}" for _, p in part.checks]
-    return " + ".join(points) + (" point" if points == ["1"] else " points")
+def _split_text(part) -> str:
+    """A part's cells' points in order, as its heading and its row of the table write them: "3 + 2"."""
+    return " + ".join(f"{p:g}" for _, p in part.checks)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name + "/" + p.name)
@@ -209,7 +209,8 @@ def test_a_notebook_states_its_points_and_minutes_as_its_cells_hold_them(path):
         if part.title.startswith("Part"):
             stated = re.search(r"\((.*), about (\d+) minutes\)$", part.title)
             assert stated, f"{path.name}: {part.title!r} does not say its points and minutes"
-            assert stated.group(1) == _points_text(part), (part.title, _points_text(part))
+            words = _split_text(part) + (" point" if part.points == 1 else " points")
+            assert stated.group(1) == words, (part.title, words)
             assert abs(int(stated.group(2)) - part.minutes) <= 5, (part.title, round(part.minutes))
     intro = cells[0].source
     total = sum(part.points for part in parts)
@@ -220,8 +221,7 @@ def test_a_notebook_states_its_points_and_minutes_as_its_cells_hold_them(path):
             for m in re.finditer(r"^\| (\d) \|.*\| ([\d +]+) \|$", c.source, re.M)}
     for number, part in enumerate(parts, 1):
         if number in rows:
-            assert rows[number] + " points" == _points_text(part).replace(" point", " points").replace("pointss", "points"), (
-                path.name, number, rows[number])
+            assert rows[number] == _split_text(part), (path.name, number, rows[number])
 
 
 def test_the_rules_fail_points_that_do_not_follow_the_work(tmp_path):

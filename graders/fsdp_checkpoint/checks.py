@@ -272,12 +272,12 @@ def _training_verdict(check: str, values: list[dict], spec: tuple, ws: int, step
                 hint=TRAINING_HINT)
 
     def decay(rank, obs):
-        wrong = [(name, wd, dim) for wd, params in obs["decay"] for name, dim in params
-                 if abs(wd - (weight_decay if dim >= 2 else 0.0)) > 1e-12]
+        wrong = [(name, wd, matrix) for wd, params in obs["decay"] for name, matrix in params
+                 if abs(wd - (weight_decay if matrix else 0.0)) > 1e-12]
         if wrong:
-            name, wd, dim = next((w for w in wrong if w[2] >= 2 and w[1] == 0.0), wrong[0])
-            what = ("no weight decay on the weight matrix " + name if dim >= 2 and wd == 0.0 else
-                    f"weight decay {wd:g} on the weight matrix {name}, not the {weight_decay:g} given" if dim >= 2 else
+            name, wd, matrix = next((w for w in wrong if w[2] and w[1] == 0.0), wrong[0])
+            what = ("no weight decay on the weight matrix " + name if matrix and wd == 0.0 else
+                    f"weight decay {wd:g} on the weight matrix {name}, not the {weight_decay:g} given" if matrix else
                     f"weight decay {wd:g} on {name}, a " + ("bias" if "bias" in name else "parameter of one dimension"))
             raise CheckFailed(
                 check, what + f" ({where})", ranks=[rank],

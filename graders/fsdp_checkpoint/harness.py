@@ -224,6 +224,11 @@ def reference_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor
     return loss.item()
 
 
+def decays(p: torch.Tensor) -> bool:
+    """Whether part 2's optimizer decays ``p``: the weight matrices (two dimensions or more), not the biases."""
+    return p.dim() >= 2
+
+
 def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int, weight_decay: float) -> dict:
     dev = _join()
     model = make_net(spec).to(dev)
@@ -236,8 +241,8 @@ def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int, weight
     held = [p for group in optimizer.param_groups for p in group["params"]]
     obs = {"optimizer": None, "sgd": type(optimizer) is _SGD, "type": type(optimizer).__name__,
            "groups": [[float(g.get("lr", -1)), float(g.get("momentum", -1))] for g in optimizer.param_groups],
-           # what each group decays: (its weight_decay, the names of its parameters with their number of dimensions)
-           "decay": [[float(g.get("weight_decay", 0)), [[names.get(id(p), "?"), p.dim()] for p in g["params"]]]
+           # each group's weight_decay, and its parameters' names with whether part 2 decays them (:func:`decays`)
+           "decay": [[float(g.get("weight_decay", 0)), [[names.get(id(p), "?"), decays(p)] for p in g["params"]]]
                      for g in optimizer.param_groups],
            "foreign": sum(id(p) not in own for p in held), "held": len(held),
            "plain": [name for name, p in _NAMED_PARAMETERS(model) if not _IS_INSTANCE(p, _DTENSOR)],
@@ -246,11 +251,6 @@ def _training_harness(rank: int, make_optimizer, spec: tuple, steps: int, weight
         reference_step(model, optimizer, *_data(rank, step, spec[2], dev))  # the exercise's given training step
     obs["final"] = _locals(model)
     return obs
-
-
-def decays(p: torch.Tensor) -> bool:
-    """Whether part 2's optimizer decays ``p``: the weight matrices (two dimensions or more), not the biases."""
-    return p.dim() >= 2
 
 
 @checks.reference
