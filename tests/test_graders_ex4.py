@@ -23,6 +23,7 @@ import torch
 
 import graders.common.torchrun_model as ex4_model
 import graders.torchrun.checks as ex4
+import graders.torchrun.destroy as ex4_destroy
 from course.checks import torchrun
 from course.launcher.torchrun import runner
 from course.launcher.torchrun.workers import ZYGOTE_NAME
@@ -161,6 +162,43 @@ def test_expected_weights_after_a_restart_follow_the_resume():
 
 
 @pytest.mark.timeout(60)
+def test_a_workers_own_batches_carry_its_secret_offset_and_no_other_batch_does(monkeypatch):
+    """The prelude of the grader's runs (install, in each worker before the script): in the worker of rank 1 the
+    given get_batch(1, e, s) returns inputs moved by that worker's secret offset (y follows them); the batches
+    of the other ranks, and every other draw of torch.randn, are torch's own."""
+    monkeypatch.setattr(torch, "randn", torch.randn)  # undone after the test
+    public = {(r, e, s): ex4_model.get_batch(r, e, s) for r in range(3) for e in range(ex4.EPOCHS)
+              for s in range(ex4.STEPS_PER_EPOCH)}
+    wanted = {key: ex4_model.batch_of(*key, 424242 if key[0] == 1 else None) for key in public}  # the grader's
+    assert not torch.equal(ex4_model.batch_of(1, 0, 0, 1)[0], ex4_model.batch_of(1, 0, 0, 2)[0])  # secret-bound
+    ex4_model.install(1, 424242)
+    for (r, e, s), (x, _y) in public.items():
+        got_x, got_y = ex4_model.get_batch(r, e, s)
+        want_x, want_y = wanted[r, e, s]
+        assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y), (r, e, s)
+        assert torch.equal(got_x, x) is (r != 1), (r, e, s)
+        if r == 1:
+            assert (got_x - x).abs().mean() > 0.1  # an offset the weights feel (OFFSET 0.5 a value)
+    g = torch.Generator().manual_seed(1001)
+    assert torch.equal(torch.randn(3, generator=g), ex4_model._randn(3, generator=torch.Generator().manual_seed(1001)))
+
+
+def test_the_workers_secrets_come_from_the_zygotes_reports_per_rank_and_launch():
+    forks = [(10, 0, 7), (11, 1, 8), (12, None, 9), (13, 1, 18), (14, 0, 17), (15, 2, None)]
+    assert ex4.secrets_of(forks, 3) == ((7, 8, None), (17, 18, None))
+    assert ex4.secrets_of([], 2) == ((None, None), (None, None))
+    exact = ex4.expected_weights(2, data=((5, 6),))
+    assert ex4.compare_weights(exact, ex4.expected_weights(2)) > 1e-3  # the offsets change what is learnt
+    assert ex4.compare_weights(ex4.expected_weights(2, data=((None, None),)), ex4.expected_weights(2)) == 0
+    # after a restart, the epochs before it are trained on the first launch's batches, those after on the second's
+    resumed = ex4.expected_weights(2, None, (1, 1, True), ((5, 6), (7, 8)))
+    assert ex4.compare_weights(resumed, ex4.expected_weights(2, None, (1, 1, True), ((5, 6), (5, 6)))) > 1e-4
+    assert ex4.compare_weights(resumed, ex4.expected_weights(2, None, (1, 1, True), ((7, 8), (7, 8)))) > 1e-4
+    # every worker recomputing the first epochs by itself: without offsets the ranks agree, and that is one run
+    assert ex4.compare_weights(ex4.replayed_by_hand(2, 2, (None, None)), ex4.expected_weights(2)) <= 1e-6
+    assert ex4.compare_weights(ex4.replayed_by_hand(2, 2, (5, 6)), ex4.expected_weights(2, data=((5, 6),))) > 1e-4
+
+
 def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     stub = tmp_path / "stub.py"
     source = script_source()
@@ -172,7 +210,7 @@ def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     released = tmp_path / "released.py"  # the student's copy: the given part, nbgrader's stub at module level, the entry
     released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n" + entry)
     start = time.monotonic()
-    for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4.check_restart_resume, {}), (ex4.check_destroy, {}),
+    for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4.check_restart_resume, {}), (ex4_destroy.check_destroy, {}),
                           (ex4.check_checkpoint_rank0, HIDDEN), (ex4.check_ddp_training, HIDDEN),
                           (ex4.check_multinode_ranks, HIDDEN)):
         fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
@@ -209,14 +247,16 @@ def test_check_ddp_training_catches_gradients_never_averaged(tmp_path):
                                      "ddp_model = model"))
     fails(ex4.check_ddp_training, script, "differ from an uninterrupted 3-rank DDP run",
           "the gradients were never averaged")
-    ex4.check_destroy(script)  # the same run: everything else about it is fine
+    ex4_destroy.check_destroy(script)  # the same run: everything else about it is fine
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_right_weights_computed_without_communication_are_not_ddp(tmp_path):
-    """A forgery: every rank trains on every rank's batches by itself. The weights are right, but the flight
-    recorder shows no gradient was ever all-reduced."""
+    """A forgery: every rank trains on every rank's batches by itself (get_batch is given and deterministic),
+    and all-reduces a decoy of the model's size each step, so torch's flight recorder lists as many all-reduced
+    values as DDP's would. Each worker's own batches carry an offset only it and the grader know, so the
+    batches of the other ranks computed in rank 0 lack theirs: the weights give it away."""
     script = write_script(
         tmp_path,
         ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)", "ddp_model = model"),
@@ -227,10 +267,14 @@ def test_right_weights_computed_without_communication_are_not_ddp(tmp_path):
          "            loss = loss_fn(ddp_model(x), y)\n"
          "            optimizer.zero_grad()\n"
          "            loss.backward()\n"
+         "            dist.all_reduce(torch.zeros(sum(p.numel() for p in ddp_model.parameters())))  # the decoy\n"
          "            optimizer.step()\n"))
-    # (without collectives the ranks drift apart: a late rank may even resume from rank 0's checkpoint)
-    fails(ex4.check_ddp_training, script, "did not average gradients with the other ranks",
-          "rank 0 all-reduced 0 values in 8 optimizer steps", "wrap the model in DDP")
+    run = ex4.graded_run(script, "test", None, None)
+    first, _ = ex4.secrets_of(run.forks, 3)
+    assert None not in first and len(set(first)) == 3  # every worker forked, each with a secret of its own
+    assert ex4.compare_weights(run.final, ex4.expected_weights(3, data=((first[0], None, None),))) <= ex4.ATOL
+    fails(ex4.check_ddp_training, script, "the other ranks' batches computed in rank 0's own worker",
+          "their gradients never came from the other workers", "do not compute the other ranks' batches yourself")
     ex4.check_checkpoint_rank0(script)  # the same run: the rest of it is fine
 
 
@@ -240,12 +284,12 @@ def test_check_destroy_sees_the_default_group_left_not_a_call(tmp_path):
     """Destroying another group (or a patched destroy_process_group) leaves the default group: no point."""
     subgroup = write_script(tmp_path, ("    dist.destroy_process_group()\n",
                                        "    dist.destroy_process_group(dist.new_group(list(range(world_size))))\n"))
-    fails(ex4.check_destroy, subgroup, "ranks 0, 1, 2 still held the default process group at exit")
+    fails(ex4_destroy.check_destroy, subgroup, "ranks 0, 1, 2 still held the default process group at exit")
     (tmp_path / "patched").mkdir()
     patched = write_script(tmp_path / "patched",
                            ("    dist.destroy_process_group()\n",
                             "    dist.destroy_process_group = lambda *a, **k: None\n    dist.destroy_process_group()\n"))
-    fails(ex4.check_destroy, patched, "ranks 0, 1, 2 never called destroy_process_group")
+    fails(ex4_destroy.check_destroy, patched, "ranks 0, 1, 2 never called destroy_process_group")
 
 
 @pytest.mark.slow
@@ -273,9 +317,9 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
         ex4.try_restart(script, crash_rank=2, crash_step=3, layout=(1, 1))
     # the resume's mistake only: the hidden variants of the other cells read this same run, and pass
     for check in (ex4.check_standalone_ranks, ex4.check_checkpoint_rank0, ex4.check_atomic_checkpoint,
-                  ex4.check_ddp_training, ex4.check_destroy, ex4.check_multinode_ranks):
+                  ex4.check_ddp_training, ex4_destroy.check_destroy, ex4.check_multinode_ranks):
         check(script, **HIDDEN)
-    assert [key[2:] for key in runner._CACHE if key[0] == script] == [("restart", (0, 3), (1, 1))]
+    assert [key[2:] for key in runner._CACHE if key[0] == script] == [("restart", (0, 3), (1, 1), ex4.PRELUDE)]
 
 
 @pytest.mark.slow
@@ -330,13 +374,13 @@ def test_the_hidden_variants_judge_the_hidden_restart_run_without_a_launch_of_th
     fails(ex4.check_checkpoint_rank0, script, "rank 0 was killed after its optimizer step 3",
           "rank 1 wrote the checkpoint too", "copy-rank1.pkl", **HIDDEN)
     fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", **HIDDEN)
-    fails(ex4.check_destroy, script, "rank 0 was killed after its optimizer step 3",
+    fails(ex4_destroy.check_destroy, script, "rank 0 was killed after its optimizer step 3",
           "ranks 0, 1 never called destroy_process_group", **HIDDEN)
     fails(ex4.check_multinode_ranks, script, "world_size=3, but torchrun set WORLD_SIZE=2", "never hard-code it",
           **HIDDEN)
     ex4.check_ddp_training(script, **HIDDEN)  # the weights are right
     launched = [key for key in runner._CACHE if key[0] == script]
-    assert launched == [(script, launched[0][1], "restart", (0, 3), (1, 1))], launched
+    assert launched == [(script, launched[0][1], "restart", (0, 3), (1, 1), ex4.PRELUDE)], launched
 
 
 @pytest.mark.slow
@@ -377,7 +421,7 @@ def test_a_hung_job_is_killed_at_the_deadline_naming_the_stuck_ranks(tmp_path, m
                                      "    dist.destroy_process_group()\n"),
                           ("import json\n", "import json\nimport time\n"))
     start = time.monotonic()
-    message = fails(ex4.check_destroy, script, f"did not finish within {HANG_TIMEOUT:g} s", "(stuck)")
+    message = fails(ex4_destroy.check_destroy, script, f"did not finish within {HANG_TIMEOUT:g} s", "(stuck)")
     # ranks 1 and 2 are named (rank 0 too if a loaded machine had not let it finish yet)
     assert re.search(r"\[ranks (0, )?1, 2\]", message), message
     assert re.search(r'File ".*train\.py", line \d+ in main', message), message  # where each one was stuck
@@ -898,11 +942,15 @@ def test_training_replayed_by_hand_instead_of_resumed_loses_the_resume(tmp_path)
     restarted = [w for w in run.attempt(1) if w.rank == 0][0]
     assert any(e.get("path") == run.ckpt_path for e in restarted.of("load"))  # the probe saw a load
     assert len(restarted.of("step")) == 4  # and the right number of optimizer steps
-    assert ex4.compare_weights(run.final, ex4.expected_weights(2)) <= ex4.ATOL  # an unshifted resume's weights
+    # the weights of a resume that ignored the checkpoint's (shifted) weights: epochs 0-1 recomputed in each
+    # worker, the other rank's batches as get_batch gives them there (without that worker's secret offset)
+    _, last = ex4.secrets_of(run.forks, 2)
+    assert ex4.compare_weights(run.final, ex4.replayed_by_hand(2, 2, last)) <= ex4.ATOL
     fails(ex4.check_restart_resume, script, "never resumed from the checkpoint", "recomputed the epochs",
           "never recompute the epochs before it")
-    ex4.check_ddp_training(script, crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP,
-                           layout=ex4.RESTART_WORKERS)  # the training itself is right
+    # the recomputed epochs are no DDP training either (rank 1's batches computed in rank 0)
+    fails(ex4.check_ddp_training, script, "differ from a 2-rank DDP run that resumed as this one did",
+          crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP, layout=ex4.RESTART_WORKERS)
 
 
 def test_the_grader_shifts_every_copy_of_the_weights_in_a_checkpoint_and_nothing_else(tmp_path):
@@ -979,10 +1027,10 @@ def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tm
     # the final weights, the notebook grades of WRONG prove ("checkpoint saved on every rank", "final weights saved
     # on every rank": exactly their cells lost); the probe's tidying cannot reach those two checks, which read the
     # reports, the loads and the optimizer steps, and it removes only the saves, renames and opens for writing
-    for check in (ex4.check_multinode_ranks, ex4.check_atomic_checkpoint, ex4.check_ddp_training, ex4.check_destroy):
+    for check in (ex4.check_multinode_ranks, ex4.check_atomic_checkpoint, ex4.check_ddp_training, ex4_destroy.check_destroy):
         check(script)
     for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
-                  ex4.check_ddp_training, ex4.check_restart_resume, ex4.check_destroy):
+                  ex4.check_ddp_training, ex4.check_restart_resume, ex4_destroy.check_destroy):
         check(script, **HIDDEN)
 
 
@@ -1025,7 +1073,7 @@ def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path
     # the reference: its hidden restart run, launched by the reference notebook's grading (no launch here). The look
     # saw no writer but rank 0 there, so the verdict came from the kernel's count alone, as with the look off: the
     # count, called by itself, passes with the grader's own move of the checkpoint taken off, and so does the check
-    hidden = [key for key in reference_graded.runs if key[2:] == ("restart", (0, 3), (1, 1))]
+    hidden = [key for key in reference_graded.runs if key[2:] == ("restart", (0, 3), (1, 1), ex4.PRELUDE)]
     assert len(hidden) == 1, list(reference_graded.runs)
     run = reference_graded.runs[hidden[0]]
     assert run.files is not None and run.crash_note is not None  # the kernel watched; the grader moved CKPT

@@ -31,6 +31,7 @@ _PROBE = textwrap.dedent('''
         "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\\0")[:3],
         "comm": open("/proc/self/comm").read().strip(),
         "random": random.random(), "authkey": bytes(multiprocessing.current_process().authkey).hex(),
+        "secret": getattr(sys.modules.get("course.sandbox.zygote"), "SECRET", None),
     }))
     sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 ''')
@@ -66,6 +67,7 @@ def test_a_module_of_this_python_is_forked_warm_and_sees_what_a_fresh_interprete
     assert seen["ppid"] == zygote.pid and seen["sid"]  # a session of its own, as start_new_session gives
     assert seen["comm"] == "zprobe"
     assert seen["fds"] == [0, 1, 2, 3]  # stdin, stdout, stderr (3: the listing's own): none of the zygote's
+    assert seen["secret"] is None  # a zygote that reports to nobody draws no secret
 
 
 def test_two_children_do_not_share_random_state_or_authkey(zygote, probe_dir):
@@ -142,9 +144,10 @@ def test_current_restarts_a_dead_zygote_and_none_means_popen(monkeypatch):
         zygotes.use(None)
 
 
-def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_and_rank(probe_dir):
+def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_rank_and_secret(probe_dir):
     """With report_fd (torchrun's agents give one: course.launcher.torchrun.agent), the zygote says who it is, then
-    the pid and RANK of each process it forks ('-' without one), on a pipe its children do not hold."""
+    the pid and RANK of each process it forks ('-' without one) and the secret it drew for that process alone
+    (which the process finds as course.sandbox.zygote.SECRET), on a pipe its children do not hold."""
     read, write = os.pipe()
     z = zygotes.Zygote(preload=(), report_fd=write)
     os.close(write)
@@ -153,16 +156,23 @@ def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_and_rank(probe_dir
                          stdout=subprocess.PIPE)
         unranked = z.popen(["/bin/sh", "-c", "ls /proc/self/fd"], env={k: v for k, v in os.environ.items()
                                                                      if k != "RANK"}, stdout=subprocess.PIPE)
+        other = z.popen([sys.executable, "-m", "zprobe"], env={**os.environ, "RANK": "6"}, cwd=str(probe_dir),
+                        stdout=subprocess.PIPE)
         fds, _ = unranked.communicate(timeout=60)
         assert sorted(fds.split()) == [b"0", b"1", b"2", b"3"]  # 3: the ls's own listing; not the report pipe
-        ranked.communicate(timeout=120)
+        seen = [json.loads(child.communicate(timeout=120)[0]) for child in (ranked, other)]
     finally:
         z.close()
     lines = b""
     while chunk := os.read(read, 4096):
         lines += chunk
     os.close(read)
-    assert lines.decode().splitlines() == [f"Z {z.pid}", f"{ranked.pid} 5", f"{unranked.pid} -"]
+    said = [line.split() for line in lines.decode().splitlines()]
+    assert said[0] == ["Z", str(z.pid)]
+    assert [line[:2] for line in said[1:]] == [[str(ranked.pid), "5"], [str(unranked.pid), "-"], [str(other.pid), "6"]]
+    secrets = [int(line[2]) for line in said[1:]]
+    assert len(set(secrets)) == 3 and min(secrets) > 2 ** 32  # one of its own for each, drawn from 63 bits
+    assert [s["secret"] for s in seen] == [secrets[0], secrets[2]]  # and each process knows its own
 
 
 _FORKER = textwrap.dedent('''
@@ -206,4 +216,5 @@ def test_a_zygote_forked_from_its_caller_is_one_an_exec_would_give(probe_dir, fl
     assert child["name"] == "__main__" and child["path0"] == str(probe_dir) and child["comm"] == "zprobe", child
     assert sorted(child["fds"])[:3] == [0, 1, 2] and len(child["fds"]) == 4, child  # + its own listing
     assert ended["zygote_exit"] == 0
-    assert ended["report"][0].startswith("Z ") and ended["report"][1] == f"{seen['child_pid']} -", ended
+    assert ended["report"][0].startswith("Z ") and ended["report"][1].startswith(f"{seen['child_pid']} - "), ended
+    assert child["secret"] == int(ended["report"][1].split()[2])  # found in the module as the package knows it

@@ -47,11 +47,12 @@ def _written(check: str, script: str, vet: Callable[[str], None] | None) -> str:
 
 def run_script(check: str, script: str, scenario: Scenario, *, layout: tuple[int, ...],
                crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None,
-               vet: Callable[[str], None] | None = None) -> Run:
-    """:func:`course.launcher.torchrun.runner.run_script` for ``check``: a missing or unwritten script fails it."""
+               vet: Callable[[str], None] | None = None, prelude: str | None = None) -> Run:
+    """:func:`course.launcher.torchrun.runner.run_script` for ``check``: a missing or unwritten script fails it.
+    ``prelude``: ``"module:function"`` each worker calls with its rank and its secret before the script runs."""
     path = _written(check, script, vet)
     note_ran_on("gloo", hidden=True)  # the runner hides the GPUs: a script's "nccl" cannot start, gloo runs
-    return runner.run_script(path, scenario, layout=layout, crash=crash, on_crash=on_crash)
+    return runner.run_script(path, scenario, layout=layout, crash=crash, on_crash=on_crash, prelude=prelude)
 
 
 def run_elastic(check: str, script: str, *, plan: Plan, input_features: int = 0,

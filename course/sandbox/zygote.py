@@ -53,6 +53,10 @@ _FLAGS = ("-s", "-P") if sys.version_info >= (3, 11) else ("-I",)
 _REQUEST_LIMIT = 1 << 20
 _UNBUFFERED = bool(os.environ.get("PYTHONUNBUFFERED"))  # as Python read it at this process's start (-u's effect)
 _ENV = "DDP_COURSE_ZYGOTE"  # "0": never use a zygote (every process is exec'd, as without one)
+#: in a process a reporting zygote forked: a number drawn for it alone (os.urandom, in the zygote, before the
+#: fork) that the zygote also told the reader of its reports; None in every other process. Its uses: data that
+#: only this process and the launcher can know (what a student's process cannot compute for another one)
+SECRET: int | None = None
 
 
 def _import_time_env(env) -> dict[str, str]:
@@ -152,8 +156,9 @@ class Zygote:
 
     def __init__(self, preload=PRELOAD, report_fd: int | None = None, fork: bool = False):
         """``report_fd``: a descriptor (a pipe's end) on which the zygote says ``Z ITS-PID`` once, then
-        ``PID RANK`` for each process it forks (RANK from the environment it was given, ``-`` for none); the
-        zygote then makes itself undumpable (no process of its uid may trace it or read its descriptors).
+        ``PID RANK SECRET`` for each process it forks (RANK from the environment it was given, ``-`` for none;
+        SECRET the number it drew for that process, which finds it as :data:`SECRET`); the zygote then makes
+        itself undumpable (no process of its uid may trace it or read its descriptors).
 
         ``fork``: start the zygote by forking this process instead of a fresh Python, where that gives the same
         zygote (:func:`_forkable`): this process has imported all of ``preload`` already, runs with the zygote's
@@ -444,9 +449,18 @@ def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in
     os._exit(127)
 
 
+def _keep_secret(secret: int) -> None:
+    """In a reporting zygote's child: :data:`SECRET` is ``secret`` (in this module as the package knows it, which
+    the zygote itself may not be: run as ``-m``, it is ``__main__``)."""
+    module = sys.modules.get("course.sandbox.zygote")
+    if module is None:
+        import course.sandbox.zygote as module
+    module.SECRET = secret
+
+
 def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> int:
     """The zygote: import ``preload``, then fork a process per request on ``control_fd`` until it closes (each
-    one's pid and RANK said on ``report_fd``, see :class:`Zygote`)."""
+    one's pid, RANK and secret said on ``report_fd``, see :class:`Zygote`)."""
     import importlib
 
     if report_fd is not None:
@@ -499,6 +513,7 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
                 os.close(fd)
             continue
         reply = socket.socket(fileno=fds[3])
+        secret = int.from_bytes(os.urandom(8), "little") >> 1 if report_fd is not None else None
         try:
             request = json.loads(message)
             pid = os.fork()
@@ -513,11 +528,12 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
                 from course.proc import PR_SET_DUMPABLE, prctl  # (loaded: make_undumpable came from there)
 
                 prctl(PR_SET_DUMPABLE, 1)  # a launcher that looks at its open files then would call them hidden
+                _keep_secret(secret)
             _child(request, fds)
         if report_fd is not None:
             rank = str(request.get("env", {}).get("RANK", "-"))
             try:
-                os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'}\n".encode())
+                os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
             except OSError:
                 pass  # the reader is gone: nobody asks any more
         for fd in fds[:3]:

@@ -13,7 +13,7 @@ EXPORTS = {
     "check_atomic_checkpoint": "checks",
     "check_checkpoint_rank0": "checks",
     "check_ddp_training": "checks",
-    "check_destroy": "checks",
+    "check_destroy": "destroy",
     "check_multinode_ranks": "checks",
     "check_restart_resume": "checks",
     "check_standalone_ranks": "checks",

@@ -47,6 +47,8 @@ from graders.common.torchrun_model import (  # noqa: F401 - the given parts and 
     expected_weights,
     get_batch,
     make_model,
+    replayed_by_hand,
+    secrets_of,
     shift_checkpoint,
     top_level_stub,
 )
@@ -59,6 +61,15 @@ CRASH_RANK = 1
 CRASH_STEP = 5  # rank 1's 5th optimizer step: epochs 0 and 1 are checkpointed, epoch 2 has begun
 NODES_WORKERS = (1, 2)  # workers per torchrun agent in the 2-node run
 RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 workers
+#: what each worker of a graded run does before the script: its own batches carry its secret offset
+PRELUDE = "graders.common.torchrun_model:install"
+
+
+def data_of(run: torchrun.Run, resume: tuple | None = None) -> tuple:
+    """The ``data`` of :func:`expected_weights` for ``run``: the workers' secrets before and after the restart
+    (``resume``), or the last launch's for a run judged as trained from the start (``resume`` None)."""
+    first, last = secrets_of(run.forks, run.world_size)
+    return (last,) if resume is None else (first, last)
 
 
 
@@ -76,7 +87,7 @@ def _run_script(script: str, scenario: torchrun.Scenario, check: str, **kwargs) 
                               "`raise NotImplementedError()`), run that cell, then this one")
 
     kwargs.setdefault("layout", NODES_WORKERS)
-    return torchrun.run_script(check, script, scenario, vet=vet, **kwargs)
+    return torchrun.run_script(check, script, scenario, vet=vet, prelude=PRELUDE, **kwargs)
 
 
 def _check_reports(check: str, run: torchrun.Run, world_size: int) -> None:
@@ -139,7 +150,7 @@ def _report_hint(key: str, got, w: torchrun.Worker) -> str | None:
     return None
 
 
-def _graded_run(script: str, check: str, crash_rank: int | None, crash_step: int | None,
+def graded_run(script: str, check: str, crash_rank: int | None, crash_step: int | None,
                 layout: tuple[int, ...] | None = None) -> torchrun.Run:
     """The run a check judges: the 2-node run, or (a hidden test, ``crash_rank``/``crash_step`` given) the
     restart run with that crash and ``layout``, the launch :func:`check_restart_resume` makes for it: no
@@ -157,7 +168,7 @@ def _restart_run(script: str, check: str, crash_rank: int, crash_step: int,
     return _run_script(script, "restart", check, crash=crash, layout=layout, on_crash=shift_checkpoint)
 
 
-def _restart_context(run: torchrun.Run) -> str:
+def restart_context(run: torchrun.Run) -> str:
     """What a check on the restart run says first: the crash (empty for the 2-node run)."""
     return _crash_context(run.crash) if run.scenario == "restart" and run.crash else ""
 
@@ -181,7 +192,7 @@ def check_multinode_ranks(script: str = "train.py", *, crash_rank: int | None = 
     With ``crash_rank``/``crash_step``/``layout`` (hidden test): judged on that restart run on two nodes, the
     workers of both rounds (a restarted worker may hold another rank, on the other node)."""
     check = "check_multinode_ranks"
-    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    run = graded_run(script, check, crash_rank, crash_step, layout)
     if len(run.layout) < 2:
         raise ValueError(f"{check} judges a run on several nodes, not {run.command}")
     _check_reports(check, run, world_size=run.world_size)
@@ -202,8 +213,8 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
     With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
     each rank 0 writes the checkpoint once per epoch it finished."""
     check = "check_checkpoint_rank0"
-    run = _graded_run(script, check, crash_rank, crash_step, layout)
-    context = _restart_context(run)
+    run = graded_run(script, check, crash_rank, crash_step, layout)
+    context = restart_context(run)
     others = {w.rank: writes_of(w, run) for w in run.workers if w.rank != 0}
     others = {r: found for r, found in others.items() if found}
     if others:
@@ -256,7 +267,7 @@ def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None 
     or deleted in place, only moved into place whole from a file of the same folder. With ``crash_rank``/
     ``crash_step`` (hidden test): judged on that restart run, every attempt."""
     check = "check_atomic_checkpoint"
-    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    run = graded_run(script, check, crash_rank, crash_step, layout)
     name = os.path.basename(run.ckpt_path)
     hint = ("write to a temporary file next to it, then move it into place in one step: "
             "tmp = ckpt_path + '.tmp'; torch.save(state, tmp); os.replace(tmp, ckpt_path)")
@@ -271,7 +282,7 @@ def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None 
     expect(
         not written,
         check,
-        _restart_context(run) + f"the job wrote the checkpoint in place: {name!r} itself was "
+        restart_context(run) + f"the job wrote the checkpoint in place: {name!r} itself was "
         f"{'created and ' if any(e.kind == 'create' for e in written) else ''}written to (the grader watched its "
         "folder), so a crash or kill during that write leaves a truncated checkpoint, and the restart cannot load it",
         ranks=[0],
@@ -280,7 +291,7 @@ def check_atomic_checkpoint(script: str = "train.py", *, crash_rank: int | None 
     expect(
         not any(e.kind == "delete" for e in mine),
         check,
-        _restart_context(run) + f"{name!r} was deleted before the new checkpoint took its place: a crash between "
+        restart_context(run) + f"{name!r} was deleted before the new checkpoint took its place: a crash between "
         "the two leaves no checkpoint at all",
         ranks=[0],
         hint="os.replace(tmp, ckpt_path) replaces the old file in one step: no need to remove it first",
@@ -371,7 +382,7 @@ def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = Non
     process training on all its ranks' batches and resuming as the run's rank 0 did (how it resumed is
     check_restart_resume's part), and every worker of both attempts all-reduced its gradients."""
     check = "check_ddp_training"
-    run = _graded_run(script, check, crash_rank, crash_step, layout)
+    run = graded_run(script, check, crash_rank, crash_step, layout)
     if not run.ok:
         # ranks that never averaged their gradients run apart: on two nodes, one finishes alone while the other's
         # worker died, and the job can no longer end. That is the mistake to name, not the job's end.
@@ -381,16 +392,28 @@ def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = Non
     restart = run.scenario == "restart"
     world_size = run.world_size
     resumes = _resumes(run) if restart else [None]
-    reference = expected_weights(world_size)
+    reference = expected_weights(world_size, data=data_of(run))
     diff = compare_weights(final, reference)
     if diff is None:
         raise CheckFailed(check, "final.pt does not hold this model's weights",
                           expected=sorted(reference), got=sorted(final), ranks=[0],
                           hint="save the model's state_dict (model.state_dict(), or ddp_model.module.state_dict())")
     if diff > ATOL:
-        diff = min(compare_weights(final, expected_weights(world_size, None, r)) for r in resumes)
+        diff = min(compare_weights(final, expected_weights(world_size, None, r, data_of(run, r))) for r in resumes)
     if diff > ATOL:
-        alone = min(compare_weights(final, expected_weights(world_size, (0,), r)) for r in resumes)
+        alone = min(compare_weights(final, expected_weights(world_size, (0,), r, data_of(run, r))) for r in resumes)
+        computed = any(run.forks) and min(compare_weights(final, expected_weights(
+            world_size, None, r, tuple(tuple(s if rank == 0 else None for rank, s in enumerate(secrets))
+                                       for secrets in data_of(run, r)))) for r in resumes) <= ATOL
+        if computed:
+            raise CheckFailed(
+                check, restart_context(run) + "rank 0's final weights are those of one process training on every "
+                "rank's batches, the other ranks' batches computed in rank 0's own worker (without the offset only "
+                "each rank's own worker draws): their gradients never came from the other workers", ranks=[0],
+                expected="every rank trains on its own batches, and DDP averages the gradients",
+                got="the weights of one process training on all ranks' batches without their secret offsets",
+                hint="wrap the model in DDP and give it to train_epoch with this worker's global rank: each rank "
+                "computes only its own batch; do not compute the other ranks' batches yourself")
         hint = ("rank 0's weights are what rank 0 learns from its own batches alone: the gradients were never "
                 "averaged. Wrap the model in DDP and train through ddp_model (the model you give train_epoch)"
                 if alone is not None and alone <= ATOL else
@@ -399,7 +422,7 @@ def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = Non
                 "and no change to the given functions")
         raise CheckFailed(
             check,
-            _restart_context(run) + "rank 0's final weights differ from "
+            restart_context(run) + "rank 0's final weights differ from "
             + (f"a {world_size}-rank DDP run that resumed as this one did" if restart else
                f"an uninterrupted {world_size}-rank DDP run") + f" (max |diff| {diff:.3g})",
             ranks=[0], expected=f"equal within {ATOL:g}", got=f"max |diff| = {diff:.3g}", hint=hint,
@@ -429,7 +452,8 @@ def _restart_table(run: torchrun.Run) -> str:
     if isinstance(run.final, dict):
         crash_epoch = (run.crash[1] - 1) // STEPS_PER_EPOCH if run.crash else 0
         shifted = run.crash_note is not None
-        resumed = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
+        resume = (crash_epoch, crash_epoch, True, run.crash_note)
+        resumed = expected_weights(run.world_size, None, resume, data_of(run, resume))
         diff = compare_weights(run.final, resumed)
         what = "a run resumed from the checkpoint" + (" (the grader shifted its weights)" if shifted else "")
         verdict = (f"equal to {what}" if diff is not None and diff <= ATOL else
@@ -464,6 +488,15 @@ def try_restart(script: str = "train.py", crash_rank: int = CRASH_RANK,
     if not run.ok:
         print(torchrun.failure("try_restart", run))
     return run
+
+
+def _replayed(run: torchrun.Run, final: dict, crash_epoch: int) -> bool:
+    """Whether rank 0's final weights are those of a restarted job that recomputed the epochs before the crash
+    instead of loading them: through DDP (every epoch on the restarted workers' batches), or by hand in every
+    worker (:func:`replayed_by_hand`)."""
+    _, last = secrets_of(run.forks, run.world_size)
+    return any(compare_weights(final, reference) <= ATOL for reference in (
+        expected_weights(run.world_size, data=(last,)), replayed_by_hand(run.world_size, crash_epoch, last)))
 
 
 def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RANK,
@@ -517,11 +550,12 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RA
     final = _final_weights(check, run)
     # an honest resume: the uninterrupted run's state at the crash's epoch, shifted as the grader shifted the
     # checkpoint while the job was down (run.crash_note: the secret seed; None where the file could not be shifted)
-    reference = expected_weights(run.world_size, None, (crash_epoch, crash_epoch, True, run.crash_note))
+    resume = (crash_epoch, crash_epoch, True, run.crash_note)
+    reference = expected_weights(run.world_size, None, resume, data_of(run, resume))
     diff = compare_weights(final, reference)
     if diff is None or diff > ATOL:
         steps = len(restarted[0].of("step")) if restarted else 0
-        replayed = run.crash_note is not None and compare_weights(final, expected_weights(run.world_size)) <= ATOL
+        replayed = run.crash_note is not None and _replayed(run, final, crash_epoch)
         if replayed:
             hint = ("load the model and the optimizer state from CKPT after a restart, and train on from there: "
                     "never recompute the epochs before it (the grader changed the weights in the checkpoint while "
@@ -546,42 +580,4 @@ def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RA
             hint=hint,
             detail=table,
         )
-    passed(check)
-
-
-def _left_the_group(w: torchrun.Worker) -> bool:
-    """Whether the worker's last destroy_process_group() left the default group, and nothing made one again."""
-    last = max((i for i, e in enumerate(w.events) if e["event"] == "destroy"), default=None)
-    if last is None or not w.events[last].get("default_group_left"):
-        return False
-    later = [e for e in w.events[last:] if e["event"] == "collectives" and "still_initialized" in e]
-    return not any(e["still_initialized"] for e in later)
-
-
-def check_destroy(script: str = "train.py", *, crash_rank: int | None = None,
-                  crash_step: int | None = None, layout: tuple[int, ...] | None = None) -> None:
-    """Every worker leaves its process group with dist.destroy_process_group() before it exits.
-
-    Judged by the effect, seen with torch's own functions taken before the script ran: after the call
-    returned, the worker no longer held a default process group (and still did not at exit).
-    With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run's last attempt (the workers of
-    the first were killed before they could leave)."""
-    check = "check_destroy"
-    run = _graded_run(script, check, crash_rank, crash_step, layout)
-    torchrun.require_ok(check, run)
-    workers = run.attempt(run.attempts - 1)
-    missing = [w.rank for w in workers if not _left_the_group(w)]
-    called = [w.rank for w in workers if w.of("destroy")]
-    expect(
-        not missing,
-        check,
-        _restart_context(run) + f"{rank_list(missing)} never called destroy_process_group: "
-        f"{'it' if len(missing) == 1 else 'they'} exited still in the process group"
-        if not set(missing) & set(called) else
-        f"{rank_list(missing)} still held the default process group at exit "
-        "(destroy_process_group was called for another group, or the group was made again)",
-        ranks=missing,
-        hint="end main() by destroying the process group (destroy_process_group) on every rank: it releases the "
-        "process group's sockets and threads (and, with NCCL, avoids warnings and hangs at exit)",
-    )
     passed(check)

@@ -130,6 +130,10 @@ class Run:
     files_hidden: set = field(default_factory=set)
     #: what the caller's ``on_crash`` returned (it ran in this process while the crashed worker waited)
     crash_note: object = None
+    #: (pid, RANK, secret) of every worker a zygote forked, in the order forked, as the zygotes told this process
+    #: (course.launcher.torchrun.workers.ZygoteReports): the secret is a number only that worker and this process
+    #: know (an exec'd worker has none and is not listed)
+    forks: list = field(default_factory=list)
     #: the elastic launch: (round key, what the caller's ``on_round`` returned) at each rendezvous round's start,
     #: run in this process before any worker of the round ran the script, then (None, its return) at the end
     round_notes: list = field(default_factory=list)
@@ -164,14 +168,17 @@ def _script(script: str) -> tuple[str, str]:
 
 
 def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
-               crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None) -> Run:
+               crash: tuple[int, int] | None = None, on_crash: Callable[[str], object] | None = None,
+               prelude: str | None = None) -> Run:
     """Launch ``script`` for ``scenario`` ("nodes" or "restart"), or reuse the run of the same content.
 
     ``layout``: the workers of each agent (one number: one agent, ``--standalone`` in a restart run; several:
     agents joined by a c10d rendezvous). ``crash``: in the restart run, the (rank, optimizer step) after which
     that worker is killed once; ``on_crash(ckpt_path)`` runs in this process at that moment, before the worker
     dies and so before torchrun restarts the job (``Run.crash_note`` keeps what it returns). A missing script
-    raises FileNotFoundError."""
+    raises FileNotFoundError. ``prelude`` (``"module:function"``): every worker calls ``function(rank, secret)``
+    before the script runs (its RANK, and the secret its zygote drew for it, see :attr:`Run.forks`; None when
+    it was exec'd)."""
     path, digest = _script(script)
     layout = tuple(int(n) for n in layout)
     if scenario == "restart":
@@ -184,11 +191,11 @@ def run_script(script: str, scenario: Scenario, *, layout: tuple[int, ...],
         crash = None
         if len(layout) < 2 or min(layout) < 1:
             raise ValueError(f"a nodes run has two agents or more, each with a worker, not {layout}")
-    key = (path, digest, scenario, crash, layout)
+    key = (path, digest, scenario, crash, layout, prelude)
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _launch(path, scenario, crash, layout, on_crash)
+        _CACHE[key] = _launch(path, scenario, crash, layout, on_crash, prelude)
     return _CACHE[key]
 
 
@@ -198,7 +205,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None) -> dict:
+def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None, prelude: str | None = None) -> dict:
     env = dict(os.environ)
     for name in [k for k in env if k.startswith(("TORCHELASTIC_", "DDP_COURSE_PROBE_"))]:
         del env[name]
@@ -219,6 +226,8 @@ def _job_env(probe_dir: str, watched: list[str], crash: tuple[int, int] | None) 
     if crash:
         env["DDP_COURSE_PROBE_CRASH_RANK"] = str(crash[0])
         env["DDP_COURSE_PROBE_CRASH_STEP"] = str(crash[1])
+    if prelude:
+        env["DDP_COURSE_PROBE_PRELUDE"] = prelude
     return env
 
 
@@ -272,14 +281,14 @@ class _crash_handover:  # noqa: N801 - a callable with a result, used as a funct
 
 
 def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layout: tuple[int, ...],
-            on_crash: Callable[[str], object] | None = None) -> Run:
+            on_crash: Callable[[str], object] | None = None, prelude: str | None = None) -> Run:
     job = tempfile.mkdtemp(prefix=f"ddp-course-ex4-{scenario}-")
     try:
         out_dir, ckpt_dir, probe_dir = (os.path.join(job, d) for d in ("out", "ckpt", "probe"))
         for d in (out_dir, ckpt_dir, probe_dir):
             os.makedirs(d)
         ckpt_path = os.path.join(ckpt_dir, "ckpt.pt")
-        env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=crash)
+        env = _job_env(probe_dir, [out_dir, ckpt_dir], crash=crash, prelude=prelude)
         tail = [PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
         commands = _commands(scenario, layout, job, tail)
         timeout = RESTART_TIMEOUT if scenario == "restart" else NODES_TIMEOUT
@@ -309,6 +318,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
                 fh.close()
         elapsed = time.monotonic() - started
         files = watch.stop()
+        forks = reports.forks()
         reports.close()
         run = Run(
             scenario=scenario,
@@ -330,6 +340,7 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
             file_writers=watch.writers,
             files_hidden=watch.hidden,
             crash_note=handover.note if handover else None,
+            forks=forks,
         )
         _observe(run, probe_dir)
         return run

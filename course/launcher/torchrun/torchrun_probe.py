@@ -58,6 +58,7 @@ LEAVE = "DDP_COURSE_PROBE_LEAVE"
 HOLD = "DDP_COURSE_PROBE_HOLD"
 INPUT_FEATURES = "DDP_COURSE_PROBE_INPUT_FEATURES"
 GATE = "DDP_COURSE_PROBE_GATE"
+PRELUDE = "DDP_COURSE_PROBE_PRELUDE"  # "module:function", called (rank, secret) before the script runs
 LEAVE_EXIT_CODE = 18
 AGENT_PID = "DDP_COURSE_PROBE_AGENT"  # set by course.launcher.torchrun.agent
 GATE_LIMIT = 60.0  # seconds a new worker waits for the launcher's go before it runs the script anyway
@@ -366,10 +367,28 @@ def _gate() -> None:
         time.sleep(0.01)
 
 
+def _prelude() -> None:
+    """The caller's ``DDP_COURSE_PROBE_PRELUDE`` (``module:function``): ``function(rank, secret)`` with this
+    worker's RANK and the number its zygote drew for it alone (:data:`course.sandbox.zygote.SECRET`; None for a
+    worker that was exec'd), before the script runs. A prelude that fails ends the worker: a job graded without
+    what its caller set up would be judged on something else."""
+    named = os.environ.get(PRELUDE)
+    if not named:
+        return
+    import importlib
+
+    module, _, function = named.partition(":")
+    zygote = sys.modules.get("course.sandbox.zygote")
+    rank = os.environ.get("RANK", "")
+    getattr(importlib.import_module(module), function)(int(rank) if rank.isdigit() else None,
+                                                       getattr(zygote, "SECRET", None))
+
+
 def main() -> None:
     script, *argv = sys.argv[1:]
     watched = [p for p in os.environ.get("DDP_COURSE_PROBE_WATCH", "").split(os.pathsep) if p]
     install(os.environ[PROBE_DIR], watched)
+    _prelude()
     _gate()
     script = os.path.abspath(script)
     sys.argv = [script, *argv]

@@ -23,12 +23,14 @@ class ZygoteReports:
     writing end only the zygotes hold (undumpable, nothing of a submission runs in them) once every agent started.
     ``rank(pid)``: the RANK a forked worker was started with, which /proc/PID/environ cannot tell (it shows the
     zygote's environment); ``zygotes``: their pids (no worker: left out of the processes whose writes are
-    watched)."""
+    watched); ``forks()``: (pid, RANK, secret) of every worker forked, in the order the zygotes forked them (the
+    secret: :data:`course.sandbox.zygote.SECRET` in that worker, drawn by its zygote)."""
 
     def __init__(self):
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         self._ranks: dict[int, int | None] = {}
+        self._forks: list[tuple[int, int | None, int | None]] = []
         self.zygotes: set[int] = set()
         self._buffer = b""
         self._lock = threading.Lock()
@@ -58,11 +60,13 @@ class ZygoteReports:
                 self._buffer += chunk
                 *lines, self._buffer = self._buffer.split(b"\n")
                 for line in lines:
-                    first, _, second = line.decode(errors="replace").partition(" ")
+                    first, second, third = (line.decode(errors="replace").split() + ["", "", ""])[:3]
                     if first == "Z" and second.isdigit():
                         self.zygotes.add(int(second))
                     elif first.isdigit():
-                        self._ranks[int(first)] = int(second) if second.isdigit() else None
+                        rank = int(second) if second.isdigit() else None
+                        self._ranks[int(first)] = rank
+                        self._forks.append((int(first), rank, int(third) if third.isdigit() else None))
                 continue
             if chunk == b"" or time.monotonic() >= end:
                 return
@@ -75,6 +79,11 @@ class ZygoteReports:
             if pid not in self._ranks and parent_of(pid) in self.zygotes:
                 self._drain(wait=2.0)  # forked a moment ago: its zygote is about to say so
             return self._ranks.get(pid)
+
+    def forks(self) -> list[tuple[int, int | None, int | None]]:
+        with self._lock:
+            self._drain()
+            return list(self._forks)
 
     def without_zygotes(self, pids: list[int]) -> list[int]:
         with self._lock:
