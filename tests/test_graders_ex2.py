@@ -65,6 +65,14 @@ def setup_reversed_ranks(rank, world_size):
     dist.init_process_group(course.backend(), rank=world_size - 1 - rank, world_size=world_size)
 
 
+def setup_fixed_gloo(rank, world_size):  # the PyTorch DDP tutorial's setup: right on CPUs only
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def setup_by_cuda(rank, world_size):  # a common idiom: nccl on two ranks sharing one GPU fails
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+
+
 def setup_forged(rank, world_size):
     """Never joins: only makes torch.distributed's own questions answer as if it had."""
     from torch.distributed import distributed_c10d as c10d
@@ -539,6 +547,16 @@ def test_check_setup_judges_what_a_collective_shows():
     fails(ex2.check_setup, setup_reversed_ranks, "did not join as ranks 0..1", "group ranks [1, 0]", "rank=rank")
     fails(ex2.check_setup, setup_forged, "no process group after setup()", "a collective could not run",
           "[ranks 0, 1]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_setup_tells_course_backend_from_a_fixed_one_on_a_cpu():
+    """On a CPU grader course.backend() and a fixed "gloo" make the same group; the grader's jobs name gloo
+    "cpu:gloo" (torch's other spelling of it), so the spec's "never a fixed one" is judged here too."""
+    for fixed in (setup_fixed_gloo, setup_by_cuda):
+        fails(ex2.check_setup, fixed, "another backend than the one course.backend() names",
+              "ranks 0, 1 joined with a fixed 'gloo'", "'cpu:gloo'", "dist.init_process_group(course.backend())")
 
 
 @pytest.mark.slow

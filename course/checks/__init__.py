@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from course.checks.backends import backend_alias
 from course.checks.hooks import grader_hook
 from course.checks.sealing import refuse, seal
 from course.envnames import GRADING_ENV
@@ -91,15 +92,14 @@ from course.launcher.writes import paused as grader_writes
 from course.launcher.writes import recording as record_writes
 
 __all__ = [
-    "CHECK_TIMEOUT",
-    "TIMEOUT_ENV",
+    "CHECK_TIMEOUT", "TIMEOUT_ENV",
     "CheckFailed",
     "Hold",
     "did_not_wait",
     "Mistake",
     "REAL",
     "answer_source",
-    "backend",
+    "backend", "backend_alias",
     "collectives",
     "describe",
     "check_timeout",
