@@ -382,6 +382,8 @@ def _prelude() -> None:
     rank = os.environ.get("RANK", "")
     getattr(importlib.import_module(module), function)(int(rank) if rank.isdigit() else None,
                                                        getattr(zygote, "SECRET", None))
+    if zygote is not None:
+        zygote.SECRET = None  # the prelude has what it needs: not left where the script looks first
 
 
 def main() -> None:
