@@ -515,10 +515,12 @@ def test_no_agent_or_worker_outlives_the_process_that_launched_them(tmp_path, si
             assert time.monotonic() < end, [_cmdline(p) for p in tree]
             time.sleep(0.2)
             tree = launcher.children(recursive=True)
-        # each agent's zygote is forked from the agent, and its workers from the zygote: their command line is the
-        # agent's, their names are not
-        assert len([p for p in tree if "course.launcher.torchrun.agent" in _cmdline(p)
-                    and p.name() != ZYGOTE_NAME and not _is_worker(p)]) == 2, [(p.name(), _cmdline(p)) for p in tree]
+        # the agents are forked from the launcher's agent zygote (its child, named a zygote), or exec'd by the
+        # launcher (their command line names the agent module); each agent's own zygote and workers are below them
+        zygotes = {p.pid for p in tree if p.ppid() == proc.pid and p.name() == ZYGOTE_NAME}
+        agents = [p for p in tree if p.name() != ZYGOTE_NAME and not _is_worker(p)
+                  and (p.ppid() in zygotes or (p.ppid() == proc.pid and "course.launcher.torchrun.agent" in _cmdline(p)))]
+        assert len(agents) == 2, [(p.name(), p.ppid(), _cmdline(p)) for p in tree]
         proc.send_signal(getattr(signal, sig))
         proc.wait(timeout=30)
         left = _still_running(tree, within=15)

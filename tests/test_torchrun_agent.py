@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from course.launcher.torchrun import agent, runner
+from course.launcher.torchrun import agent, agents, runner
 
 #: a DDP job that ends as most scripts do: destroy_process_group, then its model freed as main() returns (the
 #: moment a forked worker hung when torch.distributed.tensor was imported before init_process_group)
@@ -40,6 +40,8 @@ SCRIPT = textwrap.dedent('''
             "name": __name__, "argv": sys.argv, "path0": sys.path[0], "rank": os.environ["RANK"],
             "agent": os.environ.get("DDP_COURSE_PROBE_AGENT"), "ppid": os.getppid(),
             "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]),
+            "agent_parent": int(open(f"/proc/{os.environ['DDP_COURSE_PROBE_AGENT']}/stat").read()
+                                .rsplit(")", 1)[1].split()[1]),
             "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()}), flush=True)
         dist.destroy_process_group()
 
@@ -82,7 +84,8 @@ def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
     """Two agents (2 + 1 workers): each worker runs the script as __main__ with torchrun's environment and the
     script's folder first on sys.path; forked, it is the agent's grandchild (its zygote, forked from the agent, in between) and
     knows its agent; with DDP_COURSE_ZYGOTE=0 each worker is exec'd by its agent. The agent with one worker forks it too (its
-    zygote, forked from the agent, costs less than one exec'd worker)."""
+    zygote, forked from the agent, costs less than one exec'd worker). The agents themselves are forked from this
+    process's agent zygote (course.launcher.torchrun.agents), or exec'd with DDP_COURSE_ZYGOTE=0."""
     if not forked:
         monkeypatch.setenv("DDP_COURSE_ZYGOTE", "0")
     script = tmp_path / "train.py"
@@ -98,9 +101,12 @@ def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
         assert s["name"] == "__main__" and s["argv"][0] == str(script) and s["path0"] == str(tmp_path), s
         assert s["rank"] == str(rank) and s["omp"] == "1" and s["threads"] == 1, s
         if forked:
-            # forked from the zygote, itself forked from the agent: the agent's command line, not an exec's
-            assert "course.launcher.torchrun.agent" in s["cmdline"], s  # an exec'd worker's: python -u PROBE_SCRIPT
+            # forked from the zygote, itself forked from the agent, itself forked from the launcher's agent zygote:
+            # that zygote's command line, not an exec's (an exec'd worker's: python -u PROBE_SCRIPT)
+            assert "course.sandbox.zygote" in s["cmdline"] and runner.PROBE_SCRIPT not in s["cmdline"], s
             assert s["grandparent"] == int(s["agent"]), s
+            assert s["agent_parent"] in {z.pid for z in agents._zygotes.values()}, s
         else:
             assert runner.PROBE_SCRIPT in s["cmdline"] and s["ppid"] == int(s["agent"]), s
+            assert s["agent_parent"] == os.getpid(), s  # exec'd by this process (through the death-signal shim)
     assert not os.path.exists(run.out_dir)  # the job folder is gone: nothing left behind

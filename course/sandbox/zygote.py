@@ -51,6 +51,7 @@ IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_"
 #: the zygote's own interpreter flags; a module run with a subset of them can be forked
 _FLAGS = ("-s", "-P") if sys.version_info >= (3, 11) else ("-I",)
 _REQUEST_LIMIT = 1 << 20
+_EXTRA_FDS = 8  # the most descriptors a request passes on (Zygote.popen's pass_fds)
 _UNBUFFERED = bool(os.environ.get("PYTHONUNBUFFERED"))  # as Python read it at this process's start (-u's effect)
 _ENV = "DDP_COURSE_ZYGOTE"  # "0": never use a zygote (every process is exec'd, as without one)
 #: in a process a reporting zygote forked: a number drawn for it alone (os.urandom, in the zygote, before the
@@ -154,7 +155,7 @@ class ZygoteProcess:
 class Zygote:
     """One zygote process (see the module's text); ``popen`` forks a process from it."""
 
-    def __init__(self, preload=PRELOAD, report_fd: int | None = None, fork: bool = False):
+    def __init__(self, preload=PRELOAD, report_fd: int | None = None, fork: bool = False, env: dict | None = None):
         """``report_fd``: a descriptor (a pipe's end) on which the zygote says ``Z ITS-PID`` once, then
         ``PID RANK SECRET`` for each process it forks (RANK from the environment it was given, ``-`` for none;
         SECRET the number it drew for that process, which finds it as :data:`SECRET`); the zygote then makes
@@ -163,7 +164,8 @@ class Zygote:
         ``fork``: start the zygote by forking this process instead of a fresh Python, where that gives the same
         zygote (:func:`_forkable`): this process has imported all of ``preload`` already, runs with the zygote's
         flags and no code but ours has run in it (torchrun's agent, which imports torch anyway: one import of
-        torch instead of two)."""
+        torch instead of two). ``env``: the environment of a zygote that is exec'd (default: this process's);
+        what it imports with decides which processes it can run in place (:data:`IMPORT_TIME_ENV`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.preload = tuple(preload)
         if fork and _forkable(self.preload):
@@ -175,7 +177,7 @@ class Zygote:
                 extra = [str(report_fd)]
             self._proc = subprocess.Popen(  # the flags of box.python_flags(): nothing imported from where it starts
                 [sys.executable, *_FLAGS, "-m", "course.sandbox.zygote", str(theirs.fileno()), ",".join(preload),
-                 *extra], pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=False)
+                 *extra], pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=False, env=env)
         theirs.close()
         self._sock = ours
         self.pid = self._proc.pid
@@ -184,9 +186,15 @@ class Zygote:
         return self._proc.poll() is None
 
     def popen(self, argv: list[str], *, env: dict | None = None, cwd: str | None = None,
-              stdin=None, stdout=None, stderr=None) -> ZygoteProcess:
-        """``subprocess.Popen(argv, env, cwd, stdin, stdout, stderr, start_new_session=True)``, forked from the
-        zygote. Streams: None (ours), ``subprocess.PIPE``, ``subprocess.DEVNULL``, a descriptor or a file."""
+              stdin=None, stdout=None, stderr=None, pass_fds=(), deathsig: int | None = None) -> ZygoteProcess:
+        """``subprocess.Popen(argv, env, cwd, stdin, stdout, stderr, pass_fds, start_new_session=True)``, forked
+        from the zygote. Streams: None (ours), ``subprocess.PIPE``, ``subprocess.DEVNULL``, a descriptor or a
+        file; ``pass_fds``: descriptors of ours the process holds under the same numbers (3 and up).
+        ``deathsig``: the signal the process gets when the zygote ends (``PR_SET_PDEATHSIG``; a zygote ends
+        when its caller is gone), so that it does not outlive its caller."""
+        pass_fds = [int(fd) for fd in pass_fds]
+        if any(fd < 3 for fd in pass_fds) or len(pass_fds) > _EXTRA_FDS:
+            raise ValueError(f"pass_fds: at most {_EXTRA_FDS} descriptors, each 3 or more, not {pass_fds}")
         mine, child_ends, keep = {}, [], []
         for index, spec in enumerate((stdin, stdout, stderr)):
             if spec is subprocess.PIPE:
@@ -205,9 +213,11 @@ class Zygote:
                 child_ends.append(spec if isinstance(spec, int) else spec.fileno())
         status_ours, status_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ if env is None else env)
-        request = {"argv": [str(a) for a in argv], "env": env, "cwd": os.fspath(cwd) if cwd else os.getcwd()}
+        request = {"argv": [str(a) for a in argv], "env": env, "cwd": os.fspath(cwd) if cwd else os.getcwd(),
+                   "fds_at": pass_fds, "deathsig": deathsig}
         try:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [*child_ends, status_theirs.fileno()])
+            socket.send_fds(self._sock, [json.dumps(request).encode()],
+                            [*child_ends, status_theirs.fileno(), *pass_fds])
         finally:
             status_theirs.close()
             for fd in keep:
@@ -422,17 +432,31 @@ def _name(module: str) -> None:
     set_process_name(module.rsplit(".", 1)[-1] if module != "course.sandbox" else "sandbox")
 
 
-def _child(request: dict, fds: list[int]) -> None:  # pragma: no cover - runs in the forked child, ends in exec or _exit
+def _child(request: dict, fds: list[int], zygote: int) -> None:  # pragma: no cover - runs in the child, ends in exec or _exit
     try:
+        if request.get("deathsig"):
+            from course.proc import PR_SET_PDEATHSIG, prctl
+
+            prctl(PR_SET_PDEATHSIG, int(request["deathsig"]))
+            if os.getppid() != zygote:
+                os._exit(1)  # the zygote ended before the signal was asked for: it would never come
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         os.setsid()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
+        targets = [int(t) for t in request.get("fds_at") or []][:len(fds) - 4]
+        if targets:  # the caller's descriptors under its numbers: first above every number in play, then there
+            import fcntl
+
+            floor = max([*targets, *fds]) + 1
+            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds[4:4 + len(targets)]]
+            for fd, target in zip(moved, targets):
+                os.dup2(fd, target)
         from course.proc import close_descriptors_except
 
-        close_descriptors_except({0, 1, 2})
+        close_descriptors_except({0, 1, 2, *targets})
         os.chdir(request["cwd"])
         argv, env = request["argv"], request["env"]
         module = _runnable(argv, env)
@@ -477,6 +501,7 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
     _ZYGOTE_ENV.update(_import_time_env(os.environ))
     _name("zygote")
     control = socket.socket(fileno=control_fd)
+    zygote = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -503,12 +528,12 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
         if control not in ready:
             continue
         try:
-            message, fds, _, _ = socket.recv_fds(control, _REQUEST_LIMIT, 4)
+            message, fds, _, _ = socket.recv_fds(control, _REQUEST_LIMIT, 4 + _EXTRA_FDS)
         except OSError:
             break
         if not message:
             break  # our caller is gone: so are we (what we started notices, and ends itself)
-        if len(fds) != 4:
+        if len(fds) < 4:
             for fd in fds:
                 os.close(fd)
             continue
@@ -520,7 +545,7 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
         except (ValueError, OSError) as exc:
             reply.send(json.dumps({"error": str(exc)}).encode())
             reply.close()
-            for fd in fds[:3]:
+            for fd in fds[:3] + fds[4:]:
                 os.close(fd)
             continue
         if pid == 0:
@@ -529,14 +554,14 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
 
                 prctl(PR_SET_DUMPABLE, 1)  # a launcher that looks at its open files then would call them hidden
                 _keep_secret(secret)
-            _child(request, fds)
+            _child(request, fds, zygote)
         if report_fd is not None:
             rank = str(request.get("env", {}).get("RANK", "-"))
             try:
                 os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
             except OSError:
                 pass  # the reader is gone: nobody asks any more
-        for fd in fds[:3]:
+        for fd in fds[:3] + fds[4:]:
             os.close(fd)
         reply.send(json.dumps({"pid": pid}).encode())
         children[pid] = reply

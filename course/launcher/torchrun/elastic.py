@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from course.launcher.fswatch import FolderWatch
+from course.launcher.torchrun import agents
 from course.launcher.torchrun.runner import (
     AGENT,
     PROBE_SCRIPT,
@@ -53,7 +54,6 @@ from course.launcher.torchrun.runner import (
     _stop,
     _working,
 )
-from course.proc import dies_with_caller
 
 ELASTIC_TIMEOUT = 150.0
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
@@ -192,9 +192,7 @@ def _launch(script: str, plan: Plan, input_features: int,
                    f"--rdzv-conf={RDZV_CONF},is_host={int(name == 'A')}", "--max-restarts=3",
                    f"--log-dir={job}/logs{name}", PROBE_SCRIPT, script, "--out", out_dir, "--ckpt", ckpt_path]
             logs.append(open(os.path.join(job, f"agent{name}.log"), "wb"))  # noqa: SIM115 - closed below
-            procs[name] = subprocess.Popen(dies_with_caller(cmd), cwd=job, env={**env, "DDP_COURSE_PROBE_NODE": name},
-                                           stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+            procs[name] = agents.start(cmd, cwd=job, env={**env, "DDP_COURSE_PROBE_NODE": name}, stdout=logs[-1])
 
         gates = _Gates(probe_dir, ckpt_path, on_round)
         watch = FolderWatch([ckpt_dir])  # the kernel's account of CKPT's folder, from this process, before any worker

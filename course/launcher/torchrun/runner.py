@@ -44,8 +44,9 @@ import torch
 
 from course.launcher.fswatch import FileEvent, FolderWatch
 from course.launcher.stall import SAMPLE, StallVerdict, StallWatch
+from course.launcher.torchrun import agents
 from course.launcher.torchrun.workers import PROBE_SCRIPT, ZYGOTE_NAME, ZygoteReports
-from course.proc import alive, dies_with_caller
+from course.proc import alive
 from course.sandbox.box import python_flags
 
 NODES_TIMEOUT = 180.0
@@ -301,10 +302,8 @@ def _launch(script: str, scenario: Scenario, crash: tuple[int, int] | None, layo
         for i, cmd in enumerate(commands):
             logs.append(open(os.path.join(job, f"agent{i}.log"), "wb"))  # noqa: SIM115 - closed below
             # a session of its own (_stop kills its group), and killed when this process dies before _stop can
-            procs.append(subprocess.Popen(dies_with_caller(cmd), cwd=job,
-                                          env={**env, **reports.env()},
-                                          pass_fds=reports.fds(), stdin=subprocess.DEVNULL,
-                                          stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(agents.start(cmd, cwd=job, env={**env, **reports.env()}, stdout=logs[-1],
+                                      pass_fds=reports.fds()))
         reports.started()
         timed_out, stall, stranded = False, None, False
         alive: set[int] = set()
