@@ -218,3 +218,46 @@ def test_a_zygote_forked_from_its_caller_is_one_an_exec_would_give(probe_dir, fl
     assert ended["zygote_exit"] == 0
     assert ended["report"][0].startswith("Z ") and ended["report"][1].startswith(f"{seen['child_pid']} - "), ended
     assert child["secret"] == int(ended["report"][1].split()[2])  # found in the module as the package knows it
+
+
+def test_a_process_gets_the_descriptors_passed_under_their_numbers_and_dies_with_the_zygote_when_asked():
+    """pass_fds: the caller's descriptors, at the same numbers in the child (torchrun's agents get the report pipe
+    so); deathsig: the child gets that signal when the zygote ends, as a zygote does when its caller is gone (an
+    agent never outlives its launcher). Without it the child goes on."""
+    from course.proc import alive
+
+    read, write = os.pipe()
+    spare = os.dup(write)  # a descriptor of ours that is not passed: the child must not hold it
+    z = zygotes.Zygote(preload=())
+    try:
+        lister = ("import os, sys, time\n"
+                  "fds = [int(fd) for fd in os.listdir('/proc/self/fd')]\n"
+                  "os.write(int(sys.argv[1]), (' '.join(map(str, fds)) + '\\n').encode())\n"
+                  "time.sleep(120)\n")
+        dying = z.popen([sys.executable, "-c", lister, str(write)], pass_fds=[write], deathsig=signal.SIGKILL,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        staying = z.popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(write)
+        listing = b""
+        while not listing.endswith(b"\n"):
+            chunk = os.read(read, 4096)
+            assert chunk, "the child never wrote on the descriptor passed to it"
+            listing += chunk
+        held = sorted(int(fd) for fd in listing.split())
+        assert write in held and spare not in held, (held, write, spare)
+    finally:
+        z.close()  # the zygote ends: what asked for a signal gets it
+    end = time.monotonic() + 10
+    while alive(dying.pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    try:
+        assert not alive(dying.pid)
+        assert alive(staying.pid)
+    finally:
+        for pid in (dying.pid, staying.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.close(read)
+        os.close(spare)
