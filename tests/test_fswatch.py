@@ -68,3 +68,35 @@ def test_the_processes_that_write_are_named_by_the_kernel_not_by_themselves(tmp_
     seen = {w["rank"]: sorted(n for _, n in w["names"]) for w in watch.writers.values()}
     assert seen == {0: ["new.pt.tmp"], 2: ["final.pt"]}, seen
     assert not watch.hidden
+
+
+def test_a_watch_busy_looking_when_stopped_still_counts_every_move(tmp_path, monkeypatch):
+    """stop() waits for the reading thread to drain the kernel's queue, however long its look at the writers
+    takes on a loaded machine (it once closed the queue after 5 s under the thread, and the job's last move into
+    place went uncounted: 3 checkpoints counted of 4)."""
+    import threading
+    import time
+
+    from course.launcher import fswatch
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    looked = threading.Event()
+    first = [True]
+
+    def slow_look(self):
+        if first[0]:
+            first[0] = False
+            looked.set()
+            time.sleep(6)  # past the old 5 s wait
+
+    monkeypatch.setattr(fswatch.FolderWatch, "_look", slow_look)
+    watch = FolderWatch([str(folder)], holders=lambda: [])
+    for n in range(4):
+        (folder / "ckpt.tmp").write_bytes(b"x")
+        os.replace(folder / "ckpt.tmp", folder / "ckpt.pt")
+        if n == 0:
+            assert looked.wait(10)  # the thread read the first move and is looking now; the others queue up
+    events = watch.stop()
+    assert events is not None, watch.problem
+    assert _kinds(events, "ckpt.pt") == ["moved_to"] * 4

@@ -61,6 +61,10 @@ class FileEvent:
 _UNREADABLE_RETRIES, _UNREADABLE_WAIT = 5, 0.01
 
 
+#: how long stop() waits for the reading thread to drain the kernel's queue
+_DRAIN_LIMIT = 60.0
+
+
 def _listdir(base: str) -> list[str]:
     """``os.listdir(base)`` for /proc/PID/fd, asked again a few times while the kernel refuses it."""
     for _ in range(_UNREADABLE_RETRIES):
@@ -212,7 +216,12 @@ class FolderWatch:
         if self._fd < 0:
             return None
         self._stop.set()
-        self._thread.join(timeout=5)
+        # the thread drains what the kernel queued, then ends; on a loaded machine its looks at the writers' open
+        # files can take seconds (closing the queue under it lost the job's last move into place: seen once)
+        self._thread.join(timeout=_DRAIN_LIMIT)
+        if self._thread.is_alive():
+            self.problem = f"the watch had not read all the kernel's events within {_DRAIN_LIMIT:g} s"
+            return None  # never a count that is short: the thread still reads from the queue, which stays open
         os.close(self._fd)
         self._fd = -1
         if self._overflow:
