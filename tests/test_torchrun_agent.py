@@ -91,7 +91,7 @@ def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT + ("" if forked else "# exec'd\n"))  # another content: not the forked run's cache
     run = runner.run_script(str(script), "nodes", layout=(2, 1))
-    assert run.ok, run.log[-3000:]
+    assert run.ok, run.log + "\n".join(f"--- {w.name} ---\n{w.output[-2000:]}" for w in run.workers)
     assert isinstance(run.final, dict) and set(run.final) == {"weight", "bias"}, run.final
     seen = _seen(run)
     assert sorted(seen) == [0, 1, 2], [w.output for w in run.workers]
