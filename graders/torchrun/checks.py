@@ -65,11 +65,15 @@ RESTART_WORKERS = (2,)  # the restart run's layout: one standalone agent with 2 
 PRELUDE = "graders.common.torchrun_model:install"
 
 
-def data_of(run: torchrun.Run, resume: tuple | None = None) -> tuple:
+def data_of(run: torchrun.Run, resume: tuple | None = None, only: int | None = None) -> tuple:
     """The ``data`` of :func:`expected_weights` for ``run``: the workers' secrets before and after the restart
-    (``resume``), or the last launch's for a run judged as trained from the start (``resume`` None)."""
-    first, last = secrets_of(run.forks, run.world_size)
-    return (last,) if resume is None else (first, last)
+    (``resume``), or the last launch's for a run judged as trained from the start (``resume`` None). ``only``:
+    that rank's secrets alone (every other rank's batches as get_batch gives them in any process: what that
+    rank's worker computes of them by itself)."""
+    data = [*secrets_of(run.forks, run.world_size)]
+    data = data[1:] if resume is None else data
+    return tuple(tuple(s if only is None or rank == only else None for rank, s in enumerate(secrets))
+                 for secrets in data)
 
 
 
@@ -402,9 +406,9 @@ def check_ddp_training(script: str = "train.py", *, crash_rank: int | None = Non
         diff = min(compare_weights(final, expected_weights(world_size, None, r, data_of(run, r))) for r in resumes)
     if diff > ATOL:
         alone = min(compare_weights(final, expected_weights(world_size, (0,), r, data_of(run, r))) for r in resumes)
-        computed = any(run.forks) and min(compare_weights(final, expected_weights(
-            world_size, None, r, tuple(tuple(s if rank == 0 else None for rank, s in enumerate(secrets))
-                                       for secrets in data_of(run, r)))) for r in resumes) <= ATOL
+        computed = any(run.forks) and min(compare_weights(final, expected_weights(world_size, None, r,
+                                                                                 data_of(run, r, only=0)))
+                                          for r in resumes) <= ATOL
         if computed:
             raise CheckFailed(
                 check, restart_context(run) + "rank 0's final weights are those of one process training on every "
@@ -494,9 +498,9 @@ def _replayed(run: torchrun.Run, final: dict, crash_epoch: int) -> bool:
     """Whether rank 0's final weights are those of a restarted job that recomputed the epochs before the crash
     instead of loading them: through DDP (every epoch on the restarted workers' batches), or by hand in every
     worker (:func:`replayed_by_hand`)."""
-    _, last = secrets_of(run.forks, run.world_size)
+    last = data_of(run)
     return any(compare_weights(final, reference) <= ATOL for reference in (
-        expected_weights(run.world_size, data=(last,)), replayed_by_hand(run.world_size, crash_epoch, last)))
+        expected_weights(run.world_size, data=last), replayed_by_hand(run.world_size, crash_epoch, last[0])))
 
 
 def check_restart_resume(script: str = "train.py", *, crash_rank: int = CRASH_RANK,

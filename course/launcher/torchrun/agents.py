@@ -46,7 +46,7 @@ def _zygote_for(env: dict):
         z = _zygotes.get(key)
         if z is not None and z.alive():
             return z
-        clean = {k: v for k, v in env.items() if not k.startswith("DDP_COURSE_PROBE_")}
+        clean = {k: v for k, v in env.items() if not k.startswith(("DDP_COURSE_PROBE_", "DDP_COURSE_AGENT_"))}
         try:
             z = zygotes.Zygote(PRELOAD, env=clean)
         except OSError as exc:
