@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -213,10 +214,28 @@ def cli(*args: str, cwd: Path, timeout: float = 600, check: bool = True) -> subp
     return proc
 
 
-#: tries to write the real gradebook and the Slurm run's manifests and outcomes from inside the sandbox; it
-#: walks up from its working folder, so the notebook is the same in every course
-HOSTILE = """\
+#: tries to read the course's solutions, hidden tests, other students' submissions and the gradebook from inside
+#: the sandbox; it walks up from its working folder, so the notebook is the same in every course
+HOSTILE_READ = """\
 import glob, os
+found, here = [], os.getcwd()
+while here != "/":
+    here = os.path.dirname(here)
+    for pattern in ("gradebook.db", "source/*/*.ipynb", "submitted/*/*/*.ipynb", "autograded/*/*/*.ipynb",
+                    ".ddp-course/slurm/*/manifest.json"):
+        found += glob.glob(os.path.join(here, pattern))
+read = 0
+for path in found:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        read += bool(data)
+    except OSError:
+        pass
+print("hostile cell read", read, "files")
+"""
+#: tries to write the real gradebook and the Slurm run's manifests and outcomes from inside the sandbox
+HOSTILE = HOSTILE_READ + """\
 targets, here = [], os.getcwd()
 while here != "/":
     here = os.path.dirname(here)
@@ -379,9 +398,16 @@ def test_slurm_grades_a_class_exactly_as_local_jobs(tmp_path, slurm):
     assert total["ada"] == total["fay"] == top, total
     assert total["cy"] == 0 and 0 < total["bob"] < top and total["dee"] < top, total
     assert any("FAILED" in v for (s, _, kind), v in there.items() if s == "dee" and kind == "message")
-    fay = nbformat.read(on_slurm / "autograded" / "fay" / ASSIGNMENT / f"{NOTEBOOK}.ipynb", as_version=4)
-    assert "hostile cell wrote 0 files" in nbformat.writes(fay)  # the sandbox hid the course from it on Slurm too
-    assert b"pwned" not in (on_slurm / "gradebook.db").read_bytes()
+    for folder in (local, on_slurm):  # the sandbox hid the course from it, on Slurm too: nothing read, nothing written
+        fay = nbformat.writes(nbformat.read(folder / "autograded" / "fay" / ASSIGNMENT / f"{NOTEBOOK}.ipynb",
+                                            as_version=4))
+        assert "hostile cell read 0 files" in fay and "hostile cell wrote 0 files" in fay, (folder, fay[-3000:])
+        assert b"pwned" not in (folder / "gradebook.db").read_bytes()
+    # the control: unsandboxed, from a submission's folder, the same cell reads the solutions, the hidden tests,
+    # the other students' work and the gradebook
+    shown = subprocess.run([sys.executable, "-c", HOSTILE_READ], capture_output=True, text=True, timeout=60,
+                           cwd=on_slurm / "autograded" / "fay" / ASSIGNMENT, check=True).stdout
+    assert int(shown.split("read ")[1].split()[0]) >= 1 + 1 + len(CLASS), shown
     for student in CLASS:  # each submission's record says how the machine that graded it isolated it
         for folder in (local, on_slurm):
             record = read_record(Course.open(folder), Submission(ASSIGNMENT, student))
