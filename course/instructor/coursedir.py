@@ -81,13 +81,15 @@ class Course:
         """nbgrader's own API on this course (generate_assignment, autograde, generate_feedback, ...)."""
         from nbgrader.apps import NbGraderAPI
 
+        import course.instructor.gradebook  # noqa: F401 - new gradebooks stamped without a process of their own
+
         api = NbGraderAPI(coursedir=self.coursedir, config=self.config)
         api.log.setLevel(logging.WARNING)
         return api
 
     def gradebook(self):
         """A Gradebook on this course's database; use it as a context manager so it is closed."""
-        from nbgrader.api import Gradebook
+        from course.instructor.gradebook import Gradebook  # nbgrader's, its new gradebooks stamped in this process
 
         return Gradebook(self.db_url, self.course_id)
 
