@@ -7,7 +7,10 @@ renames, optimizer steps, ``destroy_process_group``, its collectives) and then r
 ``__main__``. While the job runs, the launcher's deadlock watch (:mod:`course.launcher.stall`)
 reads the workers' collectives and stops a job that can no longer finish. The result is a
 :class:`Run` of :class:`Worker` records (:mod:`~course.launcher.torchrun.runner`);
-:mod:`~course.launcher.torchrun.elastic` runs a job whose nodes leave and join. Turning a run into
+:mod:`~course.launcher.torchrun.elastic` runs a job whose nodes leave and join. The agents are forked from a
+warm zygote of the launcher's (:mod:`~course.launcher.torchrun.agents`), and each forks its workers from one of
+its own (:mod:`~course.launcher.torchrun.agent`), which gives each worker a secret it reports to the launcher
+(``Run.forks``; a caller's ``prelude`` receives it in the worker before the script). Turning a run into
 verdicts (why it did not finish, the root cause first) is the check API's: :mod:`course.checks.torchrun`.
 """
 
