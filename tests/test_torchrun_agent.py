@@ -15,7 +15,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+import graders.common.torchrun_model as torchrun_model
 from course.launcher.torchrun import agent, agents, runner
 
 #: a DDP job that ends as most scripts do: destroy_process_group, then its model freed as main() returns (the
@@ -42,7 +44,10 @@ SCRIPT = textwrap.dedent('''
             "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]),
             "agent_parent": int(open(f"/proc/{os.environ['DDP_COURSE_PROBE_AGENT']}/stat").read()
                                 .rsplit(")", 1)[1].split()[1]),
-            "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads()}), flush=True)
+            "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
+            # what get_batch(rank, 0, 0) draws here: moved by this worker's secret under the grader's prelude
+            "drawn": torch.randn(8, 4, generator=torch.Generator().manual_seed(dist.get_rank())).tolist()}),
+            flush=True)
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -90,7 +95,7 @@ def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
         monkeypatch.setenv("DDP_COURSE_ZYGOTE", "0")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT + ("" if forked else "# exec'd\n"))  # another content: not the forked run's cache
-    run = runner.run_script(str(script), "nodes", layout=(2, 1))
+    run = runner.run_script(str(script), "nodes", layout=(2, 1), prelude="graders.common.torchrun_model:install")
     assert run.ok, run.log + "\n".join(f"--- {w.name} ---\n{w.output[-2000:]}" for w in run.workers)
     assert isinstance(run.final, dict) and set(run.final) == {"weight", "bias"}, run.final
     seen = _seen(run)
@@ -109,4 +114,15 @@ def test_a_two_node_job_runs_as_under_torchrun(tmp_path, monkeypatch, forked):
         else:
             assert runner.PROBE_SCRIPT in s["cmdline"] and s["ppid"] == int(s["agent"]), s
             assert s["agent_parent"] == os.getpid(), s  # exec'd by this process (through the death-signal shim)
+    # every worker, forked or exec'd, got a secret of its own that the launcher was told (its zygote's, or its
+    # agent's on a pipe), and the prelude moved its own batch by exactly that secret's offset
+    forks = {pid: (rank, secret) for pid, rank, secret in run.forks}
+    assert sorted(forks) == sorted(w.pid for w in run.workers), (run.forks, [w.pid for w in run.workers])
+    assert len({secret for _, secret in forks.values()}) == 3 and None not in {s for _, s in forks.values()}
+    for w in run.workers:
+        rank, secret = forks[w.pid]
+        assert rank == w.rank
+        wanted = torchrun_model.batch_of(rank, 0, 0, secret)[0]
+        assert torch.allclose(torch.tensor(seen[rank]["drawn"]), wanted, atol=1e-6), rank
+        assert not torch.allclose(wanted, torchrun_model.get_batch(rank, 0, 0)[0])
     assert not os.path.exists(run.out_dir)  # the job folder is gone: nothing left behind

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 
-from course.launcher.torchrun.workers import PROBE_SCRIPT, REPORT_FD
+from course.launcher.torchrun.workers import PROBE_SCRIPT, REPORT_FD, SECRET_FD
 
 #: what the workers' zygote imports: a worker's torch and torch.distributed, the probe's own imports (the probe
 #: module itself runs afresh as ``__main__`` in each worker), and the part of torch._dynamo's import (which the
@@ -53,9 +53,12 @@ def forked_argv(args: tuple | list) -> list[str] | None:
     return None
 
 
-def install(zygote) -> None:
-    """Make torch's subprocess handler fork the probe's workers from ``zygote`` (None: leave it as it is)."""
-    if zygote is None:
+def install(zygote, report_fd: int | None = None) -> None:
+    """Make torch's subprocess handler fork the probe's workers from ``zygote`` (None: exec them, as torch does).
+
+    ``report_fd``: where there is no zygote, the launcher's report pipe, now this agent's: a probe's worker it
+    exec's gets a secret of its own as the zygote would give it (:func:`_exec_with_secret`), said on the pipe."""
+    if zygote is None and report_fd is None:
         return
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
@@ -63,29 +66,58 @@ def install(zygote) -> None:
 
     def _popen(self, args, env):
         argv = forked_argv(args)
-        if argv is not None and zygote.alive():
+        if argv is not None and zygote is not None and zygote.alive():
             try:
                 return zygote.popen(argv, env=env, stdout=self._stdout, stderr=self._stderr)
             except OSError as exc:  # the zygote could not start it: exec it, as torch would
                 print(f"[ddp-course] worker exec'd, not forked: {exc}", file=sys.stderr, flush=True)
+        if argv is not None and report_fd is not None:
+            return _exec_with_secret(args, env, self._stdout, self._stderr, report_fd)
         return real_popen(self, args, env)
 
     subprocess_handler.SubprocessHandler._popen = _popen
 
 
+def _exec_with_secret(args, env: dict, stdout, stderr, report_fd: int):
+    """torch's ``Popen`` of a worker (a session of its own), which also holds, on a pipe only it gets, a number
+    drawn for it alone (the probe reads it before the script runs, :data:`SECRET_FD`); its pid, RANK and that
+    number are said on ``report_fd``, as a reporting zygote says them."""
+    import subprocess
+
+    secret = int.from_bytes(os.urandom(8), "little") >> 1
+    read, write = os.pipe()
+    os.write(write, str(secret).encode())
+    os.close(write)
+    try:
+        proc = subprocess.Popen(args=args, env={**env, SECRET_FD: str(read)}, stdout=stdout, stderr=stderr,
+                                start_new_session=True, pass_fds=(read,))
+    finally:
+        os.close(read)
+    rank = str(env.get("RANK", "-"))
+    try:
+        os.write(report_fd, f"{proc.pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
+    except OSError:
+        pass  # the reader is gone: nobody asks any more
+    return proc
+
+
 def start_zygote():
-    """A zygote with the workers' import-time environment, or None where zygotes are off or cannot start.
+    """``(zygote, report_fd)``: a zygote with the workers' import-time environment, or None where zygotes are off
+    or cannot start; the launcher's report pipe where this agent keeps it (no zygote), else None.
 
     The launcher's end of a pipe, named by :data:`REPORT_FD`, goes to the zygote alone (this agent closes its
-    copy): there the zygote says its pid and each worker's pid and RANK, for the launcher, which cannot read a
-    forked worker's RANK in /proc/PID/environ (that shows the zygote's environment)."""
+    copy): there the zygote says its pid and each worker's pid, RANK and secret, for the launcher, which cannot
+    read a forked worker's RANK in /proc/PID/environ (that shows the zygote's environment). Without a zygote this
+    agent keeps the pipe and says the same of the workers it exec's, having made itself undumpable (as a reporting
+    zygote does: no process of its uid may then write on the pipe through /proc/PID/fd)."""
     from course.sandbox import zygote as zygotes
 
     named = os.environ.pop(REPORT_FD, "")
     report_fd = int(named) if named.isdigit() else None
+    zygote = None
     try:
         if not zygotes.enabled():
-            return None
+            return None, _keep(report_fd)
         # what torch's local agent adds to every worker's environment and a worker's imports may read: the zygote
         # imports with it too (OMP_NUM_THREADS the launcher sets for the whole job)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -99,21 +131,31 @@ def start_zygote():
             except Exception:  # noqa: BLE001 - not preloaded: the zygote is then exec'd (Zygote's fork needs them all)
                 pass
         try:
-            return zygotes.Zygote(PRELOAD, report_fd=report_fd, fork=True)
+            zygote = zygotes.Zygote(PRELOAD, report_fd=report_fd, fork=True)
+            return zygote, None
         except OSError as exc:
             print(f"[ddp-course] no zygote for the workers: {exc}", file=sys.stderr, flush=True)
-            return None
+            return None, _keep(report_fd)
     finally:
-        if report_fd is not None:
+        if report_fd is not None and zygote is not None:
             os.close(report_fd)
+
+
+def _keep(report_fd: int | None) -> int | None:
+    """The report pipe this agent keeps (no zygote holds it), this agent made undumpable first."""
+    if report_fd is not None:
+        from course.proc import make_undumpable
+
+        make_undumpable()
+    return report_fd
 
 
 def main() -> None:
     from course.launcher.torchrun.torchrun_probe import AGENT_PID
 
     os.environ[AGENT_PID] = str(os.getpid())
-    zygote = start_zygote()
-    install(zygote)
+    zygote, report_fd = start_zygote()
+    install(zygote, report_fd)
     from torch.distributed.run import main as torchrun
 
     try:

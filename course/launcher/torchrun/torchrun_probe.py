@@ -44,8 +44,26 @@ import signal
 import sys
 import time
 
-from course.launcher.rank import start_stall_probe, watch_parent
-from course.launcher.torchrun.workers import parent_of
+from course.launcher.torchrun.workers import SECRET_FD, parent_of
+
+
+def _secret_from_agent() -> int | None:
+    """An exec'd worker's secret: read from the pipe its agent gave it alone (``SECRET_FD``), then closed; first
+    thing in the worker, before its slow imports (None: a forked worker, whose zygote gave it one)."""
+    named = os.environ.pop(SECRET_FD, "")
+    if not named.isdigit():
+        return None
+    try:
+        with os.fdopen(int(named), "rb") as fh:
+            text = fh.read().decode()
+        return int(text) if text.isdigit() else None
+    except OSError:
+        return None
+
+
+_AGENT_SECRET = _secret_from_agent() if __name__ == "__main__" else None
+
+from course.launcher.rank import start_stall_probe, watch_parent  # noqa: E402 - after the secret is read
 
 PROBE_DIR = "DDP_COURSE_PROBE_DIR"
 #: the pid of the process that launched the job: a worker ends once it is gone (its agent is gone then too)
@@ -369,8 +387,8 @@ def _gate() -> None:
 
 def _prelude() -> None:
     """The caller's ``DDP_COURSE_PROBE_PRELUDE`` (``module:function``): ``function(rank, secret)`` with this
-    worker's RANK and the number its zygote drew for it alone (:data:`course.sandbox.zygote.SECRET`; None for a
-    worker that was exec'd), before the script runs. A prelude that fails ends the worker: a job graded without
+    worker's RANK and the number drawn for it alone: by its zygote (:data:`course.sandbox.zygote.SECRET`), or by its
+    agent for a worker it exec'd (read first thing, :func:`_secret_from_agent`), before the script runs. A prelude that fails ends the worker: a job graded without
     what its caller set up would be judged on something else."""
     named = os.environ.get(PRELUDE)
     if not named:
@@ -380,8 +398,9 @@ def _prelude() -> None:
     module, _, function = named.partition(":")
     zygote = sys.modules.get("course.sandbox.zygote")
     rank = os.environ.get("RANK", "")
+    secret = getattr(zygote, "SECRET", None) if zygote is not None else None
     getattr(importlib.import_module(module), function)(int(rank) if rank.isdigit() else None,
-                                                       getattr(zygote, "SECRET", None))
+                                                       _AGENT_SECRET if secret is None else secret)
     if zygote is not None:
         zygote.SECRET = None  # the prelude has what it needs: not left where the script looks first
 

@@ -16,6 +16,8 @@ PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchru
 ZYGOTE_NAME = "zygote"
 #: the environment variable naming the descriptor the launcher gives each agent for its zygote's reports
 REPORT_FD = "DDP_COURSE_AGENT_REPORT_FD"
+#: the environment variable naming, in a worker the agent exec'd (no zygote), the pipe that holds its secret
+SECRET_FD = "DDP_COURSE_WORKER_SECRET_FD"
 
 
 class ZygoteReports:
