@@ -473,6 +473,20 @@ def _child(request: dict, fds: list[int], zygote: int) -> None:  # pragma: no co
     os._exit(127)
 
 
+def draw_secret() -> int:
+    """A number for one forked process alone (63 bits of ``os.urandom``)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def say_fork(report_fd: int, pid: int, env: dict, secret: int) -> None:
+    """``PID RANK SECRET`` on ``report_fd`` (RANK from ``env``, ``-`` without one): the report line of a fork."""
+    rank = str(env.get("RANK", "-"))
+    try:
+        os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
+    except OSError:
+        pass  # the reader is gone: nobody asks any more
+
+
 def _keep_secret(secret: int) -> None:
     """In a reporting zygote's child: :data:`SECRET` is ``secret`` (in this module as the package knows it, which
     the zygote itself may not be: run as ``-m``, it is ``__main__``)."""
@@ -538,7 +552,7 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
                 os.close(fd)
             continue
         reply = socket.socket(fileno=fds[3])
-        secret = int.from_bytes(os.urandom(8), "little") >> 1 if report_fd is not None else None
+        secret = draw_secret() if report_fd is not None else None
         try:
             request = json.loads(message)
             pid = os.fork()
@@ -556,11 +570,7 @@ def serve(control_fd: int, preload: list[str], report_fd: int | None = None) -> 
                 _keep_secret(secret)
             _child(request, fds, zygote)
         if report_fd is not None:
-            rank = str(request.get("env", {}).get("RANK", "-"))
-            try:
-                os.write(report_fd, f"{pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
-            except OSError:
-                pass  # the reader is gone: nobody asks any more
+            say_fork(report_fd, pid, request.get("env", {}), secret)
         for fd in fds[:3] + fds[4:]:
             os.close(fd)
         reply.send(json.dumps({"pid": pid}).encode())

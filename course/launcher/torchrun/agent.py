@@ -84,7 +84,9 @@ def _exec_with_secret(args, env: dict, stdout, stderr, report_fd: int):
     number are said on ``report_fd``, as a reporting zygote says them."""
     import subprocess
 
-    secret = int.from_bytes(os.urandom(8), "little") >> 1
+    from course.sandbox.zygote import draw_secret, say_fork
+
+    secret = draw_secret()
     read, write = os.pipe()
     os.write(write, str(secret).encode())
     os.close(write)
@@ -93,11 +95,7 @@ def _exec_with_secret(args, env: dict, stdout, stderr, report_fd: int):
                                 start_new_session=True, pass_fds=(read,))
     finally:
         os.close(read)
-    rank = str(env.get("RANK", "-"))
-    try:
-        os.write(report_fd, f"{proc.pid} {rank if rank.isdigit() else '-'} {secret}\n".encode())
-    except OSError:
-        pass  # the reader is gone: nobody asks any more
+    say_fork(report_fd, proc.pid, env, secret)
     return proc
 
 
