@@ -67,7 +67,7 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
-from course.checks.backends import backend_alias
+from course.checks.backends import backend_alias, check_policy
 from course.checks.hooks import grader_hook
 from course.checks.sealing import refuse, seal
 from course.envnames import GRADING_ENV
@@ -195,7 +195,7 @@ def run(
     ``expected``: what the check expected of the student's function, shown with any failure of the job.
     ``stall_window``: see :func:`~course.launcher.job.launch` (only for a job the check knows will hang).
     """
-    backend = os.environ.get("DDP_COURSE_CHECK_BACKEND") or backend  # benchmarks/gpu_check.py: every check on auto
+    backend = check_policy(backend)  # benchmarks/gpu_check.py: every check on auto
     env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else env
     note_ran_on(resolve_backend(backend, world_size), hidden=backend == "gloo")  # the grade report shows it
     try:

@@ -16,9 +16,14 @@ from course.envnames import BACKEND_ENV
 GLOO_ALIAS = "cpu:gloo"
 
 
+def check_policy(asked: str = "gloo") -> str:
+    """The backend policy a check's job runs under: ``asked``, unless ``DDP_COURSE_CHECK_BACKEND`` names another
+    for every check (benchmarks/gpu_check.py: every check on auto)."""
+    return os.environ.get("DDP_COURSE_CHECK_BACKEND") or asked
+
+
 def backend_alias(policy: str = "gloo") -> tuple[dict, str | None]:
     """``(env, name)``: the ``env`` for :func:`course.checks.run` with which ``course.backend()`` in the ranks of a
     gloo job answers ``name`` (:data:`GLOO_ALIAS`); ``({}, None)`` where the job may run another backend (the
     check's ``policy`` is not gloo, or ``DDP_COURSE_CHECK_BACKEND`` asks for another)."""
-    chosen = os.environ.get("DDP_COURSE_CHECK_BACKEND") or policy
-    return ({BACKEND_ENV: GLOO_ALIAS}, GLOO_ALIAS) if chosen == "gloo" else ({}, None)
+    return ({BACKEND_ENV: GLOO_ALIAS}, GLOO_ALIAS) if check_policy(policy) == "gloo" else ({}, None)

@@ -71,10 +71,3 @@ def start(cmd: list[str], *, cwd: str, env: dict, stdout, pass_fds=()) -> object
     return subprocess.Popen(dies_with_caller(cmd), cwd=cwd, env=env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
                             stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
 
-
-def close() -> None:
-    """Stop this process's agent zygotes (the agents they started go on: each is its launcher's to end)."""
-    with _lock:
-        for z in _zygotes.values():
-            z.close()
-        _zygotes.clear()
