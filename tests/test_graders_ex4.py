@@ -969,6 +969,7 @@ def test_the_grader_shifts_every_copy_of_the_weights_in_a_checkpoint_and_nothing
         assert torch.allclose(shifted["ddp"][f"module.{name}"], value + shift[name])
     assert torch.equal(shifted["optimizer"]["state"][0]["momentum_buffer"], torch.ones(8, 4)) and shifted["epoch"] == 1
     assert max(float(d.abs().max()) for d in shift.values()) > 100 * ex4.ATOL
+    assert min(float(d.abs().min()) for d in shift.values()) >= ex4_model.SHIFT * (1 - 1e-6)  # none too small to see
     torch.save({"weights": list(model.parameters())}, path)  # no named weights: left alone, judged unshifted
     assert ex4_model.shift_checkpoint(path) is None
     assert ex4_model.shift_checkpoint(str(tmp_path / "missing.pt")) is None

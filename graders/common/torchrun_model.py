@@ -94,10 +94,17 @@ def secrets_of(forks: list, world_size: int) -> tuple[tuple, tuple]:
 SHIFT = 0.05
 
 
+def random_shift(shape, generator: torch.Generator) -> torch.Tensor:
+    """``SHIFT`` times a random sign times ``1 + |z|`` (``z`` normal) for each value: every value moves by at least
+    ``SHIFT``, so no weight's shift is too small to tell a loaded state from one rebuilt by hand."""
+    z = torch.randn(shape, generator=generator)
+    return SHIFT * torch.where(z >= 0, 1.0, -1.0) * (1 + z.abs())
+
+
 def shift_of(seed: int) -> dict[str, torch.Tensor]:
     """The shift of each of the model's weights the grader makes with ``seed`` (the seed stays in the grader)."""
     g = torch.Generator().manual_seed(seed)
-    return {name: SHIFT * torch.randn(p.shape, generator=g) for name, p in sorted(make_model().state_dict().items())}
+    return {name: random_shift(p.shape, g) for name, p in sorted(make_model().state_dict().items())}
 
 
 def shift_checkpoint(path: str) -> int | None:

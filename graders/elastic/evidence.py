@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from graders.common.torchrun_model import SHIFT, compare_weights, make_model, shift_of
+from graders.common.torchrun_model import compare_weights, make_model, random_shift, shift_of
 from graders.elastic.story import MOMENTUM, Round, Story, make_dataset, step_lr
 
 ATOL = 1e-5
@@ -56,7 +56,7 @@ def _names() -> list[str]:
 def momentum_shift_of(seed: int) -> list[torch.Tensor]:
     """The shift of each momentum buffer (parameter order) the grader makes with ``seed``."""
     g = torch.Generator().manual_seed(seed + 1)
-    return [SHIFT * torch.randn(p.shape, generator=g) for p in make_model().parameters()]
+    return [random_shift(p.shape, g) for p in make_model().parameters()]
 
 
 def _model_dicts(obj, found: list) -> None:
