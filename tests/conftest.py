@@ -21,6 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
+import cpu_profile
 import nbformat
 import pytest
 import report_sections
@@ -128,6 +129,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    cpu_profile.register(config)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_Controller(), "ddp-course-xdist-controller")
 

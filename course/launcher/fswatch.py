@@ -6,7 +6,8 @@ inotify instance in this process (not in theirs) before the job starts and reads
 write, close after writing, deletion and rename of a file in the watched folders, in order. It cannot say which
 process did it; it says what was done to each name (a file written in place, or moved into place whole). The
 kernel merges an event into the previous one still unread when both have the same kind and name (the rename
-cookie is not compared), so judge the kinds of events a name had, never how many.
+cookie is not compared), so judge the kinds of events a name had, never how many, except where nothing of the
+same kind and name can have come next in the queue (:func:`lone_moves` says where a count of moves can be short).
 Linux only (inotify, through the C library); elsewhere, or when the kernel refuses a watch, ``events`` stays
 None and ``problem`` says why.
 
@@ -53,6 +54,17 @@ class FileEvent:
     folder: str
     name: str
     cookie: int = 0
+
+
+def lone_moves(events: list[FileEvent], folder: str, name: str) -> list[FileEvent]:
+    """The moves into ``folder``/``name`` whose source the watch did not see (no ``moved_from`` with their cookie:
+    a file moved in from a folder not watched). The kernel queues such a move as a ``moved_to`` alone, and keeps
+    two of them as one when the second comes while the first is still unread: where there are any, the number of
+    moves into the name can be short of what was done. A move from a watched folder has its ``moved_from`` in
+    between, and a write in place its ``modify``: those are counted exactly."""
+    sources = {e.cookie for e in events if e.kind == "moved_from"}
+    return [e for e in events if e.kind == "moved_to" and e.folder == folder and e.name == name
+            and e.cookie not in sources]
 
 
 #: how often, and how far apart, a process whose descriptors the kernel will not show is asked again before it

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from course.launcher.fswatch import lone_moves
 from graders.common.torchrun_model import compare_weights, make_model, random_shift, shift_of
 from graders.elastic.story import MOMENTUM, Round, Story, make_dataset, step_lr
 
@@ -248,11 +249,15 @@ def commits_by_round(story: Story) -> dict[int, int] | None:
     from its own process: no worker can add to it): the moves into CKPT (and closes after writing it in place)
     between the grader's own move that changed CKPT when the round started and its next one (the first round runs
     before any). A round that started without a change of the grader's is counted with the one before. None where
-    the kernel could not be asked."""
+    the kernel could not be asked, or where CKPT was moved in from a folder it did not watch (the kernel keeps two
+    such moves in a row as one when they are read late: :func:`~course.launcher.fswatch.lone_moves`, so the count
+    could be short of what rank 0 did; the probe's record of rank 0's writes then says how often)."""
     files = story.run.files
     if files is None:
         return None
     folder, name = os.path.dirname(story.run.ckpt_path), os.path.basename(story.run.ckpt_path)
+    if lone_moves(files, folder, name):
+        return None
     graders = {e.cookie for e in files if e.kind == "moved_from" and e.name == _TMP}
     segments, count = [], 0
     for e in files:

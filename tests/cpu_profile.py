@@ -1,0 +1,62 @@
+"""CPU seconds per test file, the test's own processes included (``DDP_COURSE_CPU_PROFILE=1``; Linux, root, a
+cgroup v1 ``cpuacct`` hierarchy, as on the project's machines).
+
+Wall time says little on a 2-core machine shared by three workers: a test that waits on a deadline costs its
+worker's time but leaves the cores to the others. Each worker moves itself into a ``cpuacct`` cgroup of its own,
+which every process it starts inherits (rank processes, kernels, torchrun agents, sandboxed gradings: the sandbox
+uses other controllers), and reads the cgroup's CPU time around each test. What runs under another service's
+cgroup (Docker's containers, Slurm's jobs) is not counted here. The report's "CPU by file" section lists the
+files, costliest first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import report_sections
+
+ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+
+class CpuProfile:
+    def __init__(self, name: str):
+        self.group = ROOT / f"ddp-course-profile-{name}-{os.getpid()}"
+        self.group.mkdir(exist_ok=True)
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        self.by_file: dict[str, float] = {}
+        self._at = 0.0
+        report_sections.at_session_end(self._report)
+
+    def _usage(self) -> float:
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9
+
+    @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up: their cost is the test's
+    def pytest_runtest_setup(self, item):
+        self._at = self._usage()
+
+    @pytest.hookimpl(trylast=True)  # after they are torn down
+    def pytest_runtest_teardown(self, item, nextitem):
+        path = str(item.fspath).split("/tests/", 1)[-1]
+        self.by_file[path] = self.by_file.get(path, 0.0) + self._usage() - self._at
+
+    def pytest_unconfigure(self, config):
+        try:
+            (ROOT / "cgroup.procs").write_text(str(os.getpid()))
+            self.group.rmdir()
+        except OSError:
+            pass  # a process of ours still in it: the group stays, empty once it ends
+
+    def _report(self):
+        report_sections.add(f"CPU by file ({self.group.name}; s; not Docker's or Slurm's)", [
+            f"{seconds:7.1f} {path}" for path, seconds in sorted(self.by_file.items(), key=lambda kv: -kv[1])])
+
+
+def register(config) -> None:
+    if os.environ.get("DDP_COURSE_CPU_PROFILE") != "1" or not (ROOT / "cgroup.procs").exists():
+        return
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is None and config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+        return  # the controller runs no tests
+    config.pluginmanager.register(CpuProfile(worker or "main"), "ddp-course-cpu-profile")
