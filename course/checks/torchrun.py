@@ -25,12 +25,13 @@ from course.errors import (
     were,
 )
 from course.grading.cells import note_ran_on
+from course.launcher.fswatch import lone_moves
 from course.launcher.torchrun import elastic, runner
 from course.launcher.torchrun.elastic import Plan, node, rounds
 from course.launcher.torchrun.runner import NODES_TIMEOUT, RESTART_TIMEOUT, Run, Scenario, Worker, describe
 
-__all__ = ["NODES_TIMEOUT", "RESTART_TIMEOUT", "Plan", "Run", "Scenario", "Worker", "describe", "failure", "node",
-           "require_ok", "rounds", "run_elastic", "run_script", "student_traceback"]
+__all__ = ["NODES_TIMEOUT", "RESTART_TIMEOUT", "Plan", "Run", "Scenario", "Worker", "describe", "failure",
+           "lone_moves", "node", "require_ok", "rounds", "run_elastic", "run_script", "student_traceback"]
 
 
 def _written(check: str, script: str, vet: Callable[[str], None] | None) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from course.launcher.fswatch import lone_moves
+from course.checks import torchrun
 from graders.common.torchrun_model import compare_weights, make_model, random_shift, shift_of
 from graders.elastic.story import MOMENTUM, Round, Story, make_dataset, step_lr
 
@@ -256,7 +256,7 @@ def commits_by_round(story: Story) -> dict[int, int] | None:
     if files is None:
         return None
     folder, name = os.path.dirname(story.run.ckpt_path), os.path.basename(story.run.ckpt_path)
-    if lone_moves(files, folder, name):
+    if torchrun.lone_moves(files, folder, name):
         return None
     graders = {e.cookie for e in files if e.kind == "moved_from" and e.name == _TMP}
     segments, count = [], 0

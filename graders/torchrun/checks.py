@@ -38,7 +38,6 @@ import torch
 from course import checks
 from course.checks import CheckFailed, expect, passed, torchrun
 from course.errors import rank_list
-from course.launcher.fswatch import lone_moves
 from graders.common.torchrun_model import (  # noqa: F401 - the given parts and the reference, as graders.torchrun.checks has named them
     EPOCHS,
     LR,
@@ -253,7 +252,7 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
             expected=f"a checkpoint at the path given by --ckpt after every epoch (at least {epochs} writes)",
             hint="rank 0 writes the checkpoint to the --ckpt path at the end of every epoch",
         )
-    if run.files is not None and not lone_moves(run.files, *os.path.split(run.ckpt_path)):
+    if run.files is not None and not torchrun.lone_moves(run.files, *os.path.split(run.ckpt_path)):
         # the kernel's count, which no record in a worker can raise; not where the checkpoint was moved in from a
         # folder the launcher did not watch (which check_atomic_checkpoint fails): the kernel keeps two such moves
         # in a row as one when it is read late, so its count could be short of an honest rank 0's; the record
