@@ -76,3 +76,21 @@ def test_the_forkserver_is_not_forked_from_a_process_that_used_the_driver(monkey
     assert all(name in sys.modules for name in forkserver.PRELOAD)
     assert forkserver._fork_forkserver(server) is False
     assert server._forkserver_pid is None
+
+
+def test_without_gpu_device_files_the_count_is_0_without_importing_torch(monkeypatch, tmp_path):
+    """A process that has not imported torch (``ddp-course grade``, which starts kernels and verifiers) learns that
+    there is no GPU from the device files alone, and keeps from importing torch (a CPU second each time); where a
+    GPU's device file exists, torch is asked as before."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from course.launcher import gpus; "
+            "print(gpus.no_gpu_devices(), gpus.gpu_count(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == (["True", "0", "False"] if gpus.no_gpu_devices() else [out[0], out[1], "True"]), out
+    (tmp_path / "nvidiactl").write_text("")
+    monkeypatch.setattr(gpus, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia*"),))
+    assert not gpus.no_gpu_devices()
+    monkeypatch.setattr(gpus, "GPU_DEVICE_FILES", (str(tmp_path / "missing*"), str(tmp_path / "kfd")))
+    assert gpus.no_gpu_devices()

@@ -12,6 +12,7 @@ anyway (someone else asked): a forkserver is then started fresh instead of forke
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import subprocess
 import sys
@@ -19,9 +20,22 @@ import sys
 #: the driver's library: a process that mapped it has used the CUDA driver (torch's runtime loads it on first use)
 DRIVER_LIBRARY = "libcuda.so"
 
+#: device files one of which every GPU torch can use needs (NVIDIA's driver, in a container too; ROCm's kernel
+#: driver; WSL2's GPU): where none exists, there is no GPU to count
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_devices() -> bool:
+    """Whether this machine has none of :data:`GPU_DEVICE_FILES`: no GPU, known without importing torch."""
+    return not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
 
 def gpu_count() -> int:
-    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` counted), found without initialising CUDA here."""
+    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` counted), found without initialising CUDA here.
+    Without a GPU's device files, 0 without importing torch where it is not imported yet (a CPU second saved in
+    the processes that grade, which start kernels and verifiers but run no rank themselves)."""
+    if "torch" not in sys.modules and no_gpu_devices():
+        return 0
     import torch
 
     if not torch.cuda._is_compiled():  # a CPU build of torch: no GPU whatever the machine has
