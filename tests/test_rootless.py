@@ -24,6 +24,8 @@ import requirements_gate
 ROOT = Path(__file__).resolve().parents[1]
 USER = 65534  # nobody
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+#: files of tests/adversarial the replay leaves out: their outcome cannot depend on running without root (below)
+SAME_WITHOUT_ROOT = ("test_forged_evidence.py", "test_forged_residual.py")
 
 
 def _as_user(argv: list[str], env: dict, timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -67,7 +69,11 @@ def test_the_adversarial_suite_holds_without_root():
         _gate(env)
         # not the Docker path's attacks (test_docker_attacks.py): they grade in the grader container, whose engine
         # this user does not reach, and they play the container's partial sandbox, not this one
-        run = _as_user([sys.executable, "-m", "pytest", "tests/adversarial", "-q", "-p", "no:cacheprovider",
+        # nor the forgeries whose defences ask the kernel for nothing a uid changes (no sandbox, no seal: the
+        # checks' own evidence, in ranks of the grader's user either way); the ex2 forgeries stay, their step plan
+        # and cost are refused by a seccomp seal, which an unprivileged process sets up otherwise (no_new_privs)
+        ignored = [f"--ignore=tests/adversarial/{name}" for name in SAME_WITHOUT_ROOT]
+        run = _as_user([sys.executable, "-m", "pytest", "tests/adversarial", *ignored, "-q", "-p", "no:cacheprovider",
                         "-p", "no:randomly", "-rs", "-n", "0", "-m", "not docker"], env, 1700, cwd=str(ROOT))  # in one process: this test is one xdist unit
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -78,3 +84,22 @@ def test_the_adversarial_suite_holds_without_root():
     # the rootless tests ran (they skip as root), and the isolation tests were not skipped for want of it
     assert "needs root, or user namespaces" not in run.stdout, tail
     assert "the rootless sandbox is for a non-root user" not in run.stdout, tail
+
+
+def test_the_files_the_replay_leaves_out_use_no_sandbox_and_no_seal():
+    """What makes a forgery's outcome the same without root: the test makes no sandbox, and calls no check of a
+    grader module that seals the student's thread (the ex2 forgeries, whose checks do, are replayed)."""
+    import re
+
+    sealed = set()  # the checks defined in a module that seals
+    for path in (ROOT / "graders").rglob("*.py"):
+        text = path.read_text()
+        if re.search(r"\bsealing\b|\brefuse\(", text):
+            sealed |= set(re.findall(r"^def (check_\w+)", text, flags=re.M))
+    assert {"check_step_cost", "check_step_plan", "check_zero_memory"} <= sealed  # the rule sees them
+    for name in SAME_WITHOUT_ROOT:
+        text = (ROOT / "tests" / "adversarial" / name).read_text()
+        assert not {c for c in sealed if re.search(rf"\b{c}\b", text)}, name
+        assert not re.search(r"\bSandbox\b|rootless|geteuid|ddp-course", text), name
+    replayed = (ROOT / "tests" / "adversarial" / "test_forged_ex2_cost.py").read_text()
+    assert "refused by the grader's sandbox" in replayed  # the seal, which the replay must see hold as nobody
