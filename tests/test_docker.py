@@ -8,6 +8,7 @@ the images these tests skip, unless DDP_COURSE_REQUIRE_DOCKER=1 (CI), where they
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 import os
@@ -302,13 +303,19 @@ def test_lesson_executes_in_lab_container(lab_image):
     assert "[rank 1]" in text, f"{lesson.name} printed no multi-rank output in the container:\n{text[:2000]}"
 
 
+@functools.cache
+def _grades(grader_image: str) -> bool:
+    """Whether ``ddp-course grade`` runs in the image (asked once per session: a container start each time)."""
+    return docker("run", "--rm", "--network", "none", grader_image, "grade", "--help", check=False).returncode == 0
+
+
 def _grade_in_grader(grader_image: str, notebook: Path, tmp_path: Path) -> dict:
     """`ddp-course grade NB --json` in a grader container run with the documented flags.
 
     The notebook goes in through a bind mount, as an instructor's submissions do, into a folder
     named after its assignment; the cells run there (they may write checkpoints).
     """
-    if docker("run", "--rm", "--network", "none", grader_image, "grade", "--help", check=False).returncode != 0:
+    if not _grades(grader_image):
         unavailable(f"`ddp-course grade` does not run in {grader_image}: rebuild it from this checkout "
                     "(docker/ci/build.sh)")
     work = tmp_path / "work"
