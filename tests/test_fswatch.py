@@ -70,27 +70,33 @@ def test_the_processes_that_write_are_named_by_the_kernel_not_by_themselves(tmp_
     assert not watch.hidden
 
 
-def test_a_watch_busy_looking_when_stopped_still_counts_every_move(tmp_path, monkeypatch):
-    """stop() waits for the reading thread to drain the kernel's queue, however long its look at the writers
-    takes on a loaded machine (it once closed the queue after 5 s under the thread, and the job's last move into
-    place went uncounted: 3 checkpoints counted of 4)."""
+def _slow_first_look(monkeypatch, seconds: float):
+    """Make the watch's first look at the writers take ``seconds`` (what a loaded machine does to it); the event
+    that is set once that look has begun."""
     import threading
     import time
 
     from course.launcher import fswatch
 
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    looked = threading.Event()
-    first = [True]
+    looked, first = threading.Event(), [True]
 
     def slow_look(self):
         if first[0]:
             first[0] = False
             looked.set()
-            time.sleep(6)  # past the old 5 s wait
+            time.sleep(seconds)
 
     monkeypatch.setattr(fswatch.FolderWatch, "_look", slow_look)
+    return looked
+
+
+def test_a_watch_busy_looking_when_stopped_still_counts_every_move(tmp_path, monkeypatch):
+    """stop() waits for the reading thread to drain the kernel's queue, however long its look at the writers
+    takes on a loaded machine (it once closed the queue after 5 s under the thread, and the job's last move into
+    place went uncounted: 3 checkpoints counted of 4)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    looked = _slow_first_look(monkeypatch, 6)  # past the old 5 s wait
     watch = FolderWatch([str(folder)], holders=lambda: [])
     for n in range(4):
         (folder / "ckpt.tmp").write_bytes(b"x")
@@ -106,24 +112,12 @@ def test_moves_in_from_an_unwatched_folder_can_merge_and_are_named_lone(tmp_path
     """The kernel keeps two moves from an unwatched folder onto one name as one event while the first is unread
     (why a count of them can be short: seen in check_checkpoint_rank0 on a script whose temporary file was in
     /tmp); lone_moves names such moves, and only them."""
-    import threading
-    import time
-
     from course.launcher import fswatch
 
     folder, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
     folder.mkdir()
     elsewhere.mkdir()
-    looked = threading.Event()
-    first = [True]
-
-    def slow_look(self):
-        if first[0]:
-            first[0] = False
-            looked.set()
-            time.sleep(1)  # the moves below queue up unread meanwhile
-
-    monkeypatch.setattr(fswatch.FolderWatch, "_look", slow_look)
+    looked = _slow_first_look(monkeypatch, 1)  # the moves below queue up unread meanwhile
     watch = FolderWatch([str(folder)], holders=lambda: [])
     (folder / "start").write_bytes(b"")
     assert looked.wait(10)
