@@ -327,7 +327,8 @@ def _lr_hint(rule: Rule) -> str:
 
 def _require_saved_every_step(check: str, story: Story, rounds: list[Round]) -> None:
     """Rank 0 put CKPT in place after every optimizer step of ``rounds``: at least one commit a step in the kernel's
-    account (:func:`commits_by_round`), whatever the job knew of when its size would change."""
+    account (:func:`commits_by_round`), whatever the job knew of when its size would change; in rank 0's record of
+    its writes where CKPT was moved in from a folder the launcher did not watch (the kernel's count can be short)."""
     commits, whose = commits_by_round(story), "the kernel's count, read by the grader's launcher"
     if commits is None and story.run.files is not None:  # moved in from elsewhere: rank 0's record says how often
         commits = {r.number: len(r.commits) for r in rounds}

@@ -211,8 +211,10 @@ def check_checkpoint_rank0(script: str = "train.py", *, crash_rank: int | None =
     checkpoint's folder and OUT, which worker holds a file there open for writing (``/proc/<pid>/fd``, the worker's
     RANK from the environment torchrun gave it); a rank other than 0 seen so fails. How many times the checkpoint
     and final.pt were put in place is the kernel's count too: more than one writer makes (once an epoch, final.pt
-    once) fails, fewer than one per epoch fails. The probe's record in the workers (which a worker can append to or
-    rewrite) only names the writes and adds those outside the watched folders: it can fail a job, never pass one.
+    once) fails, fewer than one per epoch fails (except where the checkpoint was moved in from a folder the launcher
+    did not watch: the kernel may have kept two such moves as one, and rank 0's record says how often). The probe's
+    record in the workers (which a worker can append to or rewrite) otherwise only names the writes and adds those
+    outside the watched folders: it can fail a job, never pass one.
 
     With ``crash_rank``/``crash_step`` (hidden test): judged on that restart run, every attempt's workers:
     each rank 0 writes the checkpoint once per epoch it finished."""
