@@ -718,6 +718,29 @@ def test_a_script_that_saves_only_before_the_changes_it_reads_from_the_environme
     submissions.fails(ex4e.check_elastic_grow, str(script), "put CKPT in place", "kernel's count")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_checkpoint_moved_in_from_another_folder_is_counted_from_rank_0s_record(tmp_path):
+    """A right script whose temporary file is in /tmp: the kernel can keep two of its moves into CKPT as one (a
+    moved_to with no moved_from the launcher saw: course.launcher.fswatch.lone_moves), so its count is not the
+    judge of "saved after every step" there; rank 0's record is, and the script keeps both cells."""
+    from graders.elastic.evidence import commits_by_round
+    from graders.elastic.story import recorded_commits
+
+    script = tmp_path / "elastic.py"
+    script.write_text(forged([('    torch.save(obj, path + ".tmp")\n    os.replace(path + ".tmp", path)\n',
+                               '    tmp = "/tmp/ddp-course-test-elastic-%d.tmp" % os.getpid()\n'
+                               "    torch.save(obj, tmp)\n    os.replace(tmp, path)\n")]))
+    ex4e.check_elastic_shrink(str(script))
+    ex4e.check_elastic_grow(str(script))
+    story = ex4e._launch_story("check_elastic_shrink", str(script), (2, 1, 1), 2)  # the same launch (memo)
+    assert story.run.files is not None and commits_by_round(story) is None
+    rounds = [r for r in (story.departed, story.shrunk, story.grown) if r is not None]
+    ckpt = story.run.ckpt_path
+    assert len(rounds) == 3 and all(recorded_commits(r, ckpt) >= len(r.batches) for r in rounds)
+    assert not any(r.commits for r in rounds)  # no sha256 for a file the probe did not watch: counted all the same
+
+
 #: Another checkpoint layout: the DDP wrapper's state dict ("module." names) and the optimizer's, in a list under
 #: one key, the position as a small dict; the job's step count taken from it.
 WRAPPED_LAYOUT = '''

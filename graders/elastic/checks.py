@@ -84,6 +84,7 @@ from graders.elastic.story import (  # noqa: F401 - the given parts and the stor
     epochs_of,
     make_dataset,
     plan,
+    recorded_commits,
     refs_of,
     rule_samples,
     stated_rule,
@@ -331,7 +332,7 @@ def _require_saved_every_step(check: str, story: Story, rounds: list[Round]) -> 
     its writes where CKPT was moved in from a folder the launcher did not watch (the kernel's count can be short)."""
     commits, whose = commits_by_round(story), "the kernel's count, read by the grader's launcher"
     if commits is None and story.run.files is not None:  # moved in from elsewhere: rank 0's record says how often
-        commits = {r.number: len(r.commits) for r in rounds}
+        commits = {r.number: recorded_commits(r, story.run.ckpt_path) for r in rounds}
         whose = "rank 0's own record: CKPT was moved in from a folder the grader's launcher does not watch"
     for r in rounds if commits is not None else ():
         steps = len(r.batches)

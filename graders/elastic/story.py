@@ -200,6 +200,17 @@ def worker_starts(w: torchrun.Worker) -> list[list]:
     return starts
 
 
+def _commit(e: dict, ckpt: str) -> bool:
+    """Whether a probe event put CKPT in place (a move into it, or a save in place)."""
+    return (e["event"] == "rename" and e.get("dst") == ckpt) or (e["event"] == "saved" and e.get("path") == ckpt)
+
+
+def recorded_commits(r: Round, ckpt: str) -> int:
+    """How many times rank 0's record says it put CKPT in place in round ``r``, from wherever (a move from a folder
+    the probe does not watch has no sha256, and is not in ``r.commits``)."""
+    return sum(_commit(e, ckpt) for w in r.workers if w.rank == 0 for e in w.events)
+
+
 def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
     per_rank = [_worker_batches(w) for w in workers]
     starts = {w.rank: worker_starts(w) for w in workers}
@@ -216,7 +227,7 @@ def _round(number: int, workers: list[torchrun.Worker], ckpt: str) -> Round:
         for e in w.events:
             if e["event"] == "step":
                 done += 1
-            elif (e["event"] == "rename" and e.get("dst") == ckpt) or (e["event"] == "saved" and e.get("path") == ckpt):
+            elif _commit(e, ckpt):
                 if e.get("sha"):
                     commits.append((e["sha"], done))
     lrs = {w.rank: [e.get("lr") for e in w.of("step")] for w in workers}
