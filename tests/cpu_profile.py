@@ -26,8 +26,7 @@ class CpuProfile:
         self.group = ROOT / f"ddp-course-profile-{name}-{os.getpid()}"
         self.group.mkdir(exist_ok=True)
         (self.group / "cgroup.procs").write_text(str(os.getpid()))
-        self.by_file: dict[str, float] = {}
-        self.by_test: dict[str, float] = {}
+        self.by_test: dict[str, float] = {}  # nodeid -> CPU seconds
         self._at = 0.0
         report_sections.at_session_end(self._report)
 
@@ -40,9 +39,7 @@ class CpuProfile:
 
     @pytest.hookimpl(trylast=True)  # after they are torn down
     def pytest_runtest_teardown(self, item, nextitem):
-        path, spent = str(item.fspath).split("/tests/", 1)[-1], self._usage() - self._at
-        self.by_file[path] = self.by_file.get(path, 0.0) + spent
-        self.by_test[item.nodeid] = spent
+        self.by_test[item.nodeid] = self._usage() - self._at
 
     def pytest_unconfigure(self, config):
         try:
@@ -52,8 +49,12 @@ class CpuProfile:
             pass  # a process of ours still in it: the group stays, empty once it ends
 
     def _report(self):
+        by_file: dict[str, float] = {}
+        for test, seconds in self.by_test.items():
+            path = test.split("::", 1)[0].removeprefix("tests/")
+            by_file[path] = by_file.get(path, 0.0) + seconds
         report_sections.add(f"CPU by file ({self.group.name}; s; not Docker's or Slurm's)", [
-            f"{seconds:7.1f} {path}" for path, seconds in sorted(self.by_file.items(), key=lambda kv: -kv[1])]
+            f"{seconds:7.1f} {path}" for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])]
             + ["costliest tests:"] + [f"{seconds:7.1f} {test}" for test, seconds in
                                       sorted(self.by_test.items(), key=lambda kv: -kv[1])[:TOP_TESTS]])
 
