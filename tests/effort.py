@@ -43,7 +43,7 @@ IDEAS: dict[str, list[list[str]]] = {
     "ddp_basics": [
         ["joining the job from rank and world size", "pinning this rank's device"],
         ["equal shares by padding", "a seeded shuffle per epoch that every rank shares"],
-        ["the DDP wrap", "a new order every epoch (set_epoch)"],
+        ["the DDP wrap", "a summed objective under DDP's averaged gradients", "a new order every epoch (set_epoch)"],
         ["saving on rank 0 only", "a barrier so that no rank reads early"],
     ],
     "ddp_from_scratch": [

@@ -269,10 +269,13 @@ class SamplerWrappingTorchQuietly:
         return len(self.inner)
 
 
-def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", reduction="mean", extra_sync=False,
-          log_on_rank0=False):
+def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", reduction="sum", scale=True,
+          extra_sync=False, log_on_rank0=False):
+    """The summed objective's loop (scale: the rank's loss times the world size, which DDP's average divides out),
+    with one mistake or another switched on."""
     ddp_model = DDP(model) if wrap else model
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    factor = dist.get_world_size() if scale else 1
     for epoch in range(epochs):
         if set_epoch == "epoch":
             loader.sampler.set_epoch(epoch)
@@ -280,7 +283,7 @@ def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", redu
             loader.sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
-            loss = F.mse_loss(ddp_model(x), y, reduction=reduction)
+            loss = F.mse_loss(ddp_model(x), y, reduction=reduction) * factor
             loss.backward()
             if extra_sync:
                 for p in ddp_model.parameters():
@@ -307,8 +310,64 @@ def train_set_epoch_rank0(rank, model, loader, epochs, lr):
     return _loop(rank, model, loader, epochs, lr, set_epoch="rank0")
 
 
-def train_summed_loss(rank, model, loader, epochs, lr):
-    return _loop(rank, model, loader, epochs, lr, reduction="sum")
+def train_sum_unscaled(rank, model, loader, epochs, lr):
+    """Wrong (the usual mistake): each rank's loss summed, as the objective says, but DDP averages the ranks'
+    gradients, so each step is 1/world_size of the summed objective's."""
+    return _loop(rank, model, loader, epochs, lr, scale=False)
+
+
+def train_mean_loss(rank, model, loader, epochs, lr):
+    """Wrong: the lesson's loop as it is, on the mean squared error."""
+    return _loop(rank, model, loader, epochs, lr, reduction="mean", scale=False)
+
+
+def train_lr_scaled(rank, model, loader, epochs, lr):
+    """Right, another way: plain SGD's step is lr times the gradient, so lr x world_size on the averaged gradient of
+    the ranks' sums is the summed objective's step."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr * dist.get_world_size())
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp_model(x), y, reduction="sum").backward()
+            optimizer.step()
+    return ddp_model
+
+
+def _sum_hook(state, bucket):
+    """A DDP communication hook that adds the ranks' gradients up (the default hook divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def train_sum_comm_hook(rank, model, loader, epochs, lr):
+    """Right, another API: DDP told to sum, not average, with a communication hook of its own."""
+    ddp_model = DDP(model)
+    ddp_model.register_comm_hook(None, _sum_hook)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad(set_to_none=True)
+            (ddp_model(inputs) - targets).pow(2).sum().backward()
+            optimizer.step()
+    return ddp_model
+
+
+def train_grads_rescaled(rank, model, loader, epochs, lr):
+    """Right, and unusual: the gradients multiplied by the world size after backward, before the step."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.mse_loss(ddp_model(x), y, reduction="sum").backward()
+            for p in ddp_model.parameters():
+                p.grad.mul_(dist.get_world_size())
+            optimizer.step()
+    return ddp_model
 
 
 def train_extra_all_reduce(rank, model, loader, epochs, lr):
@@ -330,7 +389,7 @@ def train_logs_batch_size(rank, model, loader, epochs, lr):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
-            F.mse_loss(ddp_model(x), y).backward()
+            (F.mse_loss(ddp_model(x), y, reduction="sum") * dist.get_world_size()).backward()
             optimizer.step()
             with torch.no_grad():
                 print(f"[rank {rank}] loss {F.mse_loss(ddp_model(x), y).item():.3f}")
@@ -338,13 +397,14 @@ def train_logs_batch_size(rank, model, loader, epochs, lr):
 
 
 class Trainer:
-    """Right, in the style of PyTorch's DDP tutorial series (multigpu.py): a class, nn.MSELoss, set_to_none."""
+    """Right, in the style of PyTorch's DDP tutorial series (multigpu.py): a class, nn.MSELoss (summed, its gradient
+    averaged by DDP: the world size scales the learning rate), set_to_none."""
 
     def __init__(self, model, loader, lr, local_rank):
         self.loader = loader
         self.model = DDP(model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.loss_fn = torch.nn.MSELoss()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr * int(os.environ["WORLD_SIZE"]))
+        self.loss_fn = torch.nn.MSELoss(reduction="sum")
         self.local_rank = local_rank
 
     def _run_batch(self, source, targets):
@@ -381,7 +441,7 @@ def train_skips_small_batches(rank, model, loader, epochs, lr):
             if len(x) < 3:  # "a full batch only": drops the last one
                 continue
             optimizer.zero_grad()
-            F.mse_loss(ddp_model(x), y).backward()
+            (F.mse_loss(ddp_model(x), y, reduction="sum") * dist.get_world_size()).backward()
             optimizer.step()
     return ddp_model
 
@@ -643,11 +703,15 @@ def test_torchs_sampler_under_the_exercises_name_scores_nothing():
 @pytest.mark.timeout(300)
 def test_check_training():
     ex2.check_training(train)
-    ex2.check_training(train, world_sizes=(4,), n=16, batch_size=3, epochs=2, lr=0.05, seed=1)
+    ex2.check_training(train, world_sizes=(4,), n=16, batch_size=3, epochs=2, lr=0.01, seed=1)
     ex2.check_training(train_no_set_epoch)  # set_epoch is check_set_epoch's business
     ex2.check_training(train_set_epoch_rank0)
     fails(ex2.check_training, train_no_ddp, "different parameters", "[rank 1]", "DDP(model)")
-    fails(ex2.check_training, train_summed_loss, "differ from one process", "summed")
+    fails(ex2.check_training, train_sum_unscaled, "differ from one process", "1/2 of the summed objective's",
+          "DDP averages")
+    fails(ex2.check_training, train_sum_unscaled, "1/4 of the summed objective's", world_sizes=(4,), n=16,
+          batch_size=3, lr=0.01, seed=1)
+    fails(ex2.check_training, train_mean_loss, "differ from one process", "MEAN squared error")
     fails(ex2.check_training, train_extra_all_reduce, "differ from one process", "2 x too large")
     fails(ex2.check_training, train_returns_nothing, "returned NoneType", "return ddp_model")
 
@@ -660,6 +724,9 @@ def test_training_is_judged_by_what_reached_the_model():
     ex2.check_set_epoch(train_logs_batch_size)
     ex2.check_training(train_tutorial_style)
     ex2.check_set_epoch(train_tutorial_style)
+    for right in (train_lr_scaled, train_sum_comm_hook, train_grads_rescaled):  # the summed objective, other ways
+        ex2.check_training(right)
+    ex2.check_training(train_sum_comm_hook, world_sizes=(4,), n=16, batch_size=3, epochs=2, lr=0.01, seed=1)
     fails(ex2.check_training, train_one_epoch_short, "wrong number of optimizer steps", "2 epochs")
     fails(ex2.check_training, train_skips_small_batches, "wrong number of optimizer steps", "[ranks 0, 1]",
           n=14, batch_size=3)
@@ -766,6 +833,10 @@ WRONG_TWICE = {
 
 #: name: ([(answer cell, old, new)], failing test cells, words)
 MISTAKES = {name: ([(gid, old, new)], [failing], words) for name, (gid, old, new, failing, words) in WRONG.items()}
+# the lesson's loop as it is: the mean squared error, not scaled (two edits of one answer)
+MISTAKES["the lesson's mean loss"] = ([("ex2_train", ', reduction="sum")', ")"),
+                                      ("ex2_train", "(local * dist.get_world_size()).backward()", "local.backward()")],
+                                     ["ex2_test_training"], ["MEAN squared error", "SUM over the global batch"])
 
 
 @pytest.mark.slow

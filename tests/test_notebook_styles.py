@@ -158,15 +158,16 @@ class ShardSampler:
         k = len(self)
         yield from (int(i) for i in perm[self.rank * k:(self.rank + 1) * k])
 ''',
-    # PyTorch's DDP tutorial series (multigpu.py): a Trainer class, nn.MSELoss, set_to_none (test_graders_ex2.Trainer)
+    # PyTorch's DDP tutorial series (multigpu.py): a Trainer class, nn.MSELoss (summed; the world size scales the
+    # learning rate, since DDP averages), set_to_none (test_graders_ex2.Trainer)
     "ex2_train": '''
 class Trainer:
     def __init__(self, model, loader, lr):
         self.device = next(model.parameters()).device
         self.loader = loader
         self.model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.loss_fn = torch.nn.MSELoss()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr * dist.get_world_size())
+        self.loss_fn = torch.nn.MSELoss(reduction="sum")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)

@@ -34,8 +34,10 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
     "ddp_basics": {
         "check_setup": ("each process joins one process group as its own rank of the world size, with the "
                         "backend of its device", L2, "3. `init_process_group` and the backend"),
-        "check_training": ("DDP averages gradients during backward, so every rank takes the same step as one "
-                           "process on the global batch", L2, "11. Putting it together"),
+        "check_training": ("DDP averages the ranks' gradients during backward, so every rank takes the same step; "
+                           "whether that step is one process's on the global batch depends on how the loss is "
+                           "reduced: an average of per-rank means is the global mean, an average of per-rank sums "
+                           "is not the global sum", L2, "6. Gradients are all-reduced during backward"),
         "check_checkpoint": ("one rank writes the checkpoint, the others wait for it; the saved state is the "
                              "plain model's, not the wrapper's", L2,
                              "9. Checkpoints: rank 0 saves, everyone else waits, then loads"),

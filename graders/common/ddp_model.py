@@ -156,8 +156,9 @@ def _train_harness(rank, train, n, batch_size, epochs, lr, seed):
             "returned": type(returned).__name__, "is_ddp": isinstance(returned, DDP)}
 
 
-def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True):
-    """One process that took the same optimizer steps on the global batches (all ranks' batches together)."""
+def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True, reduction="mean"):
+    """One process that took the same optimizer steps on the global batches (all ranks' batches together), on the
+    squared error's ``reduction`` over each global batch ("mean" or "sum")."""
     dataset = RegressionDataset(n, seed)
     model = make_net(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr * lr_scale)
@@ -165,7 +166,7 @@ def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True):
         idx = torch.tensor([i for steps in steps_per_rank for i in steps[step]])
         if zero_grad:
             opt.zero_grad()
-        F.mse_loss(model(dataset.x[idx]), dataset.y[idx]).backward()
+        F.mse_loss(model(dataset.x[idx]), dataset.y[idx], reduction=reduction).backward()
         opt.step()
     return model.state_dict()
 

@@ -8,8 +8,9 @@ happened, never what the student's process says about itself:
 * ``cleanup()`` leaves it (:func:`check_cleanup`: a new process group can be made afterwards,
   which torch allows only once the old one is really destroyed);
 * ``ShardSampler``, a distributed sampler of the student's own, has its checks in :mod:`graders.ddp_basics.sampler`;
-* ``train(rank, model, loader, epochs, lr)`` -> the DDP model, trained with SGD on mean-squared
-  error, calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
+* ``train(rank, model, loader, epochs, lr)`` -> the DDP model, trained with SGD on the squared error SUMMED over each
+  step's global batch (DDP averages the ranks' gradients: only a loop that accounts for that takes the summed
+  objective's steps), calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
   :func:`check_set_epoch`: what reached the model before each optimizer step, and the weights);
 * ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``ddp_model.module.state_dict()`` from
   rank 0 only, and no rank returns before the file is complete (:func:`check_checkpoint`: every file
@@ -41,6 +42,8 @@ from graders.common.ddp_model import (
 )
 
 ATOL = 1e-6
+#: part 3's objective: the squared error summed over each step's global batch (all ranks' samples, every output)
+REDUCTION = "sum"
 _HARD_CODED = ("rank < size", "use the rank and world_size arguments; do not hard-code the number of ranks")
 
 
@@ -182,9 +185,10 @@ def _diff(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
-def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, lr=0.1, seed=0):
+def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, lr=0.02, seed=0):
     """train() takes one optimizer step per batch of every epoch; after it, parameters are bitwise equal
-    on every rank and equal (1e-6) to one process trained with the same lr on the global batches."""
+    on every rank and equal (1e-6) to one process that took SGD steps with the same lr on the squared error summed
+    over the global batches."""
     check = "check_training"
     checks.require_written(check, train=train)
     for world_size in world_sizes:
@@ -201,11 +205,12 @@ def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, l
                               "backward and the optimizer over ddp_model.parameters()): DDP averages the "
                               "gradients and starts every rank from rank 0's weights")
         steps = [o["steps"] for o in obs]
-        reference = _reference(steps, n, lr, seed)
+        reference = _reference(steps, n, lr, seed, reduction=REDUCTION)
         if _diff(states[0], reference) > ATOL:
-            raise CheckFailed(check, f"the trained parameters differ from one process trained on the global "
-                              f"batches ({where})", ranks=range(world_size),
-                              expected="the same parameters within 1e-6",
+            raise CheckFailed(check, f"the trained parameters differ from one process trained on the summed "
+                              f"squared error of the global batches ({where})", ranks=range(world_size),
+                              expected="the same parameters within 1e-6, each step SGD's with lr on the squared "
+                              "error summed over the step's global batch (all ranks' samples, every output)",
                               got=f"max difference {_diff(states[0], reference):.3g}",
                               hint=_training_hint(states[0], steps, n, lr, seed, world_size, batch_size))
         if not any(o["is_ddp"] for o in obs):
@@ -216,22 +221,27 @@ def check_training(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=2, l
 
 
 def _training_hint(state, steps, n, lr, seed, world_size, batch_size):
+    """What the weights a wrong loop ended with match: one of the usual mistakes, recomputed, named."""
     guesses = [
-        (dict(lr_scale=world_size), f"the steps are {world_size} x too large: DDP already averages the gradients, "
-         "do not all_reduce them again or sum the losses over ranks"),
-        (dict(lr_scale=batch_size * 2), "the loss looks summed, not averaged: use F.mse_loss(output, y) "
-         "with its default reduction (the mean)"),
-        (dict(zero_grad=False), "the gradients accumulate across steps: call optimizer.zero_grad() every step"),
-        (dict(lr_scale=0.0), "the parameters never changed: call optimizer.step() after loss.backward()"),
+        (dict(lr_scale=1 / world_size), f"each step was 1/{world_size} of the summed objective's: DDP averages "
+         f"the {world_size} ranks' gradients, so a rank's summed loss counts 1/{world_size}. The objective is the "
+         "sum over the whole global batch: make what DDP averages come out as that sum"),
+        (dict(reduction="mean"), "the steps are those of the MEAN squared error over the global batch: the objective "
+         "here is the SUM over the global batch (every output of every sample of every rank)"),
+        (dict(lr_scale=world_size), f"the steps are {world_size} x too large: the ranks' gradients were added up "
+         "twice (the summed objective once, then once more)"),
+        (dict(zero_grad=False), "the gradients accumulate across steps: zero them once per step"),
+        (dict(lr_scale=0.0), "the parameters never changed: take one optimizer step per batch, after backward"),
     ]
     for kwargs, hint in guesses:
+        kwargs = {"reduction": REDUCTION, **kwargs}
         if _diff(state, _reference(steps, n, lr, seed, **kwargs)) <= ATOL:
             return hint
-    return ("use torch.optim.SGD(ddp_model.parameters(), lr=lr) and, for every batch: zero_grad, "
-            "loss = F.mse_loss(ddp_model(x), y), loss.backward(), step")
+    return ("one SGD step with lr per batch, on the squared error summed over the global batch; think about what "
+            "DDP does with the ranks' gradients in backward (lesson 2, section 6)")
 
 
-def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, lr=0.1, seed=0):
+def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, lr=0.02, seed=0):
     """train() calls loader.sampler.set_epoch(epoch) each epoch: a new order every epoch, the same on all ranks."""
     check = "check_set_epoch"
     checks.require_written(check, train=train)
