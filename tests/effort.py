@@ -41,7 +41,8 @@ IDEAS: dict[str, list[list[str]]] = {
          "the gradients of split weights"],
     ],
     "ddp_basics": [
-        ["joining the job from rank and world size", "pinning this rank's device"],
+        ["joining the job from rank and world size", "pinning this rank's device",
+         "a second group with a backend of its own"],
         ["equal shares by padding", "a seeded shuffle per epoch that every rank shares"],
         ["the DDP wrap", "a summed objective under DDP's averaged gradients", "a new order every epoch (set_epoch)"],
         ["saving on rank 0 only", "a barrier so that no rank reads early"],

@@ -43,22 +43,64 @@ fails = submissions.fails
 
 def setup(rank, world_size):
     dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(backend="gloo")
 
 
-def setup_from_environment(rank, world_size):  # also right: torchrun's variables are set
+def setup_from_environment(rank, world_size):  # also right: torchrun's variables are set, every rank listed
     dist.init_process_group(course.backend())
+    return dist.new_group(list(range(world_size)), backend="gloo")
 
 
 def setup_two_ranks(rank, world_size):
     dist.init_process_group(course.backend(), rank=rank, world_size=2)
+    return dist.new_group(backend="gloo")
 
 
 def setup_nothing(rank, world_size):
     print("ready")
 
 
-def setup_keywords(rank, world_size):  # also right: another spelling of the same call
+def setup_keywords(rank, world_size):  # also right: another spelling of the same calls
     dist.init_process_group(backend=course.backend(), init_method="env://", world_size=world_size, rank=rank)
+    return dist.new_group(ranks=None, backend=dist.Backend.GLOO)
+
+
+def setup_group_in_a_global(rank, world_size):
+    """Also right: the tutorials' habit of a module-level group, made once and returned."""
+    global CPU_GROUP
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    CPU_GROUP = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(minutes=5))
+    return CPU_GROUP
+
+
+def setup_returns_nothing(rank, world_size):
+    """Wrong: makes the CPU group, forgets to return it."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    dist.new_group(backend="gloo")
+
+
+def setup_returns_the_default_group(rank, world_size):
+    """Wrong: the default group is nccl on a GPU machine."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.group.WORLD
+
+
+def setup_group_of_the_default_backend(rank, world_size):
+    """Wrong: a new group without a backend of its own takes the default's (nccl on GPUs)."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group()
+
+
+def setup_group_without_the_last_rank(rank, world_size):
+    """Wrong: the CPU group leaves the last rank out (that rank gets torch's placeholder back)."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(list(range(world_size - 1)), backend="gloo")
+
+
+def setup_group_in_reverse(rank, world_size):
+    """Right: the ranks listed backwards (torch sorts a new group's ranks: rank r is still rank r there)."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(list(reversed(range(world_size))), backend="gloo")
 
 
 def setup_reversed_ranks(rank, world_size):
@@ -602,6 +644,20 @@ def test_check_setup():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_check_setup_judges_the_group_for_cpu_tensors():
+    """The returned group: gloo whatever the default is, every rank in order, shown by a collective on CPU tensors."""
+    ex2.check_setup(setup_group_in_a_global, world_sizes=(3,))
+    fails(ex2.check_setup, setup_returns_nothing, "setup() returned NoneType on ranks 0, 1, not a process group")
+    for default in (setup_returns_the_default_group, setup_group_of_the_default_backend):
+        fails(ex2.check_setup, default, "uses the job's default backend, 'cpu:gloo', not gloo", "[ranks 0, 1]",
+              "unless it is given its own")
+    fails(ex2.check_setup, setup_group_without_the_last_rank, "returned", "on rank 2, not a process group",
+          world_sizes=(3,))
+    ex2.check_setup(setup_group_in_reverse, world_sizes=(3,))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_check_setup_judges_what_a_collective_shows():
     ex2.check_setup(setup_keywords, world_sizes=(3,))
     fails(ex2.check_setup, setup_reversed_ranks, "did not join as ranks 0..1", "group ranks [1, 0]", "rank=rank")
@@ -818,6 +874,8 @@ WRONG = {
                                  "ex2_test_cleanup", ["still up", "destroy_process_group"]),
     "hard-coded world size": ("ex2_setup", "world_size=world_size,", "world_size=2,",
                               "ex2_test_setup", ["rank 2", "hard-code"]),
+    "the CPU group takes the default backend": ("ex2_setup", 'dist.new_group(backend="gloo")', "dist.new_group()",
+                                                "ex2_test_setup", ["default backend", "not gloo"]),
     "sampler ignores set_epoch": ("ex2_sampler", "        self.epoch = epoch\n", "        pass\n",
                                   "ex2_test_sampler_order", ["set_epoch(1) did not change the order"]),
 }

@@ -341,3 +341,17 @@ def test_clipping_after_the_all_reduce_matches_one_process(nb):
         r"^clipped (inside no_sync|after the all-reduce): same gradients on every rank: (\w+); max .* = \S+; "
         r"within bf16 rounding \(4 x 2\*\*-8 x the largest gradient\): (\w+)$", text))
     assert verdicts == {"inside no_sync": ("True", "False"), "after the all-reduce": ("True", "True")}
+
+
+def test_groups_sum_inside_themselves_and_take_the_default_backend(nb):
+    """The even and the odd ranks each make their own sum; a group made without a backend uses the default's."""
+    text = output_of(nb, "run_ranks(show_groups")
+    [ws] = world_sizes(text)
+    found = rows(r"rank (\d+): in the (evens|odds), rank (\d+) of (\d+) there, group sum (\d+), backend (\S+) "
+                 r"\(the default group's: (\S+)\)", text)
+    assert len(found) == ws == 4
+    for rank, group, group_rank, size, total, backend, default in found:
+        members = [r for r in range(ws) if r % 2 == int(rank) % 2]
+        assert group == ("evens" if int(rank) % 2 == 0 else "odds")
+        assert int(group_rank) == members.index(int(rank)) and int(size) == len(members)
+        assert int(total) == sum(members) and backend == default

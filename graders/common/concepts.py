@@ -33,7 +33,8 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
     },
     "ddp_basics": {
         "check_setup": ("each process joins one process group as its own rank of the world size, with the "
-                        "backend of its device", L2, "3. `init_process_group` and the backend"),
+                        "backend of its device; a job can make more groups, each with a backend of its own, and "
+                        "collectives on CPU tensors need a CPU backend", L2, "3. `init_process_group` and the backend"),
         "check_training": ("DDP averages the ranks' gradients during backward, so every rank takes the same step; "
                            "whether that step is one process's on the global batch depends on how the loss is "
                            "reduced: an average of per-rank means is the global mean, an average of per-rank sums "

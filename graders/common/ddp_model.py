@@ -87,11 +87,40 @@ def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict
 def _setup_harness(rank, setup, _real=_REAL):
     real = _real  # bound at import, before any student object is unpickled
     world_size = int(os.environ["WORLD_SIZE"])
-    setup(rank, world_size)
+    returned = setup(rank, world_size)
     nccl = os.environ.get("DDP_COURSE_BACKEND") == "nccl"
-    obs = _membership(real, rank, world_size, torch.device("cuda", real.cuda_device()) if nccl else "cpu")
+    dev = torch.device("cuda", real.cuda_device()) if nccl else "cpu"
+    obs = _membership(real, rank, world_size, dev)
     obs["device"] = real.cuda_device() if nccl else None  # the GPU this rank selected
+    if obs["joined"]:
+        obs["cpu_group"] = _cpu_group(real, returned, world_size, dev)
     return obs
+
+
+def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
+    """What the group ``setup`` returned is: its backend and size as torch's registry has them, and (where every rank
+    returned a gloo group of every rank) who answers in a collective on CPU tensors through it: each rank's fresh token must come back to
+    every rank at its own rank's place. The ranks first agree, through the default group, whether all of them have
+    a group to use (a rank without one would leave the others waiting in the collective)."""
+    found: dict = {"kind": type(group).__name__}
+    if isinstance(group, dist.ProcessGroup):
+        try:
+            found.update(backend=str(real.get_backend(group)), size=real.get_world_size(group))
+        except Exception as exc:  # noqa: BLE001 - a group torch does not know (made by hand, or destroyed)
+            found["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    usable = torch.tensor([1 if found.get("size") == world_size and found.get("backend") == "gloo" else 0], device=dev)
+    real.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if not int(usable.item()):
+        return found
+    token = int.from_bytes(os.urandom(6), "little")
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    try:
+        real.all_gather(gathered, torch.tensor([token], dtype=torch.int64), group=group)  # CPU tensors
+    except Exception as exc:  # noqa: BLE001 - shown to the student
+        found["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return found
+    found.update(token=token, gathered=[int(t.item()) for t in gathered])
+    return found
 
 
 def _cleanup_harness(rank, cleanup, store_dir, _real=_REAL):

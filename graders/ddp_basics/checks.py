@@ -3,8 +3,9 @@
 The student writes five small functions and a sampler class; each check runs one of them as real ranks and judges what
 happened, never what the student's process says about itself:
 
-* ``setup(rank, world_size)`` joins the job (:func:`check_setup`: a collective through the real
-  default group shows every rank in one group of the job's backend, as its own rank);
+* ``setup(rank, world_size)`` joins the job and returns a gloo group of every rank for collectives on CPU tensors
+  (:func:`check_setup`: a collective through the real default group shows every rank in one group of the job's
+  backend, as its own rank; one on CPU tensors through the returned group, that it is every rank's, in order);
 * ``cleanup()`` leaves it (:func:`check_cleanup`: a new process group can be made afterwards,
   which torch allows only once the old one is really destroyed);
 * ``ShardSampler``, a distributed sampler of the student's own, has its checks in :mod:`graders.ddp_basics.sampler`;
@@ -54,7 +55,8 @@ _HARD_CODED = ("rank < size", "use the rank and world_size arguments; do not har
 
 def check_setup(setup, *, world_sizes=(2, 3)):
     """After setup(rank, world_size) every rank is in one process group of the job's backend, as
-    rank ``rank`` of ``world_size`` (shown by a collective); under nccl each rank uses GPU LOCAL_RANK."""
+    rank ``rank`` of ``world_size`` (shown by a collective); under nccl each rank uses GPU LOCAL_RANK; and setup
+    returned, on every rank, a gloo group of every rank in order (shown by a collective on CPU tensors through it)."""
     check = "check_setup"
     checks.require_written(check, setup=setup)
     hints = [_HARD_CODED, ("NCCL", "use the backend course.backend() picks (gloo on a CPU); do not hard-code nccl")]
@@ -102,9 +104,66 @@ def check_setup(setup, *, world_sizes=(2, 3)):
             pinned = True
         elif pinned is None:
             pinned = False
+        _judge_cpu_group(check, obs, backends[0], where)
     passed(check)
     if not pinned:
         print("  (not graded here: selecting each rank's GPU; this job ran on gloo, without a GPU per rank)")
+
+
+def _judge_cpu_group(check, obs, default_backend, where) -> None:
+    """The group setup() returned: a gloo group of every rank (whatever the default group's backend), in which rank r
+    is rank r, shown by a collective on CPU tensors through it."""
+    world_size = len(obs)
+    groups = [o["cpu_group"] for o in obs]
+    other = [r for r, g in enumerate(groups) if g["kind"] != "ProcessGroup"]
+    if other:
+        kinds = sorted({groups[r]["kind"] for r in other})
+        raise CheckFailed(check, f"setup() returned {' / '.join(kinds)} on {checks.rank_list(other)}, not a process "
+                          f"group ({where})", ranks=other,
+                          expected="a process group of all the ranks for collectives on CPU tensors, returned on every "
+                          "rank", got=", ".join(f"rank {r}: {groups[r]['kind']}" for r in other),
+                          hint="every rank makes the same groups, in the same order, and setup() returns the one "
+                          "for CPU tensors (lesson 2, section 3: more than one group)")
+    unknown = [r for r, g in enumerate(groups) if "error" in g and "backend" not in g]
+    if unknown:
+        raise CheckFailed(check, f"torch does not know the group setup() returned ({where})", ranks=unknown,
+                          got=groups[unknown[0]]["error"],
+                          hint="make the group with torch.distributed's own function for new groups, after joining")
+    inherited = [r for r, g in enumerate(groups) if g["backend"] != "gloo" and g["backend"] == default_backend]
+    if inherited:
+        raise CheckFailed(check, f"the group setup() returned uses the job's default backend, "
+                          f"{groups[inherited[0]]['backend']!r}, not gloo ({where})", ranks=inherited,
+                          expected="backend 'gloo' whatever the default group's is (the grader's CPU jobs name the "
+                          "default 'cpu:gloo', so a group that takes the default's shows here as on a GPU machine, "
+                          "where it would be nccl, which runs no collective on CPU tensors)",
+                          got=f"{groups[inherited[0]]['backend']!r}" + (
+                              " (the default group itself)" if groups[inherited[0]].get("size") == world_size else ""),
+                          hint="a new group takes the default group's backend unless it is given its own")
+    wrong = [r for r, g in enumerate(groups) if g["backend"] != "gloo"]
+    if wrong:
+        raise CheckFailed(check, f"the group setup() returned uses backend {groups[wrong[0]]['backend']!r}, not gloo "
+                          f"({where})", ranks=wrong, expected="'gloo': collectives on CPU tensors",
+                          got=", ".join(f"rank {r}: {groups[r]['backend']!r}" for r in wrong),
+                          hint="give the group for CPU tensors the backend that runs on CPUs")
+    small = [r for r, g in enumerate(groups) if g["size"] != world_size]
+    if small:
+        raise CheckFailed(check, f"the group setup() returned does not hold every rank ({where})", ranks=small,
+                          expected=f"{world_size} ranks in it", got=", ".join(f"rank {r}: {groups[r]['size']}"
+                                                                             for r in small),
+                          hint="the group for CPU tensors is the whole job's, every rank in it")
+    failed = [r for r, g in enumerate(groups) if "error" in g]
+    if failed:
+        raise CheckFailed(check, f"a collective on CPU tensors through the group setup() returned failed ({where})",
+                          ranks=failed, got=groups[failed[0]]["error"],
+                          hint="the group for CPU tensors must be a gloo group of every rank")
+    tokens = [g["token"] for g in groups]
+    misplaced = [r for r, g in enumerate(groups) if g["gathered"] != tokens]
+    if misplaced:
+        order = [groups[0]["gathered"].index(t) if t in groups[0]["gathered"] else "?" for t in tokens]
+        raise CheckFailed(check, f"in the group setup() returned, the ranks are not ranks 0..{world_size - 1} in "
+                          f"order ({where})", ranks=misplaced, expected=f"process r is rank r: {list(range(world_size))}",
+                          got=f"group ranks {order}",
+                          hint="list the ranks of the group in order (or let torch take them all)")
 
 
 def check_cleanup(cleanup, *, world_sizes=(2, 3)):
