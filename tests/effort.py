@@ -45,7 +45,8 @@ IDEAS: dict[str, list[list[str]]] = {
          "a second group with a backend of its own"],
         ["equal shares by padding", "a seeded shuffle per epoch that every rank shares"],
         ["the DDP wrap", "a summed objective under DDP's averaged gradients", "a new order every epoch (set_epoch)"],
-        ["saving on rank 0 only", "a barrier so that no rank reads early"],
+        ["saving on rank 0 only", "a barrier so that no rank reads early",
+         "every rank's generator state gathered to rank 0"],
     ],
     "ddp_from_scratch": [
         ["rank 0's weights everywhere", "averaging each gradient over the ranks after backward"],

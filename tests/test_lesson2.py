@@ -355,3 +355,14 @@ def test_groups_sum_inside_themselves_and_take_the_default_backend(nb):
         assert group == ("evens" if int(rank) % 2 == 0 else "odds")
         assert int(group_rank) == members.index(int(rank)) and int(size) == len(members)
         assert int(total) == sum(members) and backend == default
+
+
+def test_rank_0_gathers_what_differs_on_every_rank(nb):
+    """Each rank draws from its own stream; rank 0 alone receives every rank's values, in rank order."""
+    text = output_of(nb, "run_ranks(who_drew_what")
+    [ws] = world_sizes(text)
+    held = {int(r): ast.literal_eval(v) for r, v in rows(r"^rank (\d+) holds: (.*)$", text)}
+    assert len(held) == ws == 3 and all(held[r] is None for r in range(1, ws))
+    gathered = held[0]
+    assert len(gathered) == ws and len({g["pid"] for g in gathered}) == ws
+    assert len({tuple(g["drew"]) for g in gathered}) == ws  # three streams, three draws

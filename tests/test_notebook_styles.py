@@ -190,15 +190,18 @@ class Trainer:
 def train(rank, model, loader, epochs, lr):
     return Trainer(model, loader, lr).train(epochs)
 ''',
-    # torch.save through a name bound at the cell's top level (before the grader's job), an async barrier waited
-    # for (test_graders_ex2.save_bound, save_async_barrier_waited)
+    # torch.save through a name bound at the cell's top level (before the grader's job), every rank's state on
+    # every rank (all_gather_object), an async barrier waited for (test_graders_ex2.save_bound, _rngs,
+    # save_async_barrier_waited)
     "ex2_save_checkpoint": '''
 save = torch.save
 
 
 def save_checkpoint(rank, ddp_model, ckpt_path):
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, torch.get_rng_state())
     if rank == 0:
-        save(ddp_model.module.state_dict(), ckpt_path)
+        save({"model": ddp_model.module.state_dict(), "rng": states}, ckpt_path)
     dist.barrier(async_op=True).wait()
 ''',
 }

@@ -40,7 +40,8 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                            "reduced: an average of per-rank means is the global mean, an average of per-rank sums "
                            "is not the global sum", L2, "6. Gradients are all-reduced during backward"),
         "check_checkpoint": ("one rank writes the checkpoint, the others wait for it; the saved state is the "
-                             "plain model's, not the wrapper's", L2,
+                             "plain model's, not the wrapper's; what differs on every rank (its random generator's "
+                             "state) reaches the one writer only if each rank sends it", L2,
                              "9. Checkpoints: rank 0 saves, everyone else waits, then loads"),
         "check_cleanup": ("a job leaves its process group at the end, on every rank", L2,
                           "10. `destroy_process_group()` at the end"),

@@ -66,6 +66,9 @@ class RegressionDataset(Dataset):
 
 REJOIN_TIMEOUT = 5  # seconds a rank waits for the others in the re-initialisation after cleanup()
 _REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
+#: the CPU generator's functions, bound at import, before any student code runs (a payload that patches torch's names
+#: as it is unpickled cannot make the ranks' secret states predictable)
+_RNG_STATE, _SEED, _DRAW, _URANDOM = torch.get_rng_state, torch.manual_seed, torch.rand, os.urandom
 
 
 def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict:
@@ -203,7 +206,9 @@ def _reference(steps_per_rank, n, lr, seed, lr_scale=1.0, zero_grad=True, reduct
 def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_limit, _world_size=_REAL.get_world_size):
     """Run save_checkpoint with every file write of the rank recorded (whatever name the student's code
     reached the writing function by) and rank 0's first write into the checkpoint's folder held until the
-    other ranks wait for it in a collective, or return (:class:`course.checks.Hold`); then look at the file."""
+    other ranks wait for it in a collective, or return (:class:`course.checks.Hold`); then look at the file.
+    Before the call, this rank's CPU generator is seeded from os.urandom and advanced a random number of draws:
+    the state it then has (``rng``) is known to this rank alone, so a checkpoint that holds it got it from here."""
     dev = checks.join_job()
     cwd = os.path.join(workdir, f"rank{rank}")  # relative paths and temporary files: a folder of this rank's
     tmp = os.path.join(cwd, "tmp")
@@ -223,6 +228,10 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_li
         if rank == 0 and os.path.dirname(event["path"]) == folder:
             hold.wait()
 
+    # this rank's random stream, from a seed no other rank knows: only this rank can tell the checkpoint its state
+    _SEED(int.from_bytes(_URANDOM(7), "little"))
+    _DRAW(1 + _URANDOM(1)[0])
+    rng = _RNG_STATE().clone()
     hold.start()
     try:
         with checks.record_writes(before) as writes:
@@ -233,7 +242,7 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_li
         hold.stop()
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(cwd) for f in fs)
     return {"writes": [dict(e) for e in writes], "files": files, "state": checks.to_cpu(model.state_dict()),
-            "seen": seen, "hold": hold.result}
+            "seen": seen, "hold": hold.result, "rng": rng}
 
 
 def file_digest(path: str) -> str:

@@ -13,10 +13,10 @@ happened, never what the student's process says about itself:
   step's global batch (DDP averages the ranks' gradients: only a loop that accounts for that takes the summed
   objective's steps), calling ``loader.sampler.set_epoch(epoch)`` each epoch (:func:`check_training`,
   :func:`check_set_epoch`: what reached the model before each optimizer step, and the weights);
-* ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``ddp_model.module.state_dict()`` from
-  rank 0 only, and no rank returns before the file is complete (:func:`check_checkpoint`: every file
-  each rank wrote, rank 0's write held until the others wait for it, what every rank found when the
-  function returned).
+* ``save_checkpoint(rank, ddp_model, ckpt_path)`` writes ``{"model": ddp_model.module.state_dict(), "rng": every
+  rank's CPU generator state}`` from rank 0 only, and no rank returns before the file is complete
+  (:func:`check_checkpoint`: every file each rank wrote, rank 0's write held until the others wait for it, what
+  every rank found when the function returned, and each rank's generator state, drawn from a seed only it knew).
 """
 
 from __future__ import annotations
@@ -333,10 +333,11 @@ def check_set_epoch(train, *, world_sizes=(2, 3), n=12, batch_size=2, epochs=3, 
 
 
 def check_checkpoint(save_checkpoint, *, world_sizes=(2, 3), seed=0):
-    """Only rank 0 writes ckpt_path (every file each rank writes is seen, however it is written), a plain
-    state_dict (no `module.` prefix) that loads into a model without DDP (strict=True) and holds the trained
-    parameters; no rank returns before rank 0's file is complete: rank 0's write is held until every other
-    rank waits for it in a collective (a barrier after the save) or has returned."""
+    """Only rank 0 writes ckpt_path (every file each rank writes is seen, however it is written): a dict whose
+    "model" is a plain state_dict (no `module.` prefix) that loads into a model without DDP (strict=True) and holds
+    the trained parameters, and whose "rng" holds every rank's CPU generator state at the call, in rank order (each
+    drawn from a seed only that rank knew); no rank returns before rank 0's file is complete: rank 0's write is
+    held until every other rank waits for it in a collective (a barrier after the save) or has returned."""
     check = "check_checkpoint"
     checks.require_written(check, save_checkpoint=save_checkpoint)
     hints = [("Connection closed by peer", "a collective (barrier, all_reduce, ...) inside `if rank == 0:` waits "
@@ -383,17 +384,27 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
                           got=f"rank 0 wrote {_listed(elsewhere)}", hint="save to the ckpt_path argument")
     if not written[0] and not os.path.exists(ckpt_path):
         raise CheckFailed(check, f"no rank wrote {name} ({where})", expected=f"rank 0 writes {name}",
-                          hint="if rank == 0: torch.save(ddp_model.module.state_dict(), ckpt_path)")
+                          hint="rank 0 saves the checkpoint to the ckpt_path it is given")
     try:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the student's mistake
-        raise CheckFailed(check, f"{name} is not a plain state_dict ({where})", ranks=[0],
-                          expected="a dict of tensors, readable with torch.load(..., weights_only=True)",
+        raise CheckFailed(check, f"{name} is not plain data ({where})", ranks=[0],
+                          expected='{"model": a state_dict, "rng": a list of tensors}, readable with '
+                          "torch.load(..., weights_only=True)",
                           got=f"{type(exc).__name__}: {_first_line(exc)}",
-                          hint="save ddp_model.module.state_dict(), not the model object") from None
+                          hint="save the model's state_dict (tensors), not the model object") from None
+    if not isinstance(saved, dict) or "model" not in saved or "rng" not in saved:
+        keys = sorted(map(str, saved))[:4] if isinstance(saved, dict) else None
+        raise CheckFailed(check, f"{name} does not hold the two entries the part asks for ({where})", ranks=[0],
+                          expected='a dict with "model" (the plain model\'s state_dict) and "rng" (every rank\'s '
+                          "generator state)",
+                          got=f"a dict with keys {keys}" if keys is not None else f"a {type(saved).__name__}",
+                          hint="one dict holds both: the weights, and what every rank needs to resume its random "
+                          "numbers")
+    state = saved["model"]
     if not isinstance(state, dict):
-        raise CheckFailed(check, f"{name} holds a {type(state).__name__}, not a state_dict ({where})", ranks=[0],
-                          hint="torch.save(ddp_model.module.state_dict(), ckpt_path)")
+        raise CheckFailed(check, f'{name}["model"] holds a {type(state).__name__}, not a state_dict ({where})',
+                          ranks=[0], hint="save the plain model's state_dict (its tensors), not the model object")
     prefixed = [k for k in state if str(k).startswith("module.")]
     if prefixed:
         raise CheckFailed(check, f"the saved keys start with 'module.' ({where})", ranks=[0],
@@ -413,6 +424,7 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
         raise CheckFailed(check, f"{name} does not hold the model's current parameters ({where})", ranks=[0],
                           got=f"max difference {_diff(state, expected):.3g}",
                           hint="save the state_dict of the model you were given (ddp_model.module), as it is now")
+    _judge_rng(check, saved["rng"], [o["rng"] for o in obs], name, where)
     final = file_digest(ckpt_path)
     early = [r for r, o in enumerate(obs) if r != 0 and o["seen"] != final]
     barrier = ("after rank 0's torch.save, call dist.barrier() on every rank (outside the if): a rank that goes on "
@@ -427,6 +439,42 @@ def _judge_checkpoint(check, obs, ckpt_path, world_size):
     checks.did_not_wait(check, obs[0]["hold"] or {}, f"{name} ({where})", returned="returned",
                         expected="every other rank waits (dist.barrier()) until rank 0's file is complete",
                         hint=barrier + "; a sleep is not a barrier: no fixed time is long enough on every disk")
+
+
+def _judge_rng(check, saved, states, name, where) -> None:
+    """``saved`` (the file's "rng") holds, in rank order, the CPU generator state each rank had when save_checkpoint
+    was called (``states``: drawn in each rank from a seed no other rank knew)."""
+    world_size = len(states)
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in saved):
+        raise CheckFailed(check, f'{name}["rng"] is not a list of generator states ({where})', ranks=[0],
+                          expected=f"a list of {world_size} tensors: rank r's torch.get_rng_state() at index r",
+                          got=type(saved).__name__, hint="gather every rank's state to rank 0 before it saves")
+    if len(saved) != world_size:
+        raise CheckFailed(check, f'{name}["rng"] holds {len(saved)} state(s) in a {world_size}-rank job ({where})',
+                          ranks=[0], expected=f"{world_size}: one per rank, in rank order",
+                          hint="every rank's generator state, not only rank 0's")
+
+    def owner(t):
+        return next((r for r, want in enumerate(states) if t.shape == want.shape and torch.equal(t, want)), None)
+
+    owners = [owner(t) for t in saved]
+    if owners == list(range(world_size)):
+        return
+    bad = [i for i, o in enumerate(owners) if o != i]
+    if owners.count(0) > 1 and all(o in (0, None) for o in owners):
+        problem, hint = ('every entry of "rng" is rank 0\'s generator state: the other ranks\' states never reached '
+                         "the file"), "each rank's state lives in that rank only: collect them on rank 0 before it saves"
+    elif all(o is not None for o in owners):
+        problem, hint = (f'"rng" holds every rank\'s state, in the order of ranks {owners}'), (
+            "put rank r's state at index r")
+    else:
+        problem, hint = (f"entries {bad} of \"rng\" are no rank's generator state as it was when save_checkpoint "
+                         "was called"), ("take each rank's state first thing in save_checkpoint, before anything "
+                                         "draws a random number, and send it as it is")
+    raise CheckFailed(check, f"{name}: {problem} ({where})", ranks=bad,
+                      expected="index r: rank r's torch.get_rng_state() at the call (the grader drew each rank's "
+                      "from a seed only that rank knew)", got=f"entries matching ranks {owners} (None: no rank's)",
+                      hint=hint)
 
 
 def _listed(paths: list[str]) -> str:
