@@ -541,6 +541,16 @@ def save_gathered_tensors(rank, ddp_model, ckpt_path):
     dist.barrier()
 
 
+def save_states_stacked(rank, ddp_model, ckpt_path):
+    """Right, another layout: the states stacked in one tensor (row r is rank r's), all_gather into a tensor."""
+    mine = torch.get_rng_state()
+    flat = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
+    dist.all_gather_into_tensor(flat, mine)
+    if rank == 0:
+        torch.save({"model": ddp_model.module.state_dict(), "rng": flat.view(-1, mine.numel())}, ckpt_path)
+    dist.barrier()
+
+
 def save_weights_only(rank, ddp_model, ckpt_path):
     """Wrong: the lesson's checkpoint, the weights alone."""
     if rank == 0:
@@ -887,6 +897,7 @@ def test_check_checkpoint():
 def test_check_checkpoint_wants_every_ranks_generator_state_in_rank_order():
     """Each rank's state is drawn from a seed only it knows: rank 0's file holds it only if that rank sent it."""
     ex2.check_checkpoint(save_gathered_tensors, world_sizes=(3,))
+    ex2.check_checkpoint(save_states_stacked)
     fails(ex2.check_checkpoint, save_weights_only, "does not hold the two entries", "keys ['0.bias', '0.weight'")
     fails(ex2.check_checkpoint, save_rank0_state_only, "every entry of \"rng\" is rank 0's generator state",
           "[rank 1]", "collect them on rank 0")

@@ -445,6 +445,10 @@ def _judge_rng(check, saved, states, name, where) -> None:
     """``saved`` (the file's "rng") holds, in rank order, the CPU generator state each rank had when save_checkpoint
     was called (``states``: drawn in each rank from a seed no other rank knew)."""
     world_size = len(states)
+    if isinstance(saved, torch.Tensor) and saved.dim() == 2:  # the states stacked: row r is rank r's
+        saved = list(saved)
+    elif isinstance(saved, dict) and set(saved) == set(range(world_size)):  # keyed by rank
+        saved = [saved[r] for r in range(world_size)]
     if not isinstance(saved, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in saved):
         raise CheckFailed(check, f'{name}["rng"] is not a list of generator states ({where})', ranks=[0],
                           expected=f"a list of {world_size} tensors: rank r's torch.get_rng_state() at index r",
