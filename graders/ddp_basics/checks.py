@@ -71,15 +71,8 @@ def check_setup(setup, *, world_sizes=(2, 3)):
             raise CheckFailed(check, f"no process group after setup() ({where}): a collective could not run",
                               ranks=missing, got=obs[missing[0]]["error"],
                               hint="call dist.init_process_group(course.backend()) in setup")
-        tokens = [o["token"] for o in obs]
-        wrong_rank = [r for r, o in enumerate(obs) if o["gathered"] != tokens]
-        if wrong_rank:
-            order = [o["gathered"].index(tokens[r]) if tokens[r] in o["gathered"] else "?"
-                     for r, o in enumerate(obs)]
-            raise CheckFailed(check, f"the ranks did not join as ranks 0..{world_size - 1} of one group ({where})",
-                              ranks=wrong_rank, expected=f"process r is rank r: {list(range(world_size))}",
-                              got=f"group ranks {order}",
-                              hint="pass rank=rank (or nothing: the environment has RANK)")
+        _judge_order(check, obs, f"the ranks did not join as ranks 0..{world_size - 1} of one group ({where})",
+                     "pass rank=rank (or nothing: the environment has RANK)")
         backends = [o["backend"] for o in obs]
         wanted = named if named and job.backend == "gloo" else job.backend
         if set(backends) != {wanted}:
@@ -156,14 +149,19 @@ def _judge_cpu_group(check, obs, default_backend, where) -> None:
         raise CheckFailed(check, f"a collective on CPU tensors through the group setup() returned failed ({where})",
                           ranks=failed, got=groups[failed[0]]["error"],
                           hint="the group for CPU tensors must be a gloo group of every rank")
-    tokens = [g["token"] for g in groups]
-    misplaced = [r for r, g in enumerate(groups) if g["gathered"] != tokens]
+    _judge_order(check, groups, f"in the group setup() returned, the ranks are not ranks 0..{world_size - 1} in "
+                 f"order ({where})", "list the ranks of the group in order (or let torch take them all)")
+
+
+def _judge_order(check, seen: list[dict], problem: str, hint: str) -> None:
+    """Each rank drew a token and all-gathered it (``seen[r]``: its ``token`` and the ``gathered`` list): every rank
+    must hold every token at its owner's rank, else the group's ranks are not the processes' own."""
+    tokens = [s["token"] for s in seen]
+    misplaced = [r for r, s in enumerate(seen) if s["gathered"] != tokens]
     if misplaced:
-        order = [groups[0]["gathered"].index(t) if t in groups[0]["gathered"] else "?" for t in tokens]
-        raise CheckFailed(check, f"in the group setup() returned, the ranks are not ranks 0..{world_size - 1} in "
-                          f"order ({where})", ranks=misplaced, expected=f"process r is rank r: {list(range(world_size))}",
-                          got=f"group ranks {order}",
-                          hint="list the ranks of the group in order (or let torch take them all)")
+        order = [s["gathered"].index(tokens[r]) if tokens[r] in s["gathered"] else "?" for r, s in enumerate(seen)]
+        raise CheckFailed(check, problem, ranks=misplaced, expected=f"process r is rank r: {list(range(len(seen)))}",
+                          got=f"group ranks {order}", hint=hint)
 
 
 def check_cleanup(cleanup, *, world_sizes=(2, 3)):
