@@ -91,6 +91,18 @@ def setup_group_of_the_default_backend(rank, world_size):
     return dist.new_group()
 
 
+def setup_inherited_group_renamed(rank, world_size):
+    """A forgery: a group that takes the default's backend (nccl on a GPU), its entry in torch's Python tables
+    rewritten to say gloo."""
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    group = dist.new_group()
+    c10d._world.pg_map[group] = ("gloo", c10d._world.pg_map[group][1])
+    c10d._world.pg_backend_config[group] = "gloo"
+    return group
+
+
 def setup_group_without_the_last_rank(rank, world_size):
     """Wrong: the CPU group leaves the last rank out (that rank gets torch's placeholder back)."""
     dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
@@ -735,6 +747,8 @@ def test_check_setup_judges_the_group_for_cpu_tensors():
               "unless it is given its own")
     fails(ex2.check_setup, setup_group_without_the_last_rank, "returned", "on rank 2, not a process group",
           world_sizes=(3,))
+    fails(ex2.check_setup, setup_inherited_group_renamed, "registry calls the group setup() returned gloo",
+          "[ranks 0, 1]", "only its name says gloo")
     ex2.check_setup(setup_group_in_reverse, world_sizes=(3,))
 
 

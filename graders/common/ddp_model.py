@@ -100,6 +100,14 @@ def _setup_harness(rank, setup, _real=_REAL):
     return obs
 
 
+def _gloo_for(group, device: str) -> bool:
+    """Whether ``group`` runs collectives on ``device``'s tensors with its own gloo backend."""
+    try:
+        return type(group._get_backend(torch.device(device))).__name__ == "ProcessGroupGloo"
+    except Exception:  # noqa: BLE001 - no backend for that device type
+        return False
+
+
 def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
     """What the group ``setup`` returned is: its backend and size as torch's registry has them, and (where every rank
     returned a gloo group of every rank) who answers in a collective on CPU tensors through it: each rank's fresh token must come back to
@@ -111,7 +119,12 @@ def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
             found.update(backend=str(real.get_backend(group)), size=real.get_world_size(group))
         except Exception as exc:  # noqa: BLE001 - a group torch does not know (made by hand, or destroyed)
             found["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    usable = torch.tensor([1 if found.get("size") == world_size and found.get("backend") == "gloo" else 0], device=dev)
+        # what the group object itself runs, set when it was made (a name in torch's Python registry can be
+        # rewritten; this cannot): a group made for gloo has a gloo backend for CPU and for CUDA tensors alike, one
+        # that took the grader's 'cpu:gloo' default has none for CUDA tensors
+        found["made_for_gloo"] = all(_gloo_for(group, device) for device in ("cpu", "cuda"))
+    usable = torch.tensor([1 if found.get("size") == world_size and found.get("backend") == "gloo"
+                           and found.get("made_for_gloo") else 0], device=dev)
     real.all_reduce(usable, op=dist.ReduceOp.MIN)
     if not int(usable.item()):
         return found

@@ -138,6 +138,15 @@ def _judge_cpu_group(check, obs, default_backend, where) -> None:
                           f"({where})", ranks=wrong, expected="'gloo': collectives on CPU tensors",
                           got=", ".join(f"rank {r}: {groups[r]['backend']!r}" for r in wrong),
                           hint="give the group for CPU tensors the backend that runs on CPUs")
+    renamed = [r for r, g in enumerate(groups) if not g.get("made_for_gloo")]
+    if renamed:
+        raise CheckFailed(check, f"torch's registry calls the group setup() returned gloo, but the group itself was not "
+                          f"made with a gloo backend of its own ({where})", ranks=renamed,
+                          expected="a group made with backend gloo (it then runs gloo for CPU and CUDA tensors alike)",
+                          got=f"rank {renamed[0]}'s group has no gloo backend for CUDA tensors: it was made with "
+                          "another backend (the default's), and only its name says gloo",
+                          hint="make the group with the backend it must have; renaming it in torch's tables changes "
+                          "nothing it runs")
     small = [r for r, g in enumerate(groups) if g["size"] != world_size]
     if small:
         raise CheckFailed(check, f"the group setup() returned does not hold every rank ({where})", ranks=small,
