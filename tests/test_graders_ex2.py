@@ -324,7 +324,7 @@ class SamplerWrappingTorchQuietly:
 
 
 def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", reduction="sum", scale=True,
-          extra_sync=False, log_on_rank0=False):
+          extra_sync=False, log_on_rank0=False, smallest=0):
     """The summed objective's loop (scale: the rank's loss times the world size, which DDP's average divides out),
     with one mistake or another switched on."""
     ddp_model = DDP(model) if wrap else model
@@ -336,6 +336,8 @@ def _loop(rank, model, loader, epochs, lr, *, wrap=True, set_epoch="epoch", redu
         elif set_epoch == "rank0" and rank == 0:
             loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            if len(x) < smallest:
+                continue
             optimizer.zero_grad()
             loss = F.mse_loss(ddp_model(x), y, reduction=reduction) * factor
             loss.backward()
@@ -487,17 +489,7 @@ def train_one_epoch_short(rank, model, loader, epochs, lr):
 
 
 def train_skips_small_batches(rank, model, loader, epochs, lr):
-    ddp_model = DDP(model)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            if len(x) < 3:  # "a full batch only": drops the last one
-                continue
-            optimizer.zero_grad()
-            (F.mse_loss(ddp_model(x), y, reduction="sum") * dist.get_world_size()).backward()
-            optimizer.step()
-    return ddp_model
+    return _loop(rank, model, loader, epochs, lr, smallest=3)  # "a full batch only": drops the last one
 
 
 def _rngs():
