@@ -109,10 +109,11 @@ def _gloo_for(group, device: str) -> bool:
 
 
 def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
-    """What the group ``setup`` returned is: its backend and size as torch's registry has them, and (where every rank
-    returned a gloo group of every rank) who answers in a collective on CPU tensors through it: each rank's fresh token must come back to
-    every rank at its own rank's place. The ranks first agree, through the default group, whether all of them have
-    a group to use (a rank without one would leave the others waiting in the collective)."""
+    """What the group ``setup`` returned is: its backend and size as torch's registry has them, the backends the group
+    object itself runs, and (where every rank returned a gloo group of every rank) who answers in a collective on CPU
+    tensors through it: each rank's fresh token must come back to every rank at its own rank's place. The ranks first
+    agree, through the default group, whether all of them have a group to use (a rank without one would leave the
+    others waiting in the collective)."""
     found: dict = {"kind": type(group).__name__}
     if isinstance(group, dist.ProcessGroup):
         try:
@@ -128,7 +129,7 @@ def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
     real.all_reduce(usable, op=dist.ReduceOp.MIN)
     if not int(usable.item()):
         return found
-    token = int.from_bytes(os.urandom(6), "little")
+    token = int.from_bytes(_URANDOM(6), "little")
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     try:
         real.all_gather(gathered, torch.tensor([token], dtype=torch.int64), group=group)  # CPU tensors
