@@ -191,7 +191,7 @@ def train(rank, model, loader, epochs, lr):
     return Trainer(model, loader, lr).train(epochs)
 ''',
     # torch.save through a name bound at the cell's top level (before the grader's job), every rank's state on
-    # every rank (all_gather_object), an async barrier waited for (test_graders_ex2.save_bound, _rngs,
+    # every rank (all_gather_object), an async barrier waited for (test_graders_ex2_checkpoint.save_bound, _rngs,
     # save_async_barrier_waited)
     "ex2_save_checkpoint": '''
 save = torch.save
