@@ -220,7 +220,7 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
     order = [n for n, _ in model.named_parameters()]
     shapes = dict(model.named_parameters())
     for call in range(steps):  # what the all-reduces carried first, then what each call's clip did with it
-        local, local32 = {}, {}  # rank -> (the micro-batches' gradients at the call's weights, flat)
+        inputs = {}  # rank -> (the call's weights, its micro-batches)
         for rank, o in enumerate(obs):
             c = o["calls"][call]
             if not c["synced"] or "reduced" not in c["synced"][-1]:
@@ -229,16 +229,14 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
                                   "the clipping of its result", got="no all-reduce by DDP's hook in the call",
                                   hint="run the last micro-batch's forward and backward outside no_sync(): DDP "
                                   "all-reduces there; clip after it (gradients synced by hand are not DDP's)")
-            batches = amp_batches(seeds[rank], rank, call, k, size)
-            local[rank] = micro_grads(c["start"], batches, k)
-            local32[rank] = micro_grads(c["start"], batches, k, bf16=False)
+            inputs[rank] = c["start"], amp_batches(seeds[rank], rank, call, k, size)
         try:
-            _judge_sent(check, obs, call, local, order, shapes, max_norm, where)
+            _judge_sent(check, obs, call, _local(inputs, k, True), order, shapes, max_norm, where)
         except CheckFailed as with_bf16:
             # where the clip is concerned, a forward without autocast is as right as one with it (the dtype is
             # check_amp_step's): float32 gradients can stray from the bf16 ones by more than bf16's bound
             try:
-                _judge_sent(check, obs, call, local32, order, shapes, max_norm, where)
+                _judge_sent(check, obs, call, _local(inputs, k, False), order, shapes, max_norm, where)
             except CheckFailed:
                 raise with_bf16 from None
     _judge_early(check, obs, where)
@@ -262,6 +260,12 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.1, ma
                           hint="clip once, after the last backward, and leave the clipped gradients in .grad for "
                           "the given step")
     passed(check)
+
+
+def _local(inputs: dict, k: int, bf16: bool) -> dict:
+    """rank -> the micro-batches' gradients at the call's weights (flat), from ``inputs``: rank -> (weights, batches);
+    the forward under bf16 autocast or in float32."""
+    return {rank: micro_grads(start, batches, k, bf16=bf16) for rank, (start, batches) in inputs.items()}
 
 
 def _judge_early(check, obs, where):
