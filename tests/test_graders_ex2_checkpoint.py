@@ -32,36 +32,42 @@ def _rngs():
     return states
 
 
+def _checkpoint(ddp_model) -> dict:
+    """What part 4's file holds: the plain model's weights and every rank's generator state. A collective: the
+    functions below call it on every rank, before any `if rank == 0`."""
+    return {"model": ddp_model.module.state_dict(), "rng": _rngs()}
+
+
 def save_checkpoint(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     dist.barrier()
 
 
 def save_no_barrier(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
 
 
 def save_barrier_first(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     dist.barrier()
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
 
 
 def save_consumed_prefix(rank, ddp_model, ckpt_path):
     """Right, another API: strip DDP's prefix from the wrapper's state_dict; an all_reduce as the sync."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if dist.get_rank() == 0:
         state = ddp_model.state_dict()
         consume_prefix_in_state_dict_if_present(state, "module.")
         tmp = ckpt_path + ".tmp"
-        torch.save({"model": state, "rng": rng}, tmp)
+        torch.save({**ckpt, "model": state}, tmp)
         os.replace(tmp, ckpt_path)
     dist.all_reduce(torch.zeros(1))
 
@@ -121,38 +127,38 @@ def save_state_after_drawing(rank, ddp_model, ckpt_path):
 
 
 def save_on_every_rank(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
-    torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+    ckpt = _checkpoint(ddp_model)
+    torch.save(ckpt, ckpt_path)
 
 
 def save_with_prefix(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.state_dict(), "rng": rng}, ckpt_path)
+        torch.save({**ckpt, "model": ddp_model.state_dict()}, ckpt_path)
 
 
 def save_on_rank_1(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 1:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
 
 
 def save_whole_model(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module, "rng": rng}, ckpt_path)
+        torch.save({**ckpt, "model": ddp_model.module}, ckpt_path)
 
 
 def save_relative_path(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, "ckpt.pt")
+        torch.save(ckpt, "ckpt.pt")
 
 
 def save_stale_weights(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": {k: torch.zeros_like(v) for k, v in ddp_model.module.state_dict().items()}, "rng": rng}, ckpt_path)
+        torch.save({**ckpt, "model": {k: torch.zeros_like(v) for k, v in ckpt["model"].items()}}, ckpt_path)
 
 
 _bound_save = torch.save  # bound when this module was loaded, as `save = torch.save` at a notebook's top level
@@ -160,38 +166,38 @@ _bound_save = torch.save  # bound when this module was loaded, as `save = torch.
 
 def save_bound(rank, ddp_model, ckpt_path):
     """Right: torch.save through a name bound before the grader's job started."""
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        _bound_save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        _bound_save(ckpt, ckpt_path)
     dist.barrier()
 
 
 def save_bound_no_barrier(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        _bound_save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        _bound_save(ckpt, ckpt_path)
 
 
 def save_bound_every_rank(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
-    _bound_save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+    ckpt = _checkpoint(ddp_model)
+    _bound_save(ckpt, ckpt_path)
     dist.barrier()
 
 
 def save_serialization_internals(rank, ddp_model, ckpt_path):
     """Right: torch.serialization's own functions, below torch.save."""
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
         with torch.serialization._open_zipfile_writer(ckpt_path) as writer:
-            torch.serialization._save({"model": ddp_model.module.state_dict(), "rng": rng}, writer, __import__("pickle"), 2, False)
+            torch.serialization._save(ckpt, writer, __import__("pickle"), 2, False)
     dist.barrier()
 
 
 def save_monitored_barrier(rank, ddp_model, ckpt_path):
     """Right, other synchronisations: gloo's monitored_barrier, then an object broadcast from rank 0."""
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     dist.monitored_barrier()
     done = [ckpt_path if rank == 0 else None]
     dist.broadcast_object_list(done, src=0)
@@ -199,50 +205,50 @@ def save_monitored_barrier(rank, ddp_model, ckpt_path):
 
 def save_async_barrier_waited(rank, ddp_model, ckpt_path):
     """Right: an async barrier, waited for (the main thread then sits in Work.wait, outside torch's Python)."""
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     dist.barrier(async_op=True).wait()
 
 
 def save_sleep_2(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     time.sleep(2)  # "long enough for the save"
 
 
 def save_sleep_10(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     time.sleep(10)
 
 
 def save_rank1_beside(rank, ddp_model, ckpt_path):
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
-    torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path if rank == 0 else f"{ckpt_path}.rank{rank}")
+    ckpt = _checkpoint(ddp_model)
+    torch.save(ckpt, ckpt_path if rank == 0 else f"{ckpt_path}.rank{rank}")
     dist.barrier()
 
 
 def save_rank1_tmp(rank, ddp_model, ckpt_path):
     import tempfile
 
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     else:
         with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
-            torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, fh)
+            torch.save(ckpt, fh)
     dist.barrier()
 
 
 def save_rank1_pickle_in_folder(rank, ddp_model, ckpt_path):
     import pickle
 
-    rng = _rngs()  # every rank's generator state (a collective: before any `if rank`)
+    ckpt = _checkpoint(ddp_model)
     if rank == 0:
-        torch.save({"model": ddp_model.module.state_dict(), "rng": rng}, ckpt_path)
+        torch.save(ckpt, ckpt_path)
     else:
         with open(os.path.join(os.path.dirname(ckpt_path), "copy.pkl"), "wb") as fh:
             pickle.dump(ddp_model.module.state_dict(), fh)
