@@ -124,6 +124,7 @@ def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
         # rewritten; this cannot): a group made for gloo has a gloo backend for CPU and for CUDA tensors alike, one
         # that took the grader's 'cpu:gloo' default has none for CUDA tensors
         found["made_for_gloo"] = all(_gloo_for(group, device) for device in ("cpu", "cuda"))
+        found["is_default"] = group is dist.group.WORLD  # only to say so in a message
     usable = torch.tensor([1 if found.get("size") == world_size and found.get("backend") == "gloo"
                            and found.get("made_for_gloo") else 0], device=dev)
     real.all_reduce(usable, op=dist.ReduceOp.MIN)

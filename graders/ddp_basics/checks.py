@@ -130,7 +130,7 @@ def _judge_cpu_group(check, obs, default_backend, where) -> None:
                           "default 'cpu:gloo', so a group that takes the default's shows here as on a GPU machine, "
                           "where it would be nccl, which runs no collective on CPU tensors)",
                           got=f"{groups[inherited[0]]['backend']!r}" + (
-                              " (the default group itself)" if groups[inherited[0]].get("size") == world_size else ""),
+                              " (the default group itself)" if groups[inherited[0]].get("is_default") else ""),
                           hint="a new group takes the default group's backend unless it is given its own")
     wrong = [r for r, g in enumerate(groups) if g["backend"] != "gloo"]
     if wrong:
