@@ -33,13 +33,14 @@ import sys
 from course.launcher.torchrun.workers import PROBE_SCRIPT, REPORT_FD, SECRET_FD
 
 #: what the workers' zygote imports: a worker's torch and torch.distributed, the probe's own imports (the probe
-#: module itself runs afresh as ``__main__`` in each worker), and the part of torch._dynamo's import (which the
-#: first DDP construction makes) that leaves the process groups alone. Not torch._dynamo itself, nor
-#: torch.distributed.tensor or fsdp, which it imports: imported before ``init_process_group``, they made a
-#: forked DDP worker hang at the end in ~ProcessGroupGloo (its gloo thread waiting for the GIL while the main
-#: thread joins it) in 3 of 11, 4 of 20 and 5 of 16 three-worker jobs; with this list, 0 of 52.
-PRELOAD = ("course.sandbox.wrapper", "torch", "torch.distributed", "torch.nn.parallel",
-           "sympy", "torch.fx.experimental.symbolic_shapes",
+#: module itself runs afresh as ``__main__`` in each worker), and torch._dynamo, which a worker's first optimizer or
+#: DDP model imports (about 0.8 CPU s a worker). torch._dynamo imported before ``init_process_group`` made workers
+#: hang at their end (exec'd too: 3 of 12 three-worker runs of a script that builds its optimizer before init, under
+#: plain torchrun): freeing a DDP model after ``destroy_process_group`` ran ~ProcessGroupGloo holding the GIL while a
+#: gloo thread needed it. The probe now keeps every destroyed group until its os._exit (its destroy_process_group),
+#: so that teardown never runs in a worker: 0 of 45 runs hung (20 of exercise 4's reference, 25 of a script that
+#: builds its optimizer before init), forked with this list or exec'd.
+PRELOAD = ("course.sandbox.wrapper", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "course.launcher.rank", "course.launcher.torchrun.torchrun_probe")
 PROBE_MODULE = "course.launcher.torchrun.torchrun_probe"
 
