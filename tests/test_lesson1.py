@@ -108,6 +108,35 @@ def test_pipeline_split_across_two_ranks_matches_one_process(nb):
     assert number(r"max \|single - pipeline\| weight difference after \d+ steps = (\S+)", text) < 1e-6
 
 
+def _stage_rows(text: str, name: str) -> list[tuple[str, int, float]]:
+    rows = re.findall(rf"^  {re.escape(name)} +stage (\d+): ([FB]+)  holds at most (\d+) micro-batch\(es\); "
+                      r"gradient vs one process (\S+)$", text, re.M)
+    assert [int(s) for s, *_ in rows] == list(range(len(rows))), text
+    return [(order, int(most), float(diff)) for _, order, most, diff in rows]
+
+
+def test_torchs_pipeline_schedules_run_and_hold_what_the_lesson_says(nb):
+    """GPipe runs every forward first and holds all m micro-batches on every stage; 1F1B warms up p - s forwards on
+    stage s, then alternates, and holds at most p - s; both give one process's gradients; the bubble is
+    (p - 1) / (m + p - 1). Read from the schedules torch ran, through hooks on each stage."""
+    text = output_of(nb, "run_ranks(pipeline_schedule")
+    p, m = (int(v) for v in re.search(r"p = (\d+) stages, m = (\d+) micro-batches", text).groups())
+    assert world_sizes(text) == [p, p] and p >= 3
+    assert number(r"bubble \(p - 1\) / \(m \+ p - 1\) = (\S+)", text) == pytest.approx((p - 1) / (m + p - 1), abs=5e-3)
+    gpipe, one_f_one_b = _stage_rows(text, "GPipe"), _stage_rows(text, "1F1B")
+    assert len(gpipe) == len(one_f_one_b) == p
+    for s in range(p):
+        assert gpipe[s][:2] == ("F" * m + "B" * m, m), gpipe[s]
+        warm = p - s  # forwards before the first backward on stage s (all of them on the last stage: 1)
+        assert one_f_one_b[s][0] == "F" * warm + "BF" * (m - warm) + "B" * warm, one_f_one_b[s]
+        assert one_f_one_b[s][1] == warm <= p
+        assert gpipe[s][2] < 1e-6 and one_f_one_b[s][2] < 1e-6
+    # what the lesson's answer states for its own p and m
+    answer = next(c.source for c in nb.cells if c.cell_type == "markdown" and "FFFBFBBB" in c.source)
+    assert (p, m) == (3, 4) and "2 / 6 = 0.33" in answer
+    assert all(f"`{row[0]}`" in answer for row in one_f_one_b) and f"`{gpipe[0][0]}`" in answer
+
+
 def test_costs_are_counted_from_the_runs(nb):
     text = stdout_of(cell_with(nb, "n_total = sum("))
     total = int(re.search(r"holds (\d+) of (\d+) parameters", text).group(2))
