@@ -108,6 +108,48 @@ def test_pipeline_split_across_two_ranks_matches_one_process(nb):
     assert number(r"max \|single - pipeline\| weight difference after \d+ steps = (\S+)", text) < 1e-6
 
 
+def test_ring_attention_matches_whole_sequence_attention_and_sends_what_the_answer_says(nb):
+    """Each rank attends its block of queries to every block of keys and values as they come round the ring (its own
+    first, then its left neighbours', in order), merges them by log-sum-exp into whole-sequence attention, and sends
+    2 (N - 1) / N x S x D values: the figure the lesson's answer gives for N = 3."""
+    text = output_of(nb, "run_ranks(ring_attention")
+    s, d = (int(v) for v in re.search(r"S, D = (\d+), (\d+)", cell_with(nb, "def ring_attention").source).groups())
+    rows = re.findall(r"N=(\d+) rank (\d+): (\d+) of (\d+) queries; held the keys/values of ranks (\[.*?\]) in turn; "
+                      r"sent (\d+) values; max \|ring - whole-sequence attention\| = (\S+)", text)
+    assert world_sizes(text) == [2, 3] and len(rows) == 5, text
+    for n, rank, block, total, held, sent, diff in rows:
+        n, rank = int(n), int(rank)
+        assert int(total) == s and int(block) == s // n
+        assert ast.literal_eval(held) == [(rank - k) % n for k in range(n)]
+        assert int(sent) == (n - 1) * 2 * (s // n) * d
+        assert float(diff) < 1e-5
+    answer = next(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown"
+                  and "how many values does each rank send" in " ".join(c.source.split()))
+    assert f"<details><summary>Answer</summary>{(3 - 1) * 2 * (s // 3) * d}:" in answer
+
+
+def test_expert_parallel_all_to_all_matches_the_dense_layer_and_the_answers_counts(nb):
+    """Every token reaches its expert's rank and comes back in place (equal to one process running each token
+    through its expert); what each expert received adds up to every rank's tokens; the answer's counts are the
+    run's."""
+    text = output_of(nb, "run_ranks(expert_parallel")
+    t = int(re.search(r"T, E_D = (\d+), ", cell_with(nb, "def expert_parallel").source).group(1))
+    rows = re.findall(r"rank (\d+): its expert got (\[.*?\]) tokens from ranks 0\.\.2; (\d+) of its (\d+) tokens "
+                      r"went to another rank's expert; max \|expert parallel - dense\| = (\S+)", text)
+    assert world_sizes(text) == [3] and [int(r[0]) for r in rows] == [0, 1, 2], text
+    got = [ast.literal_eval(r[1]) for r in rows]
+    away = [int(r[2]) for r in rows]
+    assert all(int(r[3]) == t and float(r[4]) < 1e-5 for r in rows)
+    for sender in range(3):  # what rank `sender` sent to each expert adds up to its tokens; all but its own went away
+        assert sum(got[e][sender] for e in range(3)) == t
+        assert away[sender] == t - got[sender][sender]
+    answer = next(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown"
+                  and "capacity" in c.source.lower() and "all-to-all" in c.source)
+    assert f"send {away[0]}, {away[1]} and {away[2]} of their {t} tokens away" in answer
+    loads = [sum(g) for g in got]
+    assert f"the experts received {loads[0]}, {loads[1]} and {loads[2]} tokens" in answer
+
+
 def _stage_rows(text: str, name: str) -> list[tuple[str, int, float]]:
     rows = re.findall(rf"^  {re.escape(name)} +stage (\d+): ([FB]+)  holds at most (\d+) micro-batch\(es\); "
                       r"gradient vs one process (\S+)$", text, re.M)
