@@ -234,3 +234,22 @@ def test_fsdp2_units_without_parameters_of_their_own_send_nothing(nb):
     assert "the root only: 1 x _allgather_base_ of 144, 1 x _reduce_scatter_base_ of 144" in text
     for layout in ("each Linear, then the root", "every module, then the root"):
         assert f"{layout}: 4 x _allgather_base_ of 72, 2 x _reduce_scatter_base_ of 72" in text, text
+
+
+def test_activation_memory_is_counted_and_checkpointing_keeps_only_the_blocks_input(nb):
+    """The block saves each layer's input for backward (parameters aside): the bytes the lesson's answer states;
+    under checkpoint only the block's input, every layer but the last run again in backward, same gradients."""
+    text = output_of(nb, "run_block(use_checkpoint")
+    rows = dict(re.findall(r"^(plain block|checkpoint\(block\)) *: (.*)$", text, re.M))
+    plain = re.search(r"saved (\d+) tensor\(s\), (\d+) bytes (\[.*?\]); forward runs per layer (\{.*?\})", rows["plain block"])
+    ckpt = re.search(r"saved (\d+) tensor\(s\), (\d+) bytes (\[.*?\]); forward runs per layer (\{.*?\})",
+                     rows["checkpoint(block)"])
+    batch, width, hidden = 32, 64, 256
+    assert ast.literal_eval(plain.group(3)) == [(batch, width), (batch, hidden), (batch, hidden)]
+    assert int(plain.group(2)) == 4 * (batch * width + 2 * batch * hidden)
+    assert ast.literal_eval(plain.group(4)) == {"0": 1, "1": 1, "2": 1}
+    assert ast.literal_eval(ckpt.group(3)) == [(batch, width)] and int(ckpt.group(2)) == 4 * batch * width
+    assert ast.literal_eval(ckpt.group(4)) == {"0": 2, "1": 2, "2": 1}  # recomputation stops once backward has its tensors
+    assert float(re.search(r"max \|input gradient difference\| = (\S+)", text).group(1)) == 0
+    answer = " ".join(next(c.source for c in nb.cells if c.get("id") == "activation-memory-answer").split())
+    assert f"Three tensors, {plain.group(2)} bytes" in answer and "(8 KiB)" in answer
