@@ -81,6 +81,17 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ddp-course-parent-watch", daemon=True).start()
 
 
+def destroyed_groups(group, c10d) -> list:
+    """The process groups ``destroy_process_group(group)`` destroys (``c10d``: torch.distributed.distributed_c10d):
+    every group for the default one (None or WORLD), else ``group``. Kept referenced until the process's os._exit
+    (here and in torchrun's probe), they are never torn down: freeing a DDP model after its group was destroyed
+    otherwise runs ~ProcessGroupGloo, which joins gloo's threads holding the GIL while one of them may need it to
+    free a backward's collective (torch 2.13 then hangs at the end of a finished script)."""
+    if group is None or group is c10d.GroupMember.WORLD:
+        return list(c10d._world.pg_map.keys())
+    return [group]
+
+
 def _patch_destroy() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -92,9 +103,7 @@ def _patch_destroy() -> None:
         if world:
             _STATE["destroy_called"] = True
             _STATE["destroys"] = _STATE.get("destroys", 0) + 1
-            _KEEP_ALIVE.extend(list(c10d._world.pg_map.keys()))
-        else:
-            _KEEP_ALIVE.append(group)
+        _KEEP_ALIVE.extend(destroyed_groups(group, c10d))
         real_destroy(group)
         if world:
             # torch restarts group names at "0" after a full destroy, so a second

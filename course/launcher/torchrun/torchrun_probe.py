@@ -63,7 +63,7 @@ def _secret_from_agent() -> int | None:
 
 _AGENT_SECRET = _secret_from_agent() if __name__ == "__main__" else None
 
-from course.launcher.rank import start_stall_probe, watch_parent  # noqa: E402 - after the secret is read
+from course.launcher.rank import destroyed_groups, start_stall_probe, watch_parent  # noqa: E402 - after the secret is read
 
 #: every process group the script destroyed, kept until the worker ends (see install's destroy_process_group)
 _KEEP_ALIVE: list = []
@@ -188,16 +188,9 @@ def _patch_torch() -> None:
     real_initialized = distributed_c10d.is_initialized
 
     def destroy_process_group(*args, **kwargs):
-        group = args[0] if args else kwargs.get("group")
-        # every group it destroys stays referenced here until the worker's os._exit: a DDP model freed after its
-        # group was destroyed would otherwise run ~ProcessGroupGloo, which joins gloo's threads holding the GIL
-        # while one of them may be freeing a collective's work that needs the GIL (the Python context autograd
-        # stashes for the collectives a backward starts): torch 2.13 then hangs at the end of a finished script
-        # (3 of 12 three-worker runs under plain torchrun when the optimizer is built before init_process_group)
-        if group is None or group is distributed_c10d.GroupMember.WORLD:
-            _KEEP_ALIVE.extend(distributed_c10d._world.pg_map.keys())
-        else:
-            _KEEP_ALIVE.append(group)
+        # every group it destroys stays referenced until the worker's os._exit, never torn down (see destroyed_groups:
+        # 3 of 12 three-worker runs hung under plain torchrun when the optimizer was built before init_process_group)
+        _KEEP_ALIVE.extend(destroyed_groups(args[0] if args else kwargs.get("group"), distributed_c10d))
         result = real_destroy(*args, **kwargs)
         # logged once it returned, with its effect: is the default group gone?
         _log("destroy", default_group_left=not real_initialized())
