@@ -35,7 +35,7 @@ from course.launcher.torchrun.workers import PROBE_SCRIPT, REPORT_FD, SECRET_FD
 #: what the workers' zygote imports: a worker's torch and torch.distributed, the probe's own imports (the probe
 #: module itself runs afresh as ``__main__`` in each worker), and torch._dynamo, which a worker's first optimizer or
 #: DDP model imports (about 0.8 CPU s a worker). torch._dynamo imported before ``init_process_group`` made workers
-#: hang at their end (exec'd too: 3 of 12 three-worker runs of a script that builds its optimizer before init, under
+#: hang at their end (exec'd too: 8 of 24 three-worker runs of a script that builds its optimizer before init, under
 #: plain torchrun): freeing a DDP model after ``destroy_process_group`` ran ~ProcessGroupGloo holding the GIL while a
 #: gloo thread needed it. The probe now keeps every destroyed group until its os._exit (its destroy_process_group),
 #: so that teardown never runs in a worker: 0 of 45 runs hung (20 of exercise 4's reference, 25 of a script that

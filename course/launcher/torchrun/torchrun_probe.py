@@ -189,7 +189,7 @@ def _patch_torch() -> None:
 
     def destroy_process_group(*args, **kwargs):
         # every group it destroys stays referenced until the worker's os._exit, never torn down (see destroyed_groups:
-        # 3 of 12 three-worker runs hung under plain torchrun when the optimizer was built before init_process_group)
+        # 8 of 24 three-worker runs hung under plain torchrun when the optimizer was built before init_process_group)
         _KEEP_ALIVE.extend(destroyed_groups(args[0] if args else kwargs.get("group"), distributed_c10d))
         result = real_destroy(*args, **kwargs)
         # logged once it returned, with its effect: is the default group gone?
