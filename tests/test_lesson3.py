@@ -253,3 +253,21 @@ def test_activation_memory_is_counted_and_checkpointing_keeps_only_the_blocks_in
     assert float(re.search(r"max \|input gradient difference\| = (\S+)", text).group(1)) == 0
     answer = " ".join(next(c.source for c in nb.cells if c.get("id") == "activation-memory-answer").split())
     assert f"Three tensors, {plain.group(2)} bytes" in answer and "(8 KiB)" in answer
+
+
+def test_a_2x2_device_mesh_makes_a_group_per_row_and_column(nb):
+    """Rank r sits at (r // 2, r % 2); its dp group is its column, its tp group its row; an all-reduce of the rank
+    numbers over each gives that line's sum: the figures the lesson's answer gives for rank 3."""
+    text = output_of(nb, "run_ranks(mesh_groups")
+    assert world_sizes(text) == [4]
+    rows = re.findall(r"rank (\d): coordinate \(dp, tp\) = \((\d), (\d)\); its dp group (\[.*?\]), its tp group (\[.*?\]); "
+                      r"all_reduce of the ranks' numbers over dp = (\d+), over tp = (\d+)", text)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3], text
+    for rank, dp, tp, dp_group, tp_group, dp_sum, tp_sum in rows:
+        rank, dp, tp = int(rank), int(dp), int(tp)
+        assert (dp, tp) == divmod(rank, 2)
+        column, row = [tp, 2 + tp], [2 * dp, 2 * dp + 1]
+        assert ast.literal_eval(dp_group) == column and ast.literal_eval(tp_group) == row
+        assert (int(dp_sum), int(tp_sum)) == (sum(column), sum(row))
+    answer = " ".join(next(c.source for c in nb.cells if c.get("id") == "device-mesh-answer").split())
+    assert "ranks 1 and 3: 1 + 3 = 4" in answer and "ranks 2 and 3: 2 + 3 = 5" in answer
