@@ -64,11 +64,16 @@ class RegressionDataset(Dataset):
         return [rows.get(row.numpy().tobytes(), -1) for row in x.detach().to("cpu", torch.float32).reshape(-1, 4)]
 
 
-REJOIN_TIMEOUT = 5  # seconds a rank waits for the others in the re-initialisation after cleanup()
+#: seconds a rank waits for the others after cleanup(): only a peer stuck in its cleanup is that late (whether every
+#: rank destroyed its group is settled through the store first, so a rank that kept its group never leaves its peers
+#: waiting in a rendezvous); a load-starved peer a few seconds late must not make a right cleanup lose
+REJOIN_TIMEOUT = 60
 _REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
 #: the CPU generator's functions, bound at import, before any student code runs (a payload that patches torch's names
 #: as it is unpickled cannot make the ranks' secret states predictable)
 _RNG_STATE, _SEED, _DRAW, _URANDOM = torch.get_rng_state, torch.manual_seed, torch.rand, os.urandom
+#: where torch keeps the default group (init_process_group refuses a second one while ``WORLD`` is set), bound at import
+_GROUP_MEMBER = dist.distributed_c10d.GroupMember
 
 
 def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict:
@@ -149,15 +154,29 @@ def _cleanup_harness(rank, cleanup, store_dir, _real=_REAL):
     world_size = int(os.environ["WORLD_SIZE"])
     backend = str(real.get_backend())
     cleanup()
-    # Only a destroyed default group lets a new one be made: try, through a store of our own.
+    # Only a destroyed default group lets a new one be made: try, through a store of our own. The ranks first tell
+    # each other whether they still hold a default group, so that none waits in a rendezvous for a peer that cannot come.
     store = dist.FileStore(os.path.join(store_dir, "rejoin"), world_size)
     store.set_timeout(timedelta(seconds=REJOIN_TIMEOUT))
+    holds = _GROUP_MEMBER.WORLD is not None
+    store.set(f"held/{rank}", "1" if holds else "0")
+    if holds:
+        try:
+            real.init(backend, store=store, rank=rank, world_size=world_size)  # refuses at once: a group is set
+        except ValueError as exc:  # "trying to initialize the default process group twice"
+            return {"destroyed": False, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
+    try:
+        store.wait([f"held/{r}" for r in range(world_size)])
+    except RuntimeError as exc:  # a peer still in its cleanup (the job's deadline or the stall watch names it)
+        return {"destroyed": True, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
+    kept = [r for r in range(world_size) if store.get(f"held/{r}") == b"1"]
+    if kept:
+        return {"destroyed": True, "rejoined": False,
+                "error": f"{checks.rank_list(kept)} kept its process group, so no new one could be made"}
     try:
         real.init(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=REJOIN_TIMEOUT))
-    except ValueError as exc:  # "trying to initialize the default process group twice"
-        return {"destroyed": False, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
-    except RuntimeError as exc:  # a peer kept its group, so it never came
-        return {"destroyed": True, "rejoined": False, "error": str(exc).splitlines()[0][:200]}
+    except (ValueError, RuntimeError) as exc:
+        return {"destroyed": not isinstance(exc, ValueError), "rejoined": False, "error": str(exc).splitlines()[0][:200]}
     obs = {"destroyed": True, **_membership(real, rank, world_size, dev)}
     obs["rejoined"] = obs.pop("joined")
     real.destroy()

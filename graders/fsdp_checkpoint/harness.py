@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from course import checks
 
-PG_TIMEOUT = timedelta(seconds=15)  # a collective that another rank skipped fails in 15 s, not 30 min
+#: the grader's process groups' timeout, a backstop only: the stall watch names a collective some rank skipped within
+#: seconds, while on a busy 2-core grader a peer can lag by more than 15 s (CI saw it), and a right answer must not lose
+PG_TIMEOUT = timedelta(seconds=60)
 INPUTS, OUTPUTS = 6, 2
 BATCH = 4  # samples per rank and step
 LR = 0.05

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from course import checks
 
-PG_TIMEOUT = timedelta(seconds=15)  # a skipped collective fails in 15 s, not 30 min
+#: the grader's process groups' timeout, a backstop only: the stall watch names a collective some rank skipped within
+#: seconds, while on a busy 2-core grader a peer can lag by more than 15 s (CI saw it), and a right answer must not lose
+PG_TIMEOUT = timedelta(seconds=60)
 
 # BatchNorm: initial state the harness gives every layer (same on all ranks)
 C = 3
