@@ -40,6 +40,12 @@ IDEAS: dict[str, list[list[str]]] = {
         ["a column-split first layer and a row-split second", "one all-reduce of the partial outputs",
          "the gradients of split weights"],
     ],
+    "pipeline": [
+        ["micro-batches whose losses add up to the batch's", "a schedule as each stage's list of forwards and "
+         "backwards", "the last stage's gradient of the loss for its output", "sends that do not wait for their "
+         "receive (gloo's send waits)"],
+        ["idle stage-steps: the bubble", "activations held from a forward to its backward"],
+    ],
     "ddp_basics": [
         ["joining the job from rank and world size", "pinning this rank's device",
          "a second group with a backend of its own"],

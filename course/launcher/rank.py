@@ -192,7 +192,8 @@ def start_stall_probe(spec: dict):
             label = names.get(f.filename) or f'File "{f.filename}"'
             site = {"where": f"{label}, line {f.lineno}", "line": (f.line or "").strip(), "function": f.name}
             break
-        data = json.dumps({"t": time.time(), "entries": entries, "waiting": waiting, "site": site})
+        data = json.dumps({"t": time.time(), "entries": entries, "waiting": waiting, "site": site,
+                           "p2p": point_to_point(stack) if waiting else None})
         with open(path + ".tmp", "w") as fh:
             fh.write(data)
         replace(path + ".tmp", path)
@@ -225,6 +226,20 @@ def waiting_in_collective(stack, also_not: frozenset[str] | set[str] = frozenset
     rendezvous (:data:`JOINING`) nor in a function of ``also_not``: the one rule of "is this rank in a collective"."""
     return (any(code in f.filename.replace(os.sep, "/") for f in stack for code in COLLECTIVE_CODE)
             and not any(f.name in JOINING or f.name in also_not for f in stack))
+
+
+#: torch.distributed's blocking point-to-point functions: a rank idle in one waits for one peer (on gloo, a send
+#: too: it returns once the peer has received it, measured on torch 2.13)
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+def point_to_point(stack) -> str | None:
+    """The blocking point-to-point function (:data:`POINT_TO_POINT`) this stack is in, innermost
+    ``torch.distributed`` frame first; None when it is in another (a collective, a wait) or none."""
+    for f in reversed(stack):
+        if f.filename.replace(os.sep, "/").endswith("/torch/distributed/distributed_c10d.py"):
+            return f.name if f.name in POINT_TO_POINT else None
+    return None
 
 
 def under(filename: str, places: tuple[str, ...]) -> bool:

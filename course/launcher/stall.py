@@ -7,7 +7,9 @@ last collectives from torch's flight recorder and its main thread's stack) and c
 
 * every rank waits in a collective, and they are not the same one (another op, other
   shapes, another sequence number in the same group), or
-* some ranks wait in a collective while others have already returned from the function,
+* some ranks wait in a collective while others have already returned from the function, or
+* every rank still running waits in a blocking send or recv (the stacks say so; gloo's flight recorder lists no
+  point-to-point operation, and on gloo a send waits for its receive),
 
 then the job is deadlocked: no rank can ever make progress. The same verdict twice in a row,
 with no CPU activity in between, ends the job with a :class:`StallVerdict` that lines the
@@ -56,7 +58,7 @@ PROBE_ENTRIES = 16
 class StallVerdict:
     """Why the job cannot finish: each rank lined up with its collective and source line."""
 
-    kind: str  # "mismatch" (another op), "shapes", "sequence" (one rank skipped one), "returned"
+    kind: str  # "mismatch" (another op), "shapes", "sequence" (one rank skipped one), "returned", "p2p"
     lines: dict[int, str]  # rank -> "waits in all_reduce #3 (Cell In[4], line 12: dist.all_reduce(t))"
     waiting: list[int]
     returned: list[int]
@@ -266,6 +268,9 @@ def analyse(answers: dict[int, dict], returned: list[int],
     if any(_nccl(e) for data in every.values() if isinstance(data, dict)
            for e in (data.get("entries") if isinstance(data.get("entries"), list) else [])):
         return analyse_nccl(answers, returned, returned_answers or {})  # the stacks say nothing under nccl
+    p2p = _point_to_point(answers, returned)
+    if p2p is not None:
+        return p2p
     for data in answers.values():
         if not data.get("waiting") or not isinstance(data.get("entries"), list):
             return None  # a rank computing, sleeping or looping (or no flight recorder): the deadline decides
@@ -324,6 +329,26 @@ def analyse(answers: dict[int, dict], returned: list[int],
         hint = ("the ranks called the same collective with tensors of different shapes or dtypes: every rank must "
                 "pass a tensor of the same shape and dtype (pad, or all_gather the sizes first)")
     return StallVerdict(kind, lines, waiting, [], hint, ("diverged", tuple(sorted(keys.items(), key=str))))
+
+
+def _point_to_point(answers: dict[int, dict], returned: list[int]) -> StallVerdict | None:
+    """Every rank still running idle in a blocking send or recv (torch's flight recorder lists no point-to-point
+    operation on gloo, so only the stacks say it): none can make progress, since each waits for a peer that waits
+    too (or has returned), and on gloo a send waits for its receive as much as a receive for its send."""
+    calls = {r: data.get("p2p") for r, data in answers.items()}
+    if not all(data.get("waiting") for data in answers.values()) or not all(calls.values()):
+        return None
+    lines = {r: f"waits in {calls[r]}" + (f" ({data['site']['where']}: {data['site']['line']})"
+                                          if isinstance(data.get("site"), dict) else "")
+             for r, data in answers.items()}
+    lines.update({r: "had returned from the function" for r in returned})
+    hint = ("every rank waits in a point-to-point send or receive that no other rank will match: a recv waits until "
+            "its peer sends, and on gloo a send waits until its peer receives, so two ranks that send to each other "
+            "first (or receive first) wait forever. Pair every send with a receive on the other rank, in the same "
+            "order on both; or post sends with dist.isend (waiting on them later) or dist.batch_isend_irecv, so that "
+            "a rank can receive while its send is pending")
+    return StallVerdict("p2p", lines, sorted(answers), sorted(returned), hint,
+                        ("p2p", tuple(sorted(calls.items())), tuple(sorted(returned))))
 
 
 def _same_step(last: dict, waiting: list[int], returned_answers: dict[int, dict]):
