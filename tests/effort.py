@@ -46,6 +46,11 @@ IDEAS: dict[str, list[list[str]]] = {
          "receive (gloo's send waits)"],
         ["idle stage-steps: the bubble", "activations held from a forward to its backward"],
     ],
+    "expert_parallel": [
+        ["a capacity shared by every rank's tokens (the other ranks' counts)", "all-to-all with split sizes the "
+         "ranks agree on", "collectives that carry gradients back", "tokens grouped by destination and put back in "
+         "place"],
+    ],
     "ddp_basics": [
         ["joining the job from rank and world size", "pinning this rank's device",
          "a second group with a backend of its own"],
