@@ -349,21 +349,21 @@ def test_reference_solution_grades_full_marks_offline(grader_image, source, tmp_
 def test_instructor_workflow_offline(lab_image, grader_image, tmp_path):
     """init, release, collect, autograde, export in grader containers run with the documented flags.
 
-    alice hands in the reference solution, bob the copy the student image holds, unanswered:
-    alice gets full marks, bob does not.
+    alice hands in the reference solution of every notebook of the first assignment, bob the copies the student
+    image holds, unanswered: alice gets full marks, bob does not.
     """
     sources = source_notebooks()
     assert sources, "exercises/ holds no source notebook: nothing to release or grade"
-    source = sources[0]
-    assignment = source.parent.name
+    assignment = sources[0].parent.name
     course, subs = tmp_path / "course", tmp_path / "submissions"
     (subs / "alice").mkdir(parents=True)
     (subs / "bob").mkdir()
     course.mkdir()
-    shutil.copy(source, subs / "alice" / source.name)
-    (subs / "bob" / source.name).write_text(docker(
-        "run", "--rm", "--network", "none", "--entrypoint", "cat", lab_image,
-        str(COURSE_IN_LAB / "exercises" / assignment / source.name)).stdout)
+    for source in (s for s in sources if s.parent.name == assignment):
+        shutil.copy(source, subs / "alice" / source.name)
+        (subs / "bob" / source.name).write_text(docker(
+            "run", "--rm", "--network", "none", "--entrypoint", "cat", lab_image,
+            str(COURSE_IN_LAB / "exercises" / assignment / source.name)).stdout)
     for path in (course, subs, subs / "alice", subs / "bob"):
         os.chmod(path, 0o777)  # the container's uid 1000 works here, whoever runs the test
     mounts = ["-v", f"{course}:/course", "-v", f"{subs}:/submissions:ro"]

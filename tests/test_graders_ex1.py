@@ -335,7 +335,8 @@ def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_send_recv_deadlock_is_graded_within_the_check_timeout(tmp_path, monkeypatch):
-    """Both ranks receive first: a real deadlock, ended by the check's deadline (bound: timeout + 60 s)."""
+    """Both ranks receive first: a real deadlock, which the stall watch names (every rank idle in recv) within
+    seconds, long before the check's deadline."""
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     start = time.monotonic()
     report = grade_with(tmp_path, "ex1_two_stage_step",
@@ -348,8 +349,10 @@ def test_send_recv_deadlock_is_graded_within_the_check_timeout(tmp_path, monkeyp
     seconds = time.monotonic() - start
     assert submissions.scores(report) == submissions.losing(A, "ex1_test_two_stage")
     message = submissions.messages(report)["ex1_test_two_stage"]
-    assert f"did not finish within {HANG_TIMEOUT} s" in message and "ranks 0, 1" in message
+    assert "deadlocked" in message and "ranks 0, 1" in message, message
+    assert "rank 0 waits in recv" in message and "rank 1 waits in recv" in message, message
     assert "send and recv must pair up" in message and "rank 0 first SENDS" in message
+    assert f"did not finish within {HANG_TIMEOUT} s" not in message  # the watch ended it, not the deadline
     assert seconds < HANG_TIMEOUT + 60, f"grading took {seconds:.0f} s"
 
 

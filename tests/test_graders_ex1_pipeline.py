@@ -375,3 +375,19 @@ MISTAKES = {name: ([(gid, old, new)], failing, words) for name, (gid, old, new, 
 @pytest.mark.parametrize("group", submissions.pack(MISTAKES), ids=" + ".join)
 def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
     submissions.grade_packed(A, tmp_path, MISTAKES, group, notebook=NB)
+
+
+def test_the_grader_refuses_a_request_it_would_have_to_allocate_gigabytes_for():
+    """A rank that writes its own header asking for 65536 x 65536 floats (16 GiB) is cut off before the grader reads
+    a byte of it; the refusal is in the record."""
+    import socket
+    import struct
+
+    with StageServer([3, 4], rows=2, n_micro=1) as server:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(server.address)
+        raw.sendall(bytes.fromhex(server.tokens[0]) + struct.pack("<ciiii", b"F", 0, 0, 1 << 16, 1 << 16))
+        raw.settimeout(10)
+        assert raw.recv(1) == b""  # closed
+        raw.close()
+        assert any("malformed request" in r for r in server.held.report()["refused"])

@@ -31,6 +31,27 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                                               "one in the backward, and nothing else", L1,
                                               "Gradients through a split layer"),
     },
+    "pipeline": {
+        "check_pipeline_gradients": ("micro-batches through a pipeline add up to the whole batch's gradient: each "
+                                     "micro-batch's loss is its share of the batch's, and every activation and "
+                                     "gradient reaches the stage that needs it", L1, "Schedules: GPipe and 1F1B"),
+        "check_pipeline_schedule": ("a schedule is each stage's order of forwards and backwards: GPipe runs every "
+                                    "forward first and holds every micro-batch, 1F1B starts backwards as early as the "
+                                    "stages allow and holds at most p - s", L1, "Schedules: GPipe and 1F1B"),
+        "check_pipeline_prediction": ("the bubble is the share of stage-steps spent idle, set by the stages and the "
+                                      "micro-batches; a stage holds a micro-batch from its forward to its backward",
+                                      L1, "Schedules: GPipe and 1F1B"),
+    },
+    "expert_parallel": {
+        "check_moe_outputs": ("each token travels to the rank of its expert and its output comes back to its own "
+                              "place; an expert's capacity is shared by every rank's tokens", L1,
+                              "Splitting the experts: expert parallelism"),
+        "check_moe_gradients": ("the way back carries gradients only through collectives autograd knows: the "
+                                "backward of an all-to-all is the reverse all-to-all", L1,
+                                "Gradients through a split layer"),
+        "check_moe_dispatch": ("an expert spends compute only on the tokens it keeps: a token past its capacity is "
+                               "dropped before it is sent", L1, "Splitting the experts: expert parallelism"),
+    },
     "ddp_basics": {
         "check_setup": ("each process joins one process group as its own rank of the world size, with the "
                         "backend of its device; a job can make more groups, each with a backend of its own, and "

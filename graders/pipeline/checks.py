@@ -271,13 +271,13 @@ def check_pipeline_gradients(pipeline_step, *, configs=((3, 4),), rows: int = 3,
 def _judge_order(check, schedule: str, stages: list[dict], p: int, m: int) -> None:
     where = _where(schedule, p, m)
     for s, stage in enumerate(stages):
-        if len(set(stage["pids"])) != 1:
+        if len(stage["pids"]) > 1:
             raise CheckFailed(check, f"stage {s} was asked to work by more than one connection ({where})",
                               ranks=[s], expected=f"stage {s} driven by rank {s}'s process alone",
                               got="; ".join(stage["refused"][:2]) or f"processes {stage['pids']}",
                               hint="each rank drives its own stage, through the stage it is given")
-    pids = [stage["pids"][0] for stage in stages]
-    if len(set(pids)) != p:
+    pids = [stage["pids"][0] for stage in stages if stage["pids"][0] != -1]  # -1: a platform that cannot say
+    if len(set(pids)) != len(pids):
         raise CheckFailed(check, f"one process drove several stages ({where})", ranks=range(p),
                           expected="each stage driven by its own rank", got=f"processes {pids}",
                           hint="each rank drives its own stage, through the stage it is given")

@@ -518,8 +518,8 @@ ONE_PATH = ("autograde",)  # where the attacks whose outcome cannot differ by pa
 ATTACKS = [
     Attack("honest", _honest, "nothing to stop: the control submission", message="",
            rootless=True),
-    Attack("deadlock", _deadlock, "the launcher's per-job deadline (kernel and verifier)", broken_answers=(1,),
-           message=r"did not finish within", extra=4 * CHECK_TIMEOUT,
+    Attack("deadlock", _deadlock, "the stall watch: every rank idle in recv, named within seconds (kernel and "
+           "verifier)", broken_answers=(1,), message=r"deadlocked: rank 0 waits in recv", extra=4 * CHECK_TIMEOUT,
            paths=ONE_PATH, rootless=True),
     Attack("sigint_loop", _sigint_loop, "cell timeout, then the kernel is stopped when the interrupt is ignored",
            fatal=True, message=r"did not stop when\s+interrupted", extra=CELL_TIMEOUT + GRACE,

@@ -360,7 +360,10 @@ def autograde_batch(tmp_path_factory) -> Batch:
     source = nbformat.read(str(base), as_version=4)
     root = tmp_path_factory.mktemp("autograde")
     exercises = root / "exercises"
-    shutil.copytree(base.parent, exercises / assignment)
+    # the attacked notebook and the files it may need, not the assignment's other notebooks: every submission
+    # is one notebook, and its scores are that notebook's test cells
+    shutil.copytree(base.parent, exercises / assignment,
+                    ignore=lambda folder, names: [n for n in names if n.endswith(".ipynb") and n != base.name])
     course_dir = root / "course"
     env = {**os.environ, **ENV}
     subprocess.run(["ddp-course", "init", str(course_dir), "--exercises", str(exercises),
