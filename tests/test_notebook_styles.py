@@ -11,8 +11,12 @@ Also here, at the notebook level: a realistic wrong fix of debug_training's give
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import submissions
+import test_graders_ex1_experts as ex1_experts
+import test_graders_ex1_pipeline as ex1_pipeline
 
 GRADE_TIMEOUT = 300  # one in-process grading of a notebook on a loaded 2-core machine, with room to spare
 
@@ -621,128 +625,25 @@ def clip_gradients(model, max_norm):
 ''',
 }
 
-# --- ex1-parallelism / pipeline -----------------------------------------------------------------------------------
+# --- ex1-parallelism / pipeline and expert_parallel: the answers test_graders_ex1_* hold to their checks ---------
+
+
+def _renamed(fn, name: str, *helpers) -> str:
+    """The source of ``fn`` (and its ``helpers``, first), ``fn`` under the notebook's name ``name``."""
+    text = "".join(inspect.getsource(h) + "\n\n" for h in helpers) + inspect.getsource(fn)
+    return "\n" + text.replace(f"def {fn.__name__}(", f"def {name}(", 1)
+
 
 PIPELINE = {
-    # Megatron's warm-up, steady state and cool-down over counters (test_graders_ex1_pipeline.megatron_style)
-    "pp_pipeline_step": '''
-def _recv_from(shape, src):
-    buf = torch.empty(shape)
-    dist.recv(buf, src=src)
-    return buf
-
-
-def pipeline_step(stage, rank, world_size, x, y, n_micro, schedule):
-    """Megatron's shape: warm-up forwards, then a backward and a forward while forwards remain, then the rest;
-    counters instead of a list of steps; autograd.grad for the loss; a 0-d tensor returned."""
-    prev = rank - 1 if rank > 0 else None
-    nxt = rank + 1 if rank < world_size - 1 else None
-    inputs = torch.tensor_split(x, n_micro) if prev is None else None
-    targets = torch.tensor_split(y, n_micro) if nxt is None else None
-    pending, losses, out_grads = [], [], {}
-    count = {"fwd": 0, "bwd": 0}
-
-    def forward():
-        i = count["fwd"]
-        a = inputs[i] if prev is None else _recv_from(stage.in_shape, prev)
-        out = stage.forward(i, a)
-        if nxt is None:
-            out = out.detach().requires_grad_()
-            loss = F.mse_loss(out, targets[i]) / n_micro
-            out_grads[i] = torch.autograd.grad(loss, out)[0]
-            losses.append(loss.detach())
-        else:
-            pending.append(dist.isend(out.contiguous(), nxt))
-        count["fwd"] += 1
-
-    def backward():
-        i = count["bwd"]
-        g = out_grads.pop(i) if nxt is None else _recv_from(stage.out_shape, nxt)
-        gin = stage.backward(i, g)
-        if prev is not None:
-            pending.append(dist.isend(gin, prev))
-        count["bwd"] += 1
-
-    warmup = n_micro if schedule == "gpipe" else min(world_size - rank, n_micro)
-    for _ in range(warmup):
-        forward()
-    while count["bwd"] < n_micro:
-        backward()
-        if count["fwd"] < n_micro:
-            forward()
-    for req in pending:
-        req.wait()
-    return torch.stack(losses).sum() if nxt is None else None
-''',
-    # a simulator of one's own (test_graders_ex1_pipeline.predict_by_simulation)
-    "pp_predict": '''
-def predict_pipeline(p, m, schedule):
-    """Right by another road: a small simulator of one's own (the grader's is refused)."""
-    orders = []
-    for s in range(p):
-        warm = m if schedule == "gpipe" else min(p - s, m)
-        order = [("F", i) for i in range(warm)]
-        for i in range(m):
-            order.append(("B", i))
-            if warm + i < m:
-                order.append(("F", warm + i))
-        orders.append(order)
-    end, free, pos, held, peak = {}, [0] * p, [0] * p, [0] * p, [0] * p
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                op, i = orders[s][pos[s]]
-                deps = [(op, i, s - 1)] if op == "F" and s else [("B", i, s + 1)] if op == "B" and s < p - 1 else []
-                if any(d not in end for d in deps):
-                    break
-                end[(op, i, s)] = free[s] = max([free[s]] + [end[d] for d in deps]) + 1
-                held[s] += 1 if op == "F" else -1
-                peak[s] = max(peak[s], held[s])
-                pos[s] += 1
-    return 1 - 2 * m * p / (p * max(free)), peak
-''',
+    # Megatron's warm-up, steady state and cool-down over counters
+    "pp_pipeline_step": _renamed(ex1_pipeline.megatron_style, "pipeline_step", ex1_pipeline._recv_from),
+    # a simulator of one's own
+    "pp_predict": _renamed(ex1_pipeline.predict_by_simulation, "predict_pipeline"),
 }
 
 EXPERT_PARALLEL = {
-    # torch's functional collectives with autograd, Python lists (test_graders_ex1_experts.functional_style)
-    "ep_moe_layer": '''
-def moe_layer(experts, rank, world_size, x, expert_ids, gates, capacity):
-    """torch's functional collectives (all_to_all_single_autograd), a cumulative count table, Python lists."""
-    from torch.distributed import _functional_collectives as fc
-
-    k, group = experts.per_rank, dist.group.WORLD
-    n = k * world_size
-    mine = torch.bincount(expert_ids, minlength=n)
-    table = torch.empty(world_size * n, dtype=mine.dtype)
-    dist.all_gather_into_tensor(table, mine)
-    used = table.view(world_size, n)[:rank].sum(0).tolist()
-    sent = [[] for _ in range(world_size)]  # per destination rank: token positions, expert order kept
-    for t, e in enumerate(expert_ids.tolist()):
-        if used[e] < capacity:
-            sent[e // k].append(t)
-        used[e] += 1
-    order = torch.tensor([t for dest in sent for t in dest], dtype=torch.long)
-    send_sizes = [len(dest) for dest in sent]
-    sizes = torch.tensor(send_sizes)
-    recv = torch.empty_like(sizes)
-    dist.all_to_all_single(recv, sizes)
-    recv_sizes = recv.tolist()
-    ids_in = torch.empty(sum(recv_sizes), dtype=torch.long)
-    dist.all_to_all_single(ids_in, expert_ids[order].contiguous(), recv_sizes, send_sizes)
-    arrived = fc.all_to_all_single_autograd(x[order].contiguous(), recv_sizes, send_sizes, group)
-    outs = [None] * len(ids_in)
-    for e in experts.local:
-        where = [i for i, v in enumerate(ids_in.tolist()) if v == e]
-        if where:
-            for i, row in zip(where, experts(e, arrived[where]).unbind(0)):
-                outs[i] = row
-    done = torch.stack(outs) if outs else arrived[:0]
-    returned = fc.all_to_all_single_autograd(done.contiguous(), send_sizes, recv_sizes, group)
-    rows = [torch.zeros(x.shape[1])] * len(x)
-    for j, t in enumerate(order.tolist()):
-        rows[t] = returned[j] * gates[t]
-    return torch.stack(rows)
-''',
+    # torch's functional collectives with autograd, Python lists
+    "ep_moe_layer": _renamed(ex1_experts.functional_style, "moe_layer"),
 }
 
 OTHER_STYLES = {

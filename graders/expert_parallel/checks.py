@@ -85,19 +85,17 @@ def _observe(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed) 
                 "reference": reference(server.seed, d, world_size * per_rank, routes, capacity, w)}
 
 
-def _job(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed) -> dict:
-    key = ("experts", moe_layer, world_size, per_rank, tokens, d, capacity, seed)
-    return checks.memo(check, key, lambda: _observe(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed))
-
-
-def _where(world_size, per_rank, tokens, capacity) -> str:
-    return (f"{world_size} ranks, {per_rank} expert{'s' if per_rank > 1 else ''} each, {tokens} tokens a rank, "
-            f"capacity {capacity}")
-
-
-def _config(kwargs) -> tuple:
-    c = {**VISIBLE, **kwargs}
-    return c["world_size"], c["per_rank"], c["tokens"], c["d"], c["capacity"], c["seed"]
+def _seen(check, moe_layer, config: dict) -> tuple[dict, dict, str]:
+    """The job of ``config`` (the visible one's values where it says nothing) for ``check``: (what it saw, the
+    configuration, the words that name it in a message)."""
+    checks.require_written(check, moe_layer=moe_layer)
+    c = {**VISIBLE, **config}
+    key = ("experts", moe_layer, *(c[k] for k in sorted(c)))
+    seen = checks.memo(check, key, lambda: _observe(check, moe_layer, c["world_size"], c["per_rank"], c["tokens"],
+                                                    c["d"], c["capacity"], c["seed"]))
+    where = (f"{c['world_size']} ranks, {c['per_rank']} expert{'s' if c['per_rank'] > 1 else ''} each, "
+             f"{c['tokens']} tokens a rank, capacity {c['capacity']}")
+    return seen, c, where
 
 
 # --- the outputs ------------------------------------------------------------------------------------------------
@@ -106,10 +104,8 @@ def _config(kwargs) -> tuple:
 def check_moe_outputs(moe_layer, **config) -> None:
     """Every rank's output equals one process's with every expert, dropped tokens zero."""
     check = "check_moe_outputs"
-    checks.require_written(check, moe_layer=moe_layer)
-    world_size, per_rank, tokens, d, capacity, seed = _config(config)
-    seen = _job(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed)
-    where = _where(world_size, per_rank, tokens, capacity)
+    seen, c, where = _seen(check, moe_layer, config)
+    capacity = c["capacity"]
     ref = seen["reference"]
     for r, (obs, want) in enumerate(zip(seen["ranks"], ref["outputs"])):
         y = obs["y"]
@@ -152,10 +148,8 @@ def check_moe_outputs(moe_layer, **config) -> None:
 def check_moe_gradients(moe_layer, **config) -> None:
     """The gradient of sum_r (y_r * w_r) reaches every rank's tokens and every expert's weights as in one process."""
     check = "check_moe_gradients"
-    checks.require_written(check, moe_layer=moe_layer)
-    world_size, per_rank, tokens, d, capacity, seed = _config(config)
-    seen = _job(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed)
-    where = _where(world_size, per_rank, tokens, capacity)
+    seen, c, where = _seen(check, moe_layer, config)
+    per_rank = c["per_rank"]
     ref = seen["reference"]
     for r, (obs, want) in enumerate(zip(seen["ranks"], ref["x_grads"])):
         grad = obs["x_grad"]
@@ -192,10 +186,8 @@ def check_moe_gradients(moe_layer, **config) -> None:
 def check_moe_dispatch(moe_layer, **config) -> None:
     """Each expert was given exactly the tokens the rule gives it, never more than ``capacity``, by its own rank."""
     check = "check_moe_dispatch"
-    checks.require_written(check, moe_layer=moe_layer)
-    world_size, per_rank, tokens, d, capacity, seed = _config(config)
-    seen = _job(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed)
-    where = _where(world_size, per_rank, tokens, capacity)
+    seen, c, where = _seen(check, moe_layer, config)
+    world_size, per_rank, tokens, capacity = (c[k] for k in ("world_size", "per_rank", "tokens", "capacity"))
     pids = seen["held"]["pids"]
     first = [p[0] for p in pids if p and p[0] != -1]  # -1: a platform that cannot say which process
     if any(len(p) > 1 for p in pids) or len(set(first)) < len(first):
