@@ -216,6 +216,12 @@ def test_the_held_experts_record_each_token_and_refuse_other_ranks_experts():
         assert torch.equal(report["modules"][1]["inputs"][0][1], x.detach())
         assert report["modules"][1]["grads"]["0.weight"].abs().sum() > 0
         assert mine(0, x[:0]).shape == (0, 3)  # no tokens: nothing asked
+        # an expert's number as a tensor or a numpy int (what indexing ids gives) is as good as an int; a bool is not
+        import numpy as np
+
+        assert torch.equal(mine(torch.tensor(1), x).detach(), mine(np.int64(1), x).detach())
+        with pytest.raises(TypeError, match="an expert's number"):
+            mine(True, x)
         assert len(server.report()["modules"][0]["journal"]) == 0
 
 

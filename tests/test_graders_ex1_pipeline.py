@@ -309,7 +309,7 @@ def test_a_stage_records_its_work_in_order_and_refuses_what_a_schedule_cannot_do
     with StageServer([3, 4, 2], rows=2, n_micro=2) as server:
         (in0, out0), _ = server.shapes()
         stage = RemoteStage(server.address, server.tokens[0], 0, in0, out0)
-        out = stage.forward(0, torch.ones(in0))
+        out = stage.forward(torch.tensor(0), torch.ones(in0))  # a micro-batch's number as a tensor: an int too
         assert out.shape == out0
         with pytest.raises(RuntimeError, match=r"backward\(1, grad\) before forward\(1\)"):
             stage.backward(1, torch.ones(out0))

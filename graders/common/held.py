@@ -23,6 +23,7 @@ are fixed-size headers and raw float32 (never pickles): nothing a rank sends can
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import socket
@@ -229,6 +230,17 @@ def private_seed() -> int:
     return _FROM_BYTES(_URANDOM(6), "little")
 
 
+def as_int(value, what: str) -> int:
+    """``value`` as an int: Python's, numpy's or a one-element integer tensor (anything with ``__index__``), never a
+    bool; TypeError naming ``what`` otherwise."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} is an int; got {value!r}")
+
+
 class Held:
     """A rank's connection to the modules it drives, held by the grader (see the module's text)."""
 
@@ -246,8 +258,7 @@ class Held:
         words when it refuses. ``what`` names the call in the errors."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} takes a tensor, got {type(tensor).__name__}")
-        if isinstance(key, bool) or not isinstance(key, int):
-            raise TypeError(f"{what}: the number of the piece of work is an int; got {key!r}")
+        key = as_int(key, f"{what}: the number of the piece of work")
         data = tensor.detach().to("cpu", torch.float32).contiguous()
         if data.dim() != 2 or data.shape[0] == 0:
             raise ValueError(f"{what} takes a 2-D tensor (rows, features) with at least one row; got shape "

@@ -19,7 +19,7 @@ import random
 import torch
 import torch.nn as nn
 
-from graders.common.held import Held, HeldServer, Module, private_seed
+from graders.common.held import Held, HeldServer, Module, as_int, private_seed
 
 
 def make_experts(n: int, d: int, seed: int) -> list[nn.Module]:
@@ -139,10 +139,7 @@ class Experts:
         raise TypeError("the experts cannot be pickled or sent: they are this rank's connection to the grader")
 
     def __call__(self, e: int, tokens: torch.Tensor) -> torch.Tensor:
-        if isinstance(e, torch.Tensor) and e.numel() == 1:
-            e = int(e.item())
-        if isinstance(e, bool) or not isinstance(e, int):
-            raise TypeError(f"experts(e, tokens): e is an expert's number, an int; got {e!r}")
+        e = as_int(e, "experts(e, tokens): e, an expert's number,")
         if e not in self.local:
             raise ValueError(f"expert {e} is not on rank {self.rank} (it holds {self.local}): send the tokens to "
                              f"the rank that holds expert {e}, rank {e // self.per_rank}")
