@@ -343,16 +343,55 @@ def test_the_simulator_gives_the_schedules_known_bubbles_and_peaks_and_sees_a_de
 
 
 def test_the_stall_rule_for_point_to_point_deadlocks():
-    def answer(call, waiting=True):
-        return {"waiting": waiting, "entries": [], "p2p": call,
+    def answer(op=None, peer=None, waiting=True):
+        return {"waiting": waiting, "entries": [], "p2p": {"op": op, "peer": peer} if op else None,
                 "site": {"where": "Cell In[3], line 9", "line": "dist.send(out, dst=rank + 1)", "function": "f"}}
 
-    verdict = stall.analyse({0: answer("send"), 1: answer("send"), 2: answer("recv")}, [])
+    # 1F1B with blocking sends: rank 1 sends to 2 while 2 sends to 1; rank 0 waits to receive from 1
+    verdict = stall.analyse({0: answer("recv", 1), 1: answer("send", 2), 2: answer("send", 1)}, [])
     assert verdict is not None and verdict.kind == "p2p"
-    assert "rank 2 waits in recv (Cell In[3], line 9" in verdict.lined_up and "dist.isend" in verdict.hint
-    assert stall.analyse({0: answer("recv")}, [1]).kind == "p2p"  # its peer returned
-    assert stall.analyse({0: answer("send"), 1: answer(None, waiting=False)}, []) is None  # rank 1 computes
-    assert stall.analyse({0: answer("send"), 1: answer(None)}, []) is None  # rank 1 in a collective's wait
+    assert "rank 1 waits in send to rank 2 (Cell In[3], line 9" in verdict.lined_up and "dist.isend" in verdict.hint
+    assert stall.analyse({0: answer("recv", 1), 1: answer("recv", 0)}, []).kind == "p2p"  # both receive first
+    assert stall.analyse({0: answer("recv", 1)}, [1]).kind == "p2p"  # its peer returned
+    # a send and the receive that takes it may only be slow (a starved machine): never a verdict
+    assert stall.analyse({0: answer("send", 1), 1: answer("recv", 0)}, []) is None
+    assert stall.analyse({0: answer("send", 1), 1: answer("recv", None)}, []) is None  # a receive from any source
+    assert stall.analyse({0: answer("send", None), 1: answer("recv", 0)}, []) is None  # a peer the probe cannot name
+    assert stall.analyse({0: answer("send", 1), 1: answer(waiting=False)}, []) is None  # rank 1 computes
+    assert stall.analyse({0: answer("send", 1), 1: answer()}, []) is None  # rank 1 in a collective's wait
+
+
+def _looked_at_while_receiving(rank):
+    """Rank 0 waits in recv from rank 1 (which sleeps 2 s first) while a thread reads its main thread's frames."""
+    import threading
+
+    from course.launcher.rank import point_to_point
+
+    dist.init_process_group("gloo")
+    seen, main = {}, threading.main_thread().ident
+
+    def look():
+        time.sleep(1.0)
+        seen["p2p"] = point_to_point(sys._current_frames().get(main))
+
+    if rank == 0:
+        looker = threading.Thread(target=look)
+        looker.start()
+        dist.recv(torch.zeros(1), src=1)
+        looker.join()
+    else:
+        time.sleep(2.0)
+        dist.send(torch.ones(1), dst=0)
+    dist.destroy_process_group()
+    return seen.get("p2p")
+
+
+def test_the_probe_names_the_point_to_point_call_and_its_peer():
+    """What a rank's probe reports, read from its main thread's frames while it is blocked in torch's recv; a
+    receive that its peer serves late is no deadlock (rank 1 sleeps, it is not in send or recv)."""
+    import course
+
+    assert course.run_ranks(_looked_at_while_receiving, 2) == [{"op": "recv", "peer": 1}, None]
 
 
 # --- the notebook ---------------------------------------------------------------------------------------------

@@ -193,7 +193,7 @@ def start_stall_probe(spec: dict):
             site = {"where": f"{label}, line {f.lineno}", "line": (f.line or "").strip(), "function": f.name}
             break
         data = json.dumps({"t": time.time(), "entries": entries, "waiting": waiting, "site": site,
-                           "p2p": point_to_point(stack) if waiting else None})
+                           "p2p": point_to_point(frame) if waiting else None})
         with open(path + ".tmp", "w") as fh:
             fh.write(data)
         replace(path + ".tmp", path)
@@ -228,17 +228,28 @@ def waiting_in_collective(stack, also_not: frozenset[str] | set[str] = frozenset
             and not any(f.name in JOINING or f.name in also_not for f in stack))
 
 
-#: torch.distributed's blocking point-to-point functions: a rank idle in one waits for one peer (on gloo, a send
-#: too: it returns once the peer has received it, measured on torch 2.13)
-POINT_TO_POINT = frozenset({"send", "recv"})
+#: torch.distributed's blocking point-to-point functions, and the argument naming the peer (a global rank): a rank
+#: idle in one waits for that peer (on gloo, a send too: it returns once the peer has received, measured on 2.13)
+POINT_TO_POINT = {"send": "dst", "recv": "src"}
 
 
-def point_to_point(stack) -> str | None:
-    """The blocking point-to-point function (:data:`POINT_TO_POINT`) this stack is in, innermost
-    ``torch.distributed`` frame first; None when it is in another (a collective, a wait) or none."""
-    for f in reversed(stack):
-        if f.filename.replace(os.sep, "/").endswith("/torch/distributed/distributed_c10d.py"):
-            return f.name if f.name in POINT_TO_POINT else None
+def point_to_point(frame) -> dict | None:
+    """{"op": "send" or "recv", "peer": the global rank it waits for, or None (any source, or a group's rank)} when
+    the thread whose innermost ``frame`` this is waits in a blocking point-to-point function of
+    ``torch.distributed`` (its innermost frame there); None when it waits in another (a collective) or none."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.replace(os.sep, "/").endswith("/torch/distributed/distributed_c10d.py"):
+            if code.co_name not in POINT_TO_POINT:
+                return None
+            try:  # the frame is blocked in C: its arguments are still its locals
+                found = frame.f_locals
+                peer = found.get(POINT_TO_POINT[code.co_name])
+                peer = int(peer) if isinstance(peer, int) and found.get("group") is None else None
+            except Exception:  # noqa: BLE001 - unknown peer: the launcher treats it as any
+                peer = None
+            return {"op": code.co_name, "peer": peer}
+        frame = frame.f_back
     return None
 
 

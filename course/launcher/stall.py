@@ -333,22 +333,35 @@ def analyse(answers: dict[int, dict], returned: list[int],
 
 def _point_to_point(answers: dict[int, dict], returned: list[int]) -> StallVerdict | None:
     """Every rank still running idle in a blocking send or recv (torch's flight recorder lists no point-to-point
-    operation on gloo, so only the stacks say it): none can make progress, since each waits for a peer that waits
-    too (or has returned), and on gloo a send waits for its receive as much as a receive for its send."""
+    operation on gloo, so the probe reads the function and its peer from the stack), and no two of them a send and
+    the receive that takes it: none can make progress (on gloo a send waits for its receive as a receive for its
+    send). A pair that could match (a send to b, b's receive from a or from any) may only be slow: no verdict."""
     calls = {r: data.get("p2p") for r, data in answers.items()}
-    if not all(data.get("waiting") for data in answers.values()) or not all(calls.values()):
+    if not all(data.get("waiting") for data in answers.values()) or not all(isinstance(c, dict) for c in calls.values()):
         return None
-    lines = {r: f"waits in {calls[r]}" + (f" ({data['site']['where']}: {data['site']['line']})"
-                                          if isinstance(data.get("site"), dict) else "")
-             for r, data in answers.items()}
+
+    def pair(a: int, b: int) -> bool:
+        ca, cb = calls[a], calls[b]
+        if {ca.get("op"), cb.get("op")} != {"send", "recv"}:
+            return False
+        (sender, cs), (receiver, cr) = sorted(((a, ca), (b, cb)), key=lambda x: x[1].get("op") != "send")
+        return cs.get("peer") in (None, receiver) and cr.get("peer") in (None, sender)
+
+    if any(pair(a, b) for a in calls for b in calls if a < b):
+        return None
+    lines = {}
+    for r, data in answers.items():
+        call, site = calls[r], data.get("site")
+        peer = f" {'to' if call['op'] == 'send' else 'from'} rank {call['peer']}" if call.get("peer") is not None else ""
+        lines[r] = f"waits in {call['op']}{peer}" + (f" ({site['where']}: {site['line']})" if isinstance(site, dict) else "")
     lines.update({r: "had returned from the function" for r in returned})
     hint = ("every rank waits in a point-to-point send or receive that no other rank will match: a recv waits until "
             "its peer sends, and on gloo a send waits until its peer receives, so two ranks that send to each other "
             "first (or receive first) wait forever. Pair every send with a receive on the other rank, in the same "
             "order on both; or post sends with dist.isend (waiting on them later) or dist.batch_isend_irecv, so that "
             "a rank can receive while its send is pending")
-    return StallVerdict("p2p", lines, sorted(answers), sorted(returned), hint,
-                        ("p2p", tuple(sorted(calls.items())), tuple(sorted(returned))))
+    key = ("p2p", tuple(sorted((r, c.get("op"), c.get("peer")) for r, c in calls.items())), tuple(sorted(returned)))
+    return StallVerdict("p2p", lines, sorted(answers), sorted(returned), hint, key)
 
 
 def _same_step(last: dict, waiting: list[int], returned_answers: dict[int, dict]):
