@@ -324,7 +324,7 @@ def test_a_stage_records_its_work_in_order_and_refuses_what_a_schedule_cannot_do
         intruder = RemoteStage(server.address, server.tokens[0], 0, in0, out0)
         with pytest.raises(RuntimeError, match="already driven by process"):
             intruder.forward(1, torch.ones(in0))
-        report = server.report()[0]
+        report = server.stages()[0]
         assert [(op, i, held) for op, i, held in report["journal"]] == [("F", 0, 1), ("B", 0, 0)]
         assert len(report["pids"]) == 2 and report["refused"][-1].startswith("a second connection")
         assert report["grads"]["0.weight"] is not None and report["grads"]["0.weight"].abs().sum() > 0
@@ -429,4 +429,4 @@ def test_the_grader_refuses_a_request_it_would_have_to_allocate_gigabytes_for():
         raw.settimeout(10)
         assert raw.recv(1) == b""  # closed
         raw.close()
-        assert any("malformed request" in r for r in server.held.report()["refused"])
+        assert any("malformed request" in r for r in server.report()["refused"])

@@ -340,12 +340,11 @@ def _point_to_point(answers: dict[int, dict], returned: list[int]) -> StallVerdi
     if not all(data.get("waiting") for data in answers.values()) or not all(isinstance(c, dict) for c in calls.values()):
         return None
 
-    def pair(a: int, b: int) -> bool:
-        ca, cb = calls[a], calls[b]
-        if {ca.get("op"), cb.get("op")} != {"send", "recv"}:
+    def pair(a: int, b: int) -> bool:  # a send and the receive that could take it
+        if {calls[a].get("op"), calls[b].get("op")} != {"send", "recv"}:
             return False
-        (sender, cs), (receiver, cr) = sorted(((a, ca), (b, cb)), key=lambda x: x[1].get("op") != "send")
-        return cs.get("peer") in (None, receiver) and cr.get("peer") in (None, sender)
+        sender, receiver = (a, b) if calls[a]["op"] == "send" else (b, a)
+        return calls[sender].get("peer") in (None, receiver) and calls[receiver].get("peer") in (None, sender)
 
     if any(pair(a, b) for a in calls for b in calls if a < b):
         return None

@@ -63,7 +63,6 @@ class Module:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.journal: list[tuple[str, int, int]] = []  # (op, key, pieces held after it)
         self.inputs: list[tuple[int, torch.Tensor]] = []  # (key, the input's rows) of every forward
-        self.refused: list[str] = []
 
     def forward(self, key: int, x: torch.Tensor) -> torch.Tensor:
         if self.check_forward is not None:
@@ -96,7 +95,6 @@ class Module:
 
     def report(self) -> dict:
         return {"journal": list(self.journal), "inputs": [(k, x.clone()) for k, x in self.inputs],
-                "refused": list(self.refused),
                 "grads": {name: None if p.grad is None else p.grad.detach().clone()
                           for name, p in self.layer.named_parameters()}}
 
@@ -123,13 +121,14 @@ def _read(conn: socket.socket, n: int) -> bytes:
 class HeldServer:
     """``modules`` served to their owners: ``owners[r]`` lists the modules rank r may drive (see the module's
     text). A context manager: leaving it closes the socket and its folder. ``tokens[r]`` and ``address`` are
-    what rank r's harness connects with; ``pids[r]``, every process that connected as rank r."""
+    what rank r's harness connects with; ``pids[r]``, every process that connected as rank r; ``refused``, what the
+    grader refused, in order, as (rank, what)."""
 
     def __init__(self, modules: list[Module], owners: list[list[int]]):
         self.modules, self.owners = modules, [list(o) for o in owners]
         self.tokens = [_URANDOM(_HELLO).hex() for _ in owners]
         self.pids: list[list[int]] = [[] for _ in owners]
-        self.refused: list[str] = []  # connections refused, in order
+        self.refused: list[tuple[int, str]] = []
         self.lock = threading.Lock()
         self.folder = tempfile.mkdtemp(prefix="ddp-course-held-")
         self.address = os.path.join(self.folder, "held")
@@ -160,7 +159,7 @@ class HeldServer:
                 self.pids[owner].append(pid)
                 first = self.pids[owner][0]
                 if len(self.pids[owner]) > 1:
-                    self.refused.append(f"a second connection as rank {owner}, from process {pid}")
+                    self.refused.append((owner, f"a second connection as rank {owner}, from process {pid}"))
                     self._reply_error(conn, f"rank {owner}'s modules are already driven by process {first}")
                     return
             self._loop(conn, owner)
@@ -176,24 +175,19 @@ class HeldServer:
                 return
             except (Refused, struct.error) as exc:
                 with self.lock:
-                    self.refused.append(f"rank {owner}: {exc}")
+                    self.refused.append((owner, f"rank {owner}: {exc}"))
                 return
             try:
                 with self.lock:
                     if index not in self.owners[owner]:
                         raise Refused(f"module {index} is not rank {owner}'s: it drives {self.owners[owner]}")
                     module = self.modules[index]
-                    try:
-                        fn = module.forward if op == b"F" else module.backward
-                        out = fn(key, values.reshape(rows, cols))
-                    except Refused as exc:
-                        module.refused.append(str(exc))
-                        raise
+                    out = (module.forward if op == b"F" else module.backward)(key, values.reshape(rows, cols))
                 data = out.detach().to(torch.float32).contiguous()
                 conn.sendall(_REPLY.pack(b"\0", *data.shape) + data.numpy().tobytes())
             except Refused as exc:
                 with self.lock:
-                    self.refused.append(f"rank {owner}: {exc}")
+                    self.refused.append((owner, f"rank {owner}: {exc}"))
                 self._reply_error(conn, str(exc))
             except OSError:
                 return
@@ -207,10 +201,12 @@ class HeldServer:
             pass
 
     def report(self) -> dict:
-        """{"modules": each module's :meth:`Module.report`, "pids": per rank, "refused": connections refused}."""
+        """{"modules": each module's :meth:`Module.report`, "pids": per rank, "refused": what the grader refused,
+        in order, "refused_by": the same per rank}."""
         with self.lock:
             return {"modules": [m.report() for m in self.modules], "pids": [list(p) for p in self.pids],
-                    "refused": list(self.refused)}
+                    "refused": [text for _, text in self.refused],
+                    "refused_by": [[text for r, text in self.refused if r == owner] for owner in range(len(self.pids))]}
 
     def close(self) -> None:
         try:
@@ -223,6 +219,13 @@ class HeldServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def explain(err, refused: list[str]) -> None:
+    """Add the grader's first refusal (what a rank asked of its held modules and was refused) to the detail of
+    ``err``, a job's failure, unless it already shows it: the rank's traceback says only that a call failed."""
+    if refused and refused[0] not in (err.detail or ""):
+        err.detail = f"{err.detail or ''}\nthe grader refused: {refused[0]}".strip()
 
 
 def private_seed() -> int:

@@ -26,6 +26,7 @@ import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders.common.held import explain
 from graders.expert_parallel.layer import Experts, ExpertServer, reference, routing
 
 ATOL = 1e-5
@@ -77,9 +78,7 @@ def _observe(check, moe_layer, world_size, per_rank, tokens, d, capacity, seed) 
                              timeout=min(checks.check_timeout(), JOB_TIMEOUT),
                              expected="moe_layer returns on every rank, with a (tokens, d) output")
         except CheckFailed as err:
-            refused = server.report()["refused"]
-            if refused:
-                err.detail = f"{err.detail or ''}\nthe grader refused: {refused[0]}".strip()
+            explain(err, server.report()["refused"])
             raise
         return {"ranks": job.values, "held": server.report(), "routes": routes,
                 "reference": reference(server.seed, d, world_size * per_rank, routes, capacity, w)}

@@ -83,28 +83,15 @@ def reference(seed: int, d: int, n: int, routes: list[dict], capacity: int, weig
             "taken": taken, "kept": masks}
 
 
-class ExpertServer:
+class ExpertServer(HeldServer):
     """Every expert of the layer, held by the grader: rank r drives its own ``per_rank``. A context manager."""
 
     def __init__(self, world_size: int, per_rank: int, d: int):
         self.world_size, self.per_rank, self.d = world_size, per_rank, d
         self.seed = private_seed()  # the weights: known to this process only
         layers = make_experts(world_size * per_rank, d, self.seed)
-        self.held = HeldServer([Module(e, layer) for e, layer in enumerate(layers)],
-                               [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(world_size)])
-        self.address, self.tokens = self.held.address, self.held.tokens
-
-    def report(self) -> dict:
-        return self.held.report()
-
-    def close(self) -> None:
-        self.held.close()
-
-    def __enter__(self) -> ExpertServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().__init__([Module(e, layer) for e, layer in enumerate(layers)],
+                         [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(world_size)])
 
 
 class _Call(torch.autograd.Function):

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from course import checks
 from course.checks import CheckFailed, passed
-from graders.pipeline.stages import RemoteStage, StageServer
+from graders.common.held import explain
+from graders.pipeline.stages import RemoteStage, StageServer, make_layers
 
 SCHEDULES = ("gpipe", "1f1b")
 ATOL = 1e-5  # float32 sums of micro-batches against one sum over the batch: ~1e-7 here
@@ -67,8 +68,6 @@ def batch(seed: int, rows: int, d_in: int, d_out: int) -> tuple[torch.Tensor, to
 
 def _reference(server: StageServer, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[dict]]:
     """The loss and every stage's gradients of one process on the whole batch, with the server's weights."""
-    from graders.pipeline.stages import make_layers
-
     layers = make_layers(server.widths, server.seed)
     loss = F.mse_loss(nn.Sequential(*layers)(x), y)
     loss.backward()
@@ -173,14 +172,12 @@ def _observe(check, pipeline_step, p: int, m: int, rows: int, seed: int) -> dict
             job = checks.run(check, _harness, p, args=(pipeline_step, runs, x, y, m), hints=_HINTS,
                              timeout=min(checks.check_timeout(), JOB_TIMEOUT), expected=expected)
         except CheckFailed as err:
-            refused = [f"stage {s}: {r}" for srv in servers for s, rep in enumerate(srv.report()) for r in rep["refused"]]
-            if refused and refused[0] not in (err.detail or ""):
-                err.detail = f"{err.detail or ''}\nthe grader refused: {refused[0]}".strip()
+            explain(err, [f"stage {s}: {r}" for srv in servers for s, st in enumerate(srv.stages()) for r in st["refused"]])
             raise
         out = {}
         for k, (schedule, srv) in enumerate(zip(SCHEDULES, servers)):
             loss, grads = _reference(srv, x, y)
-            out[schedule] = {"stages": srv.report(), "loss": loss, "grads": grads,
+            out[schedule] = {"stages": srv.stages(), "loss": loss, "grads": grads,
                              "returned": [r[k] for r in job.values]}
         return out
     finally:

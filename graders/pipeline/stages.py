@@ -39,7 +39,7 @@ def _micro_batch_rules(rows: int, n_micro: int, in_features: int):
     return check
 
 
-class StageServer:
+class StageServer(HeldServer):
     """The stages of one pipeline, served to its ranks (rank s drives stage s). A context manager."""
 
     def __init__(self, widths: list[int], rows: int, n_micro: int):
@@ -47,29 +47,17 @@ class StageServer:
         self.seed = private_seed()  # the weights: known to this process only
         modules = [Module(s, layer, check_forward=_micro_batch_rules(rows, n_micro, widths[s]))
                    for s, layer in enumerate(make_layers(self.widths, self.seed))]
-        self.held = HeldServer(modules, [[s] for s in range(len(modules))])
-        self.address, self.tokens = self.held.address, self.held.tokens
+        super().__init__(modules, [[s] for s in range(len(modules))])
 
     def shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """Each stage's (input, output) shape of one micro-batch."""
         return [((self.rows, self.widths[s]), (self.rows, self.widths[s + 1])) for s in range(len(self.widths) - 1)]
 
-    def report(self) -> list[dict]:
+    def stages(self) -> list[dict]:
         """Per stage: its journal, the processes that connected as its rank, what was refused, its gradients."""
-        found = self.held.report()
+        found = self.report()
         return [{"journal": m["journal"], "pids": found["pids"][s], "grads": m["grads"],
-                 "refused": m["refused"] + [r for r in found["refused"] if r.startswith(f"a second connection as "
-                                                                                     f"rank {s},")]}
-                for s, m in enumerate(found["modules"])]
-
-    def close(self) -> None:
-        self.held.close()
-
-    def __enter__(self) -> StageServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+                 "refused": found["refused_by"][s]} for s, m in enumerate(found["modules"])]
 
 
 class RemoteStage:
