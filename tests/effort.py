@@ -78,6 +78,13 @@ IDEAS: dict[str, list[list[str]]] = {
         ["a new shuffle every epoch", "a metric reduced over the ranks", "one writer saving the module's weights",
          "a barrier every rank reaches"],
     ],
+    "sharded_optimizer": [
+        ["the parameters flattened into one vector, in one order", "an even partition whose last share is shorter "
+         "(padding to a common size)", "a reduction where each rank receives only its own share", "every rank's "
+         "share gathered back into the whole vector", "micro-batch losses that add up to the step's",
+         "a reduction per micro-batch, each rank keeping only its share"],
+        ["the bytes per parameter of mixed-precision Adam", "which pieces each stage shards"],
+    ],
     "fsdp_checkpoint": [
         ["fully_shard per block, then the root", "units chosen for a memory budget"],
         ["an optimizer built after sharding", "param groups chosen by what a sharded parameter reports"],

@@ -271,3 +271,16 @@ def test_a_2x2_device_mesh_makes_a_group_per_row_and_column(nb):
         assert (int(dp_sum), int(tp_sum)) == (sum(column), sum(row))
     answer = " ".join(next(c.source for c in nb.cells if c.get("id") == "device-mesh-answer").split())
     assert "ranks 1 and 3: 1 + 3 = 4" in answer and "ranks 2 and 3: 2 + 3 = 5" in answer
+
+
+def test_a_vector_sharded_by_hand_is_reduce_scattered_then_all_gathered(nb):
+    """Issue 42: section 4b's mechanism, live on 3 ranks: each rank receives the sum of its own piece only (the
+    last piece shorter), and the all-gather gives every rank the whole sum back."""
+    text = output_of(nb, "course.run_ranks(sharded_sum, 3)")
+    assert world_sizes(text) == [3]
+    owned = {int(r): ([int(e) for e in elems.split(", ")], [float(v) for v in sums.split(", ")])
+             for r, elems, sums in re.findall(r"rank (\d) owns elements \[([\d, ]+)\]: their sum over the ranks is "
+                                              r"\[([\d., ]+)\]", text)}
+    assert {r: e for r, (e, _) in owned.items()} == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [8, 9]}, text
+    assert all(s == [6.0 * e for e in elems] for elems, s in owned.values()), text
+    assert "equal to the sum of every rank's vector: True" in text

@@ -138,6 +138,19 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
         "check_fsdp_memory": ("fully sharding divides parameters, gradients and optimizer state by the world "
                               "size", L3, "6. Optimizer memory per rank, with and without sharding"),
     },
+    "sharded_optimizer": {
+        "check_zero_weights": ("with the optimizer state sharded, each rank updates only its own partition: the "
+                               "new values exist on that rank alone until every rank gathers them", L3,
+                               "4b. A sharded optimizer by hand"),
+        "check_zero_state": ("ZeRO gives each element of the flattened parameters one owner for the whole training, "
+                             "an even share of the elements per rank", L3, "4b. A sharded optimizer by hand"),
+        "check_zero_gradients": ("the step's gradient is the mean over every micro-batch of every rank; stage 1 "
+                                 "reduces it once a step, stage 2 reduces each micro-batch's so that a rank keeps "
+                                 "only its own partition's share", L3, "4b. A sharded optimizer by hand"),
+        "check_zero_memory": ("memory per rank is what each rank keeps of the weights, the gradients and the "
+                              "optimizer state, each either whole or split over the ranks", L3,
+                              "6. Optimizer memory per rank, with and without sharding"),
+    },
     "fsdp_checkpoint": {
         "check_shard": ("fully sharding splits each unit's parameters across the ranks and gathers a unit "
                         "just before it runs", L3, "5. Sharding everything: FSDP2 `fully_shard`"),

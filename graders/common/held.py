@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 _HELLO = 16  # bytes of an owner's token
-_REQUEST = struct.Struct("<ciiii")  # op (b"F" or b"B"), module, key, rows, columns; then rows x columns float32
+_REQUEST = struct.Struct("<ciiii")  # op (b"F", b"B", a subclass's), module, key, rows, columns; then rows x columns float32
 _REPLY = struct.Struct("<cii")  # b"\0" + rows, columns, then the float32 values; b"\1" + length, 0, then UTF-8 text
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _URANDOM, _FROM_BYTES = os.urandom, int.from_bytes  # bound at import
@@ -124,6 +124,8 @@ class HeldServer:
     what rank r's harness connects with; ``pids[r]``, every process that connected as rank r; ``refused``, what the
     grader refused, in order, as (rank, what)."""
 
+    OPS = (b"F", b"B")  # the requests this server answers (see handle)
+
     def __init__(self, modules: list[Module], owners: list[list[int]]):
         self.modules, self.owners = modules, [list(o) for o in owners]
         self.tokens = [_URANDOM(_HELLO).hex() for _ in owners]
@@ -160,7 +162,7 @@ class HeldServer:
                 first = self.pids[owner][0]
                 if len(self.pids[owner]) > 1:
                     self.refused.append((owner, f"a second connection as rank {owner}, from process {pid}"))
-                    self._reply_error(conn, f"rank {owner}'s modules are already driven by process {first}")
+                    self._reply_error(conn, f"rank {owner}'s connection to the grader is already driven by process {first}")
                     return
             self._loop(conn, owner)
 
@@ -168,7 +170,7 @@ class HeldServer:
         while True:
             try:
                 op, index, key, rows, cols = _REQUEST.unpack(_read(conn, _REQUEST.size))
-                if op not in (b"F", b"B") or not (0 < rows <= _MAX and 0 < cols <= _MAX) or rows * cols > _MAX_VALUES:
+                if op not in self.OPS or not (0 < rows <= _MAX and 0 < cols <= _MAX) or rows * cols > _MAX_VALUES:
                     raise Refused(f"a malformed request ({op!r}, {rows} x {cols})")
                 values = torch.frombuffer(bytearray(_read(conn, 4 * rows * cols)), dtype=torch.float32)
             except (OSError, ConnectionError):
@@ -179,10 +181,7 @@ class HeldServer:
                 return
             try:
                 with self.lock:
-                    if index not in self.owners[owner]:
-                        raise Refused(f"module {index} is not rank {owner}'s: it drives {self.owners[owner]}")
-                    module = self.modules[index]
-                    out = (module.forward if op == b"F" else module.backward)(key, values.reshape(rows, cols))
+                    out = self.handle(owner, op, index, key, values.reshape(rows, cols))
                 data = out.detach().to(torch.float32).contiguous()
                 conn.sendall(_REPLY.pack(b"\0", *data.shape) + data.numpy().tobytes())
             except Refused as exc:
@@ -191,6 +190,15 @@ class HeldServer:
                 self._reply_error(conn, str(exc))
             except OSError:
                 return
+
+    def handle(self, owner: int, op: bytes, index: int, key: int, values: torch.Tensor) -> torch.Tensor:
+        """Rank ``owner``'s request ``op`` (one of :attr:`OPS`) with its ``index``, ``key`` and 2-D ``values``: the
+        2-D reply, or :class:`Refused`. Called under :attr:`lock`. A server of other work than modules (an
+        optimizer's partitions) overrides it and :attr:`OPS`."""
+        if index not in self.owners[owner]:
+            raise Refused(f"module {index} is not rank {owner}'s: it drives {self.owners[owner]}")
+        module = self.modules[index]
+        return (module.forward if op == b"F" else module.backward)(key, values)
 
     @staticmethod
     def _reply_error(conn: socket.socket, text: str) -> None:
