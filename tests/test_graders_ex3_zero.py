@@ -148,6 +148,12 @@ def strided_class_style(model, optimizer, micro_batches, loss_fn, rank, world_si
     zero.step()
 
 
+def predict_by_counting(parameters, world_size, stage):
+    """Bytes per parameter, piece by piece: what is sharded from this stage on is divided by the ranks."""
+    pieces = [(2, 3), (2, 2), (12, 1)]  # (bytes a parameter, the first stage that shards it): weights, grads, state
+    return sum(size * parameters / (world_size if stage >= first else 1) for size, first in pieces)
+
+
 def per_parameter(model, optimizer, micro_batches, loss_fn, rank, world_size, stage):
     """Whole parameters dealt to the ranks, largest first, to the least loaded (as CS336's sharded optimizer does):
     right values and state on one rank each, but a share larger than even."""
@@ -325,6 +331,7 @@ def test_the_memory_prediction_is_judged_by_stage():
     namespace = {}
     exec(compile(ok, "<predict>", "exec"), namespace)  # noqa: S102 - the course's own reference
     so.check_zero_memory(namespace["predict_zero_memory"], drawn=60)
+    so.check_zero_memory(predict_by_counting, drawn=60)
 
 
 def test_the_formula_is_refused_to_the_prediction():
@@ -336,11 +343,27 @@ def test_the_formula_is_refused_to_the_prediction():
     fails(so.check_zero_memory, calls_the_grader, "refused to the answer")
 
 
-# --- the notebook ---------------------------------------------------------------------------------------------
+# --- the notebook: reference, untouched copy, wrong submissions ----------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_solution_scores_full_marks():
+    assert submissions.assert_reference_full_marks(A, NB).max_score == 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
+    report = submissions.assert_untouched_scores_zero(A, tmp_path, NB)  # checked: no solution, no hidden test
+    assert report.max_score == 20
+    assert all(t.message.startswith("FAILED check_") for t in report.tests), report.tests
+
 
 WRONG = {
     "stage 2 reduced once a step": (
-        [("so_zero_step", "if stage == 2:\n            optimizer.add_grad", "if False:\n            optimizer.add_grad"),
+        [("so_zero_step", "if stage == 2:\n            model.zero_grad()", "if False:\n            pass"),
+         ("so_zero_step", "if stage == 2:\n            optimizer.add_grad", "if False:\n            optimizer.add_grad"),
          ("so_zero_step", "    if stage == 1:\n        optimizer.add_grad", "    if True:\n        optimizer.add_grad")],
         ["so_test_gradients_2"], ["kept across the micro-batches"]),
     "the memory of stage 2 without the gradients' share": (

@@ -17,6 +17,7 @@ import pytest
 import submissions
 import test_graders_ex1_experts as ex1_experts
 import test_graders_ex1_pipeline as ex1_pipeline
+import test_graders_ex3_zero as ex3_zero
 
 GRADE_TIMEOUT = 300  # one in-process grading of a notebook on a loaded 2-core machine, with room to spare
 
@@ -646,6 +647,13 @@ EXPERT_PARALLEL = {
     "ep_moe_layer": _renamed(ex1_experts.functional_style, "moe_layer"),
 }
 
+SHARDED_OPTIMIZER = {
+    # a strided partition held by a class of one's own, one add and one step per element
+    "so_zero_step": _renamed(ex3_zero.strided_class_style, "zero_step", ex3_zero.StridedZero),
+    # bytes a parameter, piece by piece, from the stage that shards each
+    "so_predict": _renamed(ex3_zero.predict_by_counting, "predict_zero_memory"),
+}
+
 OTHER_STYLES = {
     ("ex1-parallelism", "parallelism"): PARALLELISM,
     ("ex1-parallelism", "pipeline"): PIPELINE,
@@ -655,6 +663,7 @@ OTHER_STYLES = {
     ("ex2-ddp-basics", "ddp_in_practice"): DDP_IN_PRACTICE,
     ("ex2-ddp-basics", "debug_training"): DEBUG_TRAINING,
     ("ex3-syncbn-sharding", "fsdp_checkpoint"): FSDP_CHECKPOINT,
+    ("ex3-syncbn-sharding", "sharded_optimizer"): SHARDED_OPTIMIZER,
     ("ex3-syncbn-sharding", "syncbn_sharding"): SYNCBN_SHARDING,
 }
 
