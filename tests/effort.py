@@ -85,6 +85,11 @@ IDEAS: dict[str, list[list[str]]] = {
          "a reduction per micro-batch, each rank keeping only its share"],
         ["the bytes per parameter of mixed-precision Adam", "which pieces each stage shards"],
     ],
+    "activation_memory": [
+        ["what each operation keeps for its backward", "a tensor saved twice counted once"],
+        ["what is held at each moment of a backward with recomputation", "the cheapest choice of blocks that fits",
+         "a checkpoint around a block"],
+    ],
     "fsdp_checkpoint": [
         ["fully_shard per block, then the root", "units chosen for a memory budget"],
         ["an optimizer built after sharding", "param groups chosen by what a sharded parameter reports"],

@@ -17,6 +17,7 @@ import pytest
 import submissions
 import test_graders_ex1_experts as ex1_experts
 import test_graders_ex1_pipeline as ex1_pipeline
+import test_graders_ex3_activations as ex3_activations
 import test_graders_ex3_zero as ex3_zero
 
 GRADE_TIMEOUT = 300  # one in-process grading of a notebook on a loaded 2-core machine, with room to spare
@@ -654,6 +655,14 @@ SHARDED_OPTIMIZER = {
     "so_predict": _renamed(ex3_zero.predict_by_counting, "predict_zero_memory"),
 }
 
+ACTIVATION_MEMORY = {
+    # a table of what each layer saves
+    "am_predict": _renamed(ex3_activations.predict_by_layer, "predict_saved_bytes"),
+    # an autograd Function that recomputes, a planner class
+    "am_run_blocks": _renamed(ex3_activations.function_class_style, "run_blocks", ex3_activations.Recompute,
+                              ex3_activations.Planner),
+}
+
 OTHER_STYLES = {
     ("ex1-parallelism", "parallelism"): PARALLELISM,
     ("ex1-parallelism", "pipeline"): PIPELINE,
@@ -664,6 +673,7 @@ OTHER_STYLES = {
     ("ex2-ddp-basics", "debug_training"): DEBUG_TRAINING,
     ("ex3-syncbn-sharding", "fsdp_checkpoint"): FSDP_CHECKPOINT,
     ("ex3-syncbn-sharding", "sharded_optimizer"): SHARDED_OPTIMIZER,
+    ("ex3-syncbn-sharding", "activation_memory"): ACTIVATION_MEMORY,
     ("ex3-syncbn-sharding", "syncbn_sharding"): SYNCBN_SHARDING,
 }
 

@@ -151,6 +151,18 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                               "optimizer state, each either whole or split over the ranks", L3,
                               "6. Optimizer memory per rank, with and without sharding"),
     },
+    "activation_memory": {
+        "check_saved_bytes": ("each operation keeps for its backward the tensors its gradient needs, held from the "
+                              "forward to the backward; the parameters are not activations", L3,
+                              "8. Activation memory: what backward keeps, and checkpointing"),
+        "check_checkpoint_gradients": ("a checkpointed block runs its forward again when its backward comes, with "
+                                       "the same input: the gradients are those of the model without checkpointing",
+                                       L3, "8. Activation memory: what backward keeps, and checkpointing"),
+        "check_checkpoint_plan": ("checkpointing trades memory for recomputation: a checkpointed block holds its "
+                                  "activations only from its recomputation to its backward, while the kept blocks "
+                                  "before it are still held", L3,
+                                  "8. Activation memory: what backward keeps, and checkpointing"),
+    },
     "fsdp_checkpoint": {
         "check_shard": ("fully sharding splits each unit's parameters across the ranks and gathers a unit "
                         "just before it runs", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
