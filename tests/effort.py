@@ -90,6 +90,11 @@ IDEAS: dict[str, list[list[str]]] = {
         ["what is held at each moment of a backward with recomputation", "the cheapest choice of blocks that fits",
          "a checkpoint around a block"],
     ],
+    "two_dimensions": [
+        ["a group for every row and every column of the grid, made by every rank", "partial outputs summed along the "
+         "tensor-parallel row, with the loss's gradient counted once", "gradients averaged along the data-parallel "
+         "column"],
+    ],
     "fsdp_checkpoint": [
         ["fully_shard per block, then the root", "units chosen for a memory budget"],
         ["an optimizer built after sharding", "param groups chosen by what a sharded parameter reports"],

@@ -163,6 +163,15 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                                   "before it are still held", L3,
                                   "8. Activation memory: what backward keeps, and checkpointing"),
     },
+    "two_dimensions": {
+        "check_mesh_losses": ("on a mesh, a tensor-parallel shard's output is partial: the model's output is the sum "
+                              "over the shard's row only", L3, "9. Two dimensions: a device mesh"),
+        "check_mesh_gradients": ("the copies of a shard live in one column: its gradient is averaged there, and the "
+                                 "loss's gradient reaches each shard once, however many ranks of a row computed it",
+                                 L3, "9. Two dimensions: a device mesh"),
+        "check_mesh_training": ("the copies of a shard stay equal when every copy takes the same averaged step", L3,
+                                "9. Two dimensions: a device mesh"),
+    },
     "fsdp_checkpoint": {
         "check_shard": ("fully sharding splits each unit's parameters across the ranks and gathers a unit "
                         "just before it runs", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
