@@ -18,6 +18,7 @@ import submissions
 import test_graders_ex1_experts as ex1_experts
 import test_graders_ex1_pipeline as ex1_pipeline
 import test_graders_ex3_activations as ex3_activations
+import test_graders_ex3_mesh as ex3_mesh
 import test_graders_ex3_zero as ex3_zero
 
 GRADE_TIMEOUT = 300  # one in-process grading of a notebook on a loaded 2-core machine, with room to spare
@@ -663,6 +664,11 @@ ACTIVATION_MEMORY = {
                               ex3_activations.Planner),
 }
 
+TWO_DIMENSIONS = {
+    # rows and columns as a class over new_subgroups_by_enumeration
+    "td_train": _renamed(ex3_mesh.class_style, "train_on_mesh", ex3_mesh.Grid),
+}
+
 OTHER_STYLES = {
     ("ex1-parallelism", "parallelism"): PARALLELISM,
     ("ex1-parallelism", "pipeline"): PIPELINE,
@@ -674,6 +680,7 @@ OTHER_STYLES = {
     ("ex3-syncbn-sharding", "fsdp_checkpoint"): FSDP_CHECKPOINT,
     ("ex3-syncbn-sharding", "sharded_optimizer"): SHARDED_OPTIMIZER,
     ("ex3-syncbn-sharding", "activation_memory"): ACTIVATION_MEMORY,
+    ("ex3-syncbn-sharding", "two_dimensions"): TWO_DIMENSIONS,
     ("ex3-syncbn-sharding", "syncbn_sharding"): SYNCBN_SHARDING,
 }
 

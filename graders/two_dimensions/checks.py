@@ -139,22 +139,41 @@ def _loss_diagnosis(got: float, step: int, d: int, t: int, ref: dict, dp: int, t
 # --- the gradients ---------------------------------------------------------------------------------------------------
 
 
+def _scale(got: torch.Tensor, base: torch.Tensor) -> float | None:
+    """The factor c with got == c * base, if there is one."""
+    norm = float((base * base).sum())
+    if norm == 0:
+        return None
+    c = float((got * base).sum()) / norm
+    return c if _close(got, c * base) else None
+
+
 def _grad_diagnosis(got: torch.Tensor, step: int, r: int, ref: dict, dp: int, tp: int) -> str:
+    """What the gradient ``got`` is, when it is a known wrong combination of the replicas' gradients."""
     d, t = r // tp, r % tp
     replica, want = ref["replica"][step], ref["grads"][step][t]
-    candidates = {
-        "its own replica's gradient: not averaged over the data-parallel column": replica[d][t],
-        f"{dp} x the expected: summed over the column, not divided by dp": want * dp,
-        f"{tp} x the expected: the partial outputs' gradient was summed over the row again in the backward":
-            want * tp,
+    c = _scale(got, want)
+    if c is not None and abs(c - 1) > 1e-3:
+        causes = []
+        if dp > 1 and abs(c - dp) < 1e-3 * dp:
+            causes.append("summed over the column, not divided by dp")
+        if tp > 1 and abs(c - tp) < 1e-3 * tp:
+            causes.append("the partial outputs' gradient was summed over the row again in the backward, so each "
+                          "shard received the loss's gradient once per rank of its row")
+        return f"{c:.3g} x the expected" + (f": {' or '.join(causes)}" if causes else "")
+    bases = {
+        "its own replica's gradient, not averaged over the data-parallel column": replica[d][t],
         "the gradients of the shards of its tensor-parallel row averaged: the all-reduce ran on the wrong group":
             sum(replica[d][s] for s in range(tp)) / tp,
         "every rank's gradient averaged: the all-reduce ran on the whole world":
             sum(replica[e][s] for e in range(dp) for s in range(tp)) / (dp * tp),
     }
-    for words, value in candidates.items():
-        if value.shape == got.shape and _close(got, value) and not _close(value, want):
-            return words
+    for words, base in bases.items():
+        if base.shape != got.shape or _close(base, want) or _scale(want, base) is not None:
+            continue
+        k = _scale(got, base)
+        if k is not None:
+            return words if abs(k - 1) < 1e-3 else f"{k:.3g} x {words}"
     return f"max difference {(got - want).abs().max().item():.3g}"
 
 
