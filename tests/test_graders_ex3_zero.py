@@ -317,7 +317,7 @@ def test_the_held_adam_keeps_each_ranks_state_apart_and_refuses_what_is_not_the_
         with pytest.raises(TypeError, match="cannot be pickled"):
             cloudpickle.dumps(a)
         record = server.record()
-        assert [(r, op, off) for r, op, off, _ in record["requests"]] == [(0, "G", 0), (0, "S", 0), (1, "S", 0)]
+        assert [(r, op, off) for r, op, off, _, _ in record["requests"]] == [(0, "G", 0), (0, "S", 0), (1, "S", 0)]
         assert "not all in the model" in record["refused_by"][0][0]
 
 

@@ -95,7 +95,7 @@ class AdamServer(HeldServer):
         self.m = [torch.zeros(n) for _ in range(world_size)]
         self.v = [torch.zeros(n) for _ in range(world_size)]
         self.t = [torch.zeros(n, dtype=torch.long) for _ in range(world_size)]
-        self.requests: list[tuple[int, str, int, torch.Tensor]] = []  # (rank, "G" or "S", offset, values)
+        self.requests: list[tuple] = []  # (rank, "G" or "S", offset, values, the new values a step returned)
 
     def handle(self, owner: int, op: bytes, index: int, key: int, values: torch.Tensor) -> torch.Tensor:
         if op == b"D":
@@ -110,14 +110,15 @@ class AdamServer(HeldServer):
                           f"(0 to {self.n - 1})")
         row = values[0]
         span = slice(offset, offset + length)
-        self.requests.append((owner, op.decode(), offset, row.clone()))
         if op == b"G":
+            self.requests.append((owner, "G", offset, row.clone(), None))
             self.grad[owner][span] += row
             return torch.zeros(1, 1)
         self.t[owner][span] += 1
         new = adam_update(row, self.grad[owner][span], self.m[owner][span], self.v[owner][span],
                           self.t[owner][span].float(), self.lr[span])
         self.grad[owner][span] = 0
+        self.requests.append((owner, "S", offset, row.clone(), new.clone()))
         return new[None]
 
     def record(self) -> dict:
@@ -190,28 +191,34 @@ def _grad(model: nn.Module, loss_fn, x, y) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
 
 
+def gradients_at(widths, params: torch.Tensor, draws: dict, step: int, world_size: int, n_micro: int, rows: int,
+                 loss_fn) -> dict:
+    """At ``params`` (flattened), on step ``step``'s micro-batches: the step's gradient (``full``: the mean loss over
+    every micro-batch of every rank), each micro-batch's gradient averaged over the ranks and divided by ``n_micro``
+    (``per_micro[k]``), and each rank's own gradient (``local[r]``: its micro-batches' mean, not averaged over the
+    ranks; ``local_micro[r][k]``: its micro-batch k's, divided by ``n_micro``)."""
+    model = make_model(widths, 0)
+    torch.nn.utils.vector_to_parameters(params.clone(), model.parameters())
+    batches = [micro_batches(draws["data"][r], widths, n_micro, rows, step) for r in range(world_size)]
+    grads = [[_grad(model, loss_fn, x, y) for x, y in batches[r]] for r in range(world_size)]
+    per_micro = [sum(grads[r][k] for r in range(world_size)) / (world_size * n_micro) for k in range(n_micro)]
+    return {"full": sum(per_micro), "per_micro": per_micro, "local": [sum(g) / n_micro for g in grads],
+            "local_micro": [[g / n_micro for g in grads[r]] for r in range(world_size)]}
+
+
 def reference(widths, init_seed: int, draws: dict, world_size: int, n_micro: int, rows: int, loss_fn) -> dict:
-    """One process, every rank's data, the same Adam: ``start``, the parameters before the first step; per step
-    ``t``, the parameters after it (``params[t]``), the step's gradient (mean loss over every micro-batch of every
-    rank), each micro-batch's gradient averaged over the ranks and divided by ``n_micro`` (``per_micro[t][k]``),
-    and each rank's own gradient (``local[t][r]``: its micro-batches' mean, not averaged over the ranks)."""
+    """One process, every rank's data, the same Adam: ``start``, the parameters before the first step, and
+    ``params[t]``, after step t."""
     model = make_model(widths, init_seed)
     n = numel(widths)
     m, v, t = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    out = {"start": flat(model), "params": [], "grads": [], "per_micro": [], "local": [], "local_micro": []}
+    out = {"start": flat(model), "params": []}
     for step in range(STEPS):
-        batches = [micro_batches(draws["data"][r], widths, n_micro, rows, step) for r in range(world_size)]
-        grads = [[_grad(model, loss_fn, x, y) for x, y in batches[r]] for r in range(world_size)]
-        per_micro = [sum(grads[r][k] for r in range(world_size)) / (world_size * n_micro) for k in range(n_micro)]
-        full = sum(per_micro)
+        full = gradients_at(widths, flat(model), draws, step, world_size, n_micro, rows, loss_fn)["full"]
         t += 1
         new = adam_update(flat(model), full, m, v, t, draws["lr"])
         torch.nn.utils.vector_to_parameters(new, model.parameters())
         out["params"].append(flat(model))
-        out["grads"].append(full)
-        out["per_micro"].append(per_micro)
-        out["local"].append([sum(grads[r]) / n_micro for r in range(world_size)])
-        out["local_micro"].append([[g / n_micro for g in grads[r]] for r in range(world_size)])
     return out
 
 

@@ -32,18 +32,23 @@ import torch.nn.functional as F
 from course import checks
 from course.checks import CheckFailed, passed
 from graders.common.held import explain
+from graders.sharded_optimizer import record
 from graders.sharded_optimizer.adam import (
+    BETAS,
+    EPS,
     STEPS,
     AdamServer,
     ShardedAdam,
     draw,
     fetch_data,
+    gradients_at,
     make_model,
     micro_batches,
     numel,
     partition_bound,
     reference,
 )
+from graders.sharded_optimizer.record import EXACT, stepped
 
 ATOL = 1e-5  # float32 sums over the ranks in another order differ by ~1e-7
 JOB_TIMEOUT = 60.0
@@ -86,8 +91,8 @@ def _observe(check, zero_step, stage, world_size, widths, n_micro, rows, loss, s
         except CheckFailed as err:
             explain(err, server.record()["refused"])
             raise
-        record = server.record()
-    return {"ranks": job.values, "record": record,
+        found = server.record()
+    return {"ranks": job.values, "record": found, "draws": draws, "loss_fn": loss_fn, "expected": {},
             "reference": reference(widths, init_seed, draws, world_size, n_micro, rows, loss_fn)}
 
 
@@ -102,33 +107,15 @@ def _seen(check, zero_step, stage: int, config: dict) -> tuple[dict, dict, str]:
     key = ("zero", zero_step, stage, *(c[k] for k in sorted(c)))
     seen = checks.memo(check, key, lambda: _observe(check, zero_step, stage, c["world_size"], c["widths"],
                                                     c["n_micro"], c["rows"], c["loss"], c["seed"]))
-    seen["ledger"] = seen.get("ledger") or _ledger(seen["record"]["requests"], c["world_size"], numel(c["widths"]))
+    if "ledger" not in seen:
+        seen["ledger"] = record.ledger(seen["record"]["requests"], c["world_size"], numel(c["widths"]))
+        seen["consensus"] = record.consensus(seen["ledger"], STEPS)
     where = (f"stage {stage}, {c['world_size']} ranks, a model of {numel(c['widths'])} elements, {c['n_micro']} "
              f"micro-batches a step")
     return seen, c, where
 
 
 # --- what the grader's record says ------------------------------------------------------------------------------
-
-
-def _ledger(requests, world_size: int, n: int) -> list[list[list[list[float]]]]:
-    """``ledger[r][i]``: rank r's steps of element i in order, each the values rank r added to it since its previous
-    step (a rank's state is its own: the grader keeps each rank's apart); a last list holds what was added after
-    the last step (empty when nothing was)."""
-    per = [[[[]] for _ in range(n)] for _ in range(world_size)]
-    for rank, op, offset, values in requests:
-        for j, value in enumerate(values.tolist()):
-            steps = per[rank][offset + j]
-            if op == "G":
-                steps[-1].append(value)
-            else:
-                steps.append([])
-    return per
-
-
-def _stepped(ledger, r: int, i: int) -> int:
-    """How many times rank r stepped element i."""
-    return len(ledger[r][i]) - 1
 
 
 def _names(widths) -> list[str]:
@@ -159,11 +146,6 @@ def _spans(elements, widths) -> str:
     return f"element{'s' if len(elements) > 1 else ''} {text}"
 
 
-def _owners(ledger) -> list[set]:
-    """Per element, the ranks that stepped it."""
-    return [{r for r in range(len(ledger)) if _stepped(ledger, r, i)} for i in range(len(ledger[0]))]
-
-
 # --- the weights ------------------------------------------------------------------------------------------------
 
 
@@ -171,38 +153,110 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).abs().max().item() <= ATOL)
 
 
+def _gclose(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Gradients equal up to the order of float32 sums (over the ranks, the micro-batches, the rows)."""
+    return bool(((got - want).abs() <= 1e-5 + 1e-4 * want.abs()).all())
+
+
+def _target(seen, t: int) -> tuple[torch.Tensor, float]:
+    """What every rank must hold after step t, and how close: the new values the grader's Adam returned (they only
+    travel: compared exactly), or, where the ranks' steps do not make one model, one process's Adam."""
+    if t < 0:
+        return seen["reference"]["start"], EXACT
+    cons = seen["consensus"][t]
+    return (cons, EXACT) if cons is not None else (seen["reference"]["params"][t], ATOL)
+
+
+def _expected(seen, c: dict, t: int) -> dict:
+    """The gradients of step t at the parameters every rank held before it (:func:`gradients_at`): each step is
+    judged from where the training really was, so float32's rounding in one step never carries into the next."""
+    if t not in seen["expected"]:
+        seen["expected"][t] = gradients_at(c["widths"], _target(seen, t - 1)[0], seen["draws"], t, c["world_size"],
+                                           c["n_micro"], c["rows"], seen["loss_fn"])
+    return seen["expected"][t]
+
+
 def _first_wrong_step(seen) -> int:
-    """The first step after which some rank's parameters differ from one process's (STEPS if none)."""
-    ref = seen["reference"]["params"]
+    """The first step after which some rank's parameters differ from what it should hold (STEPS if none)."""
     for t in range(STEPS):
+        want, tol = _target(seen, t)
         for after in seen["ranks"]:
-            if t >= len(after) or not isinstance(after[t], torch.Tensor) or not _close(after[t], ref[t]):
+            if t >= len(after) or not isinstance(after[t], torch.Tensor) or (after[t] - want).abs().max() > tol:
                 return t
     return STEPS
+
+
+def _adam_path(seen, c: dict) -> list[dict]:
+    """Per step, one process's Adam from where the ranks were: the new values from the step's gradient at the
+    parameters before it (Adam's moments carried along), and how far float32's rounding of that gradient (its sums
+    over ranks and micro-batches in another order) can move each: a step is judged up to that."""
+    if "adam" not in seen:
+        lr, n = seen["draws"]["lr"], len(seen["reference"]["start"])
+        m, v, path = torch.zeros(n), torch.zeros(n), []
+        for t in range(STEPS):
+            before, g = _target(seen, t - 1)[0], _expected(seen, c, t)["full"]
+            k = t + 1
+
+            def update(grad, m=m, v=v, k=k, before=before):
+                m2, v2 = BETAS[0] * m + (1 - BETAS[0]) * grad, BETAS[1] * v + (1 - BETAS[1]) * grad * grad
+                return before - lr * (m2 / (1 - BETAS[0] ** k)) / ((v2 / (1 - BETAS[1] ** k)).sqrt() + EPS)
+
+            noise = 1e-6 + 1e-5 * g.abs()
+            path.append({"new": update(g), "tol": ATOL + (update(g + noise) - update(g - noise)).abs()})
+            m, v = BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
+        seen["adam"] = path
+    return seen["adam"]
+
+
+def _updated_wrong(seen, c: dict, t: int) -> tuple[int, list[int], float] | None:
+    """Where the values every rank held after step t are not one process's Adam step from where they were: (the
+    rank that stepped the first such element, its elements, the largest difference), or None."""
+    step = _adam_path(seen, c)[t]
+    got = _target(seen, t)[0]
+    wrong = ((got - step["new"]).abs() > step["tol"]).nonzero().flatten().tolist()
+    if not wrong:
+        return None
+    owner = next(r for r in range(c["world_size"]) if stepped(seen["ledger"], r, wrong[0]) > t)
+    mine = [i for i in wrong if stepped(seen["ledger"], owner, i) > t]
+    return owner, mine, (got - step["new"]).abs()[wrong].max().item()
 
 
 def check_zero_weights(zero_step, stage: int = 1, **config) -> None:
     """Every rank's parameters after every step equal one process's Adam on the step's whole batch."""
     check = "check_zero_weights"
     seen, c, where = _seen(check, zero_step, stage, config)
-    ref = seen["reference"]
     t = _first_wrong_step(seen)
+    for step in range(t):  # every rank held the step's new values: was each step Adam's on the step's gradient?
+        if seen["consensus"][step] is None:
+            break  # compared with one process's Adam already
+        fed = _updated_wrong(seen, c, step)
+        if fed is not None:
+            r, bad, diff = fed
+            raise CheckFailed(check, f"rank {r}'s own partition was updated differently from one process's Adam "
+                              f"(step {step + 1} of {STEPS}, {where})", ranks=[r],
+                              expected="Adam's update from the step's gradient (the mean loss over every micro-batch "
+                              "of every rank), from the elements' values before the step",
+                              got=f"{_spans(bad, c['widths'])} differ (max difference {diff:.3g})",
+                              hint="the gradient a partition is given must be the step's, averaged over the ranks, "
+                              "for exactly its elements, added before its step (check_zero_gradients says which); "
+                              "the values handed to optimizer.step must be the elements' current values")
     if t == STEPS:
         passed(check)
         return
+    want, tol = _target(seen, t)
+    before = _target(seen, t - 1)[0]
     for r, after in enumerate(seen["ranks"]):
         got = after[t] if t < len(after) else None
-        if isinstance(got, torch.Tensor) and _close(got, ref["params"][t]):
+        if isinstance(got, torch.Tensor) and (got - want).abs().max() <= tol:
             continue
-        if isinstance(got, str):
+        if isinstance(got, str) or got is None:
             raise CheckFailed(check, f"after step {t + 1}, rank {r}'s model is not the model it was given ({where})",
-                              ranks=[r], expected=f"the model's {len(ref['start'])} elements", got=got,
+                              ranks=[r], expected=f"the model's {len(want)} elements", got=str(got),
                               hint="update the model's own parameters in place (copy the new values into them)")
-        want, before = ref["params"][t], ref["params"][t - 1] if t else ref["start"]
-        own = [i for i in range(len(want)) if _stepped(seen["ledger"], r, i) > t]
+        own = [i for i in range(len(want)) if stepped(seen["ledger"], r, i) > t]
         mask = torch.zeros(len(want), dtype=torch.bool)
         mask[own] = True
-        wrong = (got - want).abs() > ATOL
+        wrong = (got - want).abs() > tol
         step_words = f"step {t + 1} of {STEPS}"
         if _close(got, before):
             raise CheckFailed(check, f"rank {r}'s parameters did not change in {step_words} ({where})", ranks=[r],
@@ -245,14 +299,14 @@ def check_zero_state(zero_step, stage: int = 1, **config) -> None:
     check = "check_zero_state"
     seen, c, where = _seen(check, zero_step, stage, config)
     world_size, ledger = c["world_size"], seen["ledger"]
-    n, widths = len(ledger[0]), c["widths"]
+    n, widths = len(ledger["steps"][0]), c["widths"]
     pids = seen["record"]["pids"]
     if any(len(p) > 1 for p in pids):
         raise CheckFailed(check, f"the optimizer was reached by processes other than the ranks' ({where})",
                           ranks=[r for r, p in enumerate(pids) if len(p) > 1],
                           expected="each rank uses the optimizer it is given",
                           got="; ".join(seen["record"]["refused"][:2]), hint="use the optimizer the function is given")
-    owners = _owners(ledger)
+    owners = record.owners(ledger)
     held = [[i for i in range(n) if r in owners[i]] for r in range(world_size)]
     bound = partition_bound(n, world_size)
     if all(len(h) == n for h in held):
@@ -279,14 +333,14 @@ def check_zero_state(zero_step, stage: int = 1, **config) -> None:
                           f"at most {bound} a rank; the last partition may be shorter")
     for i in range(n):
         (owner,) = owners[i]
-        times = _stepped(ledger, owner, i)
+        times = stepped(ledger, owner, i)
         if times != STEPS:
             raise CheckFailed(check, f"rank {owner} stepped an element {times} times in {STEPS} steps ({where})",
                               ranks=[owner], expected="one optimizer.step a training step",
                               got=f"{_spans([i], widths)} stepped {times} times",
                               hint="call optimizer.step once per training step for each element of the partition")
     for r in range(world_size):
-        foreign = [i for i in range(n) if r not in owners[i] and any(ledger[r][i])]
+        foreign = [i for i in range(n) if r not in owners[i] and any(ledger["adds"][r][i])]
         if foreign:
             owner = next(iter(owners[foreign[0]]))
             raise CheckFailed(check, f"rank {r} added gradients to elements another rank owns ({where})", ranks=[r],
@@ -346,20 +400,20 @@ def check_zero_gradients(zero_step, stage: int = 1, **config) -> None:
     check = "check_zero_gradients"
     seen, c, where = _seen(check, zero_step, stage, config)
     world_size, n_micro, widths = c["world_size"], c["n_micro"], c["widths"]
-    ref, ledger = seen["reference"], seen["ledger"]
+    ledger = seen["ledger"]
     judged = min(_first_wrong_step(seen) + 1, STEPS)  # a step is judged while its parameters were right at its start
     expected_adds = 1 if stage == 1 else n_micro
     for t in range(judged):
         for r in range(world_size):
-            elements = [i for i in range(len(ledger[r])) if _stepped(ledger, r, i) > t]  # rank r's step t
+            elements = [i for i in range(len(ledger["steps"][r])) if stepped(ledger, r, i) > t]  # rank r's step t
             if not elements:
                 continue
-            adds = [ledger[r][i][t] for i in elements]
+            adds = [ledger["adds"][r][i][t] for i in elements]
             counts = sorted({len(a) for a in adds})
             step_words = f"step {t + 1}"
             if counts != [expected_adds]:
                 bad = [i for i, a in zip(elements, adds) if len(a) != expected_adds]
-                got_n = len(ledger[r][bad[0]][t])
+                got_n = len(ledger["adds"][r][bad[0]][t])
                 if stage == 1 and got_n == n_micro and n_micro > 1:
                     summary, hint = ("stage 1 hands a partition its gradient once a step; rank "
                                      f"{r} handed one per micro-batch",
@@ -383,14 +437,15 @@ def check_zero_gradients(zero_step, stage: int = 1, **config) -> None:
                                   got=f"{got_n} for {_spans(bad, widths)}", hint=hint)
             values = torch.tensor(adds).T  # (adds, elements)
             index = torch.tensor(elements)
+            exp = _expected(seen, c, t)
             if stage == 1:
-                wants = [ref["grads"][t][index]]
-                locals_ = [ref["local"][t][r][index]]
+                wants = [exp["full"][index]]
+                locals_ = [exp["local"][r][index]]
             else:
-                wants = [ref["per_micro"][t][k][index] for k in range(n_micro)]
-                locals_ = [ref["local_micro"][t][r][k][index] for k in range(n_micro)]
+                wants = [exp["per_micro"][k][index] for k in range(n_micro)]
+                locals_ = [exp["local_micro"][r][k][index] for k in range(n_micro)]
             for k, (got, want, local) in enumerate(zip(values, wants, locals_)):
-                if _close(got, want):
+                if _gclose(got, want):
                     continue
                 what = (f"the gradient given in step {t + 1}" if stage == 1 else
                         f"the gradient given after micro-batch {k + 1} of step {t + 1}")
