@@ -808,8 +808,9 @@ def test_a_stopped_run_leaves_the_submission_it_was_grading_not_graded_and_not_f
 #: give scores between 0 and full marks to export, feedback, `check` and plain nbgrader's regrade; exercise 3's
 #: wrong answers are graded in tests/test_graders_ex3.py::test_wrong_submissions_lose_exactly_their_tests
 #:
-#: the assignment of several notebooks ada hands in whole
-WHOLE = "ex3-syncbn-sharding"
+#: the assignment of several notebooks ada hands in whole: exercise 1's three are the quickest to grade (exercise 3's
+#: five are each graded on their own in tests/test_graders_ex3*.py and by the demo)
+WHOLE = "ex1-parallelism"
 #: exercise 4's notebook ada hands in: its four hanging scripts run under torchrun like the others, in half the
 #: time of torchrun.ipynb's three launches (tests/test_docker.py and test_graders_ex4.py grade that one)
 EX4_HANDED_IN = "find_the_hang"
@@ -873,7 +874,7 @@ def test_course_exercises_end_to_end(tmp_path):
 
     incoming = tmp_path / "incoming"
     notebooks = {a: sorted(p.stem for p in (EXERCISES / a).glob("*.ipynb")) for a in REAL}
-    # ada hands in every notebook of the assignment that has two (export adds them up) and the main one of the
+    # ada hands in every notebook of WHOLE (export adds them up) and the main one of the
     # others: every reference notebook is graded in a sandbox elsewhere (tests/test_docker.py), and grade and
     # autograde agree cell by cell (tests/test_pipeline.py)
     handed_in = {a: notebooks[a] if a == WHOLE else [EX4_HANDED_IN if a == "ex4-torchrun" else REAL[a]] for a in REAL}
