@@ -25,6 +25,7 @@ import torch
 from course import checks
 from course.checks import CheckFailed, passed
 from graders.activation_memory.blocks import Block, Blocks, BlockServer, best_plans, cost, peak, reference, saved_bytes
+from graders.common import predictions
 from graders.common.held import explain
 
 ATOL = 1e-5
@@ -175,18 +176,6 @@ def _measure(rows: int, d: int, h: int) -> int:
     return saved_bytes(Block(d, h), torch.randn(rows, d))[0]
 
 
-def _predict_harness(rank, predict, asked):
-    checks.refuse([saved_bytes, _measure, peak], REFUSED)
-    out = []
-    for rows, d, h in asked:
-        value = predict(rows, d, h)
-        try:
-            out.append(int(value) if float(value) == int(value) else float(value))
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            out.append(repr(value)[:200])
-    return out
-
-
 def _drawn(count: int) -> list[tuple[int, int, int]]:
     draw = random.Random(os.urandom(8))
     return [(draw.randint(1, 64), draw.randint(2, 96), draw.randint(2, 256)) for _ in range(count)]
@@ -197,9 +186,9 @@ def check_saved_bytes(predict_saved_bytes, *, asked=((8, 16, 32), (4, 10, 7), (1
     check = "check_saved_bytes"
     checks.require_written(check, predict_saved_bytes=predict_saved_bytes)
     asked = list(asked) + _drawn(drawn)
-    job = checks.run(check, _predict_harness, 1, args=(predict_saved_bytes, asked),
-                     expected="predict_saved_bytes(rows, d, h) returns a number of bytes")
-    for (rows, d, h), got in zip(asked, job.values[0]):
+    answers = predictions.ask(check, predict_saved_bytes, asked, refused=[saved_bytes, _measure, peak],
+                              message=REFUSED, expected="predict_saved_bytes(rows, d, h) returns a number of bytes")
+    for (rows, d, h), got in zip(asked, answers):
         want = _measure(rows, d, h)
         if got != want:
             raise CheckFailed(check, f"predict_saved_bytes({rows}, {d}, {h}) is wrong", expected=f"{want:,} bytes",

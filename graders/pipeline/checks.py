@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders.common import predictions
 from graders.common.held import explain
 from graders.pipeline.stages import RemoteStage, StageServer, make_layers
 
@@ -328,11 +329,6 @@ def _plain(value):
         return repr(value)[:200]
 
 
-def _predict_harness(rank, predict_pipeline, asked):
-    checks.refuse(_reference_code(), REFUSED)
-    return [_plain(predict_pipeline(p, m, schedule)) for p, m, schedule in asked]
-
-
 def _drawn(n: int) -> list[tuple[int, int, str]]:
     draw = random.Random(os.urandom(8))
     return [(draw.randint(2, 9), draw.randint(1, 24), draw.choice(SCHEDULES)) for _ in range(n)]
@@ -345,9 +341,9 @@ def check_pipeline_prediction(predict_pipeline, *, asked=((3, 4, "gpipe"), (3, 4
     check = "check_pipeline_prediction"
     checks.require_written(check, predict_pipeline=predict_pipeline)
     asked = list(asked) + _drawn(drawn)
-    job = checks.run(check, _predict_harness, 1, args=(predict_pipeline, asked),
-                     expected="predict_pipeline(p, m, schedule) returns (bubble, [peak of stage 0, ...])")
-    for (p, m, schedule), got in zip(asked, job.values[0]):
+    answers = predictions.ask(check, predict_pipeline, asked, refused=_reference_code(), message=REFUSED, convert=_plain,
+                              expected="predict_pipeline(p, m, schedule) returns (bubble, [peak of stage 0, ...])")
+    for (p, m, schedule), got in zip(asked, answers):
         right = truth(p, m, schedule)
         where = f"{schedule}, {p} stages, {m} micro-batches"
         if not isinstance(got, list):

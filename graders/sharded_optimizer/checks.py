@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders.common import predictions
 from graders.common.held import explain
 from graders.sharded_optimizer import record
 from graders.sharded_optimizer.adam import (
@@ -473,18 +474,6 @@ def zero_memory(parameters: float, world_size: int, stage: int) -> float:
     return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]
 
 
-def _memory_harness(rank, predict, asked):
-    checks.refuse([zero_memory], REFUSED)
-    out = []
-    for p, n, s in asked:
-        value = predict(p, n, s)
-        try:
-            out.append(float(value))
-        except (TypeError, ValueError, RuntimeError):
-            out.append(repr(value)[:200])
-    return out
-
-
 def _drawn(count: int) -> list[tuple[int, int, int]]:
     draw_ = random.Random(os.urandom(8))
     return [(draw_.randint(10 ** 6, 10 ** 11), draw_.choice([1, 2, 3, 8, 12, 64, 100, 512, 1024]), draw_.choice(STAGES))
@@ -510,12 +499,12 @@ def check_zero_memory(predict_zero_memory, *, asked=((7_500_000_000, 64, 0), (7_
     check = "check_zero_memory"
     checks.require_written(check, predict_zero_memory=predict_zero_memory)
     asked = list(asked) + _drawn(drawn)
-    job = checks.run(check, _memory_harness, 1, args=(predict_zero_memory, asked),
-                     expected="predict_zero_memory(parameters, world_size, stage) returns a number of bytes")
-    for (p, n, s), got in zip(asked, job.values[0]):
+    answers = predictions.ask(check, predict_zero_memory, asked, refused=[zero_memory], message=REFUSED,
+                              expected="predict_zero_memory(parameters, world_size, stage) returns a number of bytes")
+    for (p, n, s), got in zip(asked, answers):
         want = zero_memory(p, n, s)
         call = f"predict_zero_memory({p:_}, {n}, {s})"
-        if not isinstance(got, float):
+        if isinstance(got, str):
             raise CheckFailed(check, f"{call} did not return a number", expected=f"{want:.6g} bytes", got=got,
                               hint="return the bytes one rank holds, as an int or a float")
         if abs(got - want) > 1e-6 * want:
