@@ -86,6 +86,22 @@ def answer(nb: NotebookNode, grade_id: str) -> str:
     return _cell(nb, grade_id).source
 
 
+def answer_function(assignment: str, notebook: str, grade_id: str, function: str, name: str, namespace: dict,
+                    *edits: tuple[str, str]):
+    """The function ``function`` of the notebook's answer cell ``grade_id``, with ``edits`` (old, new) applied to the
+    cell's text, defined in ``namespace`` (the names the notebook's first cell imports, and the calling module's
+    ``__name__``, so that cloudpickle sends it by value to the ranks) and renamed ``name``."""
+    text = answer(load(assignment, notebook), grade_id)
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    namespace = dict(namespace)
+    exec(compile(text, f"<{name}>", "exec"), namespace)  # noqa: S102 - the course's own reference
+    fn = namespace[function]
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
 def replace_answer(nb: NotebookNode, grade_id: str, text: str) -> NotebookNode:
     """A copy of ``nb`` whose answer cell ``grade_id`` holds ``text`` (the whole cell)."""
     nb = copy.deepcopy(nb)

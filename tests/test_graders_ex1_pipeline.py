@@ -37,15 +37,9 @@ fails = submissions.fails
 
 def _answer(name: str, gid: str, *edits: tuple[str, str]) -> object:
     """The notebook's answer cell ``gid`` with ``edits`` applied, defined here under ``name``."""
-    text = submissions.answer(submissions.load(A, NB), gid)
-    for old, new in edits:
-        assert old in text, old
-        text = text.replace(old, new)
-    namespace = {"torch": torch, "dist": dist, "F": F, "__name__": __name__}
-    exec(compile(text, f"<{name}>", "exec"), namespace)  # noqa: S102 - the course's own reference
-    fn = namespace["pipeline_step" if gid == "pp_pipeline_step" else "predict_pipeline"]
-    fn.__name__ = fn.__qualname__ = name
-    return fn
+    function = "pipeline_step" if gid == "pp_pipeline_step" else "predict_pipeline"
+    return submissions.answer_function(A, NB, gid, function, name,
+                                       {"torch": torch, "dist": dist, "F": F, "__name__": __name__}, *edits)
 
 
 reference = _answer("reference", "pp_pipeline_step")
