@@ -130,6 +130,18 @@ def frees_without_recomputing(blocks, x, budget):
     return out + 0 * x
 
 
+def plans_with_the_graders_search(blocks, x, budget):
+    """A forgery: the grader's own plan search, imported, picks the blocks."""
+    from graders.activation_memory.blocks import best_plans
+
+    rows, d = x.shape
+    sizes = [4 * rows * (2 * d + 2 * b.h + 2) for b in blocks]
+    plan = best_plans(sizes, [2 * rows * d * b.h for b in blocks], budget)[1][0]
+    for i, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if i in plan else block(x)
+    return x
+
+
 def calls_the_grader(rows, d, h):
     return am._measure(rows, d, h)
 
@@ -176,6 +188,8 @@ def test_forgeries_are_caught():
     fails(am.check_checkpoint_gradients, frees_without_recomputing, "did not reach")
     fails(am.check_checkpoint_plan, frees_without_recomputing, "backward did not run exactly once")
     fails(am.check_saved_bytes, calls_the_grader, "refused to the answer")
+    fails(am.check_checkpoint_plan, plans_with_the_graders_search, "peak rule and plan search are the grader's "
+          "reference, refused to the answer")
 
 
 def test_a_forgotten_layernorm_statistic_is_a_wrong_prediction():

@@ -33,8 +33,14 @@ JOB_TIMEOUT = 60.0
 VISIBLE = {"rows": 8, "d": 16, "hiddens": (32, 96, 64, 128, 48, 80), "budget": 19360, "seed": 0}
 
 
+#: what a call of the grader's peak rule or plan search (or a copy of them) raises in run_blocks's rank
+PLAN_REFUSED = ("graders.activation_memory's peak rule and plan search are the grader's reference, refused to the "
+                "answer: work out what is held at each moment, and which blocks to checkpoint, yourself")
+
+
 def _harness(rank, run_blocks, address, token, d, hiddens, rows, budget, x, w):
     checks.join_job()
+    checks.refuse([peak, best_plans], PLAN_REFUSED)  # the plan is the answer's to work out, not to call
     blocks = Blocks(address, token, d, hiddens, rows)  # connected before the student's code runs
     leaf = x.clone().requires_grad_(True)
     out = run_blocks(blocks, leaf, budget)
