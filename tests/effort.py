@@ -94,6 +94,8 @@ IDEAS: dict[str, list[list[str]]] = {
         ["a group for every row and every column of the grid, made by every rank", "partial outputs summed along the "
          "tensor-parallel row, with the loss's gradient counted once", "gradients averaged along the data-parallel "
          "column"],
+        ["a placement per mesh dimension: a replica or a slice of one dimension", "the elements each all-reduce "
+         "carries"],
     ],
     "fsdp_checkpoint": [
         ["fully_shard per block, then the root", "units chosen for a memory budget"],

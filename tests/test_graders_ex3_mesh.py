@@ -120,6 +120,17 @@ def as_rank_1_too(shard, batches, dp, tp, rank):
     return reference_train(shard, batches, dp, tp, rank)
 
 
+def predict_with_dtensor_objects(dp, tp, d_in, h, d_out, rows):
+    """torch's own placement objects; the counts from the shapes of the slices."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    up, down = torch.empty(h // tp, d_in), torch.empty(d_out, h // tp)
+    return {"placements": {"up.weight": (Replicate(), Shard(0)), "up.bias": (Replicate(), Shard(0)),
+                           "down.weight": (Replicate(), Shard(1))},
+            "row_values": torch.empty(rows, d_out).numel(),
+            "column_values": up.numel() + h // tp + down.numel()}
+
+
 # --- the checks, called directly --------------------------------------------------------------------------------
 
 
@@ -157,20 +168,42 @@ def test_a_second_connection_to_another_ranks_shard_is_refused():
     assert "a second connection as rank 1" in message, message
 
 
+def test_predictions_of_placements_and_traffic():
+    reference_predict = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "reference_predict",
+                                                    {"torch": torch, "__name__": __name__})
+    for predict in (reference_predict, predict_with_dtensor_objects):
+        td.check_mesh_prediction(predict, drawn=30)
+    weight_as_stored = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "weight_as_stored",
+                                                   {"torch": torch, "__name__": __name__},
+                                                   ('"up.weight": ["Replicate()", "Shard(0)"]',
+                                                    '"up.weight": ["Replicate()", "Shard(1)"]'))
+    fails(td.check_mesh_prediction, weight_as_stored, "the placements of up.weight are wrong", "Shard(0)",
+          "which dimension of the weight does a shard cut")
+    per_row = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "per_row",
+                                          {"torch": torch, "__name__": __name__},
+                                          ('"row_values": rows * d_out', '"row_values": d_out'))
+    fails(td.check_mesh_prediction, per_row, "along the row (the partial outputs) are wrong", "expected: 12")
+
+    def calls_the_grader(*case):
+        return td.mesh_truth(*case)
+
+    fails(td.check_mesh_prediction, calls_the_grader, "refused to the answer")
+
+
 # --- the notebook: reference, untouched copy, wrong submissions ----------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks():
-    assert submissions.assert_reference_full_marks(A, NB).max_score == 9
+    assert submissions.assert_reference_full_marks(A, NB).max_score == 13
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_untouched_student_copy_scores_zero_saying_not_written_yet(tmp_path):
     report = submissions.assert_untouched_scores_zero(A, tmp_path, NB)  # checked: no solution, no hidden test
-    assert report.max_score == 9
+    assert report.max_score == 13
     assert all(t.message.startswith("FAILED check_") for t in report.tests), report.tests
 
 

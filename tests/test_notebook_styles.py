@@ -667,6 +667,8 @@ ACTIVATION_MEMORY = {
 TWO_DIMENSIONS = {
     # rows and columns as a class over new_subgroups_by_enumeration
     "td_train": _renamed(ex3_mesh.class_style, "train_on_mesh", ex3_mesh.Grid),
+    # torch's placement objects, the counts from the slices' shapes
+    "td_predict": _renamed(ex3_mesh.predict_with_dtensor_objects, "predict_mesh"),
 }
 
 OTHER_STYLES = {

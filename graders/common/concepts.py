@@ -171,6 +171,9 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                                  L3, "9. Two dimensions: a device mesh"),
         "check_mesh_training": ("the copies of a shard stay equal when every copy takes the same averaged step", L3,
                                 "9. Two dimensions: a device mesh"),
+        "check_mesh_prediction": ("a tensor on a mesh has one placement per dimension: the same copy along one, a "
+                                  "slice along the other; a collective carries the tensor it reduces", L3,
+                                  "9. Two dimensions: a device mesh"),
     },
     "fsdp_checkpoint": {
         "check_shard": ("fully sharding splits each unit's parameters across the ranks and gathers a unit "

@@ -12,6 +12,7 @@ from graders.common.exports import lazy
 EXPORTS = {
     "check_mesh_gradients": "checks",
     "check_mesh_losses": "checks",
+    "check_mesh_prediction": "checks",
     "check_mesh_training": "checks",
 }
 __all__ = sorted(EXPORTS)

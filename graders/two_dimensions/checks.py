@@ -13,15 +13,22 @@ in its own rank only, so what the values are says which ranks were combined. One
 * :func:`check_mesh_gradients`: the gradient each rank gave its shard's step equals the whole batch's gradient of
   that shard in one process (its column's gradients averaged, nothing counted twice);
 * :func:`check_mesh_training`: after every step every copy of every shard equals the one-process model's slice, each
-  rank stepped its own shard once a step and nothing else.
+  rank stepped its own shard once a step and nothing else;
+* :func:`check_mesh_prediction`: ``predict_mesh(dp, tp, d_in, h, d_out, rows)``, each parameter's placements on the
+  mesh as DTensor names them and the values a rank all-reduces in a step along its row and its column, for the asked
+  cases and more drawn anew (run in a rank where the grader's answer refuses to run).
 """
 
 from __future__ import annotations
+
+import os
+import random
 
 import torch
 
 from course import checks
 from course.checks import CheckFailed, passed
+from graders.common import predictions
 from graders.common.held import explain
 from graders.two_dimensions.shards import STEPS, MeshServer, Shard, batches, draw, fetch_data, reference
 
@@ -233,4 +240,80 @@ def check_mesh_training(train_on_mesh, **config) -> None:
                           got=f"max difference {diff:.3g}",
                           hint="the copies of a shard stay equal only if every rank of its column steps with the same "
                           "averaged gradient (check_mesh_gradients says which)")
+    passed(check)
+
+
+# --- the prediction --------------------------------------------------------------------------------------------------
+
+#: what a call of the grader's answer (or a copy of it) raises in the predicting rank
+REFUSED = ("graders.two_dimensions's placements and traffic are the grader's reference, refused to the answer: work "
+           "them out from how the model is split")
+PARAMETERS = ("up.weight", "up.bias", "down.weight")
+
+
+def mesh_truth(dp: int, tp: int, d_in: int, h: int, d_out: int, rows: int) -> dict:
+    """Each parameter's placements on the (dp, tp) mesh, as DTensor names them, and the values each rank all-reduces
+    in one training step along its row (the partial outputs) and along its column (its shard's gradient)."""
+    shard = h // tp
+    return {"placements": {"up.weight": ["Replicate()", "Shard(0)"], "up.bias": ["Replicate()", "Shard(0)"],
+                           "down.weight": ["Replicate()", "Shard(1)"]},
+            "row_values": rows * d_out, "column_values": d_in * shard + shard + shard * d_out}
+
+
+def _placement(value) -> str:
+    """A placement as DTensor's repr writes it, from that repr, its short form (``S(0)``, ``R``) or a name."""
+    text = (repr(value) if not isinstance(value, str) else value).replace(" ", "").replace("dim=", "")
+    short = {"R": "Replicate()", "Replicate": "Replicate()"}
+    if text in short:
+        return short[text]
+    if text.startswith("S(") and text.endswith(")"):
+        return f"Shard({text[2:-1]})"
+    return text
+
+
+def _plain(value):
+    """The prediction as plain data (a dict of placements by parameter, and two ints)."""
+    placements = {str(k): [_placement(p) for p in v] for k, v in dict(value["placements"]).items()}
+    return {"placements": placements, "row_values": int(value["row_values"]),
+            "column_values": int(value["column_values"])}
+
+
+def _drawn(count: int) -> list[tuple[int, ...]]:
+    draw = random.Random(os.urandom(8))
+    out = []
+    for _ in range(count):
+        tp = draw.choice([1, 2, 4, 8])
+        out.append((draw.randint(1, 8), tp, draw.randint(1, 64), tp * draw.randint(1, 32), draw.randint(1, 16),
+                    draw.randint(1, 128)))
+    return out
+
+
+def check_mesh_prediction(predict_mesh, *, asked=((2, 2, 5, 8, 3, 4), (1, 4, 4, 8, 2, 3)), drawn: int = 0) -> None:
+    """``predict_mesh(dp, tp, d_in, h, d_out, rows)``: each parameter's placements and the values a rank all-reduces
+    in one step along its row and along its column, for ``asked`` and ``drawn`` more cases drawn anew."""
+    check = "check_mesh_prediction"
+    checks.require_written(check, predict_mesh=predict_mesh)
+    asked = list(asked) + _drawn(drawn)
+    answers = predictions.ask(check, predict_mesh, asked, refused=[mesh_truth], message=REFUSED, convert=_plain,
+                              expected="predict_mesh returns {'placements': {...}, 'row_values': ..., "
+                              "'column_values': ...}")
+    for case, got in zip(asked, answers):
+        want = mesh_truth(*case)
+        call = f"predict_mesh{case}"
+        if not isinstance(got, dict):
+            raise CheckFailed(check, f"{call} did not return the dict asked for", expected=str(want), got=got,
+                              hint="return {'placements': {parameter: [placement on dp, placement on tp]}, "
+                              "'row_values': int, 'column_values': int}")
+        for name in PARAMETERS:
+            if got["placements"].get(name) != want["placements"][name]:
+                raise CheckFailed(check, f"{call}: the placements of {name} are wrong",
+                                  expected=str(want["placements"][name]), got=str(got["placements"].get(name)),
+                                  hint="along dp every rank of a column holds the same copy; along tp each rank of a "
+                                  "row holds a slice: which dimension of the weight does a shard cut?")
+        for key, words in (("row_values", "along the row (the partial outputs)"),
+                           ("column_values", "along the column (the shard's gradient)")):
+            if got[key] != want[key]:
+                raise CheckFailed(check, f"{call}: the values a rank all-reduces {words} are wrong",
+                                  expected=str(want[key]), got=str(got[key]),
+                                  hint="count the elements of the tensor each all-reduce carries in one step")
     passed(check)
