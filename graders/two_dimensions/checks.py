@@ -254,10 +254,10 @@ PARAMETERS = ("up.weight", "up.bias", "down.weight")
 def mesh_truth(dp: int, tp: int, d_in: int, h: int, d_out: int, rows: int) -> dict:
     """Each parameter's placements on the (dp, tp) mesh, as DTensor names them, and the values each rank all-reduces
     in one training step along its row (the partial outputs) and along its column (its shard's gradient)."""
-    shard = h // tp
-    return {"placements": {"up.weight": ["Replicate()", "Shard(0)"], "up.bias": ["Replicate()", "Shard(0)"],
-                           "down.weight": ["Replicate()", "Shard(1)"]},
-            "row_values": rows * d_out, "column_values": d_in * shard + shard + shard * d_out}
+    cut = dict(zip(PARAMETERS, (0, 0, 1)))  # the dimension of each parameter that the tensor-parallel split slices
+    per_shard = h // tp
+    return {"placements": {name: ["Replicate()", f"Shard({dim})"] for name, dim in cut.items()},
+            "row_values": d_out * rows, "column_values": per_shard * (d_in + 1 + d_out)}
 
 
 def _placement(value) -> str:
