@@ -121,6 +121,12 @@ def predict_by_layer(rows, d, h):
     return sum(saves.values()) * torch.finfo(torch.float32).bits // 8
 
 
+def predict_from_shapes(rows, d, h):
+    """The saved tensors' shapes listed, their elements counted with torch."""
+    shapes = [(rows, d), (rows, 1), (rows, 1), (rows, d), (rows, h), (rows, h)]
+    return sum(torch.empty(s).numel() for s in shapes) * torch.empty(0).element_size()
+
+
 def frees_without_recomputing(blocks, x, budget):
     """A forgery: each block's graph is dropped at once (its activations let go, the peak tiny), the output rebuilt
     to look differentiable."""
@@ -159,6 +165,7 @@ def test_right_answers_pass_every_check_visible_and_hidden(run):
 def test_right_predictions_pass_on_drawn_sizes():
     am.check_saved_bytes(reference_predict, drawn=40)
     am.check_saved_bytes(predict_by_layer, drawn=40)
+    am.check_saved_bytes(predict_from_shapes, drawn=40)
 
 
 def test_checkpointing_everything_fits_but_recomputes_too_much():
@@ -190,6 +197,14 @@ def test_forgeries_are_caught():
     fails(am.check_saved_bytes, calls_the_grader, "refused to the answer")
     fails(am.check_checkpoint_plan, plans_with_the_graders_search, "peak rule and plan search are the grader's "
           "reference, refused to the answer")
+
+
+def test_the_weights_counted_as_activations_are_a_wrong_prediction():
+    def with_the_weights(rows, d, h):
+        return reference_predict(rows, d, h) + 4 * (d * h + h * d)
+
+    fails(am.check_saved_bytes, with_the_weights, "predict_saved_bytes(8, 16, 32) is wrong", "the parameters are not "
+          "activations")
 
 
 def test_a_forgotten_layernorm_statistic_is_a_wrong_prediction():

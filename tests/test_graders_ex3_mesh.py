@@ -131,6 +131,14 @@ def predict_with_dtensor_objects(dp, tp, d_in, h, d_out, rows):
             "column_values": up.numel() + h // tp + down.numel()}
 
 
+def predict_by_dimension(dp, tp, d_in, h, d_out, rows):
+    """Placements from the dimension each weight's hidden features lie along; counts by hand."""
+    hidden_dim = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+    placements = {name: ["Replicate()", "Shard(" + str(dim) + ")"] for name, dim in hidden_dim.items()}
+    slice_ = h // tp
+    return {"placements": placements, "row_values": rows * d_out, "column_values": slice_ * d_in + slice_ * (1 + d_out)}
+
+
 # --- the checks, called directly --------------------------------------------------------------------------------
 
 
@@ -171,7 +179,7 @@ def test_a_second_connection_to_another_ranks_shard_is_refused():
 def test_predictions_of_placements_and_traffic():
     reference_predict = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "reference_predict",
                                                     {"torch": torch, "__name__": __name__})
-    for predict in (reference_predict, predict_with_dtensor_objects):
+    for predict in (reference_predict, predict_with_dtensor_objects, predict_by_dimension):
         td.check_mesh_prediction(predict, drawn=30)
     weight_as_stored = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "weight_as_stored",
                                                    {"torch": torch, "__name__": __name__},

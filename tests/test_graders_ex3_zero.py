@@ -147,6 +147,12 @@ def predict_by_counting(parameters, world_size, stage):
     return sum(size * parameters / (world_size if stage >= first else 1) for size, first in pieces)
 
 
+def predict_from_the_papers_table(parameters, world_size, stage):
+    """The ZeRO paper's per-stage formulas, (2 + 2 + K) parameters with K = 12, written as a lookup."""
+    k, psi, n = 12, parameters, world_size
+    return [(2 + 2 + k) * psi, 2 * psi + 2 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (2 + 2 + k) * psi / n][stage]
+
+
 def per_parameter(model, optimizer, micro_batches, loss_fn, rank, world_size, stage):
     """Whole parameters dealt to the ranks, largest first, to the least loaded (as CS336's sharded optimizer does):
     right values and state on one rank each, but a share larger than even."""
@@ -325,6 +331,13 @@ def test_the_memory_prediction_is_judged_by_stage():
     exec(compile(ok, "<predict>", "exec"), namespace)  # noqa: S102 - the course's own reference
     so.check_zero_memory(namespace["predict_zero_memory"], drawn=60)
     so.check_zero_memory(predict_by_counting, drawn=60)
+    so.check_zero_memory(predict_from_the_papers_table, drawn=60)
+
+    def every_stage_shards_the_state_only(parameters, world_size, stage):  # stages 2 and 3 forgotten
+        return 4 * parameters + 12 * parameters / world_size if stage else 16 * parameters
+
+    fails(so.check_zero_memory, every_stage_shards_the_state_only, "predict_zero_memory(7_500_000_000, 64, 2) is wrong",
+          "that is stage 1's", "shards the gradients as well")
 
 
 def test_the_formula_is_refused_to_the_prediction():
