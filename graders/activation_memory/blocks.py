@@ -218,8 +218,10 @@ class Blocks:
         return torch.from_numpy(array)
 
     def _ask(self, op: bytes, index: int, key: int, x: torch.Tensor) -> torch.Tensor:
-        if self._freed:
-            freed, self._freed[:] = list(self._freed), []
+        freed = []
+        while self._freed:  # one pop at a time: a ticket freed meanwhile (by the garbage collector) is not lost
+            freed.append(self._freed.pop())
+        if freed:
             self._held.ask(b"X", 0, 0, torch.tensor([freed], dtype=torch.float32), "the blocks' bookkeeping")
         what = f"block {index}" if op != b"B" else f"the backward of block {index}"
         try:
