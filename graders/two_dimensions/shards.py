@@ -184,10 +184,10 @@ def reference(seed: int, shape, dp: int, tp: int, rows: int, data: list[torch.Te
     d_in, h, d_out = shape
     model = make_model(d_in, h, d_out, seed)
     per = [batches(data[d], d_in, rows) for d in range(dp)]
-    out = {"losses": [], "grads": [], "replica": [], "weights": [], "outputs": [], "partial": [], "targets": []}
+    out = {"losses": [], "grads": [], "replica": [], "weights": [], "partial": [], "targets": []}
     for step in range(STEPS):
         shards = [make_shard(model, t, tp) for t in range(tp)]
-        losses, replica, outputs, partial, targets = [], [], [], [], []
+        losses, replica, partial, targets = [], [], [], []
         for d in range(dp):
             x, y = per[d][step]
             for s in shards:
@@ -197,7 +197,6 @@ def reference(seed: int, shape, dp: int, tp: int, rows: int, data: list[torch.Te
             loss = nn.functional.mse_loss(pred, y)
             loss.backward()
             losses.append(loss.item())
-            outputs.append(pred.detach())
             targets.append(y)
             partial.append([p.detach() for p in parts])
             replica.append([flat(s, grads=True) for s in shards])
@@ -211,7 +210,6 @@ def reference(seed: int, shape, dp: int, tp: int, rows: int, data: list[torch.Te
                 model[0].bias[rows_] -= LR * g[n1:n1 + n2]
                 model[2].weight[:, rows_] -= LR * g[n1 + n2:].reshape(s[2].weight.shape)
         out["losses"].append(losses)
-        out["outputs"].append(outputs)
         out["partial"].append(partial)
         out["targets"].append(targets)
         out["replica"].append(replica)
