@@ -29,6 +29,7 @@ COMMANDS = {
     "report": "course.instructor.report:command",
     "duedate": "course.instructor.duedate:command",
     "demo": "course.instructor.demo:command",
+    "hub": "course.hub.command:command",
 }
 
 

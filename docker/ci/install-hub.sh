@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The class server's proxy for tests/test_hub.py: JupyterHub's configurable-http-proxy, from npm (Node.js from
+# Debian's apt when missing). JupyterHub itself comes with the project's dev extra (pyproject.toml).
+set -euo pipefail
+
+if ! command -v npm >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+command -v configurable-http-proxy >/dev/null || npm install -g --no-fund --no-audit configurable-http-proxy
+configurable-http-proxy --version
