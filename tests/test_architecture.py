@@ -100,12 +100,13 @@ PACKAGE_GRAPH = package_graph(GRAPH)
 
 #: the engine's layers, bottom first: a package imports only from its own layer and those below
 LAYERS = [
-    {"course.proc", "course.envnames", "course.errors", "course.paths", "course.costmodel"},
+    {"course.proc", "course.envnames", "course.errors", "course.paths", "course.costmodel", "course.progress"},
     {"course.sandbox"},
     {"course.launcher"},
     {"course.grading"},
     {"course.instructor"},
     {"course.student"},
+    {"course.hub"},
     {"course.checks"},
     {"graders"},
 ]

@@ -105,6 +105,6 @@ def record(folder: str | Path, *, check: str, package: str | None, level: int, f
         os.replace(tmp, folder / RECORD)
     except OSError:
         pass
-    from course.hub.progress import note_hint  # on a class server, the student's progress notes it too
+    from course.progress import note_hint  # on a class server, the student's progress notes it too
 
     note_hint(folder, check, level)

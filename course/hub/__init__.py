@@ -12,6 +12,6 @@ machine and then becomes the hub:
   each other (read another's submission, submit under another's name);
 - :mod:`course.hub.singleuser`: what each person's server runs first, as them: their workspace, made or brought
   up to date, then JupyterHub's single-user server on it;
-- :mod:`course.hub.progress`: what a student ran and passed (recorded by their own kernels), and
+- :mod:`course.progress`: what a student ran and passed (recorded by their own kernels), and
   :mod:`course.hub.service`: the page that shows it to them, and the whole class to instructors.
 """

@@ -58,7 +58,7 @@ c.Spawner.pre_spawn_hook = set_role
 c.JupyterHub.services = [{{
     "name": "progress",
     "url": {service_url!r},
-    "command": [{python!r}, "-m", "course.hub.service", "--roster", {roles_file!r}],
+    "command": [{python!r}, "-m", "course.hub.service", "--roster", {roles_file!r}, "--edition", {edition!r}],
     "oauth_no_confirm": True,
     "display": True,
 }}]
@@ -92,6 +92,7 @@ def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports) -> 
         class_dir=str(classdir.root),
         service_url=f"http://127.0.0.1:{ports.service}",
         roles_file=str(roles_file(classdir)),
+        edition=str(classdir.edition),
     )
 
 

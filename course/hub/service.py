@@ -1,7 +1,7 @@
 """The class server's progress page, a JupyterHub service: ``/services/progress/``.
 
 A student who opens it (from the hub's Services menu, logged in through the hub) sees their own record
-(:mod:`course.hub.progress`): the lessons they ran to the end, each check's last result and tries, the hints
+(:mod:`course.progress`): the lessons they ran to the end, each check's last result and tries, the hints
 they asked for. An instructor sees the class: one row per student (lessons finished, test cells passing and
 failing, hints, the check they failed most often without passing it since, last activity), each row opening
 that student's record; ``?format=json`` gives the same as JSON. A student asking for another's record is
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from course.hub.progress import read_record, summary
+from course.progress import read_record, summary
 
 STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
          "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
@@ -29,10 +29,27 @@ def _page(title: str, body: str) -> str:
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
 
 
-def student_html(username: str, record: dict) -> str:
+def lessons_html(record: dict, lessons: list[str]) -> str:
     e = html.escape
+    items = []
+    for lesson in lessons:
+        entry = record.get(lesson, {})
+        if entry.get("finished"):
+            state = "<span class=pass>run to the end</span>"
+        elif entry.get("ran"):
+            state = f"{entry['ran']} of {entry.get('cells', '?')} code cells run"
+        else:
+            state = "not started"
+        items.append(f"<li>{e(lesson)}: {state}</li>")
+    return f"<h2>Lessons</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
+def student_html(username: str, record: dict, lessons: list[str] = ()) -> str:
+    e = html.escape
+    intro = lessons_html(record, list(lessons))
     if not record:
-        return _page(f"Progress of {username}", "<p>Nothing recorded yet: run a lesson or a check in your lab.</p>")
+        return _page(f"Progress of {username}",
+                     intro + "<p>Nothing recorded yet: run a lesson or a check in your lab.</p>")
     rows = []
     for notebook, entry in sorted(record.items()):
         parts = []
@@ -48,17 +65,18 @@ def student_html(username: str, record: dict) -> str:
             parts.append(f"{len(hints)} hint(s) asked: " + e(", ".join(sorted({h['check'] for h in hints}))))
         rows.append(f"<tr><td>{e(notebook)}</td><td>{'<br>'.join(parts)}</td><td>{e(entry.get('updated', ''))}</td></tr>")
     table = "<table><tr><th>notebook</th><th>what ran</th><th>last change</th></tr>" + "".join(rows) + "</table>"
-    return _page(f"Progress of {username}", table)
+    return _page(f"Progress of {username}", intro + "<h2>Notebooks</h2>" + table)
 
 
-def class_html(students: dict[str, dict]) -> str:
+def class_html(students: dict[str, dict], lessons: int = 0) -> str:
     e = html.escape
     rows = []
     for name, info in sorted(students.items()):
         stuck = info["stuck"]
         where = "" if stuck is None else (f"{e(stuck['notebook'])} {e(stuck['cell'])}: {e(stuck['check'])} "
                                           f"({stuck['failures']} failures)")
-        rows.append(f"<tr><td><a href='?student={e(name)}'>{e(name)}</a></td><td>{len(info['lessons'])}</td>"
+        rows.append(f"<tr><td><a href='?student={e(name)}'>{e(name)}</a></td>"
+                    f"<td>{len(info['lessons'])}{f' of {lessons}' if lessons else ''}</td>"
                     f"<td class=pass>{info['passing']}</td><td class=fail>{info['failing']}</td>"
                     f"<td>{info['hints']}</td><td>{where}</td><td>{e(info['last'])}</td></tr>")
     table = ("<table><tr><th>student</th><th>lessons run to the end</th><th>test cells passing</th>"
@@ -66,7 +84,14 @@ def class_html(students: dict[str, dict]) -> str:
     return _page("Class progress", table)
 
 
-def make_app(roles: dict[str, str], prefix: str):
+def edition_lessons(edition: Path | None) -> list[str]:
+    """The lessons students get ("lessons/01-....ipynb"), from the class's edition."""
+    if edition is None or not (edition / "lessons").is_dir():
+        return []
+    return sorted(f"lessons/{p.name}" for p in (edition / "lessons").glob("*.ipynb"))
+
+
+def make_app(roles: dict[str, str], prefix: str, lessons: list[str] = ()):
     from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
     from tornado import web
 
@@ -83,14 +108,14 @@ def make_app(roles: dict[str, str], prefix: str):
                 students = {name: summary(read_record(name)) for name, role in roles.items() if role == "student"}
                 if as_json:
                     return self.finish({"students": students})
-                return self.finish(class_html(students))
+                return self.finish(class_html(students, len(lessons)))
             name = wanted or me
             if name not in roles:
                 raise web.HTTPError(404, "no such student in this class")
             record = read_record(name)
             if as_json:
                 return self.finish({"student": name, "notebooks": record, "summary": summary(record)})
-            self.finish(student_html(name, record))
+            self.finish(student_html(name, record, lessons))
 
     return web.Application([
         (prefix, ProgressHandler),
@@ -103,10 +128,11 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--roster", required=True, type=Path, help="the hub's roles file (username -> role)")
+    parser.add_argument("--edition", type=Path, default=None, help="the class's edition (its lessons are listed)")
     args = parser.parse_args(argv)
     roles = json.loads(args.roster.read_text())
     url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
-    app = make_app(roles, os.environ["JUPYTERHUB_SERVICE_PREFIX"])
+    app = make_app(roles, os.environ["JUPYTERHUB_SERVICE_PREFIX"], edition_lessons(args.edition))
     app.listen(url.port, url.hostname)
     IOLoop.current().start()
 

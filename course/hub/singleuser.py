@@ -4,7 +4,7 @@ The hub starts it as the person's own Linux user (JupyterHub's local spawner), w
 environment (:data:`ROLE_ENV`, set by the hub from the roster). A student gets their workspace (the lessons,
 made from the class's edition as ``ddp-course lab`` makes one, their changes kept across updates; assignments
 arrive in it through nbgrader's Assignments list) and kernels that record their progress
-(:mod:`course.hub.progress`); an instructor gets the class's nbgrader course, with files their group shares.
+(:mod:`course.progress`); an instructor gets the class's nbgrader course, with files their group shares.
 Then it becomes JupyterHub's single-user server on that folder, each role's Jupyter settings first.
 """
 
@@ -21,15 +21,15 @@ WORKSPACE_NAME = "ddp-course-work"
 
 KERNEL_CONFIG = '''\
 # Written by the ddp-course class server at each start of your server: your kernels note your progress
-# (lessons run to the end, the last result of each check, hints asked; course/hub/progress.py).
+# (lessons run to the end, the last result of each check, hints asked; course/progress.py).
 c = get_config()  # noqa: F821
-c.InteractiveShellApp.extensions = ["course.hub.progress"]
+c.InteractiveShellApp.extensions = ["course.progress"]
 '''
 
 
 def student_setup(class_dir: Path, home: Path, env: dict[str, str]) -> Path:
     """Make or update the student's workspace from the class's edition and turn on progress; returns it."""
-    from course.hub.progress import PROGRESS_ENV, RECORD_PARTS, WORKSPACE_ENV
+    from course.progress import PROGRESS_ENV, RECORD_PARTS, WORKSPACE_ENV
     from course.student import workspace
 
     edition = class_dir / "edition"

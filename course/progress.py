@@ -150,7 +150,7 @@ class Recorder:
 
 
 def load_ipython_extension(shell) -> None:
-    """Record this kernel's progress (``%load_ext course.hub.progress``; the class server loads it in every
+    """Record this kernel's progress (``%load_ext course.progress``; the class server loads it in every
     kernel). Does nothing where :data:`PROGRESS_ENV` is not set."""
     record, workspace = os.environ.get(PROGRESS_ENV), os.environ.get(WORKSPACE_ENV)
     if not record or not workspace:
