@@ -242,13 +242,16 @@ def test_a_class_runs_on_one_server(hub):
                      if c.metadata.get("nbgrader", {}).get("grade")]
             assert text.count("passed check_") >= len(tests), f"the visible checks did not all pass:\n{text[-3000:]}"
 
-            # their progress page, through the hub, shows what their kernel recorded
+            # their progress page, through the hub (its Services menu), shows what their kernel recorded
+            page.goto(f"{hub.url}/hub/home")
+            assert page.locator("a[href*='/services/progress']").count() >= 1, "no link to the progress page"
             page.goto(f"{hub.url}/services/progress/")
             page.get_by_text(f"Progress of {hub.student}").wait_for(timeout=30_000)
             progress = page.locator("body").inner_text()
             page.screenshot(path=str(ARTIFACTS / "hub-student-progress.png"))
             assert f"{ASSIGNMENT}/{NOTEBOOK}.ipynb" in progress and "passed" in progress, progress
             assert "failed" not in progress, progress
+            assert "lessons/01-" in progress and "not started" in progress, "the page lists the lessons to run"
             page.goto(f"{hub.url}/services/progress/?student={hub.classmate}")
             assert "403" in page.locator("body").inner_text()
 

@@ -324,3 +324,34 @@ def test_exercise_sources_readable_by_other_users_are_found():
         import shutil
 
         shutil.rmtree(base)
+
+
+@needs_root
+def test_an_account_lost_with_its_home_kept_is_made_again_as_it_was(tmp_path):
+    import pwd
+    import secrets
+    import subprocess
+
+    from course.hub.roster import _shadow_hash, ensure_accounts
+
+    name, group = f"ddpt{secrets.token_hex(3)}", f"ddptg{secrets.token_hex(3)}"
+    passwords, saved = tmp_path / "passwords.csv", tmp_path / "accounts.json"
+    try:
+        first = ensure_accounts([Member(name, "student")], group, passwords, saved)
+        assert first.made == [name] and name in first.passwords
+        assert passwords.read_text().splitlines() == ["username,password", f"{name},{first.passwords[name]}"]
+        entry, digest = pwd.getpwnam(name), _shadow_hash(name)
+        assert stat.S_IMODE(os.stat(entry.pw_dir).st_mode) == 0o700, "a home only its owner enters"
+        assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+        subprocess.run(["userdel", name], check=True)  # the machine forgets the account, the home stays
+        again = ensure_accounts([Member(name, "student")], group, passwords, saved)
+        assert again.restored == [name] and again.passwords == {}
+        assert (pwd.getpwnam(name).pw_uid, _shadow_hash(name)) == (entry.pw_uid, digest)
+        assert ensure_accounts([Member(name, "instructor")], group, passwords, saved).kept == [name]
+        import grp
+
+        assert name in grp.getgrnam(group).gr_mem
+    finally:
+        subprocess.run(["userdel", "--remove", name], capture_output=True)
+        subprocess.run(["groupdel", name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)

@@ -81,7 +81,7 @@ def prepare(roster: Path, folder: Path, course_root: Path, course_id: str, group
                           "where everyone can run it, e.g. a virtual environment under /opt)")
     classdir = ClassDir(Path(folder).resolve(), course_id=course_id, instructor_group=group)
     classdir.make_private_parts()
-    accounts = ensure_accounts(members, group, classdir.passwords)
+    accounts = ensure_accounts(members, group, classdir.passwords, classdir.saved_accounts)
     problems = classdir.make_edition(course_root)
     if problems:
         raise CourseError("these course files cannot reach students (nothing was started):\n"
@@ -97,7 +97,7 @@ def prepare(roster: Path, folder: Path, course_root: Path, course_id: str, group
     students = sum(not m.instructor for m in members)
     lines = [f"class folder: {classdir.root} ({students} students, {len(members) - students} instructors)",
              f"accounts made: {len(accounts.made)} (passwords in {classdir.passwords}, readable by root only); "
-             f"kept: {len(accounts.kept)}"]
+             f"kept: {len(accounts.kept)}; made again as they were: {len(accounts.restored)}"]
     return classdir, lines
 
 
@@ -135,3 +135,40 @@ def start(roster, folder, ip, port, course_id, instructor_group, prepare_only):
     os.chdir(classdir.hub)
     argv = [sys.executable, "-m", "jupyterhub", "-f", str(classdir.hub_config)]
     os.execv(argv[0], argv)
+
+
+@command.command("image-setup")
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Where the class folder goes in the image.")
+@click.option("--course-id", default="ddp-course", show_default=True, help="nbgrader course id.")
+@click.option("--kubernetes", is_flag=True, help="For pods that all run as one uid (collect by inbound folder).")
+def image_setup(folder, course_id, kubernetes):
+    """Build the parts of a class folder an image holds: the lessons' edition and each role's settings."""
+    from course.paths import course_root
+
+    classdir = ClassDir(Path(folder).resolve(), course_id=course_id, accounts=not kubernetes)
+    classdir.root.mkdir(parents=True, exist_ok=True)
+    problems = classdir.make_edition(course_root())
+    if problems:
+        raise CourseError("these course files cannot reach students:\n" + "\n".join(f"  {p}" for p in problems))
+    classdir.write_role_configs()
+    click.echo(f"class folder for an image: {classdir.root} (edition, config)")
+
+
+@command.command("helm-values")
+@click.option("--roster", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="CSV of the class: username,role[,name].")
+@click.option("--image", required=True, help="The hub image (docker/Dockerfile, --target hub), NAME:TAG.")
+@click.option("--course-id", default="ddp-course", show_default=True, help="nbgrader course id.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="File to write (default: print).")
+def helm_values(roster, image, course_id, output):
+    """Zero to JupyterHub's values for this class, on Kubernetes (course/hub/kubernetes.py)."""
+    from course.hub.kubernetes import render as render_values
+
+    text = render_values(read_roster(roster), image, course_id)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        click.echo(f"wrote {output}")

@@ -32,6 +32,7 @@ from collections import defaultdict
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.exchange import default
 from nbgrader.utils import check_directory, check_mode, get_username
+from traitlets import Bool
 
 INBOUND = "inbound"
 
@@ -92,11 +93,17 @@ class ExchangeSubmit(_ClassExchange, default.ExchangeSubmit):
         self.assignment_filename = name
 
 
-def submission_problem(folder_student: str, path: str, username: str) -> str | None:
+def submission_problem(folder_student: str, path: str, username: str, check_owner: bool = True) -> str | None:
     """Why the submission at ``path``, found in ``folder_student``'s inbound folder under the name ``username``,
-    must not be filed (None when it may be)."""
+    must not be filed (None when it may be). ``check_owner``: the folder's student has a Linux account here,
+    which must own the submission (on Kubernetes every pod runs as one uid: a student's pod mounts only their
+    own inbound folder, and that is the check)."""
     if username != folder_student:
         return f"it is named for {username!r} but lies in {folder_student!r}'s inbound folder"
+    if os.path.islink(path) or not os.path.isdir(path):
+        return "it is not a folder"
+    if not check_owner:
+        return None
     try:
         uid = pwd.getpwnam(folder_student).pw_uid
     except KeyError:
@@ -105,8 +112,6 @@ def submission_problem(folder_student: str, path: str, username: str) -> str | N
         st = os.lstat(path)
     except OSError as err:
         return f"it cannot be read ({err.strerror})"
-    if not os.path.isdir(path) or os.path.islink(path):
-        return "it is not a folder"
     if st.st_uid != uid:
         owner = pwd.getpwuid(st.st_uid).pw_name if st.st_uid in {p.pw_uid for p in pwd.getpwall()} else st.st_uid
         return f"it belongs to {owner}, not to {folder_student}"
@@ -115,6 +120,10 @@ def submission_problem(folder_student: str, path: str, username: str) -> str | N
 
 class ExchangeCollect(_ClassExchange, default.ExchangeCollect):
     """Collect from each student's own inbound folder; a submission is filed under that folder's student only."""
+
+    owner_is_student = Bool(True, help="Refuse a submission its folder's student's Linux account does not own "
+                                       "(off on Kubernetes, where every pod runs as one uid and a student's pod "
+                                       "mounts their own inbound folder only)").tag(config=True)
 
     def init_src(self):
         if self.coursedir.course_id == "":
@@ -133,7 +142,7 @@ class ExchangeCollect(_ClassExchange, default.ExchangeCollect):
         for path in sorted(glob.glob(pattern)):
             folder = os.path.basename(os.path.dirname(path))
             record = self._path_to_record(path)
-            why = submission_problem(folder, path, record["username"])
+            why = submission_problem(folder, path, record["username"], self.owner_is_student)
             if why:
                 self.refused.append((path, why))
                 self.log.error(f"Not collected: {path}: {why}")

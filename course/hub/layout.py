@@ -4,7 +4,8 @@
 
     <class>/                      root, 0755
       hub/                        root only (0700): the hub's database, its cookie secret, its config, the
-                                  passwords of the accounts it made (passwords.csv)
+                                  passwords of the accounts it made (passwords.csv), each account's uid and
+                                  password hash (accounts.json: a container made anew makes them again as they were)
       edition/                    everyone may read: the lessons as students get them (no exercise source)
       course/                     the instructors' group only (2770): the nbgrader course (``ddp-course init``):
                                   exercise sources, gradebook, submissions, feedback
@@ -67,6 +68,9 @@ class ClassDir:
     root: Path = DEFAULT_DIR
     course_id: str = "ddp-course"
     instructor_group: str = DEFAULT_GROUP
+    #: whether each person is a Linux account here (one machine); False on Kubernetes, where every pod runs as
+    #: one uid and the mounts keep students apart
+    accounts: bool = True
 
     # ------------------------------------------------------------------ where things are
     @property
@@ -98,6 +102,10 @@ class ClassDir:
     @property
     def passwords(self) -> Path:
         return self.hub / "passwords.csv"
+
+    @property
+    def saved_accounts(self) -> Path:
+        return self.hub / "accounts.json"
 
     @property
     def cookie_secret(self) -> Path:
@@ -187,6 +195,9 @@ class ClassDir:
             f"c.Exchange.root = {str(self.exchange)!r}",
             *factory_config_lines(),
         ]
+        if role == "instructor" and not self.accounts:
+            lines += ["# every pod runs as one uid: a student's pod mounts only their own inbound folder",
+                      "c.ExchangeCollect.owner_is_student = False"]
         if role == "instructor":
             lines += [f"c.CourseDirectory.root = {str(self.course)!r}",
                       "# instructors share the course and the exchange through their group",

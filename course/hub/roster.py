@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import csv
 import grp
+import json
 import os
 import pwd
 import re
 import secrets
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.errors import CourseError
@@ -31,7 +32,8 @@ ROLES = ("student", "instructor")
 USERNAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 #: accounts a roster may not name: they exist on every machine and are not people
 RESERVED = {"root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp", "proxy",
-            "www-data", "backup", "list", "irc", "nobody", "sshd", "postgres", "slurm", "munge", "admin"}
+            "www-data", "backup", "list", "irc", "nobody", "sshd", "postgres", "slurm", "munge", "admin",
+            "jovyan", "learner"}
 
 
 class RosterError(CourseError):
@@ -125,48 +127,99 @@ class Accounts:
     kept: list[str]
     #: username -> the password given to an account made now (written to the passwords file too)
     passwords: dict[str, str]
+    #: accounts made again as they were saved (same uid, same password)
+    restored: list[str] = field(default_factory=list)
 
 
-def ensure_accounts(members: list[Member], instructor_group: str, passwords_file: Path) -> Accounts:
+def _shadow_hash(username: str) -> str:
+    """``username``'s password hash as /etc/shadow holds it ("" when there is none)."""
+    for line in Path("/etc/shadow").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == username:
+            return rest.split(":", 1)[0]
+    return ""
+
+
+def _read_saved(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def ensure_accounts(members: list[Member], instructor_group: str, passwords_file: Path,
+                    saved_file: Path | None = None) -> Accounts:
     """Make the accounts of ``members`` this machine lacks and set each one up for the class (root only).
 
     A new account gets a home only it can enter and a generated password (appended to ``passwords_file``,
     mode 0600); an account that exists keeps its password and its files. Every home is made private (mode 0700:
     a student's workspace is theirs alone), and instructors (only they) are in ``instructor_group``.
+
+    ``saved_file`` (root only) keeps each account's uid, gid and password hash: an account this machine lost
+    while its home and the class folder stayed (a container made anew from its image, the homes and the class
+    on volumes) is made again as it was, same uid (its files stay its own), same password.
     """
     if os.geteuid() != 0:
         raise CourseError("making the class's accounts needs root: run `ddp-course hub start` as root (the hub "
                           "starts each person's server as their own Linux user)")
     gid = ensure_group(instructor_group)
-    made, kept, passwords = [], [], {}
+    saved = _read_saved(saved_file) if saved_file else {}
+    made, kept, restored, passwords = [], [], [], {}
     for member in members:
-        if account_exists(member.username):
-            kept.append(member.username)
+        name = member.username
+        if account_exists(name):
+            kept.append(name)
+        elif isinstance(saved.get(name), dict) and {"uid", "gid", "hash"} <= set(saved[name]):
+            entry = saved[name]
+            try:
+                grp.getgrgid(int(entry["gid"]))
+            except KeyError:
+                _run(["groupadd", "--gid", str(int(entry["gid"])), name])
+            _run(["useradd", "--create-home", "--uid", str(int(entry["uid"])), "--gid", str(int(entry["gid"])),
+                  "--shell", "/bin/bash", "--comment", member.name or name, "--password", str(entry["hash"]), name])
+            restored.append(name)
         else:
             _run(["useradd", "--create-home", "--user-group", "--shell", "/bin/bash",
-                  "--comment", member.name or member.username, member.username])
+                  "--comment", member.name or name, name])
             password = secrets.token_urlsafe(12)
-            _run(["chpasswd"], stdin=f"{member.username}:{password}\n")
-            passwords[member.username] = password
-            made.append(member.username)
-        entry = pwd.getpwnam(member.username)
+            _run(["chpasswd"], stdin=f"{name}:{password}\n")
+            passwords[name] = password
+            made.append(name)
+        entry = pwd.getpwnam(name)
+        saved[name] = {"uid": entry.pw_uid, "gid": entry.pw_gid, "hash": _shadow_hash(name)}
         home = Path(entry.pw_dir)
         if home.is_dir():
             os.chmod(home, 0o700)
-        in_group = member.username in grp.getgrgid(gid).gr_mem
+        in_group = name in grp.getgrgid(gid).gr_mem
         if member.instructor and not in_group:
-            _run(["gpasswd", "--add", member.username, instructor_group])
+            _run(["gpasswd", "--add", name, instructor_group])
         elif not member.instructor and in_group:  # a former instructor listed as a student now
-            _run(["gpasswd", "--delete", member.username, instructor_group])
+            _run(["gpasswd", "--delete", name, instructor_group])
     if passwords:
-        passwords_file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(passwords_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "a") as out:
-            if out.tell() == 0:
-                out.write("username,password\n")
-            out.writelines(f"{name},{password}\n" for name, password in passwords.items())
-        os.chmod(passwords_file, 0o600)
-    return Accounts(made, kept, passwords)
+        _append_private(passwords_file, "username,password\n",
+                        [f"{name},{password}\n" for name, password in passwords.items()])
+    if saved_file:
+        _write_private(saved_file, json.dumps(saved, indent=1))
+    return Accounts(made, kept, passwords, restored)
+
+
+def _append_private(path: Path, header: str, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as out:
+        if out.tell() == 0:
+            out.write(header)
+        out.writelines(lines)
+    os.chmod(path, 0o600)
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
 
 
 def set_password(username: str, password: str) -> None:

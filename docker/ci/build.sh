@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build the lab and grader images offline-style, FROM the local base (base-image.sh) and with the
+# Build the lab, grader and hub images offline-style, FROM the local base (base-image.sh) and with the
 # torch CPU wheel from this machine's disk handed in through the build context.
 #   env BASE_IMAGE     default ddp-course/python:3.11-local
 #   env TORCH_VERSION  default 2.13.0 (the wheel pip's find-links holds here)
-#   env TAG_PREFIX     default ddp-course (images: $TAG_PREFIX:lab, $TAG_PREFIX:grader)
+#   env TAG_PREFIX     default ddp-course (images: $TAG_PREFIX:lab, $TAG_PREFIX:grader, $TAG_PREFIX:hub)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,7 +32,7 @@ done
 # Seconds since the start on every line, so the log shows where a slow build spends its time.
 stamp() { local t0=$SECONDS line; while IFS= read -r line; do printf '[%4d s] %s\n' $((SECONDS - t0)) "$line"; done; }
 
-for target in lab grader; do
+for target in lab grader hub; do
     start=$SECONDS
     docker build "${build_args[@]}" -f "$repo/docker/Dockerfile" --target "$target" -t "$prefix:$target" "$repo" 2>&1 | stamp
     echo "build: $prefix:$target built in $((SECONDS - start)) s"
