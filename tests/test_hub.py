@@ -268,6 +268,12 @@ def test_a_class_runs_on_one_server(hub):
             browser.close()
     (ARTIFACTS / "hub-timings.json").write_text(json.dumps(timings, indent=1))
 
+    # the student's own check in their lab's terminal: the grader's pipeline on their fetched copy
+    checked = as_user(hub.student, f"cd ddp-course-work && ddp-course check {ASSIGNMENT}/{NOTEBOOK}.ipynb",
+                      {**hub.user_env("student"), "DDP_COURSE_ROOT": str(hub.folder / "edition")})
+    assert checked.returncode == 0 and "hidden variant" in checked.stdout, checked.stdout + checked.stderr
+    assert not (workspace / "exercises").exists(), "a class server's workspace takes the lessons only"
+
     # a classmate tries what the exchange's default allows, and more
     classmate = hub.user_env("student")
     inbound = hub.folder / "exchange" / COURSE_ID / "inbound"

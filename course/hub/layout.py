@@ -6,7 +6,7 @@
       hub/                        root only (0700): the hub's database, its cookie secret, its config, the
                                   passwords of the accounts it made (passwords.csv), each account's uid and
                                   password hash (accounts.json: a container made anew makes them again as they were)
-      edition/                    everyone may read: the lessons as students get them (no exercise source)
+      edition/                    everyone may read: the course as students get it (lessons, student copies)
       course/                     the instructors' group only (2770): the nbgrader course (``ddp-course init``):
                                   exercise sources, gradebook, submissions, feedback
       exchange/<course_id>/       nbgrader's exchange (:mod:`course.hub.exchange`):
@@ -27,7 +27,6 @@ import json
 import os
 import pwd
 import secrets
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,17 +156,12 @@ class ClassDir:
         return report
 
     def make_edition(self, course_root: Path) -> list[str]:
-        """The lessons as students get them (their workspaces are made from it); returns the problems found."""
+        """The course as students get it: the lessons and the student copies of the exercises (workspaces take
+        the lessons from it, ``ddp-course check`` the copies its locked cells come back from); returns the
+        problems found."""
         from course.student import workspace
 
-        staging = self.root / ".edition-new"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        (staging / "lessons").symlink_to(Path(course_root) / "lessons")
-        try:
-            report = workspace.sync(self.edition, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        report = workspace.sync(self.edition, Path(course_root))
         for path in [self.edition, *self.edition.rglob("*")]:
             if not path.is_symlink():
                 _own(path, 0, 0, 0o755 if path.is_dir() else 0o644)

@@ -34,7 +34,7 @@ def student_setup(class_dir: Path, home: Path, env: dict[str, str]) -> Path:
 
     edition = class_dir / "edition"
     ws = workspace.check_folder(home / WORKSPACE_NAME, edition)
-    report = workspace.sync(ws, edition)
+    report = workspace.sync(ws, edition, only=("lessons",))  # assignments come through the exchange
     for line in report.lines():
         print(f"[ddp-course] {line}", flush=True)
     ipython = home / ".ddp-course" / "ipython"

@@ -293,16 +293,20 @@ def _beside(path: Path, data: bytes) -> Path:
     raise WorkspaceError(f"too many updated copies beside {path}: delete the old ones")
 
 
-def sync(workspace: Path, course: Path) -> SyncReport:
+def sync(workspace: Path, course: Path, only: tuple[str, ...] | None = None) -> SyncReport:
     """Make the workspace, or bring it up to date with the course at ``course``; never overwrites a student's change.
 
     For every file of the course's student edition: a file the workspace lacks is written; one the student
     has not changed since it was installed is replaced by the course's version when that differs; one the
     student changed (or that was there before the workspace knew it) is kept, and the course's version,
     when it differs, is written beside it. The manifest then records what each file was installed as.
+    ``only``: the course's top folders the workspace takes (a class server's workspace takes ``lessons`` only:
+    its assignments arrive through nbgrader's exchange).
     """
     ws = check_folder(workspace, course)
     items, problems = student_edition(course)
+    if only is not None:
+        items = [item for item in items if item.path.split("/", 1)[0] in only]
     report = SyncReport(ws, problems=problems, files=len(items))
     manifest = read_manifest(ws)
     files = manifest.get("files", {}) if isinstance(manifest.get("files"), dict) else {}
