@@ -172,6 +172,18 @@ def hub():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def lab_settings(home: Path, user: str) -> None:
+    """The student's JupyterLab settings, as they could set them: every cell rendered (no windowing, so the page
+    holds every output), no news toast over the notebook."""
+    settings = home / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
+    for path, value in ((settings / "notebook-extension" / "tracker.jupyterlab-settings", {"windowingMode": "none"}),
+                        (settings / "apputils-extension" / "notification.jupyterlab-settings",
+                         {"fetchNews": "false", "checkForUpdates": False})):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    subprocess.run(["chown", "-R", f"{user}:{user}", str(home / ".jupyter")], check=True)
+
+
 def solved_copy(fetched: Path) -> None:
     """Write the reference answers into the student's fetched copy (as a student would type them)."""
     reference = submissions.load(ASSIGNMENT, NOTEBOOK)
@@ -196,6 +208,7 @@ def test_a_class_runs_on_one_server(hub):
     assert released.returncode == 0, released.stdout + released.stderr
 
     workspace = Path(pwd.getpwnam(hub.student).pw_dir) / "ddp-course-work"
+    lab_settings(Path(pwd.getpwnam(hub.student).pw_dir), hub.student)
     fetched = workspace / ASSIGNMENT / f"{NOTEBOOK}.ipynb"
     timings = {"hub up": round(hub.up_after, 1)}
     with sync_playwright() as pw:
@@ -225,6 +238,13 @@ def test_a_class_runs_on_one_server(hub):
             # the student's answers, then Run All: the visible checks run in their kernel, as them
             solved_copy(fetched)
             page.goto(f"{hub.url}/user/{hub.student}/lab/tree/{ASSIGNMENT}/{NOTEBOOK}.ipynb")
+            # Run All before the kernel is up skips the cells: wait until their server has an idle kernel for the
+            # notebook (asked with the browser's own login) and the page shows it idle
+            deadline = time.monotonic() + 120
+            while not any(s.get("kernel", {}).get("execution_state") == "idle"
+                          for s in page.request.get(f"{hub.url}/user/{hub.student}/api/sessions").json()):
+                assert time.monotonic() < deadline, "no idle kernel for the notebook after 120 s"
+                time.sleep(0.5)
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(
                 state="attached", timeout=90_000)
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -316,12 +336,31 @@ def test_a_class_runs_on_one_server(hub):
     assert score == sum(submissions.full_marks(ASSIGNMENT, NOTEBOOK).values()), score
     assert students == [hub.student], students
 
-    # the student fetches the feedback into their workspace
-    got = as_user(hub.student, f"cd ddp-course-work && nbgrader fetch_feedback {ASSIGNMENT} --course {COURSE_ID}",
-                  hub.user_env("student"))
-    assert got.returncode == 0, got.stdout + got.stderr
-    pages = list((workspace / ASSIGNMENT / "feedback").rglob(f"{NOTEBOOK}.html"))
-    assert pages and "passed check_" in pages[0].read_text(), pages
+    # the student fetches the feedback from their Assignments list and reads it in the browser
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{hub.url}/hub/login")
+            page.fill("#username_input", hub.student)
+            page.fill("#password_input", hub.password(hub.student))
+            page.click("#login_submit")
+            page.wait_for_url(f"**/user/{hub.student}/lab**", timeout=60_000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Nbgrader").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Assignment List").first.click()
+            page.get_by_role("button", name="Fetch Feedback").first.click(timeout=60_000)
+            deadline = time.monotonic() + 60
+            while not (pages := list((workspace / ASSIGNMENT / "feedback").rglob(f"{NOTEBOOK}.html"))):
+                assert time.monotonic() < deadline, "Fetch Feedback put no feedback in the workspace"
+                time.sleep(0.5)
+            relative = pages[0].relative_to(workspace).as_posix()
+            page.goto(f"{hub.url}/user/{hub.student}/files/{relative}")
+            page.get_by_text("passed check_").first.wait_for(timeout=30_000)
+            page.screenshot(path=str(ARTIFACTS / "hub-student-feedback.png"))
+            shown = page.locator("body").inner_text()
+            assert "BEGIN HIDDEN TESTS" not in shown and "check_moe_outputs(moe_layer, world_size" not in shown
+        finally:
+            browser.close()
 
     # the instructor's class view, through the hub: who passed what, the classmate's empty row
     view = hub_session(hub, hub.instructor).get(f"{hub.url}/services/progress/?format=json", timeout=30)
@@ -331,6 +370,13 @@ def test_a_class_runs_on_one_server(hub):
     mine = students[hub.student]
     assert mine["passing"] >= len(tests) and mine["failing"] == 0 and mine["stuck"] is None, mine
     assert students[hub.classmate]["passing"] == 0, students
+
+    # the instructor's tools are the instructors': a student's server has no formgrader, and the student no class view
+    student = hub_session(hub, hub.student)
+    formgrader = student.get(f"{hub.url}/user/{hub.student}/formgrader", timeout=60)
+    assert formgrader.status_code == 404, (formgrader.status_code, formgrader.text[:500])
+    own = student.get(f"{hub.url}/services/progress/?format=json", timeout=30).json()
+    assert own["student"] == hub.student and "students" not in own, own
 
 
 def hub_session(hub, user: str):
