@@ -48,6 +48,13 @@ def test_a_bad_roster_names_every_bad_row(tmp_path):
     assert "row 6" not in text and "row 3 " not in text
 
 
+def test_a_name_that_would_break_the_account_file_is_refused(tmp_path):
+    roster = tmp_path / "roster.csv"
+    roster.write_text('username,role,name\nada,student,"Ada: the first"\ngrace,instructor,Grace\n')
+    with pytest.raises(RosterError, match=r"row 1 \(ada\).*no ':'"):
+        read_roster(roster)
+
+
 @pytest.mark.parametrize("text, words", [
     ("name,role\nada,student\n", "username,role"),
     ("username,role\nada,student\n", "no instructor"),

@@ -78,6 +78,9 @@ def read_roster(path: Path) -> list[Member]:
             problems.append(f"{where}: {username!r} is a system account, not a person: choose another name")
         elif username in seen:
             problems.append(f"{where}: {username!r} is listed twice (first in row {seen[username]})")
+        if any(ch in name for ch in ":,\\") or any(ord(ch) < 32 for ch in name) or len(name) > 100:
+            problems.append(f"{where}: a name holds no ':', ',', backslash or control character and at most 100 "
+                            "characters (it becomes the account's comment)")
         if role not in ROLES:
             problems.append(f"{where}: role must be student or instructor, got {role or 'nothing'!r}")
         seen.setdefault(username, number - 1)
