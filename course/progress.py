@@ -18,6 +18,7 @@ stays under a size limit, and only fields of the expected types are kept.
 from __future__ import annotations
 
 import datetime
+import html
 import json
 import os
 import stat
@@ -271,3 +272,71 @@ def summary(record: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "stuck": None if stuck is None else {"failures": stuck[0], "notebook": stuck[1], "cell": stuck[2],
                                                  "check": stuck[3], "message": stuck[4]},
             "last": last}
+
+
+# --------------------------------------------------------------------------- showing it (the page, the notebook)
+
+
+STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
+         "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
+         ".pass{color:#1a7f37}.fail{color:#cf222e}")
+
+
+def page_html(title: str, body: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+
+
+def lessons_html(record: dict, lessons: list[str]) -> str:
+    e = html.escape
+    items = []
+    for lesson in lessons:
+        entry = record.get(lesson, {})
+        if entry.get("finished"):
+            state = "<span class=pass>run to the end</span>"
+        elif entry.get("ran"):
+            state = f"{entry['ran']} of {entry.get('cells', '?')} code cells run"
+        else:
+            state = "not started"
+        items.append(f"<li>{e(lesson)}: {state}</li>")
+    return f"<h2>Lessons</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
+def student_html(username: str, record: dict, lessons: list[str] = ()) -> str:
+    e = html.escape
+    intro = lessons_html(record, list(lessons))
+    if not record:
+        return page_html(f"Progress of {username}",
+                     intro + "<p>Nothing recorded yet: run a lesson or a check in your lab.</p>")
+    rows = []
+    for notebook, entry in sorted(record.items()):
+        parts = []
+        if "cells" in entry:
+            state = "run to the end" if entry.get("finished") else f"{entry.get('ran', 0)} of {entry['cells']} cells run"
+            parts.append(e(state))
+        for grade_id, test in sorted(entry.get("tests", {}).items()):
+            mark = "<span class=pass>passed</span>" if test["passed"] else "<span class=fail>failed</span>"
+            detail = "" if test["passed"] else f": {e(test['message'] or test['check'])}"
+            parts.append(f"{e(grade_id)} {mark}{detail} ({test['tries']} tries)")
+        hints = entry.get("hints", [])
+        if hints:
+            parts.append(f"{len(hints)} hint(s) asked: " + e(", ".join(sorted({h['check'] for h in hints}))))
+        rows.append(f"<tr><td>{e(notebook)}</td><td>{'<br>'.join(parts)}</td><td>{e(entry.get('updated', ''))}</td></tr>")
+    table = "<table><tr><th>notebook</th><th>what ran</th><th>last change</th></tr>" + "".join(rows) + "</table>"
+    return page_html(f"Progress of {username}", intro + "<h2>Notebooks</h2>" + table)
+
+
+def show_progress() -> None:
+    """Show your own progress in the notebook (``course.show_progress()``), as the class server's page shows it."""
+    record, workspace = os.environ.get(PROGRESS_ENV), os.environ.get(WORKSPACE_ENV)
+    if not record or not workspace:
+        print("Progress is recorded on the class server only (ddp-course hub): nothing to show here.")
+        return
+    lessons = sorted(f"lessons/{p.name}" for p in (Path(workspace) / "lessons").glob("*.ipynb"))
+    page = student_html(os.environ.get("JUPYTERHUB_USER", "you"), clean(_load(Path(record))), lessons)
+    try:
+        from IPython.display import HTML, display
+    except ImportError:  # a plain Python: the page's text
+        print(page)
+        return
+    display(HTML(page))

@@ -362,3 +362,22 @@ def test_an_account_lost_with_its_home_kept_is_made_again_as_it_was(tmp_path):
         subprocess.run(["userdel", "--remove", name], capture_output=True)
         subprocess.run(["groupdel", name], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
+
+
+def test_a_student_sees_their_progress_in_their_notebook(recorder, monkeypatch, capsys):
+    import course
+
+    _notebook(recorder.workspace / "lessons" / "02-y.ipynb", [_code("c")])
+    recorder.run("lessons/01-x.ipynb", "a")
+    recorder.run("lessons/01-x.ipynb", "b")
+    recorder.run("ex1/nb.ipynb", "t1", error=CheckFailed("check_shards", "rank 1 got rank 0's samples", ranks=[1]))
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj.data))
+    course.show_progress()
+    (page,) = shown
+    assert "lessons/01-x.ipynb: <span class=pass>run to the end</span>" in page
+    assert "lessons/02-y.ipynb: not started" in page
+    assert "test_one <span class=fail>failed</span>: FAILED check_shards [rank 1]: rank 1 got rank 0&#x27;s samples" in page
+    monkeypatch.delenv(progress.PROGRESS_ENV)
+    course.show_progress()
+    assert "class server only" in capsys.readouterr().out

@@ -17,55 +17,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from course.progress import read_record, summary
-
-STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
-         "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
-         ".pass{color:#1a7f37}.fail{color:#cf222e}")
-
-
-def _page(title: str, body: str) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
-
-
-def lessons_html(record: dict, lessons: list[str]) -> str:
-    e = html.escape
-    items = []
-    for lesson in lessons:
-        entry = record.get(lesson, {})
-        if entry.get("finished"):
-            state = "<span class=pass>run to the end</span>"
-        elif entry.get("ran"):
-            state = f"{entry['ran']} of {entry.get('cells', '?')} code cells run"
-        else:
-            state = "not started"
-        items.append(f"<li>{e(lesson)}: {state}</li>")
-    return f"<h2>Lessons</h2><ul>{''.join(items)}</ul>" if items else ""
-
-
-def student_html(username: str, record: dict, lessons: list[str] = ()) -> str:
-    e = html.escape
-    intro = lessons_html(record, list(lessons))
-    if not record:
-        return _page(f"Progress of {username}",
-                     intro + "<p>Nothing recorded yet: run a lesson or a check in your lab.</p>")
-    rows = []
-    for notebook, entry in sorted(record.items()):
-        parts = []
-        if "cells" in entry:
-            state = "run to the end" if entry.get("finished") else f"{entry.get('ran', 0)} of {entry['cells']} cells run"
-            parts.append(e(state))
-        for grade_id, test in sorted(entry.get("tests", {}).items()):
-            mark = "<span class=pass>passed</span>" if test["passed"] else "<span class=fail>failed</span>"
-            detail = "" if test["passed"] else f": {e(test['check'])} {e(test['message'])}"
-            parts.append(f"{e(grade_id)} {mark}{detail} ({test['tries']} tries)")
-        hints = entry.get("hints", [])
-        if hints:
-            parts.append(f"{len(hints)} hint(s) asked: " + e(", ".join(sorted({h['check'] for h in hints}))))
-        rows.append(f"<tr><td>{e(notebook)}</td><td>{'<br>'.join(parts)}</td><td>{e(entry.get('updated', ''))}</td></tr>")
-    table = "<table><tr><th>notebook</th><th>what ran</th><th>last change</th></tr>" + "".join(rows) + "</table>"
-    return _page(f"Progress of {username}", intro + "<h2>Notebooks</h2>" + table)
+from course.progress import page_html, read_record, student_html, summary
 
 
 def class_html(students: dict[str, dict], lessons: int = 0) -> str:
@@ -81,7 +33,7 @@ def class_html(students: dict[str, dict], lessons: int = 0) -> str:
                     f"<td>{info['hints']}</td><td>{where}</td><td>{e(info['last'])}</td></tr>")
     table = ("<table><tr><th>student</th><th>lessons run to the end</th><th>test cells passing</th>"
              "<th>failing</th><th>hints</th><th>stuck at</th><th>last activity</th></tr>" + "".join(rows) + "</table>")
-    return _page("Class progress", table)
+    return page_html("Class progress", table)
 
 
 def edition_lessons(edition: Path | None) -> list[str]:
