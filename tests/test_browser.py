@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import requirements_gate
+from serving import wait_for_http
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -86,17 +87,8 @@ def lab(tmp_path):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base_url}/api/status?token={TOKEN}", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"`ddp-course lab` did not come up:\n{(tmp_path / 'lab.log').read_text()[-4000:]}")
-            time.sleep(0.5)
+        wait_for_http(f"{base_url}/api/status?token={TOKEN}", "`ddp-course lab`",
+                      lambda: (tmp_path / "lab.log").read_text()[-4000:], server, every_s=0.5)
         yield base_url, lessons[0].name
     finally:
         # The server, its kernel and the kernel's rank processes share the session started above.

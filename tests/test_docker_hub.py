@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import requirements_gate
+from serving import wait_for_http
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_IMAGE = os.environ.get("DDP_COURSE_HUB_IMAGE", "ddp-course:hub")
@@ -85,13 +86,8 @@ def test_the_hub_image_serves_a_class_and_keeps_its_accounts(hub_image, tmp_path
         docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "--shm-size", "1g",
                "-v", f"{roster}:/etc/ddp-course/roster.csv:ro", "-v", f"{volumes[0]}:/srv/ddp-course",
                "-v", f"{volumes[1]}:/home", hub_image)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            probe = subprocess.run(["curl", "-fsS", f"{url}/hub/api"], capture_output=True)
-            if probe.returncode == 0:
-                return
-            time.sleep(1)
-        pytest.fail(f"the hub did not come up:\n{docker('logs', name, check=False).stderr[-4000:]}")
+        wait_for_http(f"{url}/hub/api", "the hub's container", lambda: docker("logs", name, check=False).stderr[-4000:],
+                      every_s=1)
 
     try:
         start()

@@ -27,13 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 import requirements_gate
 import submissions
+from serving import wait_for_http
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -108,17 +108,7 @@ class ClassServer:
             [sys.executable, "-m", "course.cli", "hub", "start", "--roster", str(roster), "--dir", str(self.folder),
              "--port", str(self.port), "--instructor-group", self.group],
             env=env, cwd=self.base, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/hub/api", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the hub did not come up:\n{self.logs()}")
-            time.sleep(0.3)
+        wait_for_http(f"{self.url}/hub/api", "the hub", self.logs, self.process)
         self.up_after = time.monotonic() - self.started
 
     def logs(self) -> str:
