@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -11,13 +12,14 @@ import pytest
 
 
 def wait_for_http(url: str, what: str, logs: Callable[[], str], process: subprocess.Popen | None = None,
-                  deadline_s: float = 90, every_s: float = 0.3) -> None:
+                  deadline_s: float = 90, every_s: float = 0.3, cafile: str | None = None) -> None:
     """Return once GET ``url`` answers 200; fail with ``what`` and ``logs()`` when ``process`` (if given) has ended
-    or ``deadline_s`` passed first."""
+    or ``deadline_s`` passed first. ``cafile``: the certificate an HTTPS server's must be signed by (verified)."""
+    context = ssl.create_default_context(cafile=cafile) if cafile else None
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
+            with urllib.request.urlopen(url, timeout=5, context=context) as resp:
                 if resp.status == 200:
                     return
         except OSError:

@@ -72,7 +72,8 @@ class ClassServer:
         self.base = base
         self.folder = base / "class"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"https://127.0.0.1:{self.port}"  # the hub serves HTTPS with its own certificate
+        self.cert, self.key = base / "tls" / "cert.pem", base / "tls" / "key.pem"
         self.install = base / "install"  # the course's code, as a non-editable install holds it
         self.sources = base / "sources"  # the course's lessons and exercise sources, root only
         self.process = None
@@ -101,14 +102,19 @@ class ClassServer:
         roster = self.base / "roster.csv"
         roster.write_text(f"username,role,name\n{self.student},student,Ada\n{self.classmate},student,Bob\n"
                           f"{self.instructor},instructor,Grace\n")
+        self.cert.parent.mkdir(mode=0o700)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                        "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(self.key),
+                        "-out", str(self.cert)], check=True, capture_output=True)
         env = {**os.environ, "PYTHONPATH": str(self.install), "DDP_COURSE_ROOT": str(self.sources)}
         self.log = open(self.base / "hub.log", "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "course.cli", "hub", "start", "--roster", str(roster), "--dir", str(self.folder),
-             "--port", str(self.port), "--instructor-group", self.group],
+             "--port", str(self.port), "--instructor-group", self.group, "--ssl-cert", str(self.cert),
+             "--ssl-key", str(self.key), "--cull-idle-after", "30"],
             env=env, cwd=self.base, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for_http(f"{self.url}/hub/api", "the hub", self.logs, self.process)
+        wait_for_http(f"{self.url}/hub/api", "the hub", self.logs, self.process, cafile=str(self.cert))
         self.up_after = time.monotonic() - self.started
 
     def logs(self) -> str:
@@ -204,7 +210,7 @@ def test_a_class_runs_on_one_server(hub):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, ignore_https_errors=True)
             started = time.monotonic()
             page.goto(f"{hub.url}/hub/login")
             page.fill("#username_input", hub.student)
@@ -330,7 +336,7 @@ def test_a_class_runs_on_one_server(hub):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, ignore_https_errors=True)
             page.goto(f"{hub.url}/hub/login")
             page.fill("#username_input", hub.student)
             page.fill("#password_input", hub.password(hub.student))
@@ -361,6 +367,12 @@ def test_a_class_runs_on_one_server(hub):
     assert mine["passing"] >= len(tests) and mine["failing"] == 0 and mine["stuck"] is None, mine
     assert students[hub.classmate]["passing"] == 0, students
 
+    # the idle culler, a service of the hub's, asked the hub for its users with its own scopes
+    hub.log.flush()
+    log = (hub.base / "hub.log").read_text()
+    culled = [line for line in log.splitlines() if "/hub/api/users" in line and "idle-culler" in line]
+    assert culled and all(" 200 " in line for line in culled), culled or [x for x in log.splitlines() if "cull" in x]
+
     # the instructor's tools are the instructors': a student's server has no formgrader, and the student no class view
     student = hub_session(hub, hub.student)
     formgrader = student.get(f"{hub.url}/user/{hub.student}/formgrader", timeout=60)
@@ -374,6 +386,8 @@ def hub_session(hub, user: str):
     import requests
 
     session = requests.Session()
+    session.trust_env = False  # REQUESTS_CA_BUNDLE would replace the certificate below: this is a local server
+    session.verify = str(hub.cert)  # the hub's own certificate, verified
     session.get(f"{hub.url}/hub/login", timeout=30)
     response = session.post(f"{hub.url}/hub/login?next=/hub/home", timeout=90,
                             data={"username": user, "password": hub.password(user),

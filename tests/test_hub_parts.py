@@ -259,6 +259,27 @@ def test_the_hub_config_lets_in_the_roster_only_and_starts_servers_as_their_user
     assert config.JupyterHub.cookie_secret_file.startswith(str(tmp_path / "hub"))
 
 
+def test_the_hub_can_stop_idle_servers_and_serve_https(tmp_path):
+    from traitlets.config import Config
+
+    def load(text):
+        config = Config()
+        exec(compile(text, "jupyterhub_config.py", "exec"), {"get_config": lambda: config})  # noqa: S102
+        return config
+
+    members = [Member("ada", "student"), Member("grace", "instructor")]
+    plain = load(render(ClassDir(tmp_path), members, "127.0.0.1", Ports(8000, 8081, 8001, 8002)))
+    assert [s["name"] for s in plain.JupyterHub.services] == ["progress"] and "ssl_cert" not in plain.JupyterHub
+    full = load(render(ClassDir(tmp_path), members, "0.0.0.0", Ports(443, 8081, 8001, 8002), idle_minutes=30,
+                       ssl=("/etc/ssl/hub.pem", "/etc/ssl/hub.key")))
+    culler = next(s for s in full.JupyterHub.services if s["name"] == "idle-culler")
+    assert culler["command"][1:] == ["-m", "jupyterhub_idle_culler", "--timeout=1800"]
+    role = next(r for r in full.JupyterHub.load_roles if r["name"] == "idle-culler")
+    assert role["services"] == ["idle-culler"] and "delete:servers" in role["scopes"]
+    assert (full.JupyterHub.ssl_cert, full.JupyterHub.ssl_key) == ("/etc/ssl/hub.pem", "/etc/ssl/hub.key")
+    assert full.JupyterHub.bind_url == "https://0.0.0.0:443"
+
+
 def test_each_role_gets_its_own_tools_and_the_class_exchange(tmp_path):
     folder = ClassDir(tmp_path)
     student = folder.nbgrader_config("student")

@@ -47,19 +47,24 @@ def unreachable_python() -> list[str]:
     return sorted({folder for path in python_paths() if (folder := blocking_ancestor(path))})
 
 
-def requirements() -> list[str]:
+def requirements(culler: bool = True) -> list[str]:
     missing = []
     try:
         import jupyterhub  # noqa: F401
     except ImportError:
         missing.append("JupyterHub (pip install 'ddp-course[hub]')")
+    if culler:
+        try:
+            import jupyterhub_idle_culler  # noqa: F401
+        except ImportError:
+            missing.append("jupyterhub-idle-culler (pip install 'ddp-course[hub]', or --cull-idle-after 0)")
     if shutil.which("configurable-http-proxy") is None:
         missing.append("configurable-http-proxy (npm install -g configurable-http-proxy)")
     return missing
 
 
 def prepare(roster: Path, folder: Path, course_root: Path, course_id: str, group: str, ip: str,
-            ports: Ports) -> tuple[ClassDir, list[str]]:
+            ports: Ports, idle_minutes: int = 0, ssl: tuple[str, str] | None = None) -> tuple[ClassDir, list[str]]:
     """Everything before the hub starts; returns the class folder and lines to show."""
     if os.geteuid() != 0:
         raise CourseError("`ddp-course hub start` runs as root: the hub starts each person's server as their own "
@@ -92,7 +97,7 @@ def prepare(roster: Path, folder: Path, course_root: Path, course_id: str, group
     fd = os.open(roles_file(classdir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump({m.username: m.role for m in members}, out, indent=1)
-    classdir.hub_config.write_text(render(classdir, members, ip, ports))
+    classdir.hub_config.write_text(render(classdir, members, ip, ports, idle_minutes, ssl))
     os.chmod(classdir.hub_config, 0o600)
     students = sum(not m.instructor for m in members)
     lines = [f"class folder: {classdir.root} ({students} students, {len(members) - students} instructors)",
@@ -116,19 +121,28 @@ def command():
 @click.option("--course-id", default="ddp-course", show_default=True, help="nbgrader course id.")
 @click.option("--instructor-group", default=DEFAULT_GROUP, show_default=True,
               help="Linux group of the instructors (made when missing).")
+@click.option("--cull-idle-after", "idle_minutes", default=60, show_default=True, type=click.IntRange(min=0),
+              help="Stop a server idle this many minutes (jupyterhub-idle-culler; 0: never). Work stays in the home.")
+@click.option("--ssl-cert", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Serve HTTPS with this certificate (PEM; with --ssl-key).")
+@click.option("--ssl-key", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="The certificate's private key (PEM).")
 @click.option("--prepare-only", is_flag=True, help="Make everything, write the hub's config, do not start it.")
-def start(roster, folder, ip, port, course_id, instructor_group, prepare_only):
+def start(roster, folder, ip, port, course_id, instructor_group, idle_minutes, ssl_cert, ssl_key, prepare_only):
     """Make the class (accounts, folders, settings) and start JupyterHub for it."""
     from course.paths import course_root
 
-    missing = requirements()
+    if (ssl_cert is None) != (ssl_key is None):
+        raise CourseError("HTTPS needs both --ssl-cert and --ssl-key")
+    ssl = (str(ssl_cert.resolve()), str(ssl_key.resolve())) if ssl_cert else None
+    missing = requirements(idle_minutes > 0)
     if missing and not prepare_only:
         raise CourseError("the class server needs " + " and ".join(missing))
     ports = Ports(public=port, hub=free_port(), proxy_api=free_port(), service=free_port())
-    classdir, lines = prepare(roster, folder, course_root(), course_id, instructor_group, ip, ports)
+    classdir, lines = prepare(roster, folder, course_root(), course_id, instructor_group, ip, ports, idle_minutes, ssl)
     for line in lines:
         click.echo(line)
-    click.echo(f"hub: http://{ip}:{port}/ (config {classdir.hub_config})")
+    click.echo(f"hub: {'https' if ssl else 'http'}://{ip}:{port}/ (config {classdir.hub_config})")
     if prepare_only:
         return
     sys.stdout.flush()

@@ -3,7 +3,8 @@
 JupyterHub behind its configurable-http-proxy, on the addresses given; PAM logins for the roster's accounts
 only (instructors are the hub's admins); each server started as its person's Linux user by JupyterHub's local
 spawner, running :mod:`course.hub.singleuser` with their role; the progress page as a hub-managed service
-(:mod:`course.hub.service`) that every user may open.
+(:mod:`course.hub.service`) that every user may open; optionally jupyterhub-idle-culler stopping idle servers,
+and HTTPS with the hub's own certificate.
 """
 
 from __future__ import annotations
@@ -67,6 +68,25 @@ c.JupyterHub.load_roles = [
 ]
 '''
 
+IDLE_CULLER = '''
+# servers idle for {minutes} minutes are stopped (jupyterhub-idle-culler; a student's work stays in their home)
+c.JupyterHub.services.append({{
+    "name": "idle-culler",
+    "command": [{python!r}, "-m", "jupyterhub_idle_culler", "--timeout={seconds}"],
+}})
+c.JupyterHub.load_roles.append({{
+    "name": "idle-culler",
+    "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+    "services": ["idle-culler"],
+}})
+'''
+
+SSL = '''
+# HTTPS: the hub's own certificate
+c.JupyterHub.ssl_cert = {cert!r}
+c.JupyterHub.ssl_key = {key!r}
+'''
+
 
 @dataclass(frozen=True)
 class Ports:
@@ -76,12 +96,14 @@ class Ports:
     service: int
 
 
-def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports) -> str:
+def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports, idle_minutes: int = 0,
+           ssl: tuple[str, str] | None = None) -> str:
+    """The hub's config; ``idle_minutes`` > 0 stops servers idle that long, ``ssl`` = (cert, key) serves HTTPS."""
     hub = classdir.hub
     roles = {m.username: m.role for m in members}
-    return TEMPLATE.format(
+    text = TEMPLATE.format(
         roles=json.dumps(roles, indent=1, sort_keys=True),
-        bind_url=f"http://{ip}:{ports.public}",
+        bind_url=f"{'https' if ssl else 'http'}://{ip}:{ports.public}",
         hub_port=ports.hub,
         proxy_api=f"http://127.0.0.1:{ports.proxy_api}",
         proxy_pid=str(hub / "proxy.pid"),
@@ -94,6 +116,11 @@ def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports) -> 
         roles_file=str(roles_file(classdir)),
         edition=str(classdir.edition),
     )
+    if idle_minutes > 0:
+        text += IDLE_CULLER.format(minutes=idle_minutes, seconds=idle_minutes * 60, python=sys.executable)
+    if ssl is not None:
+        text += SSL.format(cert=str(ssl[0]), key=str(ssl[1]))
+    return text
 
 
 def roles_file(classdir: ClassDir):
