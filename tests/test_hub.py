@@ -130,6 +130,14 @@ class ClassServer:
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
+        # the proxy runs in a session of its own: JupyterHub stops it on a clean exit; after a kill, its pid file
+        proxy = self.folder / "hub" / "proxy.pid"
+        pid = proxy.read_text().strip() if proxy.is_file() else ""
+        try:
+            if pid.isdigit() and b"configurable-http-proxy" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:  # gone already
+            pass
         for user in (self.student, self.classmate, self.instructor):
             subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)
         time.sleep(0.5)
