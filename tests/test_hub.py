@@ -156,8 +156,8 @@ def hub():
         import jupyterhub  # noqa: F401
     except ImportError:
         unavailable("JupyterHub is not installed (pip install -e '.[dev]')")
-    if shutil.which("configurable-http-proxy") is None:
-        unavailable("configurable-http-proxy is not installed (docker/ci/install-hub.sh)")
+    if shutil.which("configurable-http-proxy") is None or shutil.which("openssl") is None:
+        unavailable("configurable-http-proxy or openssl is not installed (docker/ci/install-hub.sh)")
     try:
         from playwright.sync_api import sync_playwright  # noqa: F401
     except ImportError:
