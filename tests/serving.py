@@ -1,4 +1,4 @@
-"""Waiting for a server a test started (JupyterLab, the hub): until it answers, its process ends, or a deadline."""
+"""Servers a test started (JupyterLab, the hub): waiting until one answers, logging in to a hub as a browser does."""
 
 from __future__ import annotations
 
@@ -27,3 +27,19 @@ def wait_for_http(url: str, what: str, logs: Callable[[], str], process: subproc
         if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
             pytest.fail(f"{what} did not come up:\n{logs()}")
         time.sleep(every_s)
+
+
+def hub_login(url: str, user: str, password: str, cert: str | None = None, next_url: str = "/hub/home"):
+    """A requests session logged in to the JupyterHub at ``url`` as ``user`` (its login form, posted as a browser
+    posts it); ``cert``: the hub's own HTTPS certificate, verified."""
+    import requests
+
+    session = requests.Session()
+    if cert is not None:
+        session.trust_env = False  # REQUESTS_CA_BUNDLE would replace the certificate: this is a local server
+        session.verify = cert
+    session.get(f"{url}/hub/login", timeout=30)
+    response = session.post(f"{url}/hub/login?next={next_url}", timeout=90,
+                            data={"username": user, "password": password, "_xsrf": session.cookies.get("_xsrf")})
+    assert response.status_code == 200, response.text[:2000]
+    return session

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import requirements_gate
-from serving import wait_for_http
+from serving import hub_login, wait_for_http
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_IMAGE = os.environ.get("DDP_COURSE_HUB_IMAGE", "ddp-course:hub")
@@ -54,14 +54,8 @@ def hub_image():
 
 def login(url: str, user: str, password: str) -> float:
     """Log in through the hub's form and wait for the user's lab; returns the seconds it took."""
-    import requests
-
-    session = requests.Session()
     started = time.monotonic()
-    session.get(f"{url}/hub/login", timeout=30)
-    response = session.post(f"{url}/hub/login?next=", timeout=90, data={
-        "username": user, "password": password, "_xsrf": session.cookies.get("_xsrf")})
-    assert response.status_code == 200, response.text[:2000]
+    session = hub_login(url, user, password, next_url="")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         lab = session.get(f"{url}/user/{user}/lab", timeout=30)

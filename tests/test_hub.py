@@ -33,7 +33,7 @@ import nbformat
 import pytest
 import requirements_gate
 import submissions
-from serving import wait_for_http
+from serving import hub_login, wait_for_http
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -390,15 +390,5 @@ def test_a_class_runs_on_one_server(hub):
 
 
 def hub_session(hub, user: str):
-    """A requests session logged in to the hub as ``user`` (the login form, as a browser posts it)."""
-    import requests
-
-    session = requests.Session()
-    session.trust_env = False  # REQUESTS_CA_BUNDLE would replace the certificate below: this is a local server
-    session.verify = str(hub.cert)  # the hub's own certificate, verified
-    session.get(f"{hub.url}/hub/login", timeout=30)
-    response = session.post(f"{hub.url}/hub/login?next=/hub/home", timeout=90,
-                            data={"username": user, "password": hub.password(user),
-                                  "_xsrf": session.cookies.get("_xsrf")})
-    assert response.status_code == 200, response.text[:2000]
-    return session
+    """A requests session logged in to the hub as ``user``."""
+    return hub_login(hub.url, user, hub.password(user), cert=str(hub.cert))

@@ -238,13 +238,18 @@ def test_the_progress_pages_escape_what_a_student_wrote():
 # --------------------------------------------------------------------------- the hub's config
 
 
-def test_the_hub_config_lets_in_the_roster_only_and_starts_servers_as_their_users(tmp_path):
+def load_config(text: str):
+    """The hub's config file as JupyterHub loads it: run, with ``get_config`` giving one Config."""
     from traitlets.config import Config
 
-    members = [Member("ada", "student"), Member("grace", "instructor")]
-    text = render(ClassDir(tmp_path), members, "127.0.0.1", Ports(8000, 8081, 8001, 8002))
     config = Config()
     exec(compile(text, "jupyterhub_config.py", "exec"), {"get_config": lambda: config})  # noqa: S102
+    return config
+
+
+def test_the_hub_config_lets_in_the_roster_only_and_starts_servers_as_their_users(tmp_path):
+    members = [Member("ada", "student"), Member("grace", "instructor")]
+    config = load_config(render(ClassDir(tmp_path), members, "127.0.0.1", Ports(8000, 8081, 8001, 8002)))
     assert config.Authenticator.allowed_users == {"ada", "grace"}
     assert config.Authenticator.admin_users == {"grace"}
     assert config.JupyterHub.authenticator_class == "pam" and config.JupyterHub.spawner_class == "localprocess"
@@ -260,17 +265,10 @@ def test_the_hub_config_lets_in_the_roster_only_and_starts_servers_as_their_user
 
 
 def test_the_hub_can_stop_idle_servers_and_serve_https(tmp_path):
-    from traitlets.config import Config
-
-    def load(text):
-        config = Config()
-        exec(compile(text, "jupyterhub_config.py", "exec"), {"get_config": lambda: config})  # noqa: S102
-        return config
-
     members = [Member("ada", "student"), Member("grace", "instructor")]
-    plain = load(render(ClassDir(tmp_path), members, "127.0.0.1", Ports(8000, 8081, 8001, 8002)))
+    plain = load_config(render(ClassDir(tmp_path), members, "127.0.0.1", Ports(8000, 8081, 8001, 8002)))
     assert [s["name"] for s in plain.JupyterHub.services] == ["progress"] and "ssl_cert" not in plain.JupyterHub
-    full = load(render(ClassDir(tmp_path), members, "0.0.0.0", Ports(443, 8081, 8001, 8002), idle_minutes=30,
+    full = load_config(render(ClassDir(tmp_path), members, "0.0.0.0", Ports(443, 8081, 8001, 8002), idle_minutes=30,
                        ssl=("/etc/ssl/hub.pem", "/etc/ssl/hub.key")))
     culler = next(s for s in full.JupyterHub.services if s["name"] == "idle-culler")
     assert culler["command"][1:] == ["-m", "jupyterhub_idle_culler", "--timeout=1800"]

@@ -27,9 +27,10 @@ from pathlib import Path
 import click
 
 from course.errors import CourseError
-from course.hub.hubconfig import Ports, render, roles_file
+from course.hub.hubconfig import Ports, render
 from course.hub.layout import DEFAULT_DIR, DEFAULT_GROUP, ClassDir, sources_exposed
 from course.hub.roster import ensure_accounts, read_roster
+from course.instructor.coursedir import write_whole
 
 
 def free_port() -> int:
@@ -94,11 +95,8 @@ def prepare(roster: Path, folder: Path, course_root: Path, course_id: str, group
     classdir.make_course(Path(course_root) / "exercises")
     classdir.make_exchange(members)
     classdir.write_role_configs()
-    fd = os.open(roles_file(classdir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump({m.username: m.role for m in members}, out, indent=1)
-    classdir.hub_config.write_text(render(classdir, members, ip, ports, idle_minutes, ssl))
-    os.chmod(classdir.hub_config, 0o600)
+    write_whole(classdir.roles, json.dumps({m.username: m.role for m in members}, indent=1), mode=0o600)
+    write_whole(classdir.hub_config, render(classdir, members, ip, ports, idle_minutes, ssl), mode=0o600)
     students = sum(not m.instructor for m in members)
     lines = [f"class folder: {classdir.root} ({students} students, {len(members) - students} instructors)",
              f"accounts made: {len(accounts.made)} (passwords in {classdir.passwords}, readable by root only); "
@@ -184,5 +182,5 @@ def helm_values(roster, image, course_id, output):
     if output is None:
         click.echo(text, nl=False)
     else:
-        output.write_text(text)
+        write_whole(output, text)
         click.echo(f"wrote {output}")

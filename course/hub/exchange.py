@@ -23,6 +23,7 @@ The nbgrader config of each role names these classes (:mod:`course.hub.layout`).
 
 from __future__ import annotations
 
+import base64
 import glob
 import os
 import pwd
@@ -87,8 +88,6 @@ class ExchangeSubmit(_ClassExchange, default.ExchangeSubmit):
         self.cache_path = os.path.join(self.cache, self.coursedir.course_id)
         name = f"{me}+{self.coursedir.assignment_id}+{self.timestamp}"
         if self.add_random_string:
-            import base64
-
             name += "+" + base64.urlsafe_b64encode(os.urandom(9)).decode("ascii")
         self.assignment_filename = name
 
@@ -113,7 +112,10 @@ def submission_problem(folder_student: str, path: str, username: str, check_owne
     except OSError as err:
         return f"it cannot be read ({err.strerror})"
     if st.st_uid != uid:
-        owner = pwd.getpwuid(st.st_uid).pw_name if st.st_uid in {p.pw_uid for p in pwd.getpwall()} else st.st_uid
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
         return f"it belongs to {owner}, not to {folder_student}"
     return None
 

@@ -19,8 +19,6 @@ from course.hub.roster import Member
 TEMPLATE = '''\
 # JupyterHub settings of a ddp-course class server, written by `ddp-course hub start` at each start (edits are lost:
 # change the roster or the command's options instead).
-import sys
-
 c = get_config()  # noqa: F821
 
 ROLES = {roles}
@@ -113,7 +111,7 @@ def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports, idl
         python=sys.executable,
         class_dir=str(classdir.root),
         service_url=f"http://127.0.0.1:{ports.service}",
-        roles_file=str(roles_file(classdir)),
+        roles_file=str(classdir.roles),
         edition=str(classdir.edition),
     )
     if idle_minutes > 0:
@@ -121,7 +119,3 @@ def render(classdir: ClassDir, members: list[Member], ip: str, ports: Ports, idl
     if ssl is not None:
         text += SSL.format(cert=str(ssl[0]), key=str(ssl[1]))
     return text
-
-
-def roles_file(classdir: ClassDir):
-    return classdir.hub / "roles.json"

@@ -34,6 +34,7 @@ from pathlib import Path
 from course.errors import CourseError
 from course.hub.exchange import INBOUND, factory_config_lines
 from course.hub.roster import Member
+from course.instructor.coursedir import write_whole
 from course.student.labconfig import LAB_PLUGINS_OFF
 
 DEFAULT_DIR = Path("/srv/ddp-course")
@@ -101,6 +102,11 @@ class ClassDir:
     @property
     def passwords(self) -> Path:
         return self.hub / "passwords.csv"
+
+    @property
+    def roles(self) -> Path:
+        """username -> role, for the progress service (root only)"""
+        return self.hub / "roles.json"
 
     @property
     def saved_accounts(self) -> Path:
@@ -173,11 +179,11 @@ class ClassDir:
             folder = self.config(role)
             (folder / "labconfig").mkdir(parents=True, exist_ok=True)
             server = {"ServerApp": {"jpserver_extensions": SERVER_EXTENSIONS[role]}}
-            _write(folder / "jupyter_server_config.json", json.dumps(server, indent=1) + "\n")
+            write_whole(folder / "jupyter_server_config.json", json.dumps(server, indent=1) + "\n")
             hidden = [f"@jupyter/nbgrader:{name}" for name in LAB_PLUGINS_HIDDEN[role]] + list(LAB_PLUGINS_OFF)
             page = {"disabledExtensions": {name: True for name in hidden}}
-            _write(folder / "labconfig" / "page_config.json", json.dumps(page, indent=1) + "\n")
-            _write(folder / "nbgrader_config.py", self.nbgrader_config(role))
+            write_whole(folder / "labconfig" / "page_config.json", json.dumps(page, indent=1) + "\n")
+            write_whole(folder / "nbgrader_config.py", self.nbgrader_config(role))
             for path in [folder.parent, folder, *folder.rglob("*")]:
                 _own(path, 0, 0, 0o755 if path.is_dir() else 0o644)
 
@@ -204,12 +210,6 @@ def _own(path: Path, uid: int, gid: int, mode: int, follow: bool = True) -> None
         raise CourseError(f"{path} is a symbolic link: the class folder's own folders must be real folders")
     os.chown(path, uid, gid, follow_symlinks=follow)
     os.chmod(path, mode)
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def sources_exposed(course_root: Path) -> list[str]:

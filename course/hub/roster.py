@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.errors import CourseError
+from course.instructor.coursedir import write_whole
 
 ROLES = ("student", "instructor")
 USERNAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
@@ -134,13 +135,18 @@ class Accounts:
     restored: list[str] = field(default_factory=list)
 
 
-def _shadow_hash(username: str) -> str:
-    """``username``'s password hash as /etc/shadow holds it ("" when there is none)."""
+def _shadow_hashes() -> dict[str, str]:
+    """Every account's password hash as /etc/shadow holds it."""
+    hashes = {}
     for line in Path("/etc/shadow").read_text().splitlines():
         name, _, rest = line.partition(":")
-        if name == username:
-            return rest.split(":", 1)[0]
-    return ""
+        hashes[name] = rest.split(":", 1)[0]
+    return hashes
+
+
+def _shadow_hash(username: str) -> str:
+    """``username``'s password hash ("" when there is none)."""
+    return _shadow_hashes().get(username, "")
 
 
 def _read_saved(path: Path) -> dict:
@@ -190,7 +196,7 @@ def ensure_accounts(members: list[Member], instructor_group: str, passwords_file
             passwords[name] = password
             made.append(name)
         entry = pwd.getpwnam(name)
-        saved[name] = {"uid": entry.pw_uid, "gid": entry.pw_gid, "hash": _shadow_hash(name)}
+        saved[name] = {"uid": entry.pw_uid, "gid": entry.pw_gid}
         home = Path(entry.pw_dir)
         if home.is_dir():
             os.chmod(home, 0o700)
@@ -202,8 +208,11 @@ def ensure_accounts(members: list[Member], instructor_group: str, passwords_file
     if passwords:
         _append_private(passwords_file, "username,password\n",
                         [f"{name},{password}\n" for name, password in passwords.items()])
+    hashes = _shadow_hashes()  # read once, after every account is made
+    for member in members:
+        saved[member.username]["hash"] = hashes.get(member.username, "")
     if saved_file:
-        _write_private(saved_file, json.dumps(saved, indent=1))
+        write_whole(saved_file, json.dumps(saved, indent=1), mode=0o600)
     return Accounts(made, kept, passwords, restored)
 
 
@@ -215,14 +224,6 @@ def _append_private(path: Path, header: str, lines: list[str]) -> None:
             out.write(header)
         out.writelines(lines)
     os.chmod(path, 0o600)
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)
 
 
 def set_password(username: str, password: str) -> None:

@@ -170,16 +170,20 @@ def check_folder(out: Path) -> None:
     raise CourseError(f"cannot write {out}: the folder {out.parent} does not exist (nothing written)")
 
 
-def write_whole(out: Path, text: str) -> None:
+def write_whole(out: Path, text: str, mode: int | None = None) -> None:
     """Write ``text`` to ``out`` whole or not at all (a temporary file beside it, then a rename); one line naming
-    the path and the cause when it cannot (a missing folder is not created)."""
+    the path and the cause when it cannot (a missing folder is not created). ``mode``: the file's permissions from
+    the start (0o600: never readable by others, not even for a moment); default: as ``open`` makes it."""
     out = Path(out).absolute()
     check_folder(out)
     if out.is_dir():
         raise CourseError(f"cannot write {out}: it is a folder (nothing written)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666 if mode is None else mode)
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with open(fd, "w", newline="", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, out)
     except OSError as err:
