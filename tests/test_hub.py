@@ -122,6 +122,14 @@ class ClassServer:
         return (self.base / "hub.log").read_text()[-6000:]
 
     def stop(self) -> None:
+        import psutil
+
+        # what the hub started, services and proxy included (each in a session of its own, out of the hub's
+        # process group): whatever JupyterHub does not stop on its way out is killed after it
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True) if self.process else []
+        except psutil.NoSuchProcess:
+            started = []
         if self.process is not None:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -130,14 +138,11 @@ class ClassServer:
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
-        # the proxy runs in a session of its own: JupyterHub stops it on a clean exit; after a kill, its pid file
-        proxy = self.folder / "hub" / "proxy.pid"
-        pid = proxy.read_text().strip() if proxy.is_file() else ""
-        try:
-            if pid.isdigit() and b"configurable-http-proxy" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:  # gone already
-            pass
+        for child in started:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
         for user in (self.student, self.classmate, self.instructor):
             subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)
         time.sleep(0.5)
