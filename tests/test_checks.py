@@ -251,3 +251,22 @@ def test_a_grader_hook_on_a_saved_module_pickles_as_a_hook_that_does_nothing(tmp
     loaded(torch.ones(4, 2))
     assert seen == [torch.Size([3, 2])]  # the copy's hook noted nothing
     assert torch.equal(loaded.weight, model.weight)
+
+
+@pytest.mark.parametrize("name, gloo", [("gloo", True), ("GLOO", True), ("cpu:gloo", True), ("cpu:gloo,cuda:gloo", True),
+                                        ("cuda:nccl,cpu:gloo", True), ("cpu:gloo,cuda:ddpcourse", True),
+                                        ("nccl", False), ("cuda:gloo", False), ("cuda:nccl", False), ("", False),
+                                        (None, False)])
+def test_gloo_for_cpu_reads_every_spelling_of_a_backend(name, gloo):
+    assert checks.gloo_for_cpu(name) is gloo
+
+
+def test_the_alias_names_a_stand_in_for_cuda_that_this_torch_can_make(monkeypatch):
+    from course.checks import backends
+
+    monkeypatch.delenv("DDP_COURSE_CHECK_BACKEND", raising=False)
+    env, name = checks.backend_alias()
+    assert name == backends.GLOO_ALIAS == "cpu:gloo,cuda:ddpcourse" and env == {checks.BACKEND_ENV: name}
+    assert checks.backend_alias("auto") == ({}, None)
+    monkeypatch.setattr(backends, "_FAKE", None)  # a torch without the fake group: the plain alias
+    assert checks.backend_alias() == ({checks.BACKEND_ENV: "cpu:gloo"}, "cpu:gloo")

@@ -73,6 +73,24 @@ def setup_group_in_a_global(rank, world_size):
     return CPU_GROUP
 
 
+def setup_cpu_spelling(rank, world_size):
+    """Right: gloo named for the one device type the group is for (torch's "device:backend" spelling)."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(backend="cpu:gloo")
+
+
+def setup_per_device_spelling(rank, world_size):
+    """Right: gloo for CPU tensors and for CUDA ones, spelled device by device."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(backend="cpu:gloo,cuda:gloo")
+
+
+def setup_group_of_the_default_spelling(rank, world_size):
+    """Wrong: the CPU group made with whatever the default group runs, spelled out (nccl on GPUs)."""
+    dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
+    return dist.new_group(backend=dist.get_backend())
+
+
 def setup_returns_nothing(rank, world_size):
     """Wrong: makes the CPU group, forgets to return it."""
     dist.init_process_group(course.backend(), rank=rank, world_size=world_size)
@@ -510,14 +528,24 @@ def test_check_setup_judges_the_group_for_cpu_tensors():
     """The returned group: gloo whatever the default is, every rank in order, shown by a collective on CPU tensors."""
     ex2.check_setup(setup_group_in_a_global, world_sizes=(3,))
     fails(ex2.check_setup, setup_returns_nothing, "setup() returned NoneType on ranks 0, 1, not a process group")
-    for default in (setup_returns_the_default_group, setup_group_of_the_default_backend):
-        fails(ex2.check_setup, default, "uses the job's default backend, 'cpu:gloo', not gloo", "[ranks 0, 1]",
-              "unless it is given its own")
+    for default in (setup_returns_the_default_group, setup_group_of_the_default_backend,
+                    setup_group_of_the_default_spelling):
+        fails(ex2.check_setup, default, "uses the job's default backend, 'cpu:gloo,cuda:ddpcourse', not gloo",
+              "[ranks 0, 1]", "unless it is given its own")
     fails(ex2.check_setup, setup_group_without_the_last_rank, "returned", "on rank 2, not a process group",
           world_sizes=(3,))
     fails(ex2.check_setup, setup_inherited_group_renamed, "registry calls the group setup() returned gloo",
           "[ranks 0, 1]", "only its name says gloo")
     ex2.check_setup(setup_group_in_reverse, world_sizes=(3,))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_setup_takes_gloo_in_every_spelling_torch_has():
+    """A CPU group made with "cpu:gloo" once looked like one that took the grader's "cpu:gloo" default, and lost
+    its points; the default now names a stand-in for CUDA tensors, which only a group that took it carries."""
+    ex2.check_setup(setup_cpu_spelling)
+    ex2.check_setup(setup_per_device_spelling, world_sizes=(3,))
 
 
 @pytest.mark.slow
@@ -532,11 +560,12 @@ def test_check_setup_judges_what_a_collective_shows():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_setup_tells_course_backend_from_a_fixed_one_on_a_cpu():
-    """On a CPU grader course.backend() and a fixed "gloo" make the same group; the grader's jobs name gloo
-    "cpu:gloo" (torch's other spelling of it), so the spec's "never a fixed one" is judged here too."""
+    """On a CPU grader course.backend() and a fixed "gloo" make the same group; the grader's jobs name their backend
+    "cpu:gloo,cuda:ddpcourse" (gloo for CPU tensors), so the spec's "never a fixed one" is judged here too."""
     for fixed in (setup_fixed_gloo, setup_by_cuda):
         fails(ex2.check_setup, fixed, "another backend than the one course.backend() names",
-              "ranks 0, 1 joined with a fixed 'gloo'", "'cpu:gloo'", "dist.init_process_group(course.backend())")
+              "ranks 0, 1 joined with a fixed 'gloo'", "'cpu:gloo,cuda:ddpcourse'",
+              "dist.init_process_group(course.backend())")
 
 
 @pytest.mark.slow

@@ -67,10 +67,10 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
-from course.checks.backends import backend_alias, check_policy
+from course.checks.backends import PLAIN_ALIAS, backend_alias, check_policy, gloo_for_cpu, prepare_alias
 from course.checks.hooks import grader_hook
 from course.checks.sealing import refuse, seal
-from course.envnames import GRADING_ENV
+from course.envnames import BACKEND_ENV, GRADING_ENV
 from course.errors import (
     MISMATCH_ADVICE,
     SAME_COLLECTIVES,
@@ -99,7 +99,7 @@ __all__ = [
     "Mistake",
     "REAL",
     "answer_source",
-    "backend", "backend_alias",
+    "backend", "backend_alias", "gloo_for_cpu", "prepare_alias", "PLAIN_ALIAS", "BACKEND_ENV",
     "collectives",
     "describe",
     "check_timeout",

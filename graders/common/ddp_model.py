@@ -95,6 +95,7 @@ def _membership(real: checks.RealTorch, rank: int, world_size: int, dev) -> dict
 def _setup_harness(rank, setup, _real=_REAL):
     real = _real  # bound at import, before any student object is unpickled
     world_size = int(os.environ["WORLD_SIZE"])
+    checks.prepare_alias()  # the name course.backend() gives in this job (course.checks.backends) can be joined
     returned = setup(rank, world_size)
     nccl = os.environ.get("DDP_COURSE_BACKEND") == "nccl"
     dev = torch.device("cuda", real.cuda_device()) if nccl else "cpu"
@@ -105,12 +106,24 @@ def _setup_harness(rank, setup, _real=_REAL):
     return obs
 
 
-def _gloo_for(group, device: str) -> bool:
-    """Whether ``group`` runs collectives on ``device``'s tensors with its own gloo backend."""
+def _backend_for(group, device: str):
+    """The backend object ``group`` runs collectives on ``device``'s tensors with (None: it has none)."""
     try:
-        return type(group._get_backend(torch.device(device))).__name__ == "ProcessGroupGloo"
+        return group._get_backend(torch.device(device))
     except Exception:  # noqa: BLE001 - no backend for that device type
-        return False
+        return None
+
+
+def _own_gloo(group) -> bool:
+    """Whether ``group`` was made with gloo of its own for CPU tensors: its CPU backend is gloo and, for CUDA
+    tensors, it has none or gloo, not the stand-in the job's default names (course.checks.backends: torch's fake
+    process group), which a group that took the default's backend carries. Set when the group was made: a name in
+    torch's Python registry can be rewritten, this cannot."""
+    cuda = _backend_for(group, "cuda")
+    if cuda is None and os.environ.get(checks.BACKEND_ENV) == checks.PLAIN_ALIAS:
+        return False  # no stand-in (course.checks.backends): only a group made with "gloo" shows its own backend
+    return (type(_backend_for(group, "cpu")).__name__ == "ProcessGroupGloo"
+            and (cuda is None or type(cuda).__name__ == "ProcessGroupGloo"))
 
 
 def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
@@ -126,11 +139,10 @@ def _cpu_group(real: checks.RealTorch, group, world_size: int, dev) -> dict:
         except Exception as exc:  # noqa: BLE001 - a group torch does not know (made by hand, or destroyed)
             found["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         # what the group object itself runs, set when it was made (a name in torch's Python registry can be
-        # rewritten; this cannot): a group made for gloo has a gloo backend for CPU and for CUDA tensors alike, one
-        # that took the grader's 'cpu:gloo' default has none for CUDA tensors
-        found["made_for_gloo"] = all(_gloo_for(group, device) for device in ("cpu", "cuda"))
+        # rewritten; this cannot): see _own_gloo
+        found["made_for_gloo"] = _own_gloo(group)
         found["is_default"] = group is dist.group.WORLD  # only to say so in a message
-    usable = torch.tensor([1 if found.get("size") == world_size and found.get("backend") == "gloo"
+    usable = torch.tensor([1 if found.get("size") == world_size and checks.gloo_for_cpu(found.get("backend"))
                            and found.get("made_for_gloo") else 0], device=dev)
     real.all_reduce(usable, op=dist.ReduceOp.MIN)
     if not int(usable.item()):

@@ -61,7 +61,7 @@ def check_setup(setup, *, world_sizes=(2, 3)):
     checks.require_written(check, setup=setup)
     hints = [_HARD_CODED, ("NCCL", "use the backend course.backend() picks (gloo on a CPU); do not hard-code nccl")]
     pinned = None
-    alias, named = checks.backend_alias()  # the job's gloo named "cpu:gloo": a fixed "gloo" shows
+    alias, named = checks.backend_alias()  # the job's gloo named "cpu:gloo,cuda:ddpcourse": a fixed "gloo" shows
     for world_size in world_sizes:
         job = checks.run(check, _setup_harness, world_size, args=(setup,), hints=hints, env=alias)
         obs = job.values
@@ -80,10 +80,10 @@ def check_setup(setup, *, world_sizes=(2, 3)):
             raise CheckFailed(
                 check, f"the process group uses another backend than the one course.backend() names for this job "
                 f"({where})" + (f": {checks.rank_list(fixed)} joined with a fixed {backends[fixed[0]]!r}"
-                                if wanted == named and backends[fixed[0]] == "gloo" else ""),
-                ranks=fixed, expected=repr(wanted) + (" (the grader's jobs name gloo 'cpu:gloo', torch's other name "
-                                                      "for it, to tell course.backend() from a fixed 'gloo')"
-                                                      if wanted == named else ""),
+                                if wanted == named and checks.gloo_for_cpu(backends[fixed[0]]) else ""),
+                ranks=fixed, expected=repr(wanted) + (" (the grader's CPU jobs name their backend so, gloo for CPU "
+                                                      "tensors and a stand-in for CUDA ones, to tell course.backend() "
+                                                      "from a fixed 'gloo')" if wanted == named else ""),
                 got=backends, hint="dist.init_process_group(course.backend()): it says gloo on CPUs and nccl when "
                 "every rank has a GPU; a fixed backend is right on one kind of machine only")
         if job.backend == "nccl":
@@ -122,17 +122,19 @@ def _judge_cpu_group(check, obs, default_backend, where) -> None:
         raise CheckFailed(check, f"torch does not know the group setup() returned ({where})", ranks=unknown,
                           got=groups[unknown[0]]["error"],
                           hint="make the group with torch.distributed's own function for new groups, after joining")
-    inherited = [r for r, g in enumerate(groups) if g["backend"] != "gloo" and g["backend"] == default_backend]
+    inherited = [r for r, g in enumerate(groups) if g["backend"] == default_backend
+                 and not (checks.gloo_for_cpu(g["backend"]) and g.get("made_for_gloo"))]
     if inherited:
         raise CheckFailed(check, f"the group setup() returned uses the job's default backend, "
                           f"{groups[inherited[0]]['backend']!r}, not gloo ({where})", ranks=inherited,
-                          expected="backend 'gloo' whatever the default group's is (the grader's CPU jobs name the "
-                          "default 'cpu:gloo', so a group that takes the default's shows here as on a GPU machine, "
-                          "where it would be nccl, which runs no collective on CPU tensors)",
+                          expected="gloo for CPU tensors whatever the default group's backend is (the grader's CPU "
+                          "jobs name the default 'cpu:gloo,cuda:ddpcourse', so a group that takes the default's "
+                          "shows here as on a GPU machine, where it would be nccl, which runs no collective on CPU "
+                          "tensors)",
                           got=f"{groups[inherited[0]]['backend']!r}" + (
                               " (the default group itself)" if groups[inherited[0]].get("is_default") else ""),
                           hint="a new group takes the default group's backend unless it is given its own")
-    wrong = [r for r, g in enumerate(groups) if g["backend"] != "gloo"]
+    wrong = [r for r, g in enumerate(groups) if not checks.gloo_for_cpu(g["backend"])]
     if wrong:
         raise CheckFailed(check, f"the group setup() returned uses backend {groups[wrong[0]]['backend']!r}, not gloo "
                           f"({where})", ranks=wrong, expected="'gloo': collectives on CPU tensors",
@@ -142,9 +144,10 @@ def _judge_cpu_group(check, obs, default_backend, where) -> None:
     if renamed:
         raise CheckFailed(check, f"torch's registry calls the group setup() returned gloo, but the group itself was not "
                           f"made with a gloo backend of its own ({where})", ranks=renamed,
-                          expected="a group made with backend gloo (it then runs gloo for CPU and CUDA tensors alike)",
-                          got=f"rank {renamed[0]}'s group has no gloo backend for CUDA tensors: it was made with "
-                          "another backend (the default's), and only its name says gloo",
+                          expected="a group made with gloo for CPU tensors (backend 'gloo' or 'cpu:gloo'): its own "
+                          "backend, not the default's",
+                          got=f"rank {renamed[0]}'s group runs the default's backends (for CUDA tensors, the "
+                          "default's stand-in): it was made with the default's backend, and only its name says gloo",
                           hint="make the group with the backend it must have; renaming it in torch's tables changes "
                           "nothing it runs")
     small = [r for r, g in enumerate(groups) if g["size"] != world_size]
