@@ -85,6 +85,13 @@ def plan_by_class(layers, world_size, strategy, bucket_cap_mb):
     return tuple(Planner(world_size)(layers, strategy, bucket_cap_mb))
 
 
+def plan_in_numpy(layers, world_size, strategy, bucket_cap_mb):
+    """Right: the reference's plan with every count a numpy integer (sizes counted with np.prod)."""
+    import numpy as np
+
+    return [(op, np.int64(np.prod([numel]))) for op, numel in plan_step(layers, world_size, strategy, bucket_cap_mb)]
+
+
 def step_cost(plan, world_size, alpha, bandwidth):
     """The notebook's reference."""
     n, sent, seconds = world_size, 0.0, 0.0
@@ -215,7 +222,7 @@ def test_the_model_s_plan_is_what_torch_ran(world_size, widths, cap):
 # --- the checks ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer", [plan_step, plan_by_class])
+@pytest.mark.parametrize("answer", [plan_step, plan_by_class, plan_in_numpy])
 def test_right_plans_pass_visible_and_hidden(answer):
     cost.check_step_plan(answer)
     cost.check_step_plan(answer, **HIDDEN)

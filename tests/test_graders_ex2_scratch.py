@@ -340,6 +340,17 @@ class NaiveNoneCrash(NaiveDDP):
             p.grad /= dist.get_world_size()
 
 
+class NaiveZerosForUnused(NaiveDDP):
+    """Wrong for the naive part: an unused parameter given a zero gradient (and an all-reduce of it) instead of none."""
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def _variant(**switches):
     class Variant(BucketedDDP):
         def __init__(self, module, bucket_size_mb):
@@ -670,6 +681,8 @@ def test_naive_mistakes():
     fails(ex2s.check_naive, NaiveSum, "[rank 0]", "not the ranks' average", "SUM over the 2 ranks",
           "divide by the world size")
     fails(ex2s.check_naive, NaiveNoneCrash, "NoneType", "`spare`", "Skip it")
+    fails(ex2s.check_naive, NaiveZerosForUnused, "a parameter forward never used has a gradient", "`spare.weight`",
+          "is a tensor", "still None", "no collective for it")
 
 
 @pytest.mark.slow

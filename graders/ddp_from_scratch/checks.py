@@ -192,6 +192,17 @@ def _judge_steps(check, obs: list[dict], kind, world_size, width, seed, steps, k
                                   "when optimizer.step() runs",
                                   got=_what_grads(want, wrong),
                                   hint=_grads_hint(grads, want, wrong, rank, world_size, kind, kwargs, width))
+            given = [n for n, w in want["grads"].items() if w is None and grads.get(n) is not None]
+            if given and "bucket_size_mb" not in kwargs:  # NaiveDDP: no bucket moves an unused parameter's zeros
+                raise CheckFailed(check, f"a parameter forward never used has a gradient when the optimizer steps "
+                                  f"(step {step + 1}, {model})", ranks=[rank],
+                                  expected=f"`{given[0]}`.grad still None, as each rank's backward left it",
+                                  got=f"`{given[0]}`.grad is a tensor (zeros made for it, or what a collective "
+                                  "returned for it)"
+                                  + (f" (and {len(given) - 1} more)" if len(given) > 1 else ""),
+                                  hint="leave a parameter whose .grad is None alone: no zeros made for it and no "
+                                  "collective for it (a zero gradient still moves a weight under weight decay or "
+                                  "momentum, and an all-reduce of it makes the ranks wait for nothing)")
             after = _stepped(kind, width, start, grads)
             if _max_diff(mine["state"], after) > ATOL:
                 raise CheckFailed(check, f"the weights after step {step + 1} differ from DDP's ({model})", ranks=[rank],

@@ -36,6 +36,7 @@ first call:
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import random
 import tempfile
@@ -179,12 +180,18 @@ def _ask_harness(rank, fn, calls):
 
 
 def _plain(value):
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
+    """The answer as plain data, made in the rank. Numbers of any library (numpy's integers and floats, 0-d
+    tensors) are numbers: a plan counted with ``np.prod`` is a plan."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()  # a tensor, a numpy array or scalar: Python numbers and lists
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    if isinstance(value, (str, bool)) or value is None:
         return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     return repr(value)
 
 

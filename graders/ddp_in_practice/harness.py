@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import threading
 
@@ -53,7 +54,7 @@ def _number(value):
     """A returned accuracy or epoch as a float, or a description of what it was instead."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach().cpu().reshape(()).item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # Python's numbers, numpy's scalars
         return float(value)
     return f"<{type(value).__name__}>"
 
