@@ -208,6 +208,22 @@ def predict_by_simulation(p, m, schedule):
     return 1 - 2 * m * p / (p * max(free)), peak
 
 
+def predict_in_float32(p, m, schedule):
+    """Right: the bubble computed with float32 tensors (a few 1e-8 off the exact fraction), the peaks a tensor."""
+    steps = torch.tensor(2 * (m + p - 1), dtype=torch.float32)
+    bubble = 1 - (2 * m * p) / (p * steps)
+    peaks = torch.full((p,), m) if schedule == "gpipe" else torch.clamp(p - torch.arange(p), max=m)
+    return bubble, peaks
+
+
+def looks_first(stage, rank, world_size, x, y, n_micro, schedule):
+    """Wrong: rank 0 runs micro-batch 0 forward once more before the schedule (to see the output's shape): the
+    stage's work is no longer one forward and one backward per micro-batch."""
+    if rank == 0:
+        stage.forward(0, x.chunk(n_micro)[0])
+    return reference(stage, rank, world_size, x, y, n_micro, schedule)
+
+
 def predict_from_the_grader(p, m, schedule):
     """A forgery: the grader's own simulator, which refuses to run in the predicting rank."""
     from graders.pipeline.checks import truth
@@ -260,6 +276,11 @@ def test_mismatched_micro_batches_lose_the_gradients_only():
     pp.check_pipeline_schedule(strided)
 
 
+def test_a_repeated_forward_loses_the_gradients_too():
+    fails(pp.check_pipeline_gradients, looks_first, "[rank 0]",
+          "stage 0 did not run every micro-batch forward and backward once", "forwards of [0, 0, 1, 2, 3]")
+
+
 def test_a_first_stage_without_backwards_is_named():
     fails(pp.check_pipeline_gradients, no_first_backward, "[rank 0]",
           "stage 0 did not run every micro-batch forward and backward once", "backwards of []")
@@ -289,10 +310,11 @@ def test_a_second_connection_to_a_stage_is_refused_and_named():
 def test_predictions_right_and_wrong():
     pp.check_pipeline_prediction(predict, drawn=40)
     pp.check_pipeline_prediction(predict_by_simulation, asked=(), drawn=40)
+    pp.check_pipeline_prediction(predict_in_float32, drawn=40)
     fails(pp.check_pipeline_prediction, peaks_all_p, "predicted peaks are wrong", "1f1b, 3 stages",
           "expected: [3, 2, 1]", "got:      [3, 3, 3]")
     fails(pp.check_pipeline_prediction, bubble_over_work, "predicted bubble is wrong", "gpipe, 3 stages",
-          "0.333333", "0.500000")
+          "0.333333333", "got:      0.5\n")
     fails(pp.check_pipeline_prediction, predict_from_the_grader, "refused to the answer")
 
 

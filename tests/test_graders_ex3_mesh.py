@@ -139,6 +139,17 @@ def predict_by_dimension(dp, tp, d_in, h, d_out, rows):
     return {"placements": placements, "row_values": rows * d_out, "column_values": slice_ * d_in + slice_ * (1 + d_out)}
 
 
+def predict_nothing_on_one_rank(dp, tp, d_in, h, d_out, rows):
+    """Right too: a dimension of one rank all-reduces nothing (0), and its one slice is the whole tensor
+    (Replicate); the drawn cases hold 1 x tp and dp x 1 meshes."""
+    along_tp = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+    placements = {name: ["Replicate()", "Replicate()" if tp == 1 else f"Shard({dim})"]
+                  for name, dim in along_tp.items()}
+    slice_ = h // tp
+    return {"placements": placements, "row_values": rows * d_out if tp > 1 else 0,
+            "column_values": slice_ * (d_in + 1 + d_out) if dp > 1 else 0}
+
+
 # --- the checks, called directly --------------------------------------------------------------------------------
 
 
@@ -181,6 +192,8 @@ def test_predictions_of_placements_and_traffic():
                                                     {"torch": torch, "__name__": __name__})
     for predict in (reference_predict, predict_with_dtensor_objects, predict_by_dimension):
         td.check_mesh_prediction(predict, drawn=30)
+    td.check_mesh_prediction(predict_nothing_on_one_rank, asked=((2, 2, 5, 8, 3, 4), (1, 4, 4, 8, 2, 3),
+                                                                 (4, 1, 3, 6, 2, 2), (1, 1, 2, 4, 3, 5)), drawn=30)
     weight_as_stored = submissions.answer_function(A, NB, "td_predict", "predict_mesh", "weight_as_stored",
                                                    {"torch": torch, "__name__": __name__},
                                                    ('"up.weight": ["Replicate()", "Shard(0)"]',
