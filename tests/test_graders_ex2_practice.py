@@ -579,18 +579,27 @@ def test_uneven_references_differ():
             assert ex2p._diff(a, b) > 1e-4
 
 
+def train_uneven_rank0_count(ddp_model, optimizer, batches, train_steps):
+    """Wrong: every rank trains as many batches as rank 0 has (broadcast), not as many as the rank with the fewest."""
+    n = torch.tensor([len(batches)])
+    dist.broadcast(n, src=0)
+    train_steps(ddp_model, optimizer, batches[:int(n)])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_uneven_names_the_rank_that_ran_out_when_the_job_hangs(monkeypatch):
     monkeypatch.setenv(TIMEOUT_ENV, str(HANG_TIMEOUT))
     start = time.monotonic()
     fails(ex2p.check_uneven, train_uneven_plain, "did not return on every rank",
-          "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)", "ddp_model.join()", "ReduceOp.MIN")
+          "rank 1 ran out of batches first, after 3 batches (rank 0 has 5)", "ddp_model.join()", "ReduceOp.MIN")
     fails(ex2p.check_uneven, train_uneven_summed_count, "rank 1 ran out of batches first, after 2 batches",
           counts=(4, 2, 5), seed=1)
-    fails(ex2p.check_uneven, train_uneven_join_each_step, "rank 0 ran out of batches first")
-    fails(ex2p.check_uneven, train_uneven_breaks_when_out, "rank 0 ran out of batches first")
-    assert time.monotonic() - start < 4 * HANG_TIMEOUT + 30
+    fails(ex2p.check_uneven, train_uneven_join_each_step, "rank 1 ran out of batches first")
+    fails(ex2p.check_uneven, train_uneven_breaks_when_out, "rank 1 ran out of batches first")
+    # rank 0's count taken for everyone's: the visible job gives rank 0 the most batches, so it hangs there too
+    fails(ex2p.check_uneven, train_uneven_rank0_count, "rank 1 ran out of batches first")
+    assert time.monotonic() - start < 5 * HANG_TIMEOUT + 30
 
 
 @pytest.mark.slow
@@ -1048,7 +1057,7 @@ WRONG = {
         "ex2p_test_no_sync", ["never all-reduced", "syncing by hand"]),
     "a plain loop": ("ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n",
                      "    if True:\n", "ex2p_test_uneven",
-                     ["did not return on every rank", "rank 0 ran out of batches first, after 3 batches (rank 1 has 5)",
+                     ["did not return on every rank", "rank 1 ran out of batches first, after 3 batches (rank 0 has 5)",
                       "join()"]),
     "ranks that run out start over": (
         "ex2p_train_uneven", "    with ddp_model.join(divide_by_initial_world_size=False):\n"

@@ -391,7 +391,7 @@ ACCEPTED = {"join-active": "each step averaged over the ranks that trained in it
             "fewest": "every rank training on the fewest batches (the extra ones left out)"}
 
 
-def check_uneven(train_uneven, *, counts=(3, 5), size=2, lr=0.1, seed=0):
+def check_uneven(train_uneven, *, counts=(5, 3), size=2, lr=0.1, seed=0):
     """With counts[r] batches on rank r, train_uneven finishes (within 15 s), every rank ends with bitwise
     the same weights, and each step's gradient is the mean over the ranks that trained in it: the weights of
     every batch used, each step averaged over the ranks that still had one (Join with
