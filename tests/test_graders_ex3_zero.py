@@ -61,6 +61,17 @@ stage2_reduces_once = _answer("stage2_reduces_once", ("if stage == 2:\n         
 stage1_per_micro = _answer("stage1_per_micro", ("if stage == 2:\n            model.zero_grad()", "if True:\n            model.zero_grad()"),
                            ("if stage == 2:\n            optimizer.add_grad", "if True:\n            optimizer.add_grad"),
                            ("    if stage == 1:\n        optimizer.add_grad", "    if False:\n        optimizer.add_grad"))
+#: stage 1 with stage 2's communication: each micro-batch's gradient reduced as it is done, summed, and handed to
+#: the partition once (right values, and one add a step: only the collectives between the micro-batches show it)
+stage1_reduces_each_micro = _answer(
+    "stage1_reduces_each_micro",
+    ("    model.zero_grad()\n    for x, y in micro_batches:\n        if stage == 2:\n            model.zero_grad()\n"
+     "        (loss_fn(model(x), y) / len(micro_batches)).backward()\n",
+     "    model.zero_grad()\n    total = torch.zeros(hi - lo)\n    for x, y in micro_batches:\n"
+     "        model.zero_grad()\n        (loss_fn(model(x), y) / len(micro_batches)).backward()\n"
+     "        total += my_share(flat_grad())\n"),
+    ("    if stage == 1:\n        optimizer.add_grad(lo, my_share(flat_grad()))",
+     "    if stage == 1:\n        optimizer.add_grad(lo, total)"))
 #: no reduction at all: each rank hands its partition its own gradient
 local_only = _answer("local_only", ("        dist.reduce_scatter_single(piece, padded)\n        return piece[: hi - lo] / world_size",
                                     "        return padded[lo:hi]"))
@@ -275,6 +286,14 @@ def test_stage_2_reduced_once_and_stage_1_reduced_per_micro_batch_are_named():
     so.check_zero_gradients(stage1_per_micro, stage=2)
     fails(so.check_zero_gradients, stage1_per_micro, "stage 1 hands a partition its gradient once a step",
           "one per micro-batch", "no communication", stage=1)
+
+
+def test_stage_1_that_communicates_between_the_micro_batches_loses_the_gradients_only():
+    for check in (so.check_zero_weights, so.check_zero_state):
+        check(stage1_reduces_each_micro, stage=1)
+    fails(so.check_zero_gradients, stage1_reduces_each_micro, "[rank 0]", "stage 1 communicates once a step",
+          "between two micro-batches' forwards (step 1", "all_reduce of", "accumulate the micro-batches' gradients "
+          "locally", stage=1)
 
 
 def test_gradients_never_reduced_lose_weights_and_gradients():

@@ -23,6 +23,7 @@ read it (:func:`course.checks.memo`):
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -61,14 +62,20 @@ _HINTS = [("timeout", "every rank must run the same collectives in the same orde
                       "pad the flattened vector to a multiple of world_size so that every rank's piece has one size")]
 
 
-def _harness(rank, zero_step, address, tokens, widths, n_micro, rows, init_seed, stage, loss_fn, _adam=ShardedAdam):
+def _harness(rank, zero_step, address, tokens, widths, n_micro, rows, init_seed, stage, loss_fn, _adam=ShardedAdam,
+             _collectives=checks.collectives):
     checks.join_job()
     world_size, n = len(tokens), numel(widths)
     optimizer = _adam(address, tokens[rank], n)  # connected before the student's code runs
     data = fetch_data(optimizer)  # this rank's data only, over its own connection
     model = make_model(widths, init_seed)
+    # how many collectives this rank had issued when each forward of the model began (torch's flight recorder):
+    # what a rank sends between two micro-batches' forwards is what it communicated between the micro-batches
+    forwards: list[list[int]] = []
+    model.register_forward_pre_hook(checks.grader_hook(lambda module, args: forwards[-1].append(len(_collectives()))))
     after = []
     for step in range(STEPS):
+        forwards.append([])
         zero_step(model, optimizer, micro_batches(data, widths, n_micro, rows, step), loss_fn, rank, world_size,
                   stage)
         params = list(model.parameters())
@@ -77,7 +84,14 @@ def _harness(rank, zero_step, address, tokens, widths, n_micro, rows, init_seed,
             after.append(f"a model of {got} parameter elements (it has {n})")
             break
         after.append(torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in params]).clone())
-    return after
+    issued = _collectives()
+    between = [[f"{e['op']} of {_numel_of(e['sizes'])}" for a, b in zip(marks, marks[1:]) for e in issued[a:b]
+                if _numel_of(e["sizes"]) > 1] for marks in forwards]  # a scalar (a logged loss) is not a gradient
+    return {"after": after, "between": between}
+
+
+def _numel_of(sizes) -> int:
+    return sum(math.prod(s) for s in sizes)
 
 
 def _observe(check, zero_step, stage, world_size, widths, n_micro, rows, loss, seed) -> dict:
@@ -187,7 +201,7 @@ def _first_wrong_step(seen) -> int:
     """The first step after which some rank's parameters differ from what it should hold (STEPS if none)."""
     for t in range(STEPS):
         want, tol = _target(seen, t)
-        for after in seen["ranks"]:
+        for after in (o["after"] for o in seen["ranks"]):
             if t >= len(after) or not isinstance(after[t], torch.Tensor) or (after[t] - want).abs().max() > tol:
                 return t
     return STEPS
@@ -252,7 +266,7 @@ def check_zero_weights(zero_step, stage: int = 1, **config) -> None:
         return
     want, tol = _target(seen, t)
     before = _target(seen, t - 1)[0]
-    for r, after in enumerate(seen["ranks"]):
+    for r, after in enumerate(o["after"] for o in seen["ranks"]):
         got = after[t] if t < len(after) else None
         if isinstance(got, torch.Tensor) and (got - want).abs().max() <= tol:
             continue
@@ -462,6 +476,16 @@ def check_zero_gradients(zero_step, stage: int = 1, **config) -> None:
                 raise CheckFailed(check, f"rank {r}'s partition was given the wrong gradient ({step_words}, "
                                   f"{where})", ranks=[r], expected=expected,
                                   got=f"{said} ({_spans(elements, widths)})", hint=hint)
+    for r, o in enumerate(seen["ranks"]):
+        talked = [(t, found) for t, found in enumerate(o["between"][:judged]) if found]
+        if stage == 1 and talked:
+            t, found = talked[0]
+            raise CheckFailed(check, f"stage 1 communicates once a step, after its micro-batches; rank {r} issued "
+                              f"collectives between two micro-batches' forwards (step {t + 1}, {where})", ranks=[r],
+                              expected="no collective between the first micro-batch's forward and the last's",
+                              got=f"{', '.join(found[:4])}{' ...' if len(found) > 4 else ''} (torch's flight recorder)",
+                              hint="accumulate the micro-batches' gradients locally, in .grad or a buffer of your own, "
+                              "and reduce the step's gradient once, after the last micro-batch's backward")
     passed(check)
 
 
