@@ -168,6 +168,19 @@ def two_stage_autograd_grad(rank, stage, x, y, hidden_shape):
     return float(loss)
 
 
+def two_stage_grad_of_a_plain_buffer(rank, stage, x, y, hidden_shape):
+    """Wrong on rank 1: the received activations never require grad, and autograd.grad is asked for theirs."""
+    if rank == 0:
+        return two_stage_autograd_grad(rank, stage, x, y, hidden_shape)
+    act = torch.zeros(hidden_shape, device=y.device)
+    dist.irecv(act, src=0).wait()
+    loss = F.mse_loss(stage(act), y)
+    params = list(stage.parameters())
+    grad_act, *grad_params = torch.autograd.grad(loss, [act, *params])
+    dist.isend(grad_act, dst=0).wait()
+    return float(loss)
+
+
 class Pipe:
     """Another correct style: a helper that moves tensors between the two stages with batched P2P ops."""
 
@@ -284,6 +297,8 @@ def test_check_two_stage():
     fails(ex1.check_two_stage, two_stage_no_gradient_back, "stage 0 has no gradients", "[rank 0]", "backward(grad)")
     fails(ex1.check_two_stage, two_stage_wrong_loss, "loss on rank 1 differs", "mse_loss")
     fails(ex1.check_two_stage, two_stage_returns_nothing, "rank 1 returned None")
+    fails(ex1.check_two_stage, two_stage_grad_of_a_plain_buffer, "does not require grad", "on rank 1, call "
+          "requires_grad_() on the received activations")
 
 
 # --- wrong submissions, graded as notebooks -------------------------------------------------------
@@ -462,6 +477,55 @@ class _TPMLP(torch.nn.Module):
         return self.sum_out.apply(F.linear(h, self.w2)) + self.b2
 
 
+class _MeanOut(_SumOut):
+    """Wrong: the partial outputs averaged, as data parallelism averages gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x / dist.get_world_size()
+
+
+class _MeanIn(torch.autograd.Function):
+    """Wrong: identity forward, the input's partial gradients averaged in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class _BiasShares(torch.nn.Module):
+    """Wrong: each rank adds a share of the second bias to its partial output before the sum (right output)."""
+
+    def __init__(self, mlp, rank, world_size):
+        super().__init__()
+        self.inner = _TPMLP(mlp, rank, world_size)
+
+    def forward(self, x):
+        m = self.inner
+        h = m.act(F.linear(m.copy_in.apply(x), m.w1, m.b1))
+        return _SumOut.apply(F.linear(h, m.w2) + m.b2 / dist.get_world_size())
+
+
+def tp_mean_out(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, sum_out=_MeanOut)
+
+
+def tp_mean_in(mlp, rank, world_size):
+    return _TPMLP(mlp, rank, world_size, copy_in=_MeanIn)
+
+
+def tp_bias_shares(mlp, rank, world_size):
+    return _BiasShares(mlp, rank, world_size)
+
+
 def tp_functional(mlp, rank, world_size):
     return _TPMLP(mlp, rank, world_size)
 
@@ -603,6 +667,20 @@ def test_tensor_parallel_mistakes_lose_exactly_their_checks():
     fails(VALUES, tp_wrong_dimension, "wrong dimension", "(out_features, in_features)")
     fails(VALUES, tp_stub, "not written yet")
     fails(COMM, tp_stub, "not written yet")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_sums_made_means_are_named_as_such():
+    """Averaging where tensor parallelism sums (data parallelism's habit) is named, not taken for a shape mistake or
+    a thrown-away collective."""
+    fails(VALUES, tp_mean_out, "partial outputs averaged, 1/2 of their sum", "SUM of the ranks' parts")
+    fails(COMM, tp_mean_out, "what the forward's all-reduce returned divided by the world size", "1/2 of it")
+    fails(VALUES, tp_mean_in, "input's gradient is 1/2 of the unsplit one", "SUM of the ranks' parts")
+    fails(COMM, tp_mean_in, "what the backward's all-reduce returned divided by the world size")
+    fails(VALUES, tp_bias_shares, "second layer's bias, whole differs", "1/2 of that gradient",
+          "adds its whole copy once, after the sum")
+    COMM(tp_bias_shares)
 
 
 @pytest.mark.slow

@@ -312,8 +312,12 @@ def check_two_stage(two_stage_step, *, seed=0, dims=((8, 5, 7, 2),)):
         ("timeout", "send and recv must pair up: rank 0 first SENDS its activations, then receives their "
                     "gradient; rank 1 first RECEIVES the activations, then sends the gradient back. If both "
                     "ranks start with recv (or both with send to a rank that is not receiving), both wait forever"),
-        ("does not require grad", "rank 0 called backward on a detached tensor: keep stage 0's output attached "
-                                  "(send out.detach(), but call out.backward(grad) on the original output)"),
+        ("does not require grad and does not have a grad_fn",
+         "backward was called on a detached tensor (rank 0's: keep stage 0's output attached, send out.detach() but "
+         "call out.backward(grad) on the original output)"),
+        ("One of the differentiated Tensors does not require grad",
+         "torch.autograd.grad was asked for the gradient of a tensor that does not require it: on rank 1, call "
+         "requires_grad_() on the received activations before stage 1 runs"),
         ("NoneType", "rank 1's received activations need requires_grad_() before stage 1 runs, so that "
                      "act.grad exists after backward from the loss and can be sent back"),
     ]

@@ -1,33 +1,31 @@
 """Checks for exercise 1, part 4: tensor parallelism by hand (exercises/ex1-parallelism/parallelism.ipynb).
 
-The student writes ``tensor_parallel_mlp(mlp, rank, world_size)``: given the two-layer MLP
-``Linear(d_in, hidden) -> Tanh -> Linear(hidden, d_out)`` with only this rank's shards filled in (a
-block of the hidden units: rows of the first weight and bias, columns of the second weight; the second
-bias whole; every other entry NaN), it returns a module that holds those shards and whose forward
-gives the whole MLP's output on every rank.
+The student writes ``tensor_parallel_mlp(mlp, rank, world_size)``: given the two-layer MLP ``Linear(d_in, hidden) ->
+Tanh -> Linear(hidden, d_out)`` with only this rank's shards filled in (a block of the hidden units: rows of the
+first weight and bias, columns of the second weight; the second bias whole; every other entry NaN), it returns a
+module that holds those shards and whose forward gives the whole MLP's output on every rank.
 
 Each rank draws its own shards, in the harness, from the OS's randomness (:func:`_private_shard`, with
-``os.urandom`` taken when this module is imported), before any of the student's code is called: no
-other rank, and no public seed, knows them. The whole MLP the checks compare with is put together
-in the grader's process from the ranks' returned shards (immutable tuples of floats). So a rank can
-only produce the whole output, or the input's whole gradient, from what the other ranks send it: a
-module that computes locally (the whole model it was given, one rebuilt from the checks' seed found
-in the caller's frames) gets NaN or another MLP's numbers, and a decoy all-reduce of the right
-partial values whose result is then ignored leaves an output that is not the all-reduce's sum.
+``os.urandom`` taken when this module is imported), before any of the student's code is called: no other rank, and
+no public seed, knows them. The whole MLP the checks compare with is put together in the grader's process from the
+ranks' returned shards (immutable tuples of floats). So a rank can only produce the whole output, or the input's
+whole gradient, from what the other ranks send it: a module that computes locally (the whole model it was given, one
+rebuilt from the checks' seed found in the caller's frames) gets NaN or another MLP's numbers, and a decoy
+all-reduce of the right partial values whose result is then ignored leaves an output that is not the all-reduce's
+sum.
 
 Two checks read one job (:func:`course.checks.memo`):
 
-* :func:`check_tensor_parallel`: the output, the input's gradient and every parameter's gradient
-  equal the unsplit model's (its weights sliced), on every rank, for every world size;
-* :func:`check_tensor_parallel_collectives`: each forward ran exactly one all-reduce, of the output's
-  size, carrying this rank's partial output; each backward exactly one, of the input's size, carrying
-  this rank's partial input gradient; nothing else; and what the ranks got back is what they used:
-  every rank's output is the sum of what all the ranks' forward all-reduces carried (plus the bias),
-  and its ``x.grad`` the sum of what their backward all-reduces carried (both summed here, in the
-  grader's process). Counted and sized by torch's flight recorder and read by the spy on torch's
-  collective ops (:mod:`graders.common.comm_spy`), both set up before any student object exists: renaming,
-  patching or faking ``torch.distributed`` functions changes neither; the harness holds its references
-  to them (and to ``os.urandom``) as default arguments, bound when this module was first imported, so
+* :func:`check_tensor_parallel`: the output, the input's gradient and every parameter's gradient equal the unsplit
+  model's (its weights sliced), on every rank, for every world size;
+* :func:`check_tensor_parallel_collectives`: each forward ran exactly one all-reduce, of the output's size, carrying
+  this rank's partial output; each backward exactly one, of the input's size, carrying this rank's partial input
+  gradient; nothing else; and what the ranks got back is what they used: every rank's output is the sum of what all
+  the ranks' forward all-reduces carried (plus the bias), and its ``x.grad`` the sum of what their backward
+  all-reduces carried (both summed here, in the grader's process). Counted and sized by torch's flight recorder and
+  read by the spy on torch's collective ops (:mod:`graders.common.comm_spy`), both set up before any student object
+  exists: renaming, patching or faking ``torch.distributed`` functions changes neither; the harness holds its
+  references to them (and to ``os.urandom``) as default arguments, bound when this module was first imported, so
   reloading or re-executing this module from the student's code does not reach the running harness.
 """
 
@@ -61,6 +59,8 @@ _NAN = ("the result holds NaN: the module used entries of the weights outside th
         "of the second weight (k = hidden / world_size); the other ranks' parts of the output reach this rank through "
         "the all-reduce. With torch's parallelize_module, pass src_data_rank=None so that each rank keeps its own "
         "entries instead of rank 0's")
+_SUM_HINT = ("each rank holds a part of the dot products (its block of hidden units): the whole value is the SUM of "
+             "the ranks' parts, as the all-reduce returns it (data parallelism averages whole gradients; not this)")
 _SHAPE_HINT = ("nn.Linear's weight has shape (out_features, in_features) and computes x @ weight.T + bias: the "
                "column-parallel layer keeps a block of ROWS of its weight (some output features) and the same entries "
                "of its bias; the row-parallel layer keeps the same block of COLUMNS of its weight (its input features) "
@@ -376,6 +376,9 @@ def _judge_values(check, rank, got, want, world_size, dims, where):
         elif any(_close(y, partial + c * b2) for c in (0.0, 1.0, 1.0 / world_size)):
             problem, hint = ("the output is this rank's partial output: it was never summed over the ranks",
                              "the row-parallel layer's forward must all-reduce (sum) the partial outputs")
+        elif _close(y, (want["y"] - b2) / world_size + b2) or _close(y, want["y"] / world_size):
+            problem, hint = (f"the output is the ranks' partial outputs averaged, 1/{world_size} of their sum: the "
+                             "all-reduce's result was divided by the world size", _SUM_HINT)
         elif _close(y, want["y_input_summed"].get(world_size, want["y"])):
             problem, hint = ("the output is the MLP's output on world_size x the input: the input was all-reduced in "
                              "forward", "the function that hands the (replicated) input to the column-parallel layer "
@@ -422,6 +425,9 @@ def _judge_input_grad(check, rank, x_grad, want, world_size, blk, where):
                          "backward", "every rank uses the whole input for its block of hidden units, so each holds only "
                          "a partial gradient of it: the function that feeds the column-parallel layer must all-reduce "
                          "the gradient in backward (identity forward, all-reduce backward)")
+    elif _close(x_grad, want["x_grad"] / world_size):
+        problem, hint = (f"the input's gradient is 1/{world_size} of the unsplit one: the backward's all-reduce was "
+                         "divided by the world size", _SUM_HINT)
     elif _close(x_grad, want["x_grad"] * world_size, ATOL * world_size):
         problem, hint = (f"the input's gradient is {world_size} x the unsplit one: the gradient was summed over the "
                          "ranks once too often", "all-reduce in one direction only: the row-parallel sum's backward "
@@ -464,12 +470,16 @@ def _judge_params(check, rank, params, want, world_size, blk, where):
                                     "copies or .data), so backward reaches them"))
         if not _close(got, grad):
             scaled = _close(got, grad * world_size, ATOL * world_size)
-            raise CheckFailed(
-                check, f"the gradient of {name} differs from the unsplit MLP's ({where})", ranks=[rank],
-                expected="its slice of the unsplit MLP's gradient, within 1e-5",
-                got=f"{world_size} x that gradient" if scaled else f"max difference {_diff(got, grad)}",
-                hint=("the output's gradient was summed over the ranks in backward, though every rank already held all "
-                      "of it: the row-parallel sum's backward is the identity" if scaled else _SHAPE_HINT))
+            shared = not scaled and _close(got, grad / world_size)
+            hint = ("the output's gradient was summed over the ranks in backward, though every rank already held all of "
+                    "it: the row-parallel sum's backward is the identity" if scaled else _SHAPE_HINT)
+            if shared:
+                hint = ("the second bias is replicated: every rank adds its whole copy once, after the sum (a share of "
+                        "it added to each partial output gets a share of the gradient)" if value is b2 else _SUM_HINT)
+            raise CheckFailed(check, f"the gradient of {name} differs from the unsplit MLP's ({where})", ranks=[rank],
+                              expected="its slice of the unsplit MLP's gradient, within 1e-5", hint=hint,
+                              got=(f"{world_size} x that gradient" if scaled else f"1/{world_size} of that gradient"
+                                   if shared else f"max difference {_diff(got, grad)}"))
     extra = [shapes[i] for i in range(len(params)) if i not in used]
     if extra:
         raise CheckFailed(check, f"rank {rank}'s module holds more than its shards: {len(extra)} more parameter(s) "
@@ -574,6 +584,12 @@ def _judge_collectives(check, rank, got, want, world_size, dims, where):
             # the bias, added after the sum, is the same in every row (sent in the sum, 0 here); in the marked pass
             # the rest must be the bias or nothing, so that the secret numbers' sum is not taken for a bias
             rest = rest - rest[0]
+        if rest is not None and not bool(rest.abs().max() <= ATOL):
+            mean = result - (summed.reshape(result.shape) + reduced) / world_size
+            if bool((mean - mean[0] if phase == "forward" else mean).abs().max() <= ATOL):  # (a bias: equal rows)
+                raise CheckFailed(check, f"the {what} is what the {phase}'s all-reduce returned divided by the world size "
+                                  f"({where})", ranks=[rank], expected=f"the {what} made of the all-reduce's sum as it "
+                                  "comes", got=f"1/{world_size} of it", hint=_SUM_HINT)
         if rest is None or not bool(rest.abs().max() <= ATOL):
             raise CheckFailed(check, f"the {what} is not what the {phase}'s all-reduce returned ({where})", ranks=[rank],
                               expected=f"the {what} made of the sum of the values every rank's {phase} all-reduce "
