@@ -146,11 +146,24 @@ def test_evaluation_data_tells_the_mistakes_apart():
 @pytest.mark.timeout(300)
 def test_check_evaluate_names_each_mistake():
     fails(ex2p.check_evaluate, evaluate_mean_of_ratios, "[ranks 0, 1, 2]", "did not return the accuracy over the "
-          "whole dataset", "expected: 0.400000 on every rank", "averaged the ranks' accuracies")
+          "whole dataset", "expected: 0.545455 on every rank", "averaged the ranks' accuracies")
     fails(ex2p.check_evaluate, evaluate_padded, "the padding counted", "repeats a few samples")
     fails(ex2p.check_evaluate, evaluate_local, "its own share", "all_reduce", n=14, world_size=4, seed=1)
     fails(ex2p.check_evaluate, evaluate_whole, "[ranks 0, 1, 2]", "evaluated more than one rank's share",
-          "at most 4 samples per rank", "[10, 10, 10]", "every rank evaluated the whole dataset")
+          "at most 4 samples per rank", "[11, 11, 11]", "every rank evaluated the whole dataset")
+    fails(ex2p.check_evaluate, evaluate_remainder_to_the_last, "[rank 2]", "evaluated more than one rank's share",
+          "[3, 3, 5]", "balance the shares")
+
+
+def evaluate_remainder_to_the_last(model, dataset, rank, world_size, count_correct):
+    """Wrong: blocks of n // world_size, the last rank taking the remainder too (more than ceil(n / world_size))."""
+    n = len(dataset)
+    chunk = n // world_size
+    start = rank * chunk
+    end = n if rank == world_size - 1 else start + chunk
+    counts = count_correct(model, Subset(dataset, range(start, end)))
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
 
 
 def evaluate_around_the_model(model, dataset, rank, world_size, count_correct):
@@ -251,7 +264,7 @@ def test_check_evaluate_cannot_be_opted_out_of_its_second_run():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_evaluate_is_not_fooled_by_a_forged_world():
-    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than one rank's share", "[10, 10, 10]")
+    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than one rank's share", "[11, 11, 11]")
 
 
 @pytest.mark.slow
@@ -891,6 +904,27 @@ def amp_local_norm(ddp_model, micro_batches, max_norm):
         p.grad.mul_(min(1.0, max_norm / (float(local) + 1e-6)))
 
 
+def amp_norm_reduced_again(ddp_model, micro_batches, max_norm):
+    """Mistake: after DDP's sync the squared norm is all-reduced once more (it is already global): sqrt(ws) x."""
+    amp_clip_grads(ddp_model, micro_batches, float("inf"))  # forward, backward and sync; no clipping
+    squares = sum((p.grad.float() ** 2).sum() for p in ddp_model.parameters())
+    dist.all_reduce(squares)
+    factor = min(1.0, max_norm / (float(squares.sqrt()) + 1e-6))
+    for p in ddp_model.parameters():
+        p.grad.mul_(factor)
+
+
+def amp_clip_then_scale(ddp_model, micro_batches, max_norm):
+    """Mistake: the micro-batches' losses summed (not divided by k), clipped, and only then divided by k."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
+            (_amp_loss(ddp_model, x, y, k) * k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    for p in ddp_model.parameters():
+        p.grad.div_(k)
+
+
 def amp_weights_in_bf16(ddp_model, micro_batches, max_norm):
     """Mistake: the model cast to bf16 (no master weights); DDP then stops syncing (torch 2.13, no error)."""
     ddp_model.to(torch.bfloat16)
@@ -985,6 +1019,10 @@ def test_amp_checks_name_each_mistake_and_only_it():
           world_size=3, k=3, max_norm=0.4, seed=1)
     _only(amp_local_norm, amp.check_clip, "the clip factor is not the one of the all-reduced gradient's norm",
           "its own factor")
+    fails(amp.check_clip, amp_norm_reduced_again, "the clip factor is that of the synced gradients' norm summed "
+          "over the ranks once more", "counts them 2 times")
+    fails(amp.check_clip, amp_clip_then_scale, "the clip factor is that of 4 x the gradient",
+          "scale the loss (or the gradients) first, then clip")
     _only(amp_without_autocast, amp.check_amp_step, "did not compute in bfloat16", "torch.autocast")
     _only(amp_without_no_sync, amp.check_amp_sync, "all-reduced 4 times in one call", "no_sync()")
 

@@ -48,6 +48,10 @@ no_recompute = _answer("am_run_blocks", "no_recompute", "run_blocks", (
     "x = checkpoint(block, x, use_reentrant=False) if i in plan else block(x)",
     "if i in plan:\n            with torch.no_grad():\n                x = block(x)\n        else:\n"
     "            x = block(x)"))
+#: Python's late-binding closure: every checkpointed block's recomputation runs the loop's last block
+late_lambda = _answer("am_run_blocks", "late_lambda", "run_blocks", (
+    "x = checkpoint(block, x, use_reentrant=False) if i in plan else block(x)",
+    "x = checkpoint(lambda t: blocks[i](t), x, use_reentrant=False) if i in plan else block(x)"))
 #: LayerNorm's mean and 1/std forgotten
 no_statistics = _answer("am_predict", "no_statistics", "predict_saved_bytes", (" + 2 * rows", ""))
 
@@ -189,6 +193,11 @@ def test_a_plan_that_forgets_the_recomputation_exceeds_the_budget_during_backwar
 def test_blocks_run_without_gradients_and_never_recomputed_lose_both():
     fails(am.check_checkpoint_gradients, no_recompute, "the gradient did not reach blocks [0, 1, 2, 3, 4]", "torch.no_grad()")
     fails(am.check_checkpoint_plan, no_recompute, "backward did not run exactly once", "block 0: 0")
+
+
+def test_a_recomputation_that_runs_another_block_is_named():
+    fails(am.check_checkpoint_gradients, late_lambda, "a call of block 5 came in its place",
+          "the recomputation ran block 5 where block 4's forward was", "functools.partial")
 
 
 def test_forgeries_are_caught():

@@ -72,6 +72,9 @@ stage1_reduces_each_micro = _answer(
      "        total += my_share(flat_grad())\n"),
     ("    if stage == 1:\n        optimizer.add_grad(lo, my_share(flat_grad()))",
      "    if stage == 1:\n        optimizer.add_grad(lo, total)"))
+#: stage 2 without zeroing .grad between the micro-batches: each hand-over holds the earlier micro-batches' too
+stage2_keeps_grads = _answer("stage2_keeps_grads", ("if stage == 2:\n            model.zero_grad()",
+                                                    "if False:\n            model.zero_grad()"))
 #: no reduction at all: each rank hands its partition its own gradient
 local_only = _answer("local_only", ("        dist.reduce_scatter_single(piece, padded)\n        return piece[: hi - lo] / world_size",
                                     "        return padded[lo:hi]"))
@@ -294,6 +297,12 @@ def test_stage_1_that_communicates_between_the_micro_batches_loses_the_gradients
     fails(so.check_zero_gradients, stage1_reduces_each_micro, "[rank 0]", "stage 1 communicates once a step",
           "between two micro-batches' forwards (step 1", "all_reduce of", "accumulate the micro-batches' gradients "
           "locally", stage=1)
+
+
+def test_stage_2_that_keeps_the_earlier_micro_batches_gradients_is_named():
+    fails(so.check_zero_gradients, stage2_keeps_grads, "after micro-batch 2 of step 1",
+          "the sum of this and the earlier micro-batches' gradients", "zero it before each micro-batch's backward",
+          stage=2)
 
 
 def test_gradients_never_reduced_lose_weights_and_gradients():

@@ -118,7 +118,12 @@ class BlockServer(HeldServer):
             nbytes, leaf, out = saved_bytes(block, values)
             self.held[key] = (index, leaf, out, nbytes)
             return out.detach()
-        if key not in self.held or self.held[key][0] != index:
+        if key in self.held and self.held[key][0] != index:
+            raise Refused(f"a call of block {self.held[key][0]} came in its place: the recomputation ran block "
+                          f"{self.held[key][0]} where block {index}'s forward was, as a loop's "
+                          "lambda does when it reads the loop's variable late (bind the block when the function is "
+                          "made: a default argument, functools.partial, or the block itself)")
+        if key not in self.held:
             raise Refused(f"the backward of a call of block {index} whose activations the grader no longer holds: "
                           "its forward ran without gradients, or its graph was dropped before this backward")
         _, leaf, out, _ = self.held.pop(key)

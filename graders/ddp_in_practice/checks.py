@@ -98,7 +98,7 @@ def _require_same_weights(check: str, states: list[dict], where: str, hint: str)
 # --- part 1: a global evaluation metric ---------------------------------------------------------
 
 
-def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
+def check_evaluate(evaluate, *, world_size=3, n=11, batch_size=2, seed=0):
     """evaluate() returns, on every rank, the accuracy over the whole dataset (1e-6), and each rank's
     model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them; called
     again on the same inputs with new labels, each rank's share labelled by that rank alone (each rank's copy
@@ -124,13 +124,17 @@ def check_evaluate(evaluate, *, world_size=3, n=10, batch_size=2, seed=0):
     whole = [r for r, k in enumerate(counts) if k > share]
     if whole:
         everything = [r for r in whole if set(obs[r]["seen"]) == set(range(n))]
+        seen = [i for o in obs for i in o["seen"]]
+        uneven = len(seen) == len(set(seen)) == n  # each sample once: the shares are only unbalanced
         raise CheckFailed(check, f"{checks.rank_list(whole)} evaluated more than one rank's share of the data "
                           f"({where})",
                           ranks=whole, expected=f"at most {share} samples per rank (ceil({n}/{world_size}))",
                           got=f"samples evaluated per rank: {counts}",
                           hint=("every rank evaluated the whole dataset: give each rank its own part, e.g. "
                                 "Subset(dataset, range(rank, len(dataset), world_size)), then all_reduce the counts"
-                                if everything else "evaluate each sample on one rank only, then all_reduce the counts"))
+                                if everything else f"balance the shares: {n} samples over {world_size} ranks "
+                                f"leave at most {share} to a rank (a strided split, or blocks of {share})" if uneven
+                                else "evaluate each sample on one rank only, then all_reduce the counts"))
     missing = sorted(set(range(n)) - {i for o in obs for i in o["seen"]})
     if missing:
         raise CheckFailed(check, f"{len(missing)} sample(s) were evaluated on no rank ({where})",

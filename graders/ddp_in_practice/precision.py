@@ -372,6 +372,16 @@ def _judge_clipped(check, obs, call, order, shapes, max_norm, where):
             hint = ("compute the norm after DDP's all-reduce, from the synced gradients of every parameter (the same "
                     "on every rank): a norm taken earlier, or of this rank's own gradients, gives each rank its own "
                     "factor (clip_grad_norm_ after the last backward does it right)")
+            world_size, k = len(obs), c["forwards"]
+            for times, named, why in (
+                    (world_size ** 0.5, "the synced gradients' norm summed over the ranks once more",
+                     f"after DDP's all-reduce every rank holds the same gradients, so summing their squares over the "
+                     f"ranks counts them {world_size} times: the local norm of the synced gradients is the global one"),
+                    (k, f"{k} x the gradient", f"the micro-batches' losses were summed and clipped, then divided by {k}:"
+                     " scale the loss (or the gradients) first, then clip")):
+                if times > 1 and abs(applied - clip_factor(norm * times, max_norm)) <= 1e-3 * max(applied, 1e-12):
+                    problem, hint = f"the clip factor is that of {named} ({where})", why
+                    break
         raise CheckFailed(check, problem, ranks=[rank],
                           expected=f"in call {call + 1}, the all-reduced gradient (norm {norm:.4g}) times "
                           f"min(1, {max_norm:g} / norm) = {want:.4g}",

@@ -394,9 +394,13 @@ def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
     return c if (got - c * want).abs().max().item() <= ATOL * max(1.0, abs(c)) + 1e-4 * scale * abs(c) else None
 
 
-def _explain_values(got, want, local, world_size, n_micro, what: str) -> tuple[str, str]:
+def _explain_values(got, want, local, world_size, n_micro, what: str, so_far=None) -> tuple[str, str]:
     """(what was given, what to try) for gradient values ``got`` that should be ``want`` (``local``: the rank's own
-    gradient, not averaged)."""
+    gradient, not averaged; ``so_far``: under stage 2, the sum of this and the step's earlier micro-batches' shares)."""
+    if so_far is not None and _close(got, so_far):
+        return (f"{what}: the sum of this and the earlier micro-batches' gradients (.grad kept theirs)",
+                "stage 2 hands over each micro-batch's own gradient: .grad accumulates over backward passes, so zero "
+                "it before each micro-batch's backward")
     if local is not None and _close(got, local):
         return (f"{what}: this rank's own gradient, not averaged over the ranks",
                 "reduce the gradient over the ranks (a sum, divided by world_size) before handing it to the "
@@ -470,7 +474,8 @@ def check_zero_gradients(zero_step, stage: int = 1, **config) -> None:
                     continue
                 what = (f"the gradient given in step {t + 1}" if stage == 1 else
                         f"the gradient given after micro-batch {k + 1} of step {t + 1}")
-                said, hint = _explain_values(got, want, local, world_size, n_micro, what)
+                so_far = sum(wants[:k + 1]) if stage == 2 and k > 0 else None
+                said, hint = _explain_values(got, want, local, world_size, n_micro, what, so_far)
                 expected = ("the step's gradient: the mean loss over every micro-batch of every rank" if stage == 1
                             else f"micro-batch {k + 1}'s gradient averaged over the ranks, divided by {n_micro}")
                 raise CheckFailed(check, f"rank {r}'s partition was given the wrong gradient ({step_words}, "
