@@ -170,12 +170,14 @@ def test_a_non_differentiable_exchange_loses_the_gradients_only():
 def test_a_capacity_counted_per_rank_is_named():
     fails(ep.check_moe_outputs, capacity_per_rank, "[rank 1]", "tokens past their expert's capacity got an output",
           "rank 0's first")
-    fails(ep.check_moe_dispatch, capacity_per_rank, "more than its capacity 4")
+    fails(ep.check_moe_dispatch, capacity_per_rank, "more than its capacity 4", "none past the capacity on its own",
+          "shared by all the ranks' tokens")
+    fails(ep.check_moe_gradients, capacity_per_rank, "the outputs differ already", "make the outputs right first")
 
 
 def test_forgotten_gates_lose_outputs_and_gradients_not_dispatch():
     fails(ep.check_moe_outputs, ungated, "[rank 0]", "without the gate weights")
-    fails(ep.check_moe_gradients, ungated, "gradients differ from one process's")
+    fails(ep.check_moe_gradients, ungated, "gradients differ from one process's", "the outputs differ already")
     ep.check_moe_dispatch(ungated)
 
 

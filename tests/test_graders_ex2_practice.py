@@ -755,6 +755,13 @@ def test_the_checkpoint_needs_map_location_without_a_gpu(tmp_path):
     assert torch.load(io.BytesIO(buffer.getvalue()))["w"].device.type == "cpu"
 
 
+def load_onto_cuda(ckpt_path, ddp_model, device):
+    """Right on a GPU machine only (after set_device, "cuda" is the rank's GPU): a CPU has none to map to."""
+    checkpoint = torch.load(ckpt_path, map_location="cuda")
+    ddp_model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["epoch"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_load_checkpoint():
@@ -765,6 +772,8 @@ def test_check_load_checkpoint():
     ex2p.check_load_checkpoint(load_with_a_dict)
     fails(ex2p.check_load_checkpoint, load_without_map_location, "[ranks 0, 1]", "on cuda:0, where rank 0 saved them",
           "expected: on each rank's device (rank 0: cpu) or on the CPU", "map_location=device")
+    fails(ex2p.check_load_checkpoint, load_onto_cuda, "[ranks 0, 1]", "torch.load failed on ranks 0, 1",
+          "map_location=device), with the device the function is given", "a fixed 'cuda' fails where there is no GPU")
     fails(ex2p.check_load_checkpoint, load_into_the_wrapper, "Missing key(s)", "ddp_model.module.load_state_dict")
     fails(ex2p.check_load_checkpoint, load_not_strict, "does not hold the saved weights", "strict=False")
     fails(ex2p.check_load_checkpoint, load_no_epoch, "did not return the saved epoch", "expected: 5",

@@ -559,12 +559,15 @@ def check_load_checkpoint(load_checkpoint, *, world_size=2, seed=0):
         o = obs[misplaced[0]]
         got = (f"rank {misplaced[0]}: torch.load failed: {o['error']}" if o["error"] else
                f"rank {misplaced[0]} restored them on {', '.join(o['restored'])}")
-        raise CheckFailed(check, f"torch.load put the checkpoint's tensors on {SAVED_FROM}, where rank 0 saved "
-                          f"them, not on each rank's device ({where})", ranks=misplaced,
+        failed = [r for r in misplaced if obs[r]["error"] and SAVED_FROM not in obs[r]["restored"]]
+        raise CheckFailed(check, (f"torch.load failed on {checks.rank_list(failed)} ({where})" if failed else
+                                  f"torch.load put the checkpoint's tensors on {SAVED_FROM}, where rank 0 saved them, "
+                                  f"not on each rank's device ({where})"), ranks=misplaced,
                           expected=f"on each rank's device (rank {misplaced[0]}: {o['device']}) or on the CPU",
-                          got=got, hint="torch.load(ckpt_path, map_location=device): without map_location every "
-                          "rank loads onto the GPU the file was saved from (here one this rank does not have; on a "
-                          "GPU machine, all ranks would fill GPU 0)")
+                          got=got, hint="torch.load(ckpt_path, map_location=device), with the device the function is "
+                          "given (right on a GPU's machine and a CPU's alike): without map_location every rank loads "
+                          "onto the GPU the file was saved from (here one this rank does not have; on a GPU machine, "
+                          "all ranks would fill GPU 0), and a fixed 'cuda' fails where there is no GPU")
     elsewhere = [r for r, o in enumerate(obs) if o["on"] != [o["device"]]]
     if elsewhere:
         o = obs[elsewhere[0]]

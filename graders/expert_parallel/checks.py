@@ -160,11 +160,17 @@ def check_moe_gradients(moe_layer, **config) -> None:
                               "history. torch.distributed.nn.functional.all_to_all_single is (its backward runs the "
                               "reverse exchange); use it for the tokens going out and their outputs coming back")
         if (grad - want).abs().max().item() > ATOL:
+            y, y_want = obs["y"], ref["outputs"][r]
+            outputs_wrong = not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(y_want.shape) or \
+                (y - y_want).abs().max().item() > ATOL
             raise CheckFailed(check, f"rank {r}'s tokens' gradients differ from one process's ({where})", ranks=[r],
                               expected="x.grad of sum(y * w) in one process",
-                              got=f"max difference {(grad - want).abs().max().item():.3g}",
-                              hint="the gradient must travel back the way the tokens came: every exchange of the "
-                              "forward, differentiable, with the gates applied where the outputs are combined")
+                              got=f"max difference {(grad - want).abs().max().item():.3g}"
+                              + (" (the outputs differ already: check_moe_outputs says how)" if outputs_wrong else ""),
+                              hint="make the outputs right first (check_moe_outputs): the gradients follow the forward"
+                              if outputs_wrong else "the gradient must travel back the way the tokens came: every "
+                              "exchange of the forward, differentiable, with the gates applied where the outputs are "
+                              "combined")
     for e, (held, want) in enumerate(zip(seen["held"]["modules"], ref["expert_grads"])):
         got = {k: v if v is not None else torch.zeros_like(want[k]) for k, v in held["grads"].items()}
         diff = max((got[k] - want[k]).abs().max().item() for k in want)
@@ -210,10 +216,17 @@ def check_moe_dispatch(moe_layer, **config) -> None:
                               expected=f"the tokens routed to expert {e}, as they are", got=detail,
                               hint="send the tokens themselves to the experts' ranks (and nothing else as tokens)")
         if len(given) > capacity:
+            from_each = [sum(1 for g in given if g[0] == r) for r in range(world_size)]
+            per_rank_rule = max(from_each) <= capacity  # no rank sent more than the capacity, the ranks together did
             raise CheckFailed(check, f"expert {e} was given {len(given)} tokens, more than its capacity {capacity} "
-                              f"({where})", ranks=[owner], expected=f"at most {capacity}: {want}", got=detail,
+                              f"({where})", ranks=[owner], expected=f"at most {capacity}: {want}", got=detail
+                              + (f" ({from_each} from ranks 0 to {world_size - 1}: none past the capacity on its own)"
+                                 if per_rank_rule else ""),
                               hint="drop a token past its expert's capacity BEFORE sending it: an overloaded expert "
-                              "must not spend compute on tokens whose output is zero")
+                              "must not spend compute on tokens whose output is zero" + (
+                                  "; and the capacity is shared by all the ranks' tokens, rank 0's first: a rank needs "
+                                  "the counts the lower ranks send each expert (a collective) to know which of its own "
+                                  "fit" if per_rank_rule else ""))
         extra = [g for g in given if g not in routed]
         raise CheckFailed(check, f"expert {e} was not given the tokens the rule gives it ({where})", ranks=[owner],
                           expected=f"{want}: the first {capacity} routed to it, rank 0's first", got=detail,
