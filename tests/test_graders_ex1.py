@@ -252,6 +252,15 @@ fails = submissions.fails
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def shard_like_the_sampler(batch, rank, world_size):
+    """Wrong here: DistributedSampler's rule (strided, the batch padded with its first rows to a multiple of
+    world_size), so a row lands on two ranks."""
+    n = len(batch)
+    total = -(-n // world_size) * world_size
+    order = (list(range(n)) * 2)[:total]
+    return batch[order[rank:total:world_size]]
+
+
 def test_check_shards():
     ex1.check_shards(shard_batch)
     ex1.check_shards(shard_strided, world_sizes=(4,), batch_sizes=(16, 10, 13))
@@ -260,6 +269,8 @@ def test_check_shards():
     ex1.check_shards(shard_numpy_indices, world_sizes=(3,), batch_sizes=(7, 2))
     fails(ex1.check_shards, shard_drop_remainder, "on no rank", "remainder")
     fails(ex1.check_shards, shard_overlap, "overlap", "rank")
+    fails(ex1.check_shards, shard_like_the_sampler, "overlap", "as DistributedSampler pads", world_sizes=(3,),
+          batch_sizes=(10,))
     fails(ex1.check_shards, shard_stub, "not written yet")
 
 

@@ -115,7 +115,11 @@ def check_shards(shard_batch, *, world_sizes=(2, 3), batch_sizes=(12, 10, 7)):
                 f"e.g. row {i} is on {checks.rank_list(ranks)}", ranks=sorted({r for rs in shared.values() for r in rs}),
                 expected="each row on exactly one rank",
                 got=f"shard sizes {[len(s) for s in shards]}, rows per rank {[_ids(s) for s in shards]}",
-                hint="rank r's shard must start where rank r-1's ends: start = sum of the sizes of the earlier shards",
+                hint=("the same row on two ranks and no row missing: padding, as DistributedSampler pads a batch "
+                      "that does not divide evenly (repeating rows so every rank gets as many); here the shards may "
+                      "differ in size by one, and each row is on one rank only" if len(owners) == n else
+                      "rank r's shard must start where rank r-1's ends: start = sum of the sizes of the earlier "
+                      "shards"),
             )
         missing = sorted(set(range(n)) - set(owners))
         if missing:
