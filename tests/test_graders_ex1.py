@@ -456,14 +456,18 @@ class _BothWays(torch.autograd.Function):
         return grad
 
 
+def _mean_over_ranks(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
 class _BothWaysDivided(_BothWays):
     """The same, with the backward's sum divided by the world size: right numbers, a needless all-reduce."""
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad / dist.get_world_size()
+        return _mean_over_ranks(grad)
 
 
 class _TPMLP(torch.nn.Module):
@@ -493,9 +497,7 @@ class _MeanOut(_SumOut):
 
     @staticmethod
     def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x / dist.get_world_size()
+        return _mean_over_ranks(x)
 
 
 class _MeanIn(torch.autograd.Function):
@@ -507,9 +509,7 @@ class _MeanIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad / dist.get_world_size()
+        return _mean_over_ranks(grad)
 
 
 class _BiasShares(torch.nn.Module):
