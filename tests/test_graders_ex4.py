@@ -24,6 +24,7 @@ import torch
 import graders.common.torchrun_model as ex4_model
 import graders.torchrun.checks as ex4
 import graders.torchrun.destroy as ex4_destroy
+import graders.torchrun.restart as ex4_restart
 from course.checks import torchrun
 from course.launcher.torchrun import runner
 from course.launcher.torchrun.workers import ZYGOTE_NAME
@@ -210,7 +211,7 @@ def test_unwritten_and_broken_scripts_fail_at_once_without_a_launch(tmp_path):
     released = tmp_path / "released.py"  # the student's copy: the given part, nbgrader's stub at module level, the entry
     released.write_text(given + "# YOUR CODE HERE\nraise NotImplementedError()\n" + entry)
     start = time.monotonic()
-    for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4.check_restart_resume, {}), (ex4_destroy.check_destroy, {}),
+    for check, kwargs in ((ex4.check_standalone_ranks, {}), (ex4_restart.check_restart_resume, {}), (ex4_destroy.check_destroy, {}),
                           (ex4.check_checkpoint_rank0, HIDDEN), (ex4.check_ddp_training, HIDDEN),
                           (ex4.check_multinode_ranks, HIDDEN)):
         fails(check, str(stub), "train.py is not written yet", "raise NotImplementedError()", **kwargs)
@@ -296,7 +297,7 @@ def test_check_destroy_sees_the_default_group_left_not_a_call(tmp_path):
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys):
     script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
-    run = ex4.try_restart(script, **HIDDEN)
+    run = ex4_restart.try_restart(script, **HIDDEN)
     out = capsys.readouterr().out
     assert run.crash == (0, 3) and run.layout == (1, 1) and run.world_size == 2
     assert "the 2-node restart run (two torchrun agents, --nnodes=2" in out, out
@@ -309,12 +310,12 @@ def test_try_restart_prints_what_each_rank_did_in_each_attempt(tmp_path, capsys)
     # off by one: resumed at the saved epoch 0 again, so 8 steps instead of 6, and the weights are wrong
     assert "rank 1: loaded the checkpoint, 8 optimizer step(s)" in out, out
     assert "final.pt: differs from a run resumed from the checkpoint (the grader shifted its weights) by" in out, out
-    fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3",
+    fails(ex4_restart.check_restart_resume, script, "rank 0 was killed after its optimizer step 3",
           "trained 8 steps: it started from epoch 0 again", "(6 steps)", "saved epoch + 1", **HIDDEN)
     with pytest.raises(ValueError, match="middle of an epoch"):
-        ex4.try_restart(script, crash_step=4)  # an epoch's last step races with its checkpoint
+        ex4_restart.try_restart(script, crash_step=4)  # an epoch's last step races with its checkpoint
     with pytest.raises(ValueError, match="one of the 2 ranks"):
-        ex4.try_restart(script, crash_rank=2, crash_step=3, layout=(1, 1))
+        ex4_restart.try_restart(script, crash_rank=2, crash_step=3, layout=(1, 1))
     # the resume's mistake only: the hidden variants of the other cells read this same run, and pass
     for check in (ex4.check_standalone_ranks, ex4.check_checkpoint_rank0, ex4.check_atomic_checkpoint,
                   ex4.check_ddp_training, ex4_destroy.check_destroy, ex4.check_multinode_ranks):
@@ -335,7 +336,7 @@ def test_check_atomic_checkpoint_wants_the_temporary_file_next_to_the_checkpoint
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
     script = write_script(tmp_path, ('first_epoch = saved["epoch"] + 1', 'first_epoch = saved["epoch"]'))
-    fails(ex4.check_restart_resume, script, "final weights differ from a 2-rank run resumed from the checkpoint",
+    fails(ex4_restart.check_restart_resume, script, "final weights differ from a 2-rank run resumed from the checkpoint",
           "trained 6 steps, not 4", "off by one")
     ex4.check_standalone_ranks(script)
 
@@ -344,9 +345,9 @@ def test_check_restart_resume_catches_an_off_by_one_resume(tmp_path):
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_check_restart_resume_catches_a_forgotten_optimizer_state(tmp_path):
     script = write_script(tmp_path, ('        optimizer.load_state_dict(saved["optimizer"])\n', ""))
-    fails(ex4.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
+    fails(ex4_restart.check_restart_resume, script, "final weights differ", "restore the optimizer state too")
     # the hidden crash: the lost momentum is the resume's mistake, not the gradient averaging's
-    fails(ex4.check_restart_resume, script, "rank 0 was killed after its optimizer step 3", "final weights differ",
+    fails(ex4_restart.check_restart_resume, script, "rank 0 was killed after its optimizer step 3", "final weights differ",
           **HIDDEN)
     ex4.check_ddp_training(script, **HIDDEN)
 
@@ -395,7 +396,7 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
     monkeypatch.setattr(runner, "STRANDED_AFTER", STRANDED_AFTER)  # the runner reads it: a wait spent idle
     script = write_script(tmp_path, ("ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
                                      "ddp_model = model"))
-    run = ex4.try_restart(script, **HIDDEN)
+    run = ex4_restart.try_restart(script, **HIDDEN)
     if run.ok:
         # torchrun's race: rank 1's agent saw rank 0's agent ask for a new round before its own worker had
         # finished, and restarted it too; the job ended, and its weights name the mistake
@@ -405,7 +406,7 @@ def test_the_hidden_ddp_variant_catches_gradients_never_averaged_after_the_crash
     fails(ex4.check_ddp_training, script, "ranks 0, 1 did not average gradients with the other ranks",
           "all-reduced 0 values in 3 optimizer steps", "wrap the model in DDP", **HIDDEN)
     assert run.stranded and run.elapsed < runner.STRANDED_AFTER + 30, run.elapsed
-    fails(ex4.check_restart_resume, script, "the 2-node restart run", "never ended",
+    fails(ex4_restart.check_restart_resume, script, "the 2-node restart run", "never ended",
           "the torchrun agents went on waiting for each other", "did not wait on it", **HIDDEN)
 
 
@@ -900,7 +901,7 @@ def test_a_forged_probe_record_cannot_pass_an_in_place_checkpoint(tmp_path):
          "    torch.save(state, tmp_path)\n"
          "    os.replace(tmp_path, ckpt_path)  # atomic: a reader sees the old checkpoint or the new one, never half\n",
          forge))
-    run = ex4.try_restart(script)
+    run = ex4_restart.try_restart(script)
     assert run.files is not None, run.files_problem  # Linux: the kernel's account is there
     assert any(e["event"] == "rename" and e.get("dst") == run.ckpt_path for w in run.workers for e in w.events)
     from graders.torchrun.probe import atomic_from_the_probe
@@ -908,7 +909,7 @@ def test_a_forged_probe_record_cannot_pass_an_in_place_checkpoint(tmp_path):
     atomic_from_the_probe("check_atomic_checkpoint", run, "ckpt.pt", "")  # the forged record alone would pass
     fails(ex4.check_atomic_checkpoint, script, "wrote the checkpoint in place", "'ckpt.pt' itself was",
           crash_rank=ex4.CRASH_RANK, crash_step=ex4.CRASH_STEP, layout=ex4.RESTART_WORKERS)
-    ex4.check_restart_resume(script)  # the training itself is right
+    ex4_restart.check_restart_resume(script)  # the training itself is right
 
 
 #: Forgery (issue 37): after the restart the script reads only the epoch from the checkpoint (so the probe sees a
@@ -939,7 +940,7 @@ REPLAYED = (
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
 def test_training_replayed_by_hand_instead_of_resumed_loses_the_resume(tmp_path):
     script = write_script(tmp_path, REPLAYED)
-    run = ex4.try_restart(script)
+    run = ex4_restart.try_restart(script)
     assert run.crash_note is not None  # the grader shifted the checkpoint's weights while the job was down
     restarted = [w for w in run.attempt(1) if w.rank == 0][0]
     assert any(e.get("path") == run.ckpt_path for e in restarted.of("load"))  # the probe saw a load
@@ -948,7 +949,7 @@ def test_training_replayed_by_hand_instead_of_resumed_loses_the_resume(tmp_path)
     # worker, the other rank's batches as get_batch gives them there (without that worker's secret offset)
     _, last = ex4.secrets_of(run.forks, 2)
     assert ex4.compare_weights(run.final, ex4.replayed_by_hand(2, 2, last)) <= ex4.ATOL
-    fails(ex4.check_restart_resume, script, "never resumed from the checkpoint", "recomputed the epochs",
+    fails(ex4_restart.check_restart_resume, script, "never resumed from the checkpoint", "recomputed the epochs",
           "never recompute the epochs before it")
     # the recomputed epochs are no DDP training either (rank 1's batches computed in rank 0)
     fails(ex4.check_ddp_training, script, "differ from a 2-rank DDP run that resumed as this one did",
@@ -1033,7 +1034,7 @@ def test_several_writers_with_the_probe_rewritten_fail_check_checkpoint_rank0(tm
     for check in (ex4.check_multinode_ranks, ex4.check_atomic_checkpoint, ex4.check_ddp_training, ex4_destroy.check_destroy):
         check(script)
     for check in (ex4.check_standalone_ranks, ex4.check_multinode_ranks, ex4.check_atomic_checkpoint,
-                  ex4.check_ddp_training, ex4.check_restart_resume, ex4_destroy.check_destroy):
+                  ex4.check_ddp_training, ex4_restart.check_restart_resume, ex4_destroy.check_destroy):
         check(script, **HIDDEN)
 
 
@@ -1088,3 +1089,77 @@ def test_the_kernels_count_of_commits_alone_catches_the_rewritten_probe(tmp_path
     runner._CACHE.update(reference_graded.runs)  # the launcher's memo: the check judges that same run
     ex4.check_checkpoint_rank0(reference_graded.script, **HIDDEN)
     assert runner._CACHE[hidden[0]] is run
+
+
+# --- found by a hunt with unusual scripts (2026-12-07) ------------------------------------------------------------
+
+#: right: rank 0 alone reads the checkpoint and broadcasts it; every rank restores it with torch's
+#: distributed-checkpoint helpers (set_state_dict makes the optimizer's state with one step at learning rate 0)
+READ_ONCE_AND_BROADCAST = '''
+import json
+import os
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main(args):
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    with open(os.path.join(args.out, f"report-{os.getpid()}.json"), "w") as fh:
+        json.dump({"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]), "world_size": world_size}, fh)
+    device = torch.device("cpu")
+    model, optimizer = make_model_and_optimizer(device)
+    ddp_model = DDP(model)
+    holder = [torch.load(args.ckpt, map_location="cpu") if rank == 0 and os.path.exists(args.ckpt) else None]
+    dist.broadcast_object_list(holder, src=0)  # one reader, not world_size of them
+    start = 0
+    if holder[0] is not None:
+        set_state_dict(ddp_model, optimizer, model_state_dict=holder[0]["model"],
+                       optim_state_dict=holder[0]["optim"])
+        start = holder[0]["next_epoch"]
+    try:
+        for epoch in range(start, EPOCHS):
+            train_epoch(ddp_model, optimizer, rank, epoch, device)
+            model_sd, optim_sd = get_state_dict(ddp_model, optimizer)  # the model's own keys
+            if rank == 0:
+                tmp = args.ckpt + ".tmp"
+                torch.save({"model": model_sd, "optim": optim_sd, "next_epoch": epoch + 1}, tmp)
+                os.replace(tmp, args.ckpt)
+        if rank == 0:
+            torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
+    finally:
+        dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_checkpoint_read_by_rank_0_and_broadcast_resumes_right(tmp_path):
+    """Only rank 0 reads the checkpoint (the others get it by broadcast), and set_state_dict's step at learning rate
+    0 is no training step: both once failed right scripts (the restart check wanted every rank to read the file,
+    the gradient-averaging check counted the zero step as one without an all-reduce)."""
+    given, entry = given_parts()
+    path = tmp_path / "train.py"
+    path.write_text(given + READ_ONCE_AND_BROADCAST.strip("\n") + "\n" + entry)
+    restart = {"crash_rank": ex4.CRASH_RANK, "crash_step": ex4.CRASH_STEP, "layout": ex4.RESTART_WORKERS}
+    ex4_restart.check_restart_resume(str(path))
+    ex4.check_ddp_training(str(path), **restart)  # the same launch, judged for the averaging
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_wrappers_state_dict_and_a_checkpoint_saved_once_more_are_named(tmp_path):
+    """final.pt saved from the DDP wrapper ('module.' keys: the given model cannot load it) once passed, its prefix
+    taken off by the launcher; a checkpoint saved once more after the loop was blamed on the other ranks."""
+    script = write_script(
+        tmp_path,
+        ('    if rank == 0:\n        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))\n',
+         '    if rank == 0:\n        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), '
+         '"epoch": EPOCHS - 1}, args.ckpt)\n'
+         '        torch.save(ddp_model.state_dict(), os.path.join(args.out, "final.pt"))\n'))
+    fails(ex4.check_ddp_training, script, "[rank 0]", "final.pt holds the DDP wrapper's state dict",
+          "'module.' prefix", "ddp_model.module.state_dict()")
+    fails(ex4.check_checkpoint_rank0, script, "[rank 0]", "rank 0 put the checkpoint ('ckpt.pt') in place",
+          "rank 0's record lists", "not again after the loop")

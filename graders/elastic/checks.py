@@ -99,6 +99,12 @@ LR_RTOL = 1e-6  # a learning rate computed in another order (LR * 2 / 3, LR / 3 
 HIDDEN_NODES, HIDDEN_LEAVE_STEP = (1, 2, 1), 1
 
 
+def _unwrapped(final):
+    """final.pt's weights under the model's own names (a DDP wrapper's 'module.' prefix taken off: this part judges
+    what was trained, not how the file names it)."""
+    return {k.removeprefix("module."): v for k, v in final.items()} if isinstance(final, dict) else final
+
+
 def _vet(check: str):
     def vet(source: str) -> None:
         checks.require_written_source(check, source, "elastic.py", names=("main",))
@@ -473,7 +479,7 @@ def check_elastic_grow(script: str = "elastic.py", nodes: tuple[int, int, int] =
         _require_loads(check, story, grown, f"the grown job ({_workers(grown.world_size)}, round {grown.number}, "
                        f"nodes {grown.nodes})", "node C joined", "then the job did not finish")
     torchrun.require_ok(check, story.run)
-    final = story.run.final
+    final = _unwrapped(story.run.final)
     if not isinstance(final, dict):
         raise CheckFailed(check, "rank 0 did not write the final weights to OUT/final.pt"
                           + (f" ({final})" if final else ""), ranks=[0],
@@ -519,7 +525,7 @@ def try_elastic(script: str = "elastic.py", nodes: tuple[int, int, int] = (2, 1,
     print(_table(story))
     grown = story.grown
     if isinstance(run.final, dict) and grown is not None and story.replay.get(grown.number):
-        diff = distance(story.replay[grown.number], run.final, len(grown.batches))
+        diff = distance(story.replay[grown.number], _unwrapped(run.final), len(grown.batches))
         print("final.pt: " + ("not this model's keys and shapes" if diff is None else
                                f"max |diff| {diff:.3g} to a replay of the grown job's {len(grown.batches)} step(s) "
                                "from CKPT as the grader left it"))

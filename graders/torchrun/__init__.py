@@ -15,9 +15,9 @@ EXPORTS = {
     "check_ddp_training": "checks",
     "check_destroy": "destroy",
     "check_multinode_ranks": "checks",
-    "check_restart_resume": "checks",
+    "check_restart_resume": "restart",
     "check_standalone_ranks": "checks",
-    "try_restart": "checks",
+    "try_restart": "restart",
 }
 __all__ = sorted(EXPORTS)
 __getattr__, __dir__ = lazy(__name__, EXPORTS)

@@ -129,6 +129,16 @@ def _commits_beyond_one_writer(check: str, run: torchrun.Run, context: str) -> N
         if len(seen) > most:
             what = "the checkpoint" if path == run.ckpt_path else "the final weights"
             once = f"once after each of the {EPOCHS} epochs" if path == run.ckpt_path else "once, at the end"
+            mine = len([e for w in run.workers if w.rank == 0 for e in w.events
+                        if (e["event"] == "rename" and e.get("dst") == path) or (e["event"] == "save" and e.get("path") == path)])
+            if mine >= len(seen):  # rank 0's record accounts for every move: rank 0 wrote it too often (the verdict
+                # is the kernel's count either way; a record only names who)
+                raise CheckFailed(
+                    check, context + f"rank 0 put {what} ({name!r}) in place {len(seen)} times, where it belongs "
+                    f"{once} (at most {most})", ranks=[0], expected=f"{name!r} written {once}",
+                    got=f"the kernel saw {len(seen)} moves into place or writes of {name!r}; rank 0's record lists "
+                    f"{mine}", hint="save the checkpoint at the end of each epoch only (not again after the loop), "
+                    "and final.pt once, at the end")
             raise CheckFailed(
                 check, context + f"another process wrote {what} too: {name!r} {'was' if path == run.ckpt_path else 'were'} "
                 f"put in place {len(seen)} times, where rank 0 alone puts it there {once} (at most {most}; the other "
