@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 def predict_and_merge(rank, world_size, model, val_set, log, out_dir):
-    """Called by every rank after training: each rank predicts the classes of one contiguous chunk of the
-    validation set and writes them to `out_dir`; rank 0 merges the files into the validation accuracy it logs."""
+    """Called by every rank after training: rank r predicts the classes of its chunk of the validation set (chunks
+    of ceil(n / world_size) samples, in order) and saves them in `out_dir`; rank 0 logs the merged accuracy."""
     chunk = math.ceil(len(val_set) / world_size)
     mine = range(rank * chunk, min(len(val_set), (rank + 1) * chunk))
     if len(mine) == 0:
