@@ -128,7 +128,8 @@ UNDONE_WORK = {
                                         "        torch.save({")),
         ["metric"], ["the script logged 1 accuracies in 3 epochs", "after every epoch"]),
     "the accuracy under another key": (((_LOG_CALL, '        if rank == 0:\n            log({"epoch": epoch, "acc": accuracy})\n'),),
-                                       ["metric"], ["a log call had no 'accuracy' value", "keys ['acc', 'epoch']"]),
+                                       ["metric"], ["the script logged 0 accuracies in 3 epochs",
+                                                    "log calls with the keys ['acc', 'epoch']", "the key 'accuracy'"]),
     "the checkpoint saved under another name": (
         ((_SAVE, '        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()},\n'
                  '                   ckpt_path.replace(".pt", "-final.pt"))\n'),),
@@ -145,6 +146,8 @@ RULE_KEEPING = {
                                 '            logging.warning("epoch %d done", epoch)\n'
                                 '        warnings.warn("a warning is not a log line")  # every rank: Python\'s, not logging\n'),
         ("import logging\n", "import logging\nimport warnings\n")),
+    "rank 0 also logs the training loss, in a log call of its own": (
+        (_LOG_CALL, _LOG_CALL + '            log({"epoch": epoch, "train_loss": 0.5})\n'),),
     "rank 0 saves through a temporary file": (
         ("import torch\n", "import os\n\nimport torch\n"),
         ('        torch.save({"epoch": epochs, "model": ddp_model.module.state_dict()}, ckpt_path)\n',
