@@ -233,7 +233,10 @@ def _judge_steps(check, obs, n, batch_size, epochs, where) -> None:
                           ranks=[r for r, k in enumerate(counts) if k != epochs * per_epoch],
                           expected=f"{epochs} epochs x {per_epoch} batches = {epochs * per_epoch} steps per rank",
                           got=f"{counts}",
-                          hint="one optimizer step per batch: every epoch goes through every batch of the loader")
+                          hint="one optimizer step per batch: every epoch goes through every batch of the loader"
+                          if any(counts) else "no torch.optim optimizer stepped: the grader counts the steps of one "
+                          "(torch.optim.SGD(model.parameters(), lr=...) and its step()); weights updated by hand are "
+                          "not seen")
     for rank, o in enumerate(obs):
         for e in range(epochs):
             epoch_steps = o["steps"][e * per_epoch:(e + 1) * per_epoch]
