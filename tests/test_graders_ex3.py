@@ -195,6 +195,9 @@ BN_NOT_DIFFERENTIABLE = bn_class(BN_SOURCE, ("table = dist_fn.all_reduce(table)"
 BN_RELEASED = bn_class(BN_SOURCE[:BN_SOURCE.index("        channels = x.shape[1]\n")]
                        + "        # YOUR CODE HERE\n        raise NotImplementedError()\n")
 
+#: eps left out, and nn.BatchNorm's default written where self.eps belongs (the grader's layers take another)
+BN_NO_EPS = bn_class(BN_SOURCE, ("torch.rsqrt(var.reshape(view) + self.eps)", "torch.rsqrt(var.reshape(view))"))
+BN_EPS_HARD_CODED = bn_class(BN_SOURCE, ("torch.rsqrt(var.reshape(view) + self.eps)", "torch.rsqrt(var.reshape(view) + 1e-5)"))
 BN_CHECKS = (ex3.check_syncbn_output, ex3.check_syncbn_running_stats, ex3.check_syncbn_backward,
              ex3.check_syncbn_accuracy)
 
@@ -396,6 +399,15 @@ def test_correct_batchnorms_in_every_style_get_full_marks():
     for bn in (SyncBN, BN_GATHER, BN_FUNCTION, BN_TWO_PASS, BN_SUMS_FLOAT64):
         for check in BN_CHECKS:
             check(bn)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_layer_without_its_own_eps_loses_the_output():
+    for bn in (BN_NO_EPS, BN_EPS_HARD_CODED):
+        fails(ex3.check_syncbn_output, bn, "the output differs", "normalised without the layer's eps", "self.eps")
+    for check in BN_CHECKS[1:2]:  # the running statistics are not the output's (the backward waits for a right output)
+        check(BN_EPS_HARD_CODED)
 
 
 @pytest.mark.slow

@@ -94,6 +94,8 @@ _BN_MISTAKES = {
                      "(divided by n), use the unbiased one only for running_var",
     "swapped": "momentum was applied the wrong way round: nn.BatchNorm computes "
                "running = (1 - momentum) * running + momentum * batch_statistic",
+    "no_eps": "the output was normalised without the layer's eps (none, or nn.BatchNorm's default 1e-5 written "
+              f"in): divide by sqrt(var + self.eps), the layer's own (here {EPS:g})",
 }
 
 _HOW = ("combine the ranks' (count, mean, variance) per channel: n = sum n_i, mean = sum n_i mean_i / n, "
@@ -169,7 +171,7 @@ def _sanity(reference: list[dict]) -> None:
             for variant in _BN_MISTAKES:
                 wrong = _bn_variant(xs, rank, running, variant)
                 keys = {"unbiased_norm": (0,), "biased": (2,), "swapped": (1, 2), "within_only": (0, 2),
-                        "unweighted": (0, 2)}.get(variant, (0, 1))
+                        "unweighted": (0, 2), "no_eps": (0,)}.get(variant, (0, 1))
                 if any(_close(right[i], wrong[i]) for i in keys):
                     raise AssertionError(f"grader data cannot tell {variant} from right on rank {rank}")
 
