@@ -310,6 +310,27 @@ class SamplerLenOfDataset(ShardSampler):
         return self.n
 
 
+class SamplerLenIgnoringDropLast(ShardSampler):
+    """Wrong: len() ceil(n / W) whatever drop_last (the indices themselves right)."""
+
+    def __len__(self):
+        return -(-self.n // self.num_replicas)
+
+
+class SamplerCutBeforeShuffle(ShardSampler):
+    """Wrong: with drop_last the dataset is cut to a multiple of W first, then shuffled: the same samples are left
+    out in every epoch."""
+
+    def __iter__(self):
+        total = self.per_rank * self.num_replicas
+        kept = torch.arange(self.n)[:total] if total <= self.n else torch.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = kept[torch.randperm(len(kept), generator=g)].tolist()
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return iter(order[self.rank::self.num_replicas])
+
+
 class SamplerIgnoringDropLast(ShardSampler):
     def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False):
         super().__init__(dataset, num_replicas, rank, seed, False)
@@ -616,6 +637,10 @@ def test_each_sampler_mistake_loses_its_checks_with_a_message_naming_it():
                                                                       "__len__ must return"]})
     _sampler_fails(SamplerIgnoringDropLast, {ex2s.check_sampler_shards: ["drop_last=True", "[6, 6] indices per rank",
                                                                          "n // num_replicas"]})
+    _sampler_fails(SamplerLenIgnoringDropLast, {ex2s.check_sampler_training: [
+        "with drop_last=True, len() of the sampler is not the number of indices it yields", "len() = 5"]})
+    _sampler_fails(SamplerCutBeforeShuffle, {ex2s.check_sampler_shards: [
+        "the same indices are left out in every epoch", "in each of 6 epochs", "shuffle all n indices first"]})
     # a share of the wrong length is also a DDP run whose ranks take different numbers of steps: a hang
     _sampler_fails(SamplerWithoutPadding, {
         ex2s.check_sampler_shards: ["do not have the contract's length", "[4, 3] indices per rank", "pad"],

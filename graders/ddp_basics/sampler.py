@@ -51,6 +51,9 @@ _REAL = checks.REAL
 _TORCH_SAMPLER_FILE = os.path.join("torch", "utils", "data", "distributed.py")
 #: (dataset size, seed, drop_last) of the visible tests: sizes that do not divide by 2 or 3
 CASES = ((10, 0, False), (7, 3, False), (11, 5, True))
+#: epochs after the first two read with drop_last (6 in all): the same left-over indices in every one of them is a
+#: dataset cut before its shuffle (a shuffled order leaves the same ones out 6 times with odds below 1e-5 here)
+LEFTOVER_EPOCHS = 4
 _SIGNATURE = "ShardSampler(dataset, num_replicas=..., rank=..., seed=..., drop_last=...)"
 
 
@@ -248,6 +251,15 @@ def _make(Sampler, dataset, world_size, rank, seed, drop_last):
     return Sampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=drop_last)
 
 
+def _length(sampler):
+    """len(sampler) as an int, or what asking for it gave instead (a repr, an error's text)."""
+    try:
+        length = len(sampler)
+        return int(length) if int(length) == length else repr(length)
+    except Exception as exc:  # noqa: BLE001 - shown to the student
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
 def _indices(sampler) -> list:
     out = []
     for i in sampler:
@@ -285,12 +297,16 @@ def _contract_harness(rank, Sampler, cases, _spy=_TorchSamplerSpy, _collectives=
             for epoch in (0, 1):
                 sampler.set_epoch(epoch)
                 epochs.append(_indices(sampler))
+            more = []  # with drop_last, epochs enough to see whether the left-over indices change
+            for epoch in range(2, 2 + LEFTOVER_EPOCHS if drop_last else 2):
+                sampler.set_epoch(epoch)
+                more.append(_indices(sampler))
             torch.rand(5), random.random()  # the process's random state moves on; the sampler's order must not
             again = _make(Sampler, dataset, world_size, rank, seed, drop_last)
             again.set_epoch(1)
             other = _make(Sampler, dataset, world_size, rank, seed + 1000, drop_last)
             other.set_epoch(0)
-            out.append({"epochs": epochs, "again": _indices(again), "other_seed": _indices(other)})
+            out.append({"epochs": epochs, "again": _indices(again), "other_seed": _indices(other), "more": more})
     communicated = sorted({op for entry in _issued(_collectives) if entry not in before for op in entry[2:]})
     return {"cases": out, "torch_sampler": spy.seen or _used(), "communicated": communicated}
 
@@ -325,7 +341,14 @@ def _training_harness(rank, Sampler, n, batch_size, epochs, lr, seed, _spy=_Torc
                 F.mse_loss(ddp_model(x.to(dev)), y.to(dev)).backward()
                 optimizer.step()
             per_epoch.append([list(batch) for batch in seen])
-    return {"epochs": per_epoch, "lengths": lengths, "torch_sampler": spy.seen or _used()}
+        try:  # len() is asked with drop_last too (a sampler that cannot drop is check_sampler_shards' to fail)
+            dropping = _make(Sampler, dataset, world_size, rank, seed, True)
+            dropping.set_epoch(0)
+            drop_last_len = (_length(dropping), len(_indices(dropping)))
+        except Exception:  # noqa: BLE001
+            drop_last_len = (None, None)
+    return {"epochs": per_epoch, "lengths": lengths, "drop_last_len": drop_last_len,
+            "torch_sampler": spy.seen or _used()}
 
 
 # --- the verdicts ----------------------------------------------------------------------------------------
@@ -422,7 +445,26 @@ def check_sampler_shards(ShardSampler, *, world_sizes=(2, 3), cases=CASES):
                 shares = [v["cases"][c]["epochs"][epoch] for v in values]
                 _bad_values(check, shares, n, where)
                 _judge_shards(check, shares, n, drop_last, world_size, where, epoch)
+            if drop_last and n % world_size:
+                _judge_leftovers(check, [v["cases"][c]["epochs"] + v["cases"][c]["more"] for v in values], n, where)
     passed(check)
+
+
+def _judge_leftovers(check, epochs_per_rank, n, where) -> None:
+    """With drop_last, the n % num_replicas indices left out must change from epoch to epoch (they wait for another
+    epoch): the same ones every epoch is a dataset cut before its shuffle. Orders that never change are
+    check_sampler_order's to fail, not this check's."""
+    per_epoch = list(zip(*epochs_per_rank))  # each epoch: every rank's share
+    if len({tuple(map(tuple, shares)) for shares in per_epoch}) == 1:
+        return
+    left = [frozenset(range(n)) - {i for share in shares for i in share if isinstance(i, int)} for shares in per_epoch]
+    if len(set(left)) == 1:
+        raise CheckFailed(check, f"the same indices are left out in every epoch ({where})",
+                          ranks=range(len(epochs_per_rank)),
+                          expected="the n % num_replicas left over change from epoch to epoch, so that every sample is "
+                          "trained on in time", got=f"indices {sorted(left[0])} left out in each of {len(left)} epochs",
+                          hint="shuffle all n indices first, then drop the end of that order: a dataset cut before "
+                          "its shuffle never trains on the samples it cut")
 
 
 def _unpadded_heads(values, cases, world_size) -> list[list]:
@@ -532,6 +574,16 @@ def check_sampler_training(ShardSampler, *, world_sizes=(2,), n=9, batch_size=2,
                                   hint="__len__ must return the number of indices this rank's sampler yields "
                                   "(ceil(n / num_replicas) with padding, n // num_replicas with drop_last): the "
                                   "DataLoader's len, learning-rate schedules and progress bars rely on it")
+            dropping = [r for r, v in enumerate(values) if v["drop_last_len"][0] != v["drop_last_len"][1]]
+            if dropping:
+                r = dropping[0]
+                raise CheckFailed(check, f"with drop_last=True, len() of the sampler is not the number of indices it "
+                                  f"yields ({world_size} ranks, {n} samples)", ranks=dropping,
+                                  expected=f"{values[r]['drop_last_len'][1]} (what rank {r}'s sampler yields: "
+                                  f"{n} // {world_size})", got=f"len() = {values[r]['drop_last_len'][0]}",
+                                  hint="__len__ must return the number of indices this rank's sampler yields: "
+                                  "n // num_replicas with drop_last=True (the DataLoader's len and a loop's count of "
+                                  "steps come from it)")
             trained = [i for v in values for batch in v["epochs"][epoch] for i in batch]
             missing = sorted(set(range(n)) - set(trained))
             if missing:
