@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,9 @@ class RegressionDataset(Dataset):
 #: rank destroyed its group is settled through the store first, so a rank that kept its group never leaves its peers
 #: waiting in a rendezvous); a load-starved peer a few seconds late must not make a right cleanup lose
 REJOIN_TIMEOUT = 60
+#: seconds between the other ranks' starts of save_checkpoint, the last rank first: a rank 0 that takes the states in
+#: the order they arrive (a receive from any source) gets them reversed, every run, not now and then
+ARRIVAL_STAGGER = 0.3
 _REAL = checks.REAL  # torch's own functions, taken before any student code runs (the captured-torch guard)
 #: the CPU generator's functions, bound at import, before any student code runs (a payload that patches torch's names
 #: as it is unpickled cannot make the ranks' secret states predictable)
@@ -278,6 +282,8 @@ def _checkpoint_harness(rank, save_checkpoint, ckpt_path, workdir, seed, hold_li
     _SEED(int.from_bytes(_URANDOM(7), "little"))
     _DRAW(1 + _URANDOM(1)[0])
     rng = _RNG_STATE().clone()
+    if rank > 0:  # the last rank first, rank 1 last: states taken in order of arrival are out of rank order
+        time.sleep(ARRIVAL_STAGGER * (_world_size() - 1 - rank))
     hold.start()
     try:
         with checks.record_writes(before) as writes:
