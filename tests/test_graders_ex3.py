@@ -334,6 +334,63 @@ def load_consolidated(ckpt_dir, model):
     return torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True)
 
 
+def save_shard_through_a_temporary_file(optimizer, model, rank, ckpt_dir):
+    """Right: the shard written to a temporary file of the system's folder, then moved into ckpt_dir."""
+    import shutil
+    import tempfile
+
+    save, _ = shard_functions()
+    folder = tempfile.mkdtemp(prefix="ddp-course-test-shard-")
+    save(optimizer, model, rank, folder)
+    for name in os.listdir(folder):
+        shutil.move(os.path.join(folder, name), os.path.join(ckpt_dir, name))
+    os.rmdir(folder)
+
+
+def save_shard_with_dcp(optimizer, model, rank, ckpt_dir):
+    """Right: torch.distributed.checkpoint writes each rank's share (its planning exchanges a few kilobytes of
+    metadata, not the state)."""
+    import torch.distributed.checkpoint as dcp
+
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    flat = {f"state.{index[id(p)]}.{k}": v for p, s in optimizer.optim.state.items() for k, v in s.items()}
+    flat.update({f"hp.{rank}.{k}": v for k, v in optimizer.optim.param_groups[0].items() if k != "params"})
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(ckpt_dir))
+
+
+def load_shard_with_dcp(ckpt_dir, model):
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(tempfile.mkdtemp(prefix="ddp-course-test-dcp-"), "full.pt")
+    dcp_to_torch_save(ckpt_dir, out)
+    state, hyperparameters = {}, {}
+    for key, value in torch.load(out, weights_only=False).items():
+        kind, a, b = key.split(".", 2)
+        if kind == "state":
+            state.setdefault(int(a), {})[b] = value
+        else:
+            hyperparameters[b] = value
+    return {"state": state, "param_groups": [{**hyperparameters, "params": list(range(len(list(model.parameters()))))}]}
+
+
+def save_local_state_dict(optimizer, model, rank, ckpt_dir):
+    torch.save(optimizer.optim.state_dict(), os.path.join(ckpt_dir, f"optim-{rank}.pt"))
+
+
+def load_by_shape(ckpt_dir, model):
+    """Wrong: each saved state given to the model's parameter of the same shape (the model has several)."""
+    params = list(model.parameters())
+    state, group = {}, None
+    for name in sorted(os.listdir(ckpt_dir)):
+        saved = torch.load(os.path.join(ckpt_dir, name), weights_only=True)
+        group = saved["param_groups"][0]
+        for s in saved["state"].values():
+            state[next(i for i, p in enumerate(params) if p.shape == s["exp_avg"].shape)] = s
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+
+
 def save_shard_outside(optimizer, model, rank, ckpt_dir):
     """Each rank writes its shard in the system's temporary folder, not in ckpt_dir."""
     import tempfile
@@ -510,8 +567,14 @@ def test_check_shard_save_and_load():
     # the hyperparameters forgotten: Adam loads the state but its group has no learning rate
     bare = shard_functions(SHARD_SOURCE, ('[{**hyperparameters, "params": indices}]', '[{"params": indices}]'))
     fails(ex3.check_shard_load, bare[0], "param_groups: lr is None", load_full_state=bare[1])
-    fails(ex3.check_shard_save, save_shard_outside, "wrote outside ckpt_dir", "[ranks 0, 1, 2]", "os.path.join",
+    fails(ex3.check_shard_save, save_shard_outside, "left files outside ckpt_dir", "[ranks 0, 1, 2]", "os.path.join",
           load_full_state=load)
+    ex3.check_shard_save(save_shard_through_a_temporary_file, load_full_state=load)  # nothing left outside: right
+    for check in (ex3.check_shard_save, ex3.check_shard_load):  # DCP's metadata is no gather
+        check(save_shard_with_dcp, load_full_state=load_shard_with_dcp)
+    # the state matched to parameters by shape: the model has two 128 x 128 weights and three 128-long biases
+    ex3.check_shard_save(save_local_state_dict, load_full_state=load_by_shape)
+    fails(ex3.check_shard_load, save_local_state_dict, "not single-process Adam's", load_full_state=load_by_shape)
     # a right save read back by a broken loader (found by a mutation run: no test reached these): the save is judged
     # through the loader, so both cells fail, the save's message saying the loader failed and to fix it first
     misnamed = shard_functions(SHARD_SOURCE, ("os.path.join(ckpt_dir, name)", 'os.path.join(ckpt_dir, name + ".pt")'))

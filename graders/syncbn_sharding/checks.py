@@ -389,10 +389,11 @@ def check_shard_save(save_shard, load_full_state=None, world_size: int = 3, seed
                               "during the save: a sharded save communicates nothing or almost nothing",
                               got=f"rank {gathered[0]}'s collectives ({ops}) moved {obs['moved']:,} bytes",
                               hint="do not consolidate: each rank writes what its own local optimizer holds")
-        outside = [(r, [w for w in obs["writes"] if os.path.dirname(os.path.abspath(w)) != folder])
+        # files left outside ckpt_dir (a temporary file written elsewhere and moved into it is no such file)
+        outside = [(r, [w for w in obs.get("left", obs["writes"]) if os.path.dirname(os.path.abspath(w)) != folder])
                    for r, obs in enumerate(seen)]
         outside = [(r, paths) for r, paths in outside if paths]
-        expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} wrote outside ckpt_dir {where}",
+        expect(not outside, check, f"{checks.rank_list([r for r, _ in outside])} left files outside ckpt_dir {where}",
                ranks=[r for r, _ in outside], expected="every file of the checkpoint directly in ckpt_dir",
                got=f"rank {outside[0][0]} wrote {outside[0][1][0]}" if outside else None,
                hint="build every file name with os.path.join(ckpt_dir, ...)")

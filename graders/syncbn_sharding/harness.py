@@ -202,9 +202,12 @@ def _bn_sums(xs: list[torch.Tensor]):
 
 
 def _zero_model(seed: int = 3) -> nn.Module:
-    """Part 3's model: big enough that one rank's share of Adam's state is tens of kilobytes (a gather shows)."""
+    """Part 3's model: big enough that one rank's share of Adam's state is about a hundred kilobytes (a gather shows;
+    the few kilobytes of metadata torch.distributed.checkpoint's planning exchanges do not), with parameters of equal
+    shapes (two 128 x 128 weights, three 128-long biases: a loader that tells them apart by shape picks wrongly)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 48), nn.Tanh(), nn.Linear(48, 1))
+    return nn.Sequential(nn.Linear(48, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                         nn.Linear(128, 1))
 
 
 def _zero_batch(rank: int, step: int, seed: int):
@@ -311,6 +314,7 @@ def _zero_save_harness(rank: int, save_shard, folders: list[str], seed: int, non
             save_shard(optimizer, model, rank, folder)
         issued = [e for e in _collectives() if (e["group"], e["seq"], e["p2p"]) not in seen]
         rounds.append({"round": name, "writes": sorted({e["path"] for e in writes}),
+                       "left": sorted({e["path"] for e in writes if os.path.exists(e["path"])}),  # temporaries gone
                        "moved": sum(_entry_bytes(e) for e in issued), "ops": [e["op"] for e in issued]})
     held = [[i, key] for i, key, _ in share]
     return {"rounds": rounds, "held": held, "trained": trained, "decoys": decoys}

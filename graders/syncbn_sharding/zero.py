@@ -26,7 +26,7 @@ from course import checks
 from course.checks import CheckFailed, Mistake, stranded
 from graders.syncbn_sharding.harness import SAVE_ROUNDS, _zero_load_harness, _zero_reference, _zero_save_harness
 
-ZERO_ATOL = 1e-6
+ZERO_ATOL = 1e-5  # float32 sums of 128-wide layers over the ranks in another order: ~2e-6 measured; decoys are >= 1 away
 
 
 # =========================================================================== ZeRO: a sharded checkpoint
@@ -199,10 +199,12 @@ def _same_tensor(a, b) -> bool:
 
 def _decoy_expected(state: dict, held: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """``state`` (what Adam held after loading the trained checkpoint) with each tensor that is one of a rank's trained
-    tensors replaced by the decoy that rank held in the decoy save."""
+    tensors replaced by the decoy that rank held in the decoy save. Found by value (where the loader put it is
+    check_shard_load's to judge), and bit for bit: a file's tensor reads back exactly, while two parameters of one
+    shape may hold state within any tolerance of each other."""
     def swap(t):
         for trained, decoy in held:
-            if _same_tensor(t, trained):
+            if isinstance(t, torch.Tensor) and t.shape == trained.shape and torch.equal(t.float(), trained.float()):
                 return decoy
         return t
     return {i: {k: swap(v) for k, v in s.items()} for i, s in state.items()}
