@@ -188,6 +188,11 @@ BN_WITHIN_ONLY = bn_class(BN_SOURCE, ("(variances + (means - mean) ** 2)", "vari
 BN_EMPTY_NAN = bn_class(GATHER_SOURCE, ("        if n:\n", "        if True:\n"), ("        stats = stats[stats[:, -1] > 0]\n", ""))
 BN_EMPTY_RETURNS_EARLY = bn_class(BN_SOURCE, ("        n = per_channel.shape[1]\n",
                                               "        n = per_channel.shape[1]\n        if n == 0:\n            return x * 1\n"))
+#: the empty rank joins the forward's exchange and updates its statistics, then answers with fresh zeros: a right
+#: forward whose output has no graph there, so that rank's backward never joins the others'
+BN_EMPTY_FRESH_ZEROS = bn_class(BN_SOURCE, ("        view = [1, channels] + [1] * (x.dim() - 2)\n",
+                                            "        if x.shape[0] == 0:\n            return torch.zeros_like(x)\n"
+                                            "        view = [1, channels] + [1] * (x.dim() - 2)\n"))
 BN_BIASED_RUNNING_VAR = bn_class(BN_SOURCE, ("var * total / (total - 1)", "var"))
 BN_MOMENTUM_SWAPPED = bn_class(BN_SOURCE, ("buffer.mul_(1 - self.momentum).add_(self.momentum * batch_value)",
                                            "buffer.mul_(self.momentum).add_((1 - self.momentum) * batch_value)"))
@@ -494,7 +499,13 @@ def test_wrong_combinations_are_named():
         fails(check, BN_UNWEIGHTED, "plain average", "in proportion to its count")
     fails(ex3.check_syncbn_output, BN_WITHIN_ONLY, "spread of the ranks' means")
     fails(ex3.check_syncbn_output, BN_EMPTY_NAN, "NaN", "no samples", "count 0")
-    fails(ex3.check_syncbn_output, BN_EMPTY_RETURNS_EARLY, "lost its peers", "even one with an empty batch")
+    message = fails(ex3.check_syncbn_output, BN_EMPTY_RETURNS_EARLY, "even one with an empty batch")
+    assert "lost its peers" in message or "met a collective the others were not in" in message, message
+    # a right forward whose empty rank's output has no graph: the backward's check alone, naming that rank
+    for check in (ex3.check_syncbn_output, ex3.check_syncbn_running_stats):
+        check(BN_EMPTY_FRESH_ZEROS)
+    fails(ex3.check_syncbn_backward, BN_EMPTY_FRESH_ZEROS, "[rank 1]", "output has no autograd graph",
+          "a fresh torch.zeros_like(x) has no graph")
     fails(ex3.check_syncbn_backward, BN_NO_COMMUNICATION, "make check_syncbn_output pass first")
 
 

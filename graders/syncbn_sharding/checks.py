@@ -130,6 +130,11 @@ def _run_bn(check: str, bn_cls, accuracy: bool = False, hidden: bool = False):
                 "rank {rank} lost its peers inside a collective ({ws}-rank job)",
                 "every rank, even one with an empty batch, must call the same collectives in the same order "
                 "with the same tensor sizes"),
+        Mistake(lambda rank, text: "collective mismatch" in text or "doesn't match expected size" in text,
+                "rank {rank} met a collective the others were not in: the ranks called different collectives "
+                "({ws}-rank job)",
+                "every rank, even one with an empty batch, must call the same collectives in the same order "
+                "with the same tensor sizes (a rank that returns early skips the others' exchange)"),
     ]
     for ws, cases in (_BN_HIDDEN_CASES if hidden else _BN_CASES).items():
         job = checks.memo(check, ("bn", bn_cls, ws), lambda ws=ws, cases=cases: checks.run(
@@ -268,6 +273,16 @@ def check_syncbn_backward(bn_cls, hidden: bool = False) -> None:
         ref = reference[0]
         for rank, obs in enumerate(values):
             got = obs["steps"][0]
+            bare = [r for r, o in enumerate(values) if o["steps"][0].get("no_graph")]
+            if bare and _close(got["y"], ref["y"][rank]):
+                raise CheckFailed(check, f"{checks.rank_list(bare)}'s output has no autograd graph, so no backward ran "
+                                  f"({_where(ws, sizes, tail)}): that rank's backward would not join the others' "
+                                  "exchange, and they would wait for it forever", ranks=bare,
+                                  expected="on every rank, even one with an empty batch, an output computed from the "
+                                  "forward's exchange (an empty rank's output: x's empty slice of that computation)",
+                                  got=f"rank {bare[0]}'s output does not require grad",
+                                  hint="compute every rank's output the same way from the exchanged statistics (an "
+                                  "empty batch gives an empty output): a fresh torch.zeros_like(x) has no graph")
             if "backward_error" in got:
                 raise CheckFailed(check, f"backward through your forward failed ({_where(ws, sizes, tail)}): "
                                   f"{got['backward_error']}", ranks=[rank],
