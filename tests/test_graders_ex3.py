@@ -521,6 +521,9 @@ def test_running_statistics_and_gradient_mistakes_lose_only_their_check():
                 check(bn)
     ex3.check_syncbn_backward(BN_BIASED_RUNNING_VAR)
     ex3.check_syncbn_running_stats(BN_NOT_DIFFERENTIABLE)
+    for bn in (BN_BIASED_RUNNING_VAR, BN_MOMENTUM_SWAPPED):  # off far from zero as near it: no loss of precision
+        fails(ex3.check_syncbn_accuracy, bn, "and on data near zero too: not a loss of precision",
+              "check_syncbn_running_stats names how")
     started = time.monotonic()  # the released stub fails at once, without a job
     fails(ex3.check_syncbn_output, BN_RELEASED, "`CPUSyncBatchNorm` is not written yet (`CPUSyncBatchNorm.forward`)")
     assert time.monotonic() - started < 2

@@ -327,11 +327,19 @@ def check_syncbn_accuracy(bn_cls, hidden: bool = False) -> None:
                 bad = {k: e for k, e in worst.items() if e > ACCURACY_ATOL[k]}
                 if not bad:
                     continue
+                key = next(iter(bad))
+                near_zero = _right_near_zero(bn_cls, key)
                 named = ("right on data near zero (check_syncbn_output passes) but not here: precision is lost, "
                          "as when the variance is E[x^2] - E[x]^2 in float32, which subtracts two numbers near "
                          f"{offset ** 2:g} to get one near 1 while float32 keeps only about 7 digits"
-                         if _right_near_zero(bn_cls) else None)
-                key = next(iter(bad))
+                         if near_zero else None)
+                if not near_zero and key != "y" and _right_near_zero(bn_cls, "y"):
+                    raise CheckFailed(
+                        check, f"{key} after forward #{step + 1} is off by {bad[key]:.3g} from the float64 truth "
+                        f"({_where(ws, sizes, tail, offset)}), and on data near zero too: not a loss of precision",
+                        ranks=[rank], expected=f"within {ACCURACY_ATOL[key]:g} of nn.BatchNorm's update",
+                        got="max errors: " + ", ".join(f"{k} {e:.3g}" for k, e in worst.items()),
+                        hint="the running statistics' update itself is off: check_syncbn_running_stats names how")
                 raise CheckFailed(
                     check,
                     f"{key} after forward #{step + 1} is off by {bad[key]:.3g} from the float64 truth "
@@ -357,10 +365,11 @@ def _error(got: torch.Tensor, want: torch.Tensor, key: str) -> float:
     return float("inf") if bool(torch.isnan(diff).any()) else float(diff.max())
 
 
-def _right_near_zero(bn_cls) -> bool:
-    """Whether the outputs of the well-scaled cases (the same jobs, already run) match the reference."""
+def _right_near_zero(bn_cls, key: str = "y") -> bool:
+    """Whether ``key`` (the output, or a running statistic) of the well-scaled cases (the same jobs, already run)
+    matches the reference."""
     try:
-        return all(_close(obs["steps"][0]["y"], reference[0]["y"][rank])
+        return all(_close(obs["steps"][0][key], reference[0][key][rank] if key == "y" else reference[0][key])
                    for _, _, _, _, values, reference in _run_bn("check_syncbn_accuracy", bn_cls)
                    for rank, obs in enumerate(values))
     except CheckFailed:
