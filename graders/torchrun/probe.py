@@ -39,11 +39,11 @@ def writes_of(w: torchrun.Worker, run: torchrun.Run) -> list[str]:
     return found
 
 
-def commits_of(w: torchrun.Worker, run: torchrun.Run) -> list[dict]:
-    """The moments the checkpoint file was (re)placed: a rename onto it, or a save straight into it."""
+def commits_of(w: torchrun.Worker, run: torchrun.Run, path: str | None = None) -> list[dict]:
+    """The moments the checkpoint file (or ``path``) was (re)placed: a rename onto it, or a save straight into it."""
+    path = run.ckpt_path if path is None else path
     return [e for e in w.events
-            if (e["event"] == "rename" and e.get("dst") == run.ckpt_path)
-            or (e["event"] == "save" and e.get("path") == run.ckpt_path)]
+            if (e["event"] == "rename" and e.get("dst") == path) or (e["event"] == "save" and e.get("path") == path)]
 
 
 def atomic_from_the_probe(check: str, run: torchrun.Run, name: str, hint: str) -> None:
@@ -129,8 +129,7 @@ def _commits_beyond_one_writer(check: str, run: torchrun.Run, context: str) -> N
         if len(seen) > most:
             what = "the checkpoint" if path == run.ckpt_path else "the final weights"
             once = f"once after each of the {EPOCHS} epochs" if path == run.ckpt_path else "once, at the end"
-            mine = len([e for w in run.workers if w.rank == 0 for e in w.events
-                        if (e["event"] == "rename" and e.get("dst") == path) or (e["event"] == "save" and e.get("path") == path)])
+            mine = sum(len(commits_of(w, run, path)) for w in run.workers if w.rank == 0)
             if mine >= len(seen):  # rank 0's record accounts for every move: rank 0 wrote it too often (the verdict
                 # is the kernel's count either way; a record only names who)
                 raise CheckFailed(
