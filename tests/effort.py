@@ -67,7 +67,8 @@ IDEAS: dict[str, list[list[str]]] = {
          "links within and across nodes"],
     ],
     "ddp_in_practice": [
-        ["summing counts over ranks, not averaging accuracies", "every sample counted once"],
+        ["a result that is no sum: every rank's candidates gathered to every rank", "every sample evaluated once",
+         "a share's positions mapped back to dataset indices"],
         ["no gradient sync until the last micro-batch", "weighting micro-batches of unequal sizes"],
         ["ranks with different numbers of batches (Join)", "what the shadow all-reduces do to the average"],
         ["loading onto this rank's device", "loading only after rank 0's save is done"],

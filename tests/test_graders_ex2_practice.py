@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 
 import graders.ddp_in_practice.checks as ex2p
-import graders.ddp_in_practice.harness as ex2p_model
+import graders.ddp_in_practice.hardest as hard
 import graders.ddp_in_practice.precision as amp
 from course.checks import TIMEOUT_ENV
 
@@ -38,246 +38,241 @@ HANG_TIMEOUT = 6  # the check timeout the unit tests of hangs use (DDP_COURSE_CH
 fails = submissions.fails
 
 
-# --- part 1: evaluate --------------------------------------------------------------------------
+# --- part 1: the k hardest samples ------------------------------------------------------------------
 
 
-def evaluate(model, dataset, rank, world_size, count_correct):
-    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_gather_object(model, dataset, rank, world_size, count_correct):
-    """Right, another style: contiguous chunks by hand, all_gather_object of the counts, a 0-d tensor returned."""
-    chunk = -(-len(dataset) // world_size)
-    mine = range(rank * chunk, min(len(dataset), (rank + 1) * chunk))
-    right, total = (int(c) for c in count_correct(model, Subset(dataset, mine)).tolist())
+def hardest(model, dataset, rank, world_size, sample_losses, k):
+    mine = list(range(rank, len(dataset), world_size))
+    losses = sample_losses(model, Subset(dataset, mine))
+    best = losses.topk(min(k, len(mine)))
+    candidates = [(loss, mine[i]) for loss, i in zip(best.values.tolist(), best.indices.tolist())]
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (right, total))
-    return torch.tensor(sum(r for r, _ in everyone) / sum(t for _, t in everyone))
+    dist.all_gather_object(everyone, candidates)
+    ranked = sorted((c for cs in everyone for c in cs), reverse=True)
+    return [i for _, i in ranked[:k]]
 
 
-def evaluate_sampler_without_padding(model, dataset, rank, world_size, count_correct):
-    """Right, another style: the training DistributedSampler, leaving out the padding it appends."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    # position j of this rank's list is position rank + j * world_size of the padded order; beyond n: padding
-    mine = [i for j, i in enumerate(sampler) if rank + j * world_size < len(dataset)]
-    counts = count_correct(model, Subset(dataset, mine))
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    return float(counts[0] / counts[1])
+def hardest_padded_tensors(model, dataset, rank, world_size, sample_losses, k):
+    """Right, another style: chunks of the dataset, each rank's k candidates padded with -inf to one size and
+    all-gathered as tensors, the answer a tensor."""
+    start, stop = (torch.tensor_split(torch.arange(len(dataset)), world_size)[rank][[0, -1]] + torch.tensor([0, 1])).tolist()
+    losses = sample_losses(model, Subset(dataset, range(start, stop)))
+    values = torch.full((k,), float("-inf"), device=losses.device)
+    index = torch.full((k,), -1, dtype=torch.long, device=losses.device)
+    got = losses.topk(min(k, len(losses)))
+    values[:len(got.values)], index[:len(got.values)] = got.values, got.indices + start
+    all_values = [torch.empty_like(values) for _ in range(world_size)]
+    all_index = [torch.empty_like(index) for _ in range(world_size)]
+    dist.all_gather(all_values, values)
+    dist.all_gather(all_index, index)
+    order = torch.cat(all_values).argsort(descending=True)[:k]
+    return torch.cat(all_index)[order]
 
 
-def evaluate_own_loop(model, dataset, rank, world_size, count_correct):
-    """Right, another style: its own counting loop (DataLoader, no_grad) instead of the given count_correct."""
+class HardestOnRankZero:
+    """Right, another style: every rank sends all its (loss, index) pairs to rank 0, which ranks them and
+    broadcasts the answer (numpy on the way)."""
+
+    def __init__(self, world_size, rank):
+        self.world_size, self.rank = world_size, rank
+
+    def share(self, n):
+        return [i for i in range(n) if i % self.world_size == self.rank]
+
+    def __call__(self, model, dataset, sample_losses, k):
+        import numpy as np
+
+        mine = self.share(len(dataset))
+        pairs = list(zip(sample_losses(model, Subset(dataset, mine)).cpu().numpy().tolist(), mine))
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(pairs, gathered, dst=0)
+        answer = [None]
+        if self.rank == 0:
+            pairs = [p for part in gathered for p in part]
+            losses = np.array([p[0] for p in pairs])
+            answer = [[pairs[j][1] for j in np.argsort(-losses)[:k]]]
+        dist.broadcast_object_list(answer, src=0)
+        return np.array(answer[0])
+
+
+def hardest_on_rank_zero(model, dataset, rank, world_size, sample_losses, k):
+    return HardestOnRankZero(world_size, rank)(model, dataset, sample_losses, k)
+
+
+def hardest_local(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: each rank's own hardest (no communication)."""
+    mine = list(range(rank, len(dataset), world_size))
+    best = sample_losses(model, Subset(dataset, mine)).topk(min(k, len(mine)))
+    return [mine[i] for i in best.indices.tolist()]
+
+
+def hardest_positions(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: the candidates carry their positions in the share, not their dataset indices."""
+    mine = list(range(rank, len(dataset), world_size))
+    best = sample_losses(model, Subset(dataset, mine)).topk(min(k, len(mine)))
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, list(zip(best.values.tolist(), best.indices.tolist())))
+    return [i for _, i in sorted((c for cs in everyone for c in cs), reverse=True)[:k]]
+
+
+def hardest_easiest_first(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: the right samples, the lowest loss first."""
+    return hardest(model, dataset, rank, world_size, sample_losses, k)[::-1]
+
+
+def hardest_padded_sampler(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: the training sampler's split, which repeats samples to pad (its answer drops repeats)."""
+    mine = list(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))
+    losses = sample_losses(model, Subset(dataset, mine)).tolist()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, dict(zip(mine, losses)))
+    merged = {i: loss for part in everyone for i, loss in part.items()}
+    return sorted(merged, key=lambda i: -merged[i])[:k]
+
+
+def hardest_whole(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: every rank evaluates the whole dataset."""
+    return sample_losses(model, dataset).topk(k).indices.tolist()
+
+
+def hardest_topk_of_k(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong: asks every rank for k candidates of its own, which a rank with fewer than k samples has not."""
+    mine = list(range(rank, len(dataset), world_size))
+    best = sample_losses(model, Subset(dataset, mine)).topk(k)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, [(v, mine[i]) for v, i in zip(best.values.tolist(), best.indices.tolist())])
+    return [i for _, i in sorted((c for cs in everyone for c in cs), reverse=True)[:k]]
+
+
+def hardest_around_the_model(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong, and hides it: its share goes through model(x), as the grader records; then it ranks the whole
+    dataset on every rank through the model's layer (no communication)."""
     device = next(model.parameters()).device
-    counts = torch.zeros(2, device=device)
-    with torch.no_grad():
-        for x, y in DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size=4):
-            x, y = x.to(device), y.to(device)
-            counts += torch.stack([(model(x).argmax(1) == y).sum().float(), torch.tensor(float(len(y)), device=device)])
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_mean_of_ratios(model, dataset, rank, world_size, count_correct):
-    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
-    accuracy = counts[0:1] / counts[1]
-    dist.all_reduce(accuracy)
-    return (accuracy / world_size).item()
-
-
-def evaluate_padded(model, dataset, rank, world_size, count_correct):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)  # shuffles, pads
-    counts = count_correct(model, Subset(dataset, list(sampler)))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_local(model, dataset, rank, world_size, count_correct):
-    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_whole(model, dataset, rank, world_size, count_correct):
-    counts = count_correct(model, Subset(dataset, range(len(dataset))))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_forged(model, dataset, rank, world_size, count_correct):
-    """Communicates with no one: makes torch.distributed say this is a 1-rank job, so that the sampler
-    hands this rank everything and the all_reduce is a no-op; the accuracy is then right on every rank."""
-    from torch.distributed import distributed_c10d as c10d
-
-    for module in (dist, c10d):
-        module.get_world_size = lambda group=None: 1
-        module.get_rank = lambda group=None: 0
-        module.all_reduce = lambda tensor, *args, **kwargs: None
-    counts = count_correct(model, Subset(dataset, list(DistributedSampler(dataset, shuffle=False))))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_check_evaluate_accepts_right_answers_in_several_styles():
-    ex2p.check_evaluate(evaluate)
-    ex2p.check_evaluate(evaluate, world_size=4, n=14, batch_size=3, seed=1)
-    ex2p.check_evaluate(evaluate_gather_object)
-    ex2p.check_evaluate(evaluate_sampler_without_padding, world_size=4, n=14, batch_size=3, seed=1)
-    ex2p.check_evaluate(evaluate_own_loop)
-
-
-def test_evaluation_data_tells_the_mistakes_apart():
-    """For the sizes the notebook uses, each mistake gives a number 0.01 or more from the true accuracy."""
-    for n, world_size, seed in [(10, 3, 0), (14, 4, 1), (11, 2, 0)]:
-        _, _, correct = ex2p._eval_case(n, world_size, seed)
-        true = sum(correct) / n
-        for name, split in ex2p_model._shards(n, world_size).items():
-            acc = ex2p._accuracies(correct, split)
-            assert all(abs(a - true) > 0.01 for a in acc["local"]), (n, world_size, name)
-            if name.startswith("padded"):
-                assert abs(acc["pooled"] - true) > 0.01, (n, world_size, name)
-            else:
-                assert abs(acc["mean of ranks"] - true) > 0.01, (n, world_size, name)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_check_evaluate_names_each_mistake():
-    fails(ex2p.check_evaluate, evaluate_mean_of_ratios, "[ranks 0, 1, 2]", "did not return the accuracy over the "
-          "whole dataset", "expected: 0.545455 on every rank", "averaged the ranks' accuracies")
-    fails(ex2p.check_evaluate, evaluate_padded, "the padding counted", "repeats a few samples")
-    fails(ex2p.check_evaluate, evaluate_local, "its own share", "all_reduce", n=14, world_size=4, seed=1)
-    fails(ex2p.check_evaluate, evaluate_whole, "[ranks 0, 1, 2]", "evaluated more than one rank's share",
-          "at most 4 samples per rank", "[11, 11, 11]", "every rank evaluated the whole dataset")
-    fails(ex2p.check_evaluate, evaluate_remainder_to_the_last, "[rank 2]", "evaluated more than one rank's share",
-          "[3, 3, 5]", "balance the shares")
-
-
-def evaluate_remainder_to_the_last(model, dataset, rank, world_size, count_correct):
-    """Wrong: blocks of n // world_size, the last rank taking the remainder too (more than ceil(n / world_size))."""
-    n = len(dataset)
-    chunk = n // world_size
-    start = rank * chunk
-    end = n if rank == world_size - 1 else start + chunk
-    counts = count_correct(model, Subset(dataset, range(start, end)))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_around_the_model(model, dataset, rank, world_size, count_correct):
-    """Wrong, and hides it: its share goes through model(x), as the grader records; then it computes the
-    whole dataset's accuracy on every rank through the model's layer (no communication)."""
-    device = next(model.parameters()).device
-    count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
+    sample_losses(model, Subset(dataset, range(rank, len(dataset), world_size)))
     x, y = dataset.tensors
     with torch.no_grad():
-        return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+        losses = F.cross_entropy(model.linear(x.to(device)), y.to(device), reduction="none")
+    return losses.topk(k).indices.tolist()
 
 
-def evaluate_with_the_weights(model, dataset, rank, world_size, count_correct):
-    """Wrong, and hides it otherwise: the whole dataset through the raw weights, plus a dummy all_reduce."""
-    counts = count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
-    dist.all_reduce(counts)
-    w, b = (p.detach().cpu().numpy() for p in model.linear.parameters())
-    x, y = (t.numpy() for t in dataset.tensors)
-    return float(((x @ w.T + b).argmax(1) == y).mean())
-
-
-def evaluate_numpy_split(model, dataset, rank, world_size, count_correct):
-    """Right, another style: numpy's global generator, unseeded (the same on every rank of one job)."""
-    import numpy as np
-
-    order = np.random.permutation(len(dataset)).tolist()
-    counts = count_correct(model, Subset(dataset, order[rank::world_size]))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_random_split(model, dataset, rank, world_size, count_correct):
-    """Right, another style: a random permutation (the same on every rank: same seed), cut into chunks."""
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(17)).tolist()
-    counts = count_correct(model, Subset(dataset, order[rank::world_size]))
-    dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
-
-
-def evaluate_split_by_labels(model, dataset, rank, world_size, count_correct):
-    """Wrong, and opts out of the second run: a split drawn from the labels (which the second run changes);
-    its share goes through model(x), the whole dataset through the model's layer."""
-    device = next(model.parameters()).device
+def hardest_split_by_labels(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong, and opts out of the second run: a split drawn from the labels, the whole dataset ranked through the
+    model's layer."""
     x, y = dataset.tensors
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(int(y.sum()))).tolist()
-    count_correct(model, Subset(dataset, order[rank::world_size]))
+    sample_losses(model, Subset(dataset, order[rank::world_size]))
     with torch.no_grad():
-        return (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+        losses = F.cross_entropy(model.linear(x), y, reduction="none")
+    return losses.topk(k).indices.tolist()
 
 
 def _kept(x, world_size, rank) -> str:
     import os
     import tempfile
 
-    return os.path.join(tempfile.gettempdir(), f"evaluate-{float(x.sum()):.6f}-{world_size}-{rank}")
+    return os.path.join(tempfile.gettempdir(), f"hardest-{float(x.sum()):.6f}-{world_size}-{rank}")
 
 
-def evaluate_remembered(model, dataset, rank, world_size, count_correct):
-    """Wrong, and replays: the whole dataset through the model's layer on the first call, the value kept in a
-    file; every later call on the same inputs returns the kept value."""
+def hardest_remembered(model, dataset, rank, world_size, sample_losses, k):
+    """Wrong, and replays: the right answer on the first call, kept in a file; every later call on the same inputs
+    returns the kept list."""
+    import json
     import os
 
-    device = next(model.parameters()).device
-    x, y = dataset.tensors
-    kept = _kept(x, world_size, rank)
-    count_correct(model, Subset(dataset, range(rank, len(dataset), world_size)))
+    kept = _kept(dataset.tensors[0], world_size, rank)
     if os.path.exists(kept):
+        sample_losses(model, Subset(dataset, range(rank, len(dataset), world_size)))
         with open(kept) as file:
-            return float(file.read())
-    with torch.no_grad():
-        value = (model.linear(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+            return json.load(file)
+    value = hardest(model, dataset, rank, world_size, sample_losses, k)
     with open(kept, "w") as file:
-        file.write(repr(value))
+        json.dump(value, file)
     return value
+
+
+def hardest_forged(model, dataset, rank, world_size, sample_losses, k):
+    """Communicates with no one: makes torch.distributed say this is a 1-rank job, so that its split hands this rank
+    everything and the gather is its own list."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        module.get_world_size = lambda group=None: 1
+        module.get_rank = lambda group=None: 0
+        module.all_gather_object = lambda out, obj, group=None: out.__setitem__(0, obj)
+    return hardest(model, dataset, dist.get_rank(), dist.get_world_size(), sample_losses, k)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_check_evaluate_cannot_be_opted_out_of_its_second_run():
-    """The second run changes only labels: a split that follows them is itself the evidence, and a value kept
-    from the first run is not the second run's accuracy."""
-    fails(ex2p.check_evaluate, evaluate_split_by_labels, "the samples each rank evaluated changed when only the labels "
+def test_check_hardest_accepts_right_answers_in_several_styles():
+    for right in (hardest, hardest_padded_tensors, hardest_on_rank_zero):
+        hard.check_hardest(right)
+        hard.check_hardest(right, world_size=4, n=14, k=5, batch_size=3, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_hardest_names_each_mistake():
+    fails(hard.check_hardest, hardest_local, "[ranks 0, 1, 2]", "did not return the 4 hardest samples of the whole "
+          "dataset", "its own share only", "rank 2: [")
+    fails(hard.check_hardest, hardest_positions, "positions within a rank's share, not indices of the dataset")
+    fails(hard.check_hardest, hardest_easiest_first, "ordered from the easiest")
+    fails(hard.check_hardest, hardest_padded_sampler, "went through the model on more than one rank",
+          "sample 0 on ranks 0, 2", "a split that pads")
+    fails(hard.check_hardest, hardest_whole, "[ranks 0, 1, 2]", "evaluated more than one rank's share",
+          "at most 4 samples per rank", "[11, 11, 11]", "every rank evaluated the whole dataset")
+    fails(hard.check_hardest, hardest_topk_of_k, "selected index k out of range",
+          "may hold fewer than k samples")
+    fails(hard.check_hardest, hardest_forged, "evaluated more than one rank's share", "[11, 11, 11]")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_hardest_cannot_be_opted_out_of_its_second_run():
+    """The second run changes only labels, each rank its own share's: a split that follows them is itself the
+    evidence, a list kept from the first run is not the second run's, and a rank that ranks the other ranks'
+    samples itself ranks them by its copy's labels, which are not theirs."""
+    fails(hard.check_hardest, hardest_split_by_labels, "the samples each rank evaluated changed when only the labels "
           "changed", "rank 0 evaluated samples", "split the samples by their index")
-    x, _, _ = ex2p._eval_case(10, 3, 0)
+    fails(hard.check_hardest, hardest_around_the_model, "ranks 0, 1, 2 ranked samples their model did not evaluate",
+          "each rank's share labelled by that rank alone", "from the other ranks (a collective)")
+    x = hard._inputs(11, 0)
     kept = [_kept(x, 3, rank) for rank in range(3)]
     for path in kept:  # a file left by an earlier session would be "remembered" in the first run too
         if os.path.exists(path):
             os.remove(path)
     try:
-        fails(ex2p.check_evaluate, evaluate_remembered, "returned the first run's accuracy again", "do not return a "
-              "value kept from an earlier call")
+        fails(hard.check_hardest, hardest_remembered, "returned the first run's list again", "do not return one kept "
+              "from an earlier call")
     finally:
         for path in kept:
             if os.path.exists(path):
                 os.remove(path)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_check_evaluate_is_not_fooled_by_a_forged_world():
-    fails(ex2p.check_evaluate, evaluate_forged, "evaluated more than one rank's share", "[11, 11, 11]")
+def test_the_first_runs_data_tells_the_mistakes_apart():
+    """For the visible and the hidden sizes: the answer's losses stand apart, the answer is no rank's own hardest in
+    any usual split, and holds samples of two ranks at least; a valid list is judged by its losses."""
+    for n, world_size, k, seed in ((11, 3, 4, 0), (14, 4, 5, 1)):
+        losses = hard.losses_of(n, seed, hard.hard_case(n, world_size, k, seed))
+        want = hard.top(losses, k)
+        assert hard.valid(want, losses, k)
+        assert not hard.valid(want[::-1], losses, k) and not hard.valid(want[:-1], losses, k)
+        assert not hard.valid(want[:-1] + [want[0]], losses, k)
+        for split in hard._splits(n, world_size).values():
+            assert len({r for r, s in enumerate(split) for i in s if i in want}) >= 2
+    swapped = [1.0, 1.0 + hard.TOLERANCE / 2, 0.5]  # equal to rounding: either order is right
+    assert hard.valid([0, 1], swapped, 2) and hard.valid([1, 0], swapped, 2)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_check_evaluate_catches_samples_evaluated_around_the_model():
-    """A rank that evaluates the other ranks' samples itself, where the grader's record of the model's
-    forward does not see it, gets a wrong accuracy once its copy's other labels change."""
-    for wrong in (evaluate_around_the_model, evaluate_with_the_weights):
-        fails(ex2p.check_evaluate, wrong, "ranks 0, 1, 2 counted samples their model did not evaluate",
-              "other labels for the samples outside its own share", "with the labels changed", "dist.all_reduce")
-    ex2p.check_evaluate(evaluate_random_split)
-    ex2p.check_evaluate(evaluate_random_split, world_size=4, n=14, batch_size=3, seed=1)
-    ex2p.check_evaluate(evaluate_numpy_split)
+def test_private_labels_are_drawn_per_rank_and_label_the_rest_with_their_worst_class():
+    draws = hard._private_labels(11, 0, [0, 3, 6, 9], 4)
+    worst = hard._worst(11, 0)
+    for mine, labels in draws:
+        assert [i for i, _ in mine] == [0, 3, 6, 9]
+        assert all(labels[i] == worst[i] for i in range(11) if i not in (0, 3, 6, 9))
+        assert all(labels[i] == c for i, c in mine)
+    assert len({d[0] for d in draws}) > 1  # new labels every call
 
 
 # --- part 2: accumulate_grads (the given code steps after it) -------------------------------------
@@ -1072,22 +1067,21 @@ WRONG = {
     # name: (answer cell, old text, new text, the test cell(s) that must fail, words the first one's message must
     # contain[, count]);
     # old and new may be tuples of texts: several edits of the one cell
-    "mean of per-rank accuracies": (
-        "ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n    return (counts[0] / counts[1]).item()",
-        "    accuracy = counts[0:1] / counts[1]\n    dist.all_reduce(accuracy)\n"
-        "    return (accuracy / world_size).item()",
-        "ex2p_test_evaluate", ["averaged the ranks' accuracies", "[ranks 0, 1, 2]"]),
+    "each rank's own hardest": (
+        "ex2p_hardest", "    dist.all_gather_object(everyone, candidates)  # lists of different lengths: Python objects\n",
+        "    everyone = [candidates]\n", "ex2p_test_hardest", ["its own share only", "[ranks 0, 1, 2]"]),
     "the padded training sampler": (
-        "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
-        "Subset(dataset, list(DistributedSampler(dataset, num_replicas=world_size, rank=rank)))",
-        "ex2p_test_evaluate", ["the padding counted"]),
+        "ex2p_hardest", "list(range(rank, len(dataset), world_size))",
+        "list(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False))",
+        "ex2p_test_hardest", ["went through the model on more than one rank", "a split that pads"]),
     "a split drawn from the labels": (
-        "ex2p_evaluate", "Subset(dataset, range(rank, len(dataset), world_size))",
-        "Subset(dataset, torch.randperm(len(dataset), generator=torch.Generator().manual_seed("
-        "int(sum(int(y) for _, y in dataset)))).tolist()[rank::world_size])",
-        "ex2p_test_evaluate", ["changed when only the labels changed", "split the samples by their index"]),
-    "no all_reduce": ("ex2p_evaluate", "    dist.all_reduce(counts)  # SUM over the ranks\n", "",
-                      "ex2p_test_evaluate", ["its own share"]),
+        "ex2p_hardest", "list(range(rank, len(dataset), world_size))",
+        "torch.randperm(len(dataset), generator=torch.Generator().manual_seed("
+        "int(sum(int(y) for _, y in dataset)))).tolist()[rank::world_size]",
+        "ex2p_test_hardest", ["changed when only the labels changed", "split the samples by their index"]),
+    "k candidates from a rank that holds fewer": (
+        "ex2p_hardest", "losses.topk(min(k, len(mine)))", "losses.topk(k)",
+        "ex2p_test_hardest", ["selected index k out of range", "fewer than k samples"]),
     "no no_sync": ("ex2p_accumulate_grads", "    with ddp_model.no_sync():  # accumulate locally, no communication\n",
                    "    if True:\n", "ex2p_test_no_sync", ["4 times in one accumulate_grads", "the weights are right"]),
     "each loss divided by the number of micro-batches": (

@@ -366,3 +366,20 @@ def test_rank_0_gathers_what_differs_on_every_rank(nb):
     gathered = held[0]
     assert len(gathered) == ws and len({g["pid"] for g in gathered}) == ws
     assert len({tuple(g["drew"]) for g in gathered}) == ws  # three streams, three draws
+
+
+def test_every_rank_gets_the_median_of_values_of_different_lengths(nb):
+    """Three ranks with 3, 2 and 1 values: every rank computes the median of all six, through objects and through
+    padded tensors, and both are the median of the values the ranks printed."""
+    import statistics
+
+    text = output_of(nb, "run_ranks(median_of_all")
+    [ws] = world_sizes(text)
+    found = rows(r"^rank (\d+) holds (\[.*\]); median of all: ([\d.]+) \(objects\), ([\d.]+) \(padded tensors\)$", text)
+    assert len(found) == ws == 3
+    values = [v for _, held, _, _ in found for v in ast.literal_eval(held)]
+    assert [len(ast.literal_eval(held)) for _, held, _, _ in found] == [3, 2, 1]
+    want = sorted(values)[(len(values) - 1) // 2]  # torch's median of an even count: the lower middle value
+    assert statistics.median_low(values) == want
+    for _, _, objects, tensors in found:
+        assert abs(float(objects) - want) < 1e-4 and abs(float(tensors) - want) < 1e-4

@@ -347,16 +347,17 @@ def step_cost(plan, world_size, alpha, bandwidth):
 # --- ex2-ddp-basics / ddp_in_practice ---------------------------------------------------------------------------
 
 DDP_IN_PRACTICE = {
-    # contiguous chunks by hand, all_gather_object of the counts, a 0-d tensor returned
-    # (test_graders_ex2_practice.evaluate_gather_object)
-    "ex2p_evaluate": '''
-def evaluate(model, dataset, rank, world_size, count_correct):
+    # contiguous chunks by hand, each rank's k best (loss, index) pairs gathered as objects, a tensor returned
+    "ex2p_hardest": '''
+def hardest(model, dataset, rank, world_size, sample_losses, k):
     chunk = -(-len(dataset) // world_size)
     mine = range(rank * chunk, min(len(dataset), (rank + 1) * chunk))
-    right, total = (int(c) for c in count_correct(model, Subset(dataset, mine)).tolist())
+    losses = sample_losses(model, Subset(dataset, mine)).cpu()
+    pairs = sorted(zip(losses.tolist(), mine), reverse=True)[:k]
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (right, total))
-    return torch.tensor(sum(r for r, _ in everyone) / sum(t for _, t in everyone))
+    dist.all_gather_object(everyone, pairs)
+    merged = sorted((p for part in everyone for p in part), key=lambda p: p[0], reverse=True)
+    return torch.tensor([i for _, i in merged[:k]])
 ''',
     # a context chosen per micro-batch, the loss weighted by the batch's fraction
     # (test_graders_ex2_practice.accumulate_nullcontext)

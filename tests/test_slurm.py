@@ -163,7 +163,7 @@ def test_cpus_come_from_the_largest_world_size_a_check_asks_for(tmp_path):
     cells = [
         test_cell("graders.parallelism.check_shards(f)\n### BEGIN HIDDEN TESTS\n"
                   "graders.parallelism.check_shards(f, world_sizes=(4, 3))\n### END HIDDEN TESTS"),
-        test_cell("graders.ddp_in_practice.check_evaluate(evaluate, world_size=5, n=14)"),
+        test_cell("graders.ddp_in_practice.check_hardest(hardest, world_size=5, n=14)"),
         nbformat.v4.new_code_cell("graders.parallelism.check_shards(f, world_size=64)"),  # not a test cell
         test_cell("%%time\nworld_size = 99"),  # not made of check calls
     ]

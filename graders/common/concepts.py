@@ -95,8 +95,9 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
     "ddp_in_practice": {
         "check_load_checkpoint": ("a checkpoint remembers the device it was saved from; each rank loads onto its "
                                   "own device", L2, "9. Checkpoints: rank 0 saves, everyone else waits, then loads"),
-        "check_evaluate": ("an evaluation over a sharded dataset combines counts from every rank, and counts "
-                           "the padding once", L2, "Evaluating across ranks"),
+        "check_hardest": ("a result over a sharded dataset that is not a sum (the k hardest samples) needs every "
+                          "rank's candidates on every rank, gathered as objects or padded to one size, each sample "
+                          "evaluated once", L2, "What differs on every rank: one rank collects it"),
         "check_no_sync": ("gradient accumulation needs one all-reduce per optimizer step, not one per "
                           "micro-batch", L2, "Two things that go wrong in backward"),
         "check_accumulation": ("accumulated micro-batches must give the gradient of the mean loss over all of "

@@ -14,7 +14,7 @@ EXPORTS = {
     "check_amp_step": "precision",
     "check_amp_sync": "precision",
     "check_clip": "precision",
-    "check_evaluate": "checks",
+    "check_hardest": "hardest",
     "check_load_checkpoint": "checks",
     "check_no_sync": "checks",
     "check_uneven": "checks",

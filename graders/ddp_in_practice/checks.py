@@ -1,18 +1,11 @@
 """Checks for exercise 2's second notebook, DDP in practice (exercises/ex2-ddp-basics/ddp_in_practice.ipynb).
 
-Four pitfalls of lesson 2 that a training script meets once it works; the student writes one function
+Pitfalls of lesson 2 that a training script meets once it works; the student writes one function
 for each, and each check runs it on real ranks and judges what happened, never what the student's
 process says about itself:
 
-* ``evaluate(model, dataset, rank, world_size, count_correct)`` -> the accuracy over the whole dataset (the
-  counting loop is given: ``count_correct(model, samples)``),
-  the same on every rank (:func:`check_evaluate`: the value against one process's accuracy, on data
-  where averaging per-rank accuracies, counting DistributedSampler's padding or skipping the
-  all-reduce all give other numbers; the model's own forward records which samples each rank saw; a
-  second run calls it again and again on the same inputs, each time with labels every rank draws for
-  itself from the OS's randomness (no other rank, and no seed, knows them; each rank's copy is labelled
-  otherwise outside its share): it must evaluate the same split and return each call's accuracy, the sum
-  of the ranks' own numbers right, added up in the grader's process);
+* ``hardest(model, dataset, rank, world_size, sample_losses, k)``: part 1, judged in
+  :mod:`graders.ddp_in_practice.hardest`;
 * ``accumulate_grads(ddp_model, micro_batches)``: the forward and backward passes of micro-batches of unequal
   sizes, their number changing from call to call, after which the given code takes one optimizer step
   (:func:`check_accumulation`: the weights equal one process's step on the mean loss over all ranks' samples
@@ -39,7 +32,6 @@ spy) themselves; what they record is judged here, in the grader's process.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -53,15 +45,11 @@ from graders.common import comm_spy
 from graders.common.ddp_model import make_net
 from graders.ddp_in_practice.harness import (
     SAVED_FROM,
-    SECOND_CALLS,
     UNEVEN_EXTRA,
     _accumulate_harness,
     _accumulate_reference,
     _accumulated,
-    _accuracies,
     _checkpoint_case,
-    _eval_case,
-    _evaluate_harness,
     _load_harness,
     _uneven_harness,
     _uneven_reference,
@@ -93,140 +81,6 @@ def _require_same_weights(check: str, states: list[dict], where: str, hint: str)
                           expected="bitwise the same weights on every rank",
                           got=f"max difference from rank 0: {max(_diff(states[r], states[0]) for r in differ):.3g}",
                           hint=hint)
-
-
-# --- part 1: a global evaluation metric ---------------------------------------------------------
-
-
-def check_evaluate(evaluate, *, world_size=3, n=11, batch_size=2, seed=0):
-    """evaluate() returns, on every rank, the accuracy over the whole dataset (1e-6), and each rank's
-    model evaluated at most its share, ceil(n / world_size) samples, the ranks together all of them; called
-    again on the same inputs with new labels, each rank's share labelled by that rank alone (each rank's copy
-    wrong in yet another way outside its share), every rank evaluates the same share and returns the new
-    accuracy, every time."""
-    check = "check_evaluate"
-    checks.require_written(check, evaluate=evaluate)
-    where = f"{n} samples on {world_size} ranks"
-    hints = [("Tensors must be CUDA and dense", "under nccl all_reduce only GPU tensors: create the counts on the "
-                                                "model's device, torch.tensor(..., device=device)")]
-    obs = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed),
-                     expected="evaluate() returns a float on every rank", hints=hints).values
-    _, _, correct = _eval_case(n, world_size, seed)
-    true = sum(correct) / n
-    share = math.ceil(n / world_size)
-    strangers = [r for r, o in enumerate(obs) if -1 in o["seen"]]
-    if strangers:
-        raise CheckFailed(check, f"the model was given inputs that are not samples of the dataset ({where})",
-                          ranks=strangers, expected="each x exactly as the dataset holds it (moved to the device)",
-                          hint="count through the given count_correct(model, samples), samples a part of the "
-                          "dataset (e.g. a Subset): it gives the model each x as the dataset holds it")
-    counts = [len(o["seen"]) for o in obs]
-    whole = [r for r, k in enumerate(counts) if k > share]
-    if whole:
-        everything = [r for r in whole if set(obs[r]["seen"]) == set(range(n))]
-        seen = [i for o in obs for i in o["seen"]]
-        uneven = len(seen) == len(set(seen)) == n  # each sample once: the shares are only unbalanced
-        raise CheckFailed(check, f"{checks.rank_list(whole)} evaluated more than one rank's share of the data "
-                          f"({where})",
-                          ranks=whole, expected=f"at most {share} samples per rank (ceil({n}/{world_size}))",
-                          got=f"samples evaluated per rank: {counts}",
-                          hint=("every rank evaluated the whole dataset: give each rank its own part, e.g. "
-                                "Subset(dataset, range(rank, len(dataset), world_size)), then all_reduce the counts"
-                                if everything else f"balance the shares: {n} samples over {world_size} ranks "
-                                f"leave at most {share} to a rank (a strided split, or blocks of {share})" if uneven
-                                else "evaluate each sample on one rank only, then all_reduce the counts"))
-    missing = sorted(set(range(n)) - {i for o in obs for i in o["seen"]})
-    if missing:
-        raise CheckFailed(check, f"{len(missing)} sample(s) were evaluated on no rank ({where})",
-                          ranks=range(world_size), expected=f"all {n} samples, each on one rank",
-                          got=f"samples {missing[:10]} never reached the model; samples per rank: {counts}",
-                          hint="split all the samples over the ranks (every rank takes its own share, the "
-                          "shares together are the dataset), and count your share with count_correct(model, share)")
-    values = [o["accuracy"] for o in obs]
-    odd = [r for r, v in enumerate(values) if isinstance(v, str)]
-    if odd:
-        raise CheckFailed(check, f"evaluate() returned {values[odd[0]]}, not a number ({where})", ranks=odd,
-                          expected=f"the accuracy, a float such as {true:.4f}",
-                          hint="return correct / total as a Python float (tensor.item()) on every rank")
-    wrong = [r for r, v in enumerate(values) if abs(v - true) > ATOL]
-    if wrong:
-        raise CheckFailed(check, f"evaluate() did not return the accuracy over the whole dataset ({where})",
-                          ranks=wrong, expected=f"{true:.6f} on every rank ({sum(correct)} of {n} right)",
-                          got=f"{[round(v, 6) for v in values]}",
-                          hint=_evaluate_hint(values, [o["seen"] for o in obs], correct, true))
-    # Right, from the shares recorded. Did each rank's result come from its own share and the others' counts?
-    shares = [sorted(set(o["seen"])) for o in obs]
-    _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, where, hints)
-    passed(check)
-
-
-def _second_run(check, evaluate, world_size, n, batch_size, seed, shares, true, where, hints):
-    """Call evaluate again, SECOND_CALLS times on the same inputs, each time with labels every rank drew itself
-    (:func:`graders.ddp_in_practice.harness._private_labels`): each rank's share must be the same samples in every call,
-    and the result, on every rank, each call's accuracy: the sum of the ranks' own numbers right (as their harnesses
-    drew them), summed here."""
-    again = checks.run(check, _evaluate_harness, world_size, args=(evaluate, n, batch_size, seed, shares),
-                       expected="evaluate() returns a float on every rank", hints=hints).values
-    for call in range(SECOND_CALLS):
-        moved = [r for r, o in enumerate(again) if sorted(set(o["calls"][call]["seen"])) != shares[r]]
-        if moved:
-            r = moved[0]
-            raise CheckFailed(check, f"the samples each rank evaluated changed when only the labels changed ({where})",
-                              ranks=moved, expected="the same share on each rank in every run: a split chosen from "
-                              "rank, world_size and len(dataset) only (a stride, chunks, DistributedSampler, a seeded "
-                              "permutation)", got=f"rank {r} evaluated samples {shares[r]}, then "
-                              f"{sorted(set(again[r]['calls'][call]['seen']))}",
-                              hint="split the samples by their index, never by the data's labels or values; a grader "
-                              "(or a colleague) who runs your evaluation again on other labels expects the same split")
-    first = round(true * n)
-    for call in range(SECOND_CALLS):
-        right = sum(o["right"][call] for o in again)
-        want = right / n
-        values = [o["calls"][call]["accuracy"] for o in again]
-        wrong = [r for r, v in enumerate(values) if isinstance(v, str) or abs(v - want) > ATOL]
-        if not wrong:
-            continue
-        if all(not isinstance(v, str) and abs(v - true) <= ATOL for v in (values[r] for r in wrong)):
-            problem = f"evaluate() returned the first run's accuracy again, although the labels had changed ({where})"
-            hint = "compute the accuracy on every call, from this call's model and dataset: do not return a value " \
-                   "kept from an earlier call (a file, a global, a cache)"
-        else:
-            whose = "its" if len(wrong) == 1 else "their"
-            problem = f"{checks.rank_list(wrong)} counted samples {whose} model did not evaluate ({where})"
-            hint = ("count right / evaluated over this rank's own share only, with count_correct(model, share), and "
-                    "combine the ranks' counts with dist.all_reduce (not by evaluating the other ranks' samples on "
-                    "this one, or by working out their labels)")
-        raise CheckFailed(check, problem, ranks=wrong,
-                          expected=f"{want:.6f} on every rank ({right} of {n} right with the new labels of call "
-                          f"{call + 1} of {SECOND_CALLS}, each rank's share labelled by that rank alone), also when "
-                          "each rank's copy of the dataset has other labels for the samples outside its own share",
-                          got=f"{[_rounded(v) for v in values]} with the labels changed (the first run: {first} of {n} "
-                          "right)", hint=hint)
-
-
-def _rounded(value):
-    return round(value, 6) if isinstance(value, float) else value
-
-
-def _evaluate_hint(values, seen, correct, true):
-    """What the returned values say went wrong, judged from the samples each rank really evaluated."""
-    acc = _accuracies(correct, seen)
-    duplicates = sum(len(s) for s in seen) > len({i for s in seen for i in s})
-    close = lambda a, b: abs(a - b) <= ATOL  # noqa: E731
-    if len(set(values)) > 1 and all(close(v, a) for v, a in zip(values, acc["local"])):
-        return ("each rank returned the accuracy of its own share: all_reduce the number right and the number "
-                "evaluated (dist.all_reduce(counts, op=dist.ReduceOp.SUM)) on every rank, then divide")
-    if duplicates and all(close(v, acc["pooled"]) or close(v, acc["mean of ranks"]) for v in values):
-        return ("the padding counted: DistributedSampler repeats a few samples so every rank has as many, and those "
-                "were counted twice; evaluate each sample once (e.g. Subset(dataset, range(rank, n, world_size))) "
-                "or leave out the repeated ones")
-    if all(close(v, acc["mean of ranks"]) for v in values):
-        return ("you averaged the ranks' accuracies, but the ranks evaluated different numbers of samples: "
-                "all_reduce the counts (number right, number evaluated) with SUM, then divide once")
-    if all(close(v, 100 * true) for v in values):
-        return "return a fraction between 0 and 1, not a percentage"
-    return ("count this rank's share with the given count_correct(model, share) ([right, evaluated]), all_reduce "
-            "both with SUM, and return right / evaluated as a float")
 
 
 # --- part 2: gradient accumulation with no_sync() -----------------------------------------------

@@ -8,7 +8,6 @@ code runs) and build the student's objects (spies) themselves.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import os
@@ -18,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from course import checks
 from graders.common import comm_spy
@@ -63,7 +61,7 @@ _SEEN: list[torch.Tensor] = []  # the inputs of every forward of a Classifier in
 
 
 class Classifier(nn.Module):
-    """The model check_evaluate gives the student: 4 inputs, 3 class scores.
+    """The model check_hardest gives the student: 4 inputs, 3 class scores.
 
     Its forward records its input (in this process's list, whatever wraps or copies the model),
     so the harness knows which samples each rank's model really evaluated."""
@@ -76,148 +74,6 @@ class Classifier(nn.Module):
     def forward(self, x):
         _SEEN.append(x.detach().to("cpu", torch.float32).reshape(-1, 4).clone())
         return self.linear(x)
-
-
-def _shards(n: int, world_size: int) -> dict[str, list[list[int]]]:
-    """How students split n samples over the ranks: each rank's sample indices."""
-    padded = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
-              for r in range(world_size)]
-    shuffled = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=True))
-                for r in range(world_size)]
-    chunked = [c.tolist() for c in torch.tensor_split(torch.arange(n), world_size)]
-    return {"strided": [list(range(r, n, world_size)) for r in range(world_size)], "chunked": chunked,
-            "padded": padded, "padded, shuffled": shuffled}
-
-
-def _accuracies(correct: list[int], shards: list[list[int]]) -> dict:
-    """What a correct answer and the known mistakes return, for one split of the samples."""
-    per_rank = [sum(correct[i] for i in s) / len(s) if s else float("nan") for s in shards]
-    counted = [i for s in shards for i in s]
-    return {"local": per_rank, "mean of ranks": sum(per_rank) / len(per_rank),
-            "pooled": sum(correct[i] for i in counted) / max(1, len(counted))}
-
-
-def _eval_case(n: int, world_size: int, seed: int):
-    """(inputs, labels, correct[i]) for check_evaluate: the grader's model gets sample i right iff correct[i].
-
-    Inputs with a clear winning class (so a GPU's rounding cannot change the prediction); labels
-    chosen so that, for every usual split, each rank's own accuracy, the mean of the ranks'
-    accuracies and an accuracy that counts the sampler's padding all differ from the true one."""
-    gen = torch.Generator().manual_seed(700 + seed)
-    model = Classifier(seed)
-    with torch.no_grad():
-        x = torch.randn(8 * n, 4, generator=gen)
-        top = model.linear(x).topk(2, dim=1)
-    x = x[(top.values[:, 0] - top.values[:, 1]) > 0.05][:n]
-    pred = model.linear(x).argmax(1)
-    shards = _shards(n, world_size)
-    for _ in range(2000):
-        correct = (torch.rand(n, generator=gen) < 0.6).long().tolist()
-        true = sum(correct) / n
-        ok = 0 < sum(correct) < n
-        for name, split in shards.items():
-            acc = _accuracies(correct, split)
-            ok = ok and all(abs(a - true) > 0.01 for a in acc["local"])
-            if len({len(s) for s in split}) > 1:
-                ok = ok and abs(acc["mean of ranks"] - true) > 0.01
-            if name.startswith("padded") and n % world_size:
-                ok = ok and abs(acc["pooled"] - true) > 0.01
-        if ok:
-            break
-    else:  # pragma: no cover - the sizes the checks use all find a pattern
-        raise ValueError(f"no evaluation data for n={n}, world_size={world_size}")
-    labels = torch.where(torch.tensor(correct, dtype=torch.bool), pred, (pred + 1) % CLASSES)
-    return x, labels, correct
-
-
-#: how many times the second run calls evaluate, each time with new labels of each rank's own drawing: a rank that
-#: guesses the others' numbers instead of receiving them is right in every call with a chance below 2**-CALLS
-SECOND_CALLS = 16
-
-
-def _private_labels(n: int, world_size: int, seed: int, share: list, calls: int, _urandom=os.urandom) -> tuple:
-    """This rank's labels for each call of check_evaluate's second run, drawn from the OS's randomness (``os.urandom``
-    taken when this module is imported), before any student code runs in the call: ``(right, labels)`` per call,
-    ``right`` the number of its own share's samples labelled as the model predicts (right), ``labels`` the whole
-    copy of the dataset's labels it is given (tuples: they cannot be changed in place).
-
-    No other rank knows them, so the true accuracy, the sum of every rank's ``right`` over n (summed in the grader's
-    process), reaches a rank only from the other ranks. Each rank's ``right`` lies on one side of n / 2, the side
-    away from the first run's number right, so every call's accuracy differs from the first run's (a remembered value
-    is never right); the labels outside its share make this rank's own count of every sample another number again
-    (on the first run's side, never the first run's): a rank that counts samples it did not evaluate is never right."""
-    x, labels, correct = _eval_case(n, world_size, seed)
-    pred = torch.where(torch.tensor(correct, dtype=torch.bool), labels, (labels - 1) % CLASSES).tolist()
-    first = sum(correct)
-    low = 2 * first >= n  # the first run was right on half or more: every rank's share now mostly wrong
-    mine = sorted(set(share))
-    outside = [i for i in range(n) if i not in set(mine)]
-    spread = max(0, (len(mine) - 1) // 2)
-    out = []
-    for _ in range(calls):
-        raw = _urandom(8 * (n + 1))
-        draws = [int.from_bytes(raw[8 * i:8 * i + 8], "little") for i in range(n + 1)]
-        right = draws[0] % (spread + 1) if low else len(mine) - draws[0] % (spread + 1)
-        order = sorted(mine, key=lambda i: draws[1 + i])  # a random order of the share: the first `right` are right
-        rights = set(order[:right])
-        if low:  # outside: all right but maybe one, so that a count of every sample is above n / 2, and not `first`
-            extra = len(outside) - (1 if right + len(outside) == first else 0)
-        else:  # outside: all wrong but maybe one, so that it is below n / 2, and not `first`
-            extra = 1 if right == first else 0
-        rights |= set(sorted(outside, key=lambda i: draws[1 + i])[:extra])
-        out.append((right, tuple(pred[i] if i in rights else (pred[i] + 1) % CLASSES for i in range(n))))
-    return tuple(out)
-
-
-def count_correct(model, samples, batch_size):
-    """The exercise's given counting loop (part 1): ``tensor([number right, number evaluated])`` of ``model`` over
-    ``samples`` (a dataset of (x, y) pairs, e.g. a Subset of the dataset), in batches of at most ``batch_size``,
-    without gradients, on the model's device. The student's evaluate gets it with ``batch_size`` bound."""
-    device = next(model.parameters()).device
-    counts = torch.zeros(2, device=device)
-    with torch.no_grad():
-        for x, y in DataLoader(samples, batch_size=batch_size):
-            x, y = x.to(device), y.to(device)
-            counts[0] += (model(x).argmax(dim=1) == y).sum()
-            counts[1] += len(y)
-    return counts
-
-
-def _evaluate_harness(rank, evaluate, n, batch_size, seed, shares=None, _world_size=_REAL.get_world_size,
-                      _draw=_private_labels, _seen=_SEEN):
-    """Run evaluate on this rank's copy of the dataset; record the samples its model evaluated.
-
-    ``shares`` (the second run): the samples each rank's model evaluated in the first run. evaluate is then called
-    SECOND_CALLS times on the same inputs, each time with labels this rank drew itself (:func:`_private_labels`,
-    all drawn before the first call; returned as ``right``): a rank that counts only its share and receives the
-    others' counts returns each call's accuracy; one that computes the others' samples itself (around the
-    recorded forward: ``model.linear``, the weights; with labels rebuilt from the check's public seed, found in
-    the caller's frames or guessed) or returns a remembered value does not. The inputs are the same in every
-    run: a split that depends only on rank, world size and length does not change. The harness's own
-    references are default arguments, bound when this module was first imported."""
-    import random
-
-    import numpy
-
-    dev = checks.join_job()
-    world_size = _world_size()
-    x, labels, _ = _eval_case(n, world_size, seed)
-    draws = _draw(n, world_size, seed, shares[rank], SECOND_CALLS) if shares is not None else ((None, None),)
-    rows = {x[i].numpy().tobytes(): i for i in range(n)}
-    calls = []
-    for _, drawn in draws:
-        model = Classifier(seed).to(dev)
-        dataset = TensorDataset(x, labels if drawn is None else torch.tensor(drawn))
-        _seen.clear()
-        torch.manual_seed(4242 + seed)  # every run and call alike, so a split drawn at random is the same in each
-        random.seed(4242 + seed)
-        numpy.random.seed(4242 + seed)
-        returned = evaluate(model, dataset, rank, world_size, functools.partial(count_correct, batch_size=batch_size))
-        seen = [rows.get(row.numpy().tobytes(), -1) for batch in _seen for row in batch]
-        calls.append({"accuracy": _number(returned), "seen": seen})
-    if shares is None:
-        return calls[0]
-    return {"calls": calls, "right": tuple(right for right, _ in draws)}
 
 
 def micro_count(k: int, step: int) -> int:

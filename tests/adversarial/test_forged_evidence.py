@@ -601,6 +601,7 @@ def test_an_order_broadcast_from_rank_0_loses_the_order_check():
 # --- exercise 2, DDP in practice: one big batch; a metric recomputed from the caller's seed ---------------
 
 import graders.ddp_in_practice.checks as ex2p  # noqa: E402
+import graders.ddp_in_practice.hardest as hard  # noqa: E402
 
 
 def accumulate_one_big_batch(ddp_model, micro_batches):
@@ -620,31 +621,29 @@ def test_one_big_batch_in_place_of_the_micro_batches_loses_both_checks():
     fails(ex2p.check_no_sync, accumulate_one_big_batch, "did not carry the gradients of all 4 micro-batches")
 
 
-def evaluate_from_the_callers_seed(model, dataset, rank, world_size, count_correct):
-    """Its share through count_correct (for the grader's record) and a decoy all_reduce whose result it drops; the
-    accuracy recomputed on this rank over every sample, with the labels the check's public seed gives (the seed
-    and the run read in the caller's frame), or, where the grader has no public labels any more, its copy's."""
+def hardest_from_the_callers_seed(model, dataset, rank, world_size, sample_losses, k):
+    """Its share through sample_losses (for the grader's record) and a decoy gather whose result it drops; the k
+    hardest recomputed on this rank over every sample, with the labels the check's public seed gives (the seed and
+    the run read in the caller's frame), or, where the grader has no public labels any more, its copy's."""
     frame = sys._getframe(1)
     caller, grader = frame.f_locals, frame.f_globals  # the grader's harness and its module
     n, seed = caller["n"], caller["seed"]
-    counts = count_correct(model, torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size)))
-    dist.all_reduce(counts.clone())
+    sample_losses(model, torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size)))
+    dist.all_gather_object([None] * world_size, rank)
     x, labels = dataset.tensors
     if caller.get("shares") is None:
-        labels = grader["_eval_case"](n, world_size, seed)[1]
-    elif "_second_case" in grader:
-        labels = grader["_second_case"](n, world_size, seed)[0]
+        labels = torch.tensor(grader["hard_case"](n, world_size, k, seed))
     device = next(model.parameters()).device
     with torch.no_grad():
-        pred = model.linear(x.to(device)).argmax(1).cpu()
-    return (pred == labels).float().mean().item()
+        losses = torch.nn.functional.cross_entropy(model.linear(x.to(device)), labels.to(device), reduction="none")
+    return losses.topk(k).indices.tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_metric_recomputed_from_the_callers_seed_loses_the_evaluate_check():
+def test_a_ranking_recomputed_from_the_callers_seed_loses_the_hardest_check():
     """The labels of each rank's share are that rank's own draw, 16 times: the seed gives none of them."""
-    fails(ex2p.check_evaluate, evaluate_from_the_callers_seed, "ranks 0, 1, 2 counted samples their model did not "
+    fails(hard.check_hardest, hardest_from_the_callers_seed, "ranks 0, 1, 2 ranked samples their model did not "
           "evaluate", "each rank's share labelled by that rank alone")
 
 
