@@ -101,8 +101,10 @@ IDEAS: dict[str, list[list[str]]] = {
     "fsdp_checkpoint": [
         ["fully_shard per block, then the root", "units chosen for a memory budget"],
         ["an optimizer built after sharding", "param groups chosen by what a sharded parameter reports"],
-        ["DCP's save and load of sharded state", "get_state_dict and set_state_dict"],
-        ["a full state dict gathered for export"],
+        ["DCP's save and load of sharded state", "get_state_dict and set_state_dict",
+         "a partial load: only the saved tensors that fit a changed model"],
+        ["a full tensor gathered by a collective every rank calls", "work split among the ranks by bytes (a greedy "
+         "balance)"],
         ["a mixed-precision policy", "clipping sharded gradients by the global norm"],
     ],
     "syncbn_sharding": [

@@ -182,10 +182,11 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
         "check_training": ("the optimizer must see the sharded parameters, so it is built after sharding; param "
                            "groups pick parameters by what a DTensor reports of the full tensor", L3,
                            "5. Sharding everything: FSDP2 `fully_shard`"),
-        "check_checkpoint": ("a distributed checkpoint has each rank write its own shard, and loads at any "
-                             "world size", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
-        "check_export": ("exporting full weights gathers every shard, a collective all ranks join; one rank "
-                         "writes", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
+        "check_checkpoint": ("a distributed checkpoint has each rank write its own shard, and any set of its keys "
+                             "loads at any world size into a model that matches them", L3,
+                             "5. Sharding everything: FSDP2 `fully_shard`"),
+        "check_export_parts": ("a full tensor is gathered by a collective every rank calls; the work after it can be "
+                               "split among the ranks by bytes", L3, "5. Sharding everything: FSDP2 `fully_shard`"),
         "check_mixed_precision": ("a precision policy says which dtype parameters are gathered and computed in, "
                                   "and which gradients are reduced in", L3,
                                   "7. Mixed precision and clipping with FSDP2"),

@@ -29,25 +29,29 @@ MOMENTUM = 0.9
 
 
 class Block(nn.Module):
-    """A residual MLP block: the unit ``fully_shard`` is applied to."""
+    """A residual MLP block: the unit ``fully_shard`` is applied to; ``hidden`` wide inside (2 * width by default)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, hidden: int | None = None):
         super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
+        hidden = hidden or 2 * width
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Net(nn.Module):
-    """``embed`` -> ``blocks`` (an ``nn.ModuleList`` of :class:`Block`) -> ``head``."""
+    """``embed`` -> ``blocks`` (an ``nn.ModuleList`` of :class:`Block`) -> ``head``.
 
-    def __init__(self, width: int = 8, depth: int = 3):
+    ``hiddens``: each block's inner width (``depth`` of them; 2 * width each by default); ``outputs``: the head's."""
+
+    def __init__(self, width: int = 8, depth: int = 3, hiddens: tuple | None = None, outputs: int = OUTPUTS):
         super().__init__()
+        hiddens = tuple(hiddens) if hiddens else (None,) * depth
         self.embed = nn.Linear(INPUTS, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, OUTPUTS)
+        self.blocks = nn.ModuleList(Block(width, hidden) for hidden in hiddens)
+        self.head = nn.Linear(width, outputs)
 
     def forward(self, x):
         x = self.embed(x)
@@ -56,11 +60,12 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def make_net(spec: tuple) -> Net:
-    """The model of ``spec`` = (width, depth, seed), with weights from ``seed``."""
-    width, depth, seed = spec
+def make_net(spec: tuple, outputs: int = OUTPUTS) -> Net:
+    """The model of ``spec`` = (width, depth, seed) or (width, depth, seed, hiddens), with weights from ``seed``, its
+    head ``outputs`` wide."""
+    width, depth, seed = spec[:3]
     torch.manual_seed(seed)
-    return Net(width, depth)
+    return Net(width, depth, hiddens=spec[3] if len(spec) > 3 else None, outputs=outputs)
 
 
 def batch(rank: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,14 +304,11 @@ def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int
 
 
 def _observers():
-    """What :func:`_load_harness` observes and steps with after the student's code has run, as closures over
-    torch's own functions taken now (at import, before any student object is unpickled). Code that patches torch
-    and then reloads this module, or executes its source again, rebinds the module's names, never these."""
+    """What :func:`_finetune_harness` observes after the student's code has run, as closures over torch's own
+    functions taken now (at import, before any student object is unpickled). Code that patches torch and then
+    reloads this module, or executes its source again, rebinds the module's names, never these."""
     to_local, dtensor, is_instance = DTensor.to_local, DTensor, isinstance
     named, clone, cpu, detach = nn.Module.named_parameters, torch.Tensor.clone, torch.Tensor.cpu, torch.Tensor.detach
-    mse, backward, sgd_step, zero_grad = F.mse_loss, torch.Tensor.backward, torch.optim.SGD.step, \
-        torch.optim.Optimizer.zero_grad
-    data, floats = _data, float
 
     def local(p):
         return clone(cpu(detach(to_local(p) if is_instance(p, dtensor) else p)))
@@ -314,64 +316,31 @@ def _observers():
     def params(model):
         return {name: local(p) for name, p in named(model)}
 
-    def momenta(model, optimizer):
-        state = optimizer.state
-        out = {}
-        for name, p in named(model):
-            buf = state[p].get("momentum_buffer") if p in state else None
-            out[name] = None if buf is None else local(buf)
-        return out
-
-    def groups(optimizer):
-        return [[floats(g.get("lr", -1)), floats(g.get("momentum", -1))] for g in optimizer.param_groups]
-
-    def step(model, optimizer, rank, step_index, seed, dev):
-        x, y = data(rank, step_index, seed, dev)
-        loss = mse(model(x), y)
-        zero_grad(optimizer)
-        backward(loss)
-        sgd_step(optimizer)
-
-    return params, momenta, groups, step
+    return params
 
 
 _OBSERVERS = _observers()
 
 
-def _load_harness(rank: int, load_checkpoint, path: str, spec: tuple, steps: int) -> dict:
-    params, momenta, groups, step = _OBSERVERS  # bound before the student's code runs: see _observers
+def _finetune_harness(rank: int, load_for_finetune, path: str, spec: tuple, outputs: int) -> dict:
+    """A freshly built sharded model for a new task (its head ``outputs`` wide, other weights than the saved model's),
+    given to the student's ``load_for_finetune`` with the checkpoint at ``path``; this rank's rows of every parameter
+    before and after."""
+    params = _OBSERVERS  # bound before the student's code runs: see _observers
     dev = _join()
-    width, depth, seed = spec
-    model = reference_shard(make_net((width, depth, seed + 100)).to(dev))  # fresh: other weights, no optimizer state yet
-    optimizer = reference_optimizer(model)
+    width, depth, seed = spec[:3]
+    model = reference_shard(make_net((width, depth, seed + 100), outputs=outputs).to(dev))
     obs = {"fresh": params(model)}
-    load_checkpoint(model, optimizer, path)
+    load_for_finetune(model, path)
     obs["params"] = params(model)
-    obs["momentum"] = momenta(model, optimizer)
-    obs["groups"] = groups(optimizer)
-    step(model, optimizer, rank, steps, seed, dev)
-    obs["next"] = params(model)  # one more step from what was loaded
     return obs
 
 
-@torch.no_grad()
-def _step_reference(spec: tuple, ws: int, step: int, weights: dict, momenta: dict) -> dict[str, torch.Tensor]:
-    """One single-process SGD step (momentum) on the global batch of ``step``, from full ``weights`` and
-    ``momenta``: what one more training step gives after loading a checkpoint that holds them."""
-    model = make_net(spec)
-    for name, p in model.named_parameters():
-        p.copy_(weights[name])
-    optimizer = reference_optimizer(model)
-    for name, p in model.named_parameters():
-        optimizer.state[p]["momentum_buffer"] = momenta[name].clone()
-    with torch.enable_grad():  # the exercise's given step (SGD's own update is no_grad inside)
-        reference_step(model, optimizer, *_global_batch(ws, step, spec[2]))
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _export_harness(rank: int, export_weights, paths: list[str], spec: tuple, steps: int) -> dict:
+def _export_harness(rank: int, export_parts, folder: str, spec: tuple, steps: int) -> dict:
+    """Every rank calls ``export_parts`` with the trained sharded model and the same ``folder``; every file each rank
+    wrote while it ran (however it wrote it) is recorded."""
     model, _ = _trained(rank, spec, steps, _join())
     params = _locals(model)
     with checks.record_writes() as writes:  # every file this rank writes, however it writes it
-        export_weights(model, paths[rank])
+        export_parts(model, folder)
     return {"params": params, "writes": sorted({e["path"] for e in writes})}
