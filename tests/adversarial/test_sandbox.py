@@ -143,6 +143,11 @@ def test_workdir_inside_a_hidden_folder_stays_visible(tmp_path):
         shutil.rmtree(course, ignore_errors=True)
 
 
+#: the fork bombs' process limit: the property (the limit bounds the bomb, closing the sandbox ends it) holds at any
+#: limit, and a bomb of the default 512 spinning processes starves every test running beside it on a 2-core machine
+BOMB_LIMITS = {"nproc": 128}
+
+
 def _fork_bomb(box: Sandbox) -> subprocess.Popen:
     """A fork bomb started in ``box`` (its supervisor in ``box.pids``), left to spread for 3 s, and where the box has
     cgroups until it holds more than 10 processes (up to 30 s: on a loaded machine the sandboxed interpreter can
@@ -160,7 +165,9 @@ def _fork_bomb(box: Sandbox) -> subprocess.Popen:
 
 @needs_root
 def test_fork_bomb_is_contained_and_killed(tmp_path):
-    with Sandbox(tmp_path / "w") as box:
+    from course.sandbox import Limits
+
+    with Sandbox(tmp_path / "w", limits=Limits(**BOMB_LIMITS)) as box:
         proc = _fork_bomb(box)
         if box.cgroups.paths:  # a /proc scan would take seconds with hundreds of spinning processes
             assert 10 < len(box.cgroups.pids()) <= box.limits.nproc
@@ -335,7 +342,9 @@ def test_rootless_leftovers_die_with_the_sandbox(tmp_path):
 def test_rootless_fork_bomb_is_stopped_with_the_sandbox(tmp_path):
     """RLIMIT_NPROC bounds a fork bomb (this user's processes, counted system-wide); closing the sandbox
     ends all of it at once (pid 1 of its namespace is killed)."""
-    with Sandbox(tmp_path / "w") as box:
+    from course.sandbox import Limits
+
+    with Sandbox(tmp_path / "w", limits=Limits(**BOMB_LIMITS)) as box:
         proc = _fork_bomb(box)
         assert len(uid_processes(os.getuid())) <= box.limits.nproc + 100
         token = box.token
