@@ -249,7 +249,7 @@ def _hint(got, share: list[int], losses: list[float], k: int, world_size: int) -
     positions.append([share.index(i) for i in mine[:k]])  # this rank's own hardest, by position in its share
     if got != want and got in positions:
         return ("these are positions within a rank's share, not indices of the dataset: position j of a Subset is "
-                "the dataset's sample share_indices[j]; return the dataset's indices")
+                "the j-th index the share was made of; return the dataset's indices")
     if len(got) != len(set(got)):
         return "an index appears twice: each sample may be one of the k hardest once"
     if got == mine[:k] or (len(got) < k and got == mine):
