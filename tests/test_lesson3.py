@@ -142,6 +142,18 @@ def test_fsdp2_shards_parameters_and_checkpoints_with_dcp(nb):
     assert "the full copy loads into a plain model: {'0.weight': (256, 64), '0.bias': (256,)} ..." in files
 
 
+def test_dcp_reads_the_tensors_it_is_asked_for_and_full_tensor_gathers_them(nb):
+    """Lesson 3's demo for fsdp_checkpoint parts 3 and 4, on its own model: asking the checkpoint for a last layer of
+    another shape fails on every rank, naming the key; asking for the first two layers reads those and nothing else,
+    as full_tensor() (called on every rank) shows."""
+    text = output_of(nb, "course.run_ranks(read_part, 2, args=(ckpt_dir,))")
+    assert world_sizes(text) == [2]
+    assert ("[rank 0] asking for every tensor: ValueError: Size mismatch between saved torch.Size([10, 128]) and "
+            "current: torch.Size([3, 128]) for app.model.6.weight") in text
+    assert ("asked for ['0.bias', '0.weight', '2.bias', '2.weight'] ; changed: ['0.bias', '0.weight', '2.bias', "
+            "'2.weight']") in text
+
+
 def test_optimizer_built_before_fully_shard_leaves_the_loss_flat(nb):
     text = output_of(nb, "for optimizer_first in (True, False):")
     assert world_sizes(text) == [2, 2]
