@@ -8,7 +8,7 @@ so. :func:`_read_harness` runs on as many ranks as saved it, with no student cod
 2. reads every tensor again sharded by rows across all the ranks (DTensors on a mesh of the saved world size),
    as FSDP2 loads it;
 3. writes, on rank 0, a copy of everything it read with ``dcp.save`` at world size 1: the folder the
-   student's ``load_checkpoint`` is given, so a loader that reads anything but DCP's own files (a pickle of its
+   student's ``load_for_finetune`` is given, so a loader that reads anything but DCP's own files (a pickle of its
    own beside them, shards named by rank) fails, and the loader must reshard.
 
 The folder is the student's: nothing in it may run code here. ``.metadata`` is unpickled with DCP's own
