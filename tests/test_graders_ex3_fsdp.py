@@ -408,6 +408,13 @@ def load_head_too(model, path):
     set_model_state_dict(model, state)
 
 
+def load_everything_partial_planner(model, path):
+    """allow_partial_load lets keys the checkpoint lacks pass; it does not skip the head, whose shape differs."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    dcp.load({"model": model.state_dict()}, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+
+
 def load_strict(model, path):
     state = {k: v for k, v in get_model_state_dict(model).items() if not k.startswith("head.")}
     dcp.load({"model": state}, checkpoint_id=path)
@@ -552,6 +559,8 @@ def test_check_checkpoint_accepts_every_style():
 def test_check_checkpoint_names_each_mistake_of_the_finetune_load():
     fails(ckpt.check_checkpoint, save_checkpoint, "[ranks 0, 1]", "loaded the saved head too", "belongs to the new task",
           "(3 instead of 2)", "for model.head.weight", "leave the head's keys", load_for_finetune=load_head_too)
+    fails(ckpt.check_checkpoint, save_checkpoint, "loaded the saved head too", "for model.head.weight",
+          load_for_finetune=load_everything_partial_planner)
     fails(ckpt.check_checkpoint, save_checkpoint, "set the loaded state strictly", "Missing key(s)", "head.weight",
           load_for_finetune=load_strict)
     fails(ckpt.check_checkpoint, save_checkpoint, "holds none of the checkpoint's weights", "initial weights in all 14",

@@ -146,6 +146,13 @@ def export_gather_by_owner_only(model, folder):
     torch.save(mine, _path(folder))
 
 
+def export_gather_on_rank0_only(model, folder):
+    """Rank 0 gathers the whole model for everyone; the others return: rank 0 waits in the gather."""
+    if dist.get_rank() == 0:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        torch.save(full, _path(folder))
+
+
 def export_swapped(model, folder):
     """A forgery: right parts, but each rank writes the next rank's file."""
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -217,6 +224,8 @@ def test_check_export_parts_names_a_gather_some_ranks_skip():
     start = time.monotonic()
     fails(export.check_export_parts, export_gather_by_owner_only, "the ranks did not gather together",
           "a gather that only the rank keeping that parameter calls")
+    fails(export.check_export_parts, export_gather_on_rank0_only, "[rank 0]", "the ranks did not gather together",
+          "rank 0 waited in a gather")
     assert time.monotonic() - start < fsdp_model.PG_TIMEOUT.total_seconds() + 30
 
 
