@@ -53,20 +53,17 @@ def hardest(model, dataset, rank, world_size, sample_losses, k):
 
 
 def hardest_padded_tensors(model, dataset, rank, world_size, sample_losses, k):
-    """Right, another style: chunks of the dataset, each rank's k candidates padded with -inf to one size and
-    all-gathered as tensors, the answer a tensor."""
+    """Right, another style: chunks of the dataset, each rank's k candidates as (loss, index) rows of one float
+    tensor padded with -inf to k rows, all-gathered as tensors; the answer the index column, a float tensor."""
     start, stop = (torch.tensor_split(torch.arange(len(dataset)), world_size)[rank][[0, -1]] + torch.tensor([0, 1])).tolist()
     losses = sample_losses(model, Subset(dataset, range(start, stop)))
-    values = torch.full((k,), float("-inf"), device=losses.device)
-    index = torch.full((k,), -1, dtype=torch.long, device=losses.device)
+    rows = torch.full((k, 2), float("-inf"), device=losses.device)
     got = losses.topk(min(k, len(losses)))
-    values[:len(got.values)], index[:len(got.values)] = got.values, got.indices + start
-    all_values = [torch.empty_like(values) for _ in range(world_size)]
-    all_index = [torch.empty_like(index) for _ in range(world_size)]
-    dist.all_gather(all_values, values)
-    dist.all_gather(all_index, index)
-    order = torch.cat(all_values).argsort(descending=True)[:k]
-    return torch.cat(all_index)[order]
+    rows[:len(got.values), 0], rows[:len(got.values), 1] = got.values, (got.indices + start).float()
+    everyone = [torch.empty_like(rows) for _ in range(world_size)]
+    dist.all_gather(everyone, rows)
+    table = torch.cat(everyone)
+    return table[table[:, 0].argsort(descending=True)[:k], 1]
 
 
 class HardestOnRankZero:

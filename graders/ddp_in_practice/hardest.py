@@ -136,8 +136,11 @@ def _indices(value):
         value = value.detach().cpu().reshape(-1).tolist() if value.dim() <= 1 else value
     if hasattr(value, "tolist") and not isinstance(value, torch.Tensor):  # numpy arrays
         value = value.tolist()
-    if isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                                for v in value):
+    def whole(v) -> bool:  # an int, or a float that is one (indices that travelled in a float tensor)
+        return not isinstance(v, bool) and (isinstance(v, numbers.Integral)
+                                            or isinstance(v, numbers.Real) and float(v).is_integer())
+
+    if isinstance(value, (list, tuple)) and all(whole(v) for v in value):
         return [int(v) for v in value]
     if isinstance(value, (list, tuple)):
         kinds = sorted({type(v).__name__ for v in value})
