@@ -378,6 +378,36 @@ class FinetuneState(Stateful):
         set_model_state_dict(self.model, state_dict["model"], options=StateDictOptions(strict=False))
 
 
+def save_then_rename(model, optimizer, path):
+    """Right, another style: the checkpoint written whole to a temporary folder, then moved into place by rank 0 (a
+    reader never meets a half-written one)."""
+    import os
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{path}.tmp")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
+
+
+def save_with_an_average(model, optimizer, path):
+    """Right, another style: a copy of the weights (an average a run keeps beside them: here equal to them) saved
+    first, then the model and the optimizer; the load reads "model"."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    average = {k: v.detach().clone() for k, v in model_sd.items()}
+    dcp.save({"average": average, "model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+
+
+def save_resolved(model, optimizer, path):
+    """Right, another style: the folder's real path (pathlib's resolve), which differs from `path` where the
+    temporary folder lies behind a symbolic link (macOS's /var -> /private/var)."""
+    import pathlib
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=pathlib.Path(path).resolve())
+
+
 def save_app_state(model, optimizer, path):
     dcp.state_dict_saver.save({"app": AppState(model, optimizer)}, checkpoint_id=path)
 
@@ -552,6 +582,21 @@ def test_check_checkpoint_accepts_every_style():
     ckpt.check_checkpoint(save_checkpoint, load_full_filtered, world_size=3)
     ckpt.check_checkpoint(save_app_state, load_app_state)
     ckpt.check_checkpoint(save_plain, load_bound_early)
+    ckpt.check_checkpoint(save_then_rename, load_for_finetune)
+    ckpt.check_checkpoint(save_with_an_average, load_for_finetune, world_size=3, load_world_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_temporary_folder_behind_a_symbolic_link_is_the_same_folder(tmp_path, monkeypatch):
+    """Where the temporary folder is reached through a link (macOS), a save to the real path is the checkpoint's."""
+    import tempfile
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "linked").symlink_to(real)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "linked"))
+    ckpt.check_checkpoint(save_resolved, load_for_finetune)
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ recorder, and patching ``torch.save`` afterwards changes nothing it sees:
 
 A harness records around the student's call (:func:`recording`): every write of every thread of the
 rank, apart from the grader's own (:func:`paused`, :func:`grader_thread`), as ``{"path", "how"}``
-(absolute path; ``how``: "torch.save", "open", "rename", "link", "truncate"). ``before(event)`` runs
+(absolute path; ``how``: "torch.save", "open", "rename", "link", "truncate"; a rename's or link's source as
+``"from"``). ``before(event)`` runs
 in the writing thread before the write happens (a harness may hold it there). Python's byte-code
 caches and /dev, /proc, /sys are not writes of the student's.
 """
@@ -38,7 +39,7 @@ def _path(p) -> str | None:
     return os.path.abspath(p) if isinstance(p, str) else None
 
 
-def _note(how: str, raw) -> None:
+def _note(how: str, raw, source=None) -> None:
     events = _state["events"]
     if events is None or getattr(_local, "busy", False) or getattr(_local, "paused", False):
         return
@@ -52,6 +53,8 @@ def _note(how: str, raw) -> None:
         if os.path.isdir(path):  # O_TMPFILE opens the folder; the file that stays is seen when it gets a name
             return
         event = {"path": path, "how": how}
+        if source is not None and _path(source) is not None:  # a rename's or link's source: what moved where
+            event["from"] = _path(source)
         events.append(event)
         before = _state["before"]
         if before is not None:
@@ -71,7 +74,7 @@ def _audit(name: str, args: tuple) -> None:
         if write:
             _note("open", args[0])
     elif name in ("os.rename", "os.link", "os.symlink"):
-        _note(name[3:], args[1])
+        _note(name[3:], args[1], source=args[0])
     elif name == "os.truncate":
         _note("truncate", args[0])
 

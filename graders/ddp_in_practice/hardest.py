@@ -204,11 +204,11 @@ def _judge_shares(check, obs, n, world_size, where) -> None:
                           ranks=strangers, expected="each x exactly as the dataset holds it (moved to the device)",
                           hint="compute the losses with the given sample_losses(model, samples), samples a part of the "
                           "dataset: it gives the model each x as the dataset holds it")
-    counts = [len(o["seen"]) for o in obs]
+    counts = [len(set(o["seen"])) for o in obs]  # samples, not forwards: a share evaluated twice is still the share
     over = [r for r, c in enumerate(counts) if c > share]
     if over:
         everything = all(set(obs[r]["seen"]) == set(range(n)) for r in over)
-        seen = [i for o in obs for i in o["seen"]]
+        seen = [i for o in obs for i in set(o["seen"])]
         uneven = len(seen) == len(set(seen)) == n  # each sample once: the shares are only unbalanced
         raise CheckFailed(check, f"{checks.rank_list(over)} evaluated more than one rank's share of the data ({where})",
                           ranks=over, expected=f"at most {share} samples per rank (ceil({n}/{world_size}))",
@@ -239,8 +239,9 @@ def _judge_shares(check, obs, n, world_size, where) -> None:
                           "together are the dataset")
 
 
-def _hint(got, share: list[int], losses: list[float], k: int, world_size: int) -> str:
-    """What one rank's wrong list says went wrong, judged from the samples it evaluated (``share``)."""
+def _hint(got, share: list[int], losses: list[float], k: int, world_size: int, agreed: bool = False) -> str:
+    """What one rank's wrong list says went wrong, judged from the samples it evaluated (``share``); ``agreed``: every
+    rank returned this same list (so the ranks' candidates did meet)."""
     n = len(losses)
     want = top(losses, k)
     mine = sorted(set(share), key=lambda i: -losses[i])
@@ -255,11 +256,15 @@ def _hint(got, share: list[int], losses: list[float], k: int, world_size: int) -
                 "the j-th index the share was made of; return the dataset's indices")
     if len(got) != len(set(got)):
         return "an index appears twice: each sample may be one of the k hardest once"
-    if got == mine[:k] or (len(got) < k and got == mine):
+    if not agreed and (got == mine[:k] or (len(got) < k and got == mine)):
         return ("this rank returned the hardest samples of its own share only: every rank's candidates must reach "
                 "every rank (a collective that gathers), and the k hardest are chosen from all of them")
     if len(got) != k:
-        return f"return exactly k = {k} indices, also when a rank holds fewer than k samples of its own"
+        return (f"the list holds {len(got)} indices, not k = {k}: every rank offers its hardest min(k, its share) "
+                "candidates, so that k remain once they all meet, and k of them are returned")
+    if (agreed or set(got) - set(share)) and set(got) != set(want) and all(0 <= i < n for i in got):
+        return ("the other ranks' candidates arrived, but the k returned are not the k of highest loss among all of "
+                "them: rank every candidate of every rank together, by loss, highest first")
     if not all(0 <= i < n for i in got):
         return f"return indices of the dataset, 0 to {n - 1}"
     if set(got) == set(want):
@@ -278,9 +283,11 @@ def check_hardest(hardest, *, world_size=3, n=11, k=4, batch_size=2, seed=0):
     check = "check_hardest"
     checks.require_written(check, hardest=hardest)
     where = f"the {k} hardest of {n} samples on {world_size} ranks"
-    hints = [("invalid tensor size", "all_gather needs a tensor of one size on every rank: the ranks' shares (and "
-                                     "their candidates) may differ in length; make them one size, or gather Python "
-                                     "objects"),
+    hints = [("invalid tensor size", "a tensor collective takes one size on every rank, and its output must match "
+                                     "(all_gather: a list of world_size tensors of the input's size; "
+                                     "all_gather_into_tensor: one tensor world_size times as long): the ranks' shares "
+                                     "(and their candidates) may differ in length; make them one size, or gather "
+                                     "Python objects"),
              ("selected index k out of range", "a rank may hold fewer than k samples: it cannot offer k candidates of "
                                                "its own"),
              ("Tensors must be CUDA and dense", "under nccl collectives take GPU tensors only: create them on the "
@@ -298,7 +305,8 @@ def check_hardest(hardest, *, world_size=3, n=11, k=4, batch_size=2, seed=0):
                           ranks=wrong, expected=f"{_show(want, losses)} on every rank (dataset index (its loss)), the "
                           "highest loss first", got="; ".join(f"rank {q}: {_show(g, losses) if not isinstance(g, str) else g}"
                                                               for q, g in enumerate(got)),
-                          hint=_hint(got[r], sorted(set(obs[r]["seen"])), losses, k, world_size))
+                          hint=_hint(got[r], sorted(set(obs[r]["seen"])), losses, k, world_size,
+                                     agreed=all(g == got[0] for g in got)))
     shares = [sorted(set(o["seen"])) for o in obs]
     _second_run(check, hardest, world_size, n, k, batch_size, seed, shares, want, where, hints)
     passed(check)

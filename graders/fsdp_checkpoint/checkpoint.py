@@ -27,7 +27,15 @@ from course import checks
 from course.checks import CheckFailed, Mistake, passed, rank_list, stranded
 from graders.fsdp_checkpoint.checks import _job_env, _where
 from graders.fsdp_checkpoint.dcp import _pieces_verdict, _read_harness, _read_verdict, nudge
-from graders.fsdp_checkpoint.harness import OUTPUTS, _finetune_harness, _full, _save_harness, _shard_of, make_net
+from graders.fsdp_checkpoint.harness import (
+    OUTPUTS,
+    _finetune_harness,
+    _full,
+    _save_harness,
+    _shard_of,
+    finetune_spec,
+    make_net,
+)
 
 #: the new task's head: this many outputs where the saved model's head has OUTPUTS
 NEW_OUTPUTS = 3
@@ -120,8 +128,9 @@ def _checkpoint_files(check: str, path: str, ws: int) -> None:
         raise CheckFailed(
             check, f"save_checkpoint wrote ONE file at `path` (torch.save?), not a DCP checkpoint folder ({where})",
             expected=f"a folder with .metadata and one shard file per rank (__0_0.distcp ... __{ws - 1}_0.distcp)",
-            got="a single file: what one rank held, its own shards of each tensor; the other ranks' shards are lost",
-            ranks=list(range(1, ws)), hint="use torch.distributed.checkpoint, on every rank: " + hint)
+            got="a single file: one rank's writing, where every rank writes its own shard into a folder (a whole "
+            "state gathered for it went through one rank; a rank's own state dict holds only its shards)",
+            ranks=list(range(ws)), hint="use torch.distributed.checkpoint, on every rank: " + hint)
     files = sorted(os.listdir(path)) if os.path.isdir(path) else []
     writers = {r for r in range(ws) for f in files if re.fullmatch(rf"__{r}_\d+\.distcp", f)}
     missing = [r for r in range(ws) if r not in writers]
@@ -144,9 +153,11 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
-def _finetune_verdict(check: str, loaded: list[dict], expected: dict[str, torch.Tensor],
-                      saved: dict[str, torch.Tensor], ws: int) -> None:
-    """``expected``: the full tensors of the copy load_for_finetune was given (the saved ones, nudged), head excluded;
+def _finetune_verdict(check: str, loaded: list[dict], expected: dict[str, list[torch.Tensor]],
+                      saved: dict[str, torch.Tensor], built: dict[str, torch.Tensor], ws: int) -> None:
+    """``expected``: the full tensors of the copy load_for_finetune was given (the saved ones, nudged), head excluded,
+    one per key of the checkpoint that held the tensor; ``built``: the new model's initial full tensors, built again here
+    from the spec (never what the rank reports of them);
     ``saved``: the full weights the save job held (what a replayed training gives)."""
     where = f"{_where(ws)}, the new task's model: its head {NEW_OUTPUTS} outputs wide, the saved one {OUTPUTS}"
     hint = ("on every rank: the new model's own sharded state dict without the head's keys, filled by dcp.load from "
@@ -154,9 +165,9 @@ def _finetune_verdict(check: str, loaded: list[dict], expected: dict[str, torch.
 
     def judged(rank, obs):
         body = [n for n in obs["params"] if not _is_head(n)]
-        wrong = [n for n in body if not _same(obs["params"][n], _shard_of(expected[n], ws, rank))]
+        wrong = [n for n in body if not any(_same(obs["params"][n], _shard_of(e, ws, rank)) for e in expected[n])]
         if wrong:
-            fresh = [n for n in wrong if _same(obs["params"][n], obs["fresh"][n])]
+            fresh = [n for n in wrong if _same(obs["params"][n], _shard_of(built[n], ws, rank))]
             replayed = [n for n in wrong if _same(obs["params"][n], _shard_of(saved[n], ws, rank))]
             if len(fresh) == len(body):
                 problem, got = ("after load_for_finetune the model holds none of the checkpoint's weights",
@@ -177,7 +188,7 @@ def _finetune_verdict(check: str, loaded: list[dict], expected: dict[str, torch.
                               "your checkpoint, every value moved a little: only reading it gives them)",
                               got=got, hint=hint)
         head = [n for n in obs["params"] if _is_head(n)]
-        changed = [n for n in head if not _same(obs["params"][n], obs["fresh"][n])]
+        changed = [n for n in head if not _same(obs["params"][n], _shard_of(built[n], ws, rank))]
         if changed:
             raise CheckFailed(check, f"after load_for_finetune the head is not as the new model was built: "
                               f"{', '.join(changed)} changed ({where})", ranks=[rank],
@@ -211,11 +222,12 @@ def check_checkpoint(save_checkpoint, load_for_finetune, world_size: int = 2, se
         shapes = {name: tuple(p.shape) for name, p in make_net(spec).named_parameters()}
         _pieces_verdict(check, read[0]["chunks"], keys, saved, path, shapes, world_size)
         weights = _full([obs["params"] for obs in saved])
-        expected = {name: weights[name] + nudge(key, shapes[name], nonce) for name, key in keys["params"].items()
-                    if not _is_head(name)}
+        expected = {name: [weights[name] + nudge(key, shapes[name], nonce) for key in candidates]
+                    for name, candidates in keys["params"].items() if not _is_head(name)}
         loaded = checks.run(check, _finetune_harness, load_ws, args=(load_for_finetune, copy, spec, NEW_OUTPUTS),
                             mistakes=_FINETUNE_MISTAKES, env=_job_env(load_ws)).values
-        _finetune_verdict(check, loaded, expected, weights, load_ws)
+        built = {name: p.detach() for name, p in make_net(finetune_spec(spec), outputs=NEW_OUTPUTS).named_parameters()}
+        _finetune_verdict(check, loaded, expected, weights, built, load_ws)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     passed(check)

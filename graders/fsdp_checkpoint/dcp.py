@@ -215,7 +215,8 @@ def _read_harness(rank: int, path: str, copy_path: str, nonce: int, _world_size=
 def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> dict[str, dict[str, str]]:
     """What the grader's own DCP read of the folder found (:mod:`graders.fsdp_checkpoint.dcp`): the trained weights and
     SGD's momentum, whole (read at world size 1) and each rank's rows (read sharded at the saved world size).
-    Returns where it found them: {"params" / "momentum": {parameter name: the checkpoint's key}}."""
+    Returns where it found them: {"params" / "momentum": {parameter name: the checkpoint's keys holding it}} (a
+    checkpoint may hold a tensor twice, say an average of the weights beside them, still equal after two steps)."""
     where = f"{ws}-rank job, the folder read with torch.distributed.checkpoint by the grader"
     hint = ("on every rank: the model's and the optimizer's state dicts from get_state_dict, saved together in one "
             "dict with dcp.save to the folder it is given")
@@ -227,15 +228,15 @@ def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> d
             hint="files with DCP's names but torch.save (or pickle) content, or a .metadata from elsewhere, only your own "
             "loader reads; let DCP write the folder: " + hint)
     whole = read[0]["whole"]
-    found_keys: dict[str, dict[str, str]] = {}
+    found_keys: dict[str, dict[str, list[str]]] = {}
 
-    def found(want: torch.Tensor) -> str | None:
-        return next((k for k, t in whole.items() if _same(t.float(), want.float())), None)
+    def found(want: torch.Tensor) -> list[str]:
+        return [k for k, t in whole.items() if _same(t.float(), want.float())]
 
     for kind, key in (("params", "weights"), ("momentum", "momentum")):
         want = _full([obs[kind] for obs in saved])
         keys = {n: found(t) for n, t in want.items()}
-        lost = [n for n, k in keys.items() if k is None]
+        lost = [n for n, k in keys.items() if not k]
         if lost and kind == "momentum" and len(lost) == len(keys):
             raise CheckFailed(check, f"save_checkpoint did not save the optimizer's state ({where})", ranks=list(range(ws)),
                               expected="SGD's momentum_buffer of every parameter beside the weights",
@@ -249,7 +250,7 @@ def _read_verdict(check: str, read: list[dict], saved: list[dict], ws: int) -> d
                               expected=f"the {key} of every parameter when save_checkpoint was called", got=got,
                               hint="save the state the model and optimizer hold now: " + hint)
         for rank, obs in enumerate(read):
-            off = [n for n, k in keys.items() if not _same(obs["shards"].get(k), saved[rank][kind][n])]
+            off = [n for n, ks in keys.items() if not any(_same(obs["shards"].get(k), saved[rank][kind][n]) for k in ks)]
             expect(not off, check, f"read sharded across the {ws} ranks that saved it, rank {rank}'s rows of "
                    f"{off[0] if off else ''} are not what rank {rank} saved ({where})", ranks=[rank],
                    expected=f"each rank's own rows of every {key} tensor", got=f"{len(off)} tensors differ",
@@ -262,47 +263,88 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
-def _pieces_verdict(check: str, chunks: dict[str, list[dict]], keys: dict[str, dict[str, str]],
+def _moved(where: str, moves: list[tuple[str, str]]) -> str:
+    """Where a file written at ``where`` ended up after the job's renames (a file, or a folder it lies in, moved into
+    place: a checkpoint written to a temporary name and renamed when complete), in order."""
+    for src, dst in moves:
+        if where == src or where.startswith(src.rstrip(os.sep) + os.sep):
+            where = dst + where[len(src.rstrip(os.sep)):]
+    return where
+
+
+def written_in(saved: list[dict], path: str) -> list[set[str]]:
+    """Per rank, the names of the files it wrote that lie in the folder ``path`` once the save is done: its recorded
+    writes moved by every rank's renames, compared by real path (a temporary folder behind a symbolic link, as
+    macOS's is, names the same folder twice)."""
+    moves = [tuple(m) for obs in saved for m in obs.get("moves", [])]
+    folder = os.path.realpath(path)
+    out = []
+    for obs in saved:
+        names = set()
+        for w in obs.get("writes", []):
+            final = os.path.realpath(_moved(w, moves))
+            if os.path.dirname(final) == folder:
+                names.add(os.path.basename(final))
+        out.append(names)
+    return out
+
+
+def _pieces_verdict(check: str, chunks: dict[str, list[dict]], keys: dict[str, dict[str, list[str]]],
                     saved: list[dict], path: str, shapes: dict[str, tuple], ws: int) -> None:
     """Every rank's rows of every weight and momentum are a piece of their own in the checkpoint (DCP's .metadata,
     read by the grader), in a file that rank wrote (the writes the save job recorded on each rank): the state
     was saved where it lives, each rank its own shard, not gathered first."""
-    from course.costmodel import fsdp_shard_rows
-
     where = f"{ws}-rank job, the folder's .metadata read by the grader"
-    writers = [{os.path.basename(w) for w in obs.get("writes", []) if os.path.dirname(w) == os.path.abspath(path)}
-               for obs in saved]
+    writers = written_in(saved, path)
     hint = ("save the sharded state dicts as they are, on every rank (get_state_dict's, as it returns them, into "
             "dcp.save); a full state dict "
             "(full_state_dict=True, full_tensor()) gathers every weight on every rank first")
     for kind, what in (("params", "weights"), ("momentum", "momentum")):
-        for name, key in keys.get(kind, {}).items():
-            size = list(shapes[name])
-            pieces = [c for c in chunks.get(key, []) if all(n > 0 for n in c["sizes"])]
-            start = 0
-            for rank in range(ws):
-                rows = fsdp_shard_rows(size[0], ws, rank)
-                if not rows:
-                    continue
-                want = {"offsets": [start] + [0] * (len(size) - 1), "sizes": [rows, *size[1:]]}
-                start += rows
-                mine = [c for c in pieces if c["offsets"] == want["offsets"] and c["sizes"] == want["sizes"]]
-                if not mine:
-                    whole = any(c["sizes"] == size for c in pieces)
-                    raise CheckFailed(
-                        check, (f"the checkpoint holds the {what} of {name} whole, in one piece, not as each rank's "
-                                f"shard: the full state was gathered before the save ({where})" if whole else
-                                f"the checkpoint does not hold rank {rank}'s rows of {name} ({what}) as a piece of "
-                                f"their own ({where})"),
-                        ranks=[rank], expected=f"rows {want['offsets'][0]}..{want['offsets'][0] + rows - 1} of {name}, "
-                        f"rank {rank}'s shard, saved by rank {rank}",
-                        got="pieces (offsets, sizes): " + ", ".join(f"{c['offsets']} {c['sizes']}" for c in pieces[:4]),
-                        hint=hint)
-                file = mine[0]["file"]
-                if file not in writers[rank]:
-                    by = [r for r in range(ws) if file in writers[r]]
-                    raise CheckFailed(
-                        check, f"rank {rank}'s rows of {name} ({what}) are in {file}, which rank {rank} did not write "
-                        f"({where})", ranks=[rank], expected="every rank's shard in a file that rank writes",
-                        got=(f"{file} was written by {checks.rank_list(by)}" if by else
-                             f"no rank was seen writing {file} while save_checkpoint ran"), hint=hint)
+        for name, candidates in keys.get(kind, {}).items():
+            failures = []
+            for key in candidates:  # one copy of the tensor saved as every rank's shard is enough
+                try:
+                    _pieces_of(check, chunks, key, name, what, writers, shapes, ws, where, hint)
+                except CheckFailed as failure:
+                    failures.append(failure)
+                else:
+                    break
+            else:
+                if failures:
+                    raise failures[0]
+
+
+def _pieces_of(check, chunks, key, name, what, writers, shapes, ws, where, hint) -> None:
+    """One tensor of the checkpoint (``key``) holds every rank's rows of ``name`` as a piece of their own, in a file
+    that rank wrote."""
+    from course.costmodel import fsdp_shard_rows
+
+    size = list(shapes[name])
+    pieces = [c for c in chunks.get(key, []) if all(n > 0 for n in c["sizes"])]
+    start = 0
+    for rank in range(ws):
+        rows = fsdp_shard_rows(size[0], ws, rank)
+        if not rows:
+            continue
+        want = {"offsets": [start] + [0] * (len(size) - 1), "sizes": [rows, *size[1:]]}
+        start += rows
+        mine = [c for c in pieces if c["offsets"] == want["offsets"] and c["sizes"] == want["sizes"]]
+        if not mine:
+            whole = any(c["sizes"] == size for c in pieces)
+            raise CheckFailed(
+                check, (f"the checkpoint holds the {what} of {name} whole, in one piece, not as each rank's "
+                        f"shard: the full state was gathered before the save ({where})" if whole else
+                        f"the checkpoint does not hold rank {rank}'s rows of {name} ({what}) as a piece of "
+                        f"their own ({where})"),
+                ranks=[rank], expected=f"rows {want['offsets'][0]}..{want['offsets'][0] + rows - 1} of {name}, "
+                f"rank {rank}'s shard, saved by rank {rank}",
+                got="pieces (offsets, sizes): " + ", ".join(f"{c['offsets']} {c['sizes']}" for c in pieces[:4]),
+                hint=hint)
+        file = mine[0]["file"]
+        if file not in writers[rank]:
+            by = [r for r in range(ws) if file in writers[r]]
+            raise CheckFailed(
+                check, f"rank {rank}'s rows of {name} ({what}) are in {file}, which rank {rank} did not write "
+                f"({where})", ranks=[rank], expected="every rank's shard in a file that rank writes",
+                got=(f"{file} was written by {checks.rank_list(by)}" if by else
+                     f"no rank was seen writing {file} while save_checkpoint ran"), hint=hint)

@@ -30,8 +30,10 @@ from course.checks import CheckFailed, Mistake, expect, passed, rank_list, stran
 from graders.fsdp_checkpoint.checks import _job_env, _where
 from graders.fsdp_checkpoint.harness import _export_harness, _full, _max_diff, make_net
 
-#: the visible test's model: blocks of other sizes, so that balancing by bytes matters
-HIDDENS = (64, 64, 4, 4, 4, 4)
+#: the visible test's model: blocks of other sizes, so that balancing by bytes matters (a split by the number of
+#: parameters, by block or by parameter in turn each exceeds the bound), and a width no world size divides (each rank's
+#: shard of a parameter is another size, so an owner chosen from this rank's own shard sizes is not the same everywhere)
+WIDTH, HIDDENS = 7, (64, 4, 64, 4, 4, 4)
 
 _GATHER_HINT = ("a full tensor is gathered from every rank's rows: full_tensor(), a full state dict and all_gather are "
                 "collectives, so every rank gathers every parameter, in one order, and only then keeps its own share")
@@ -67,7 +69,9 @@ def _first_error(text: str) -> str:
 def _writes_verdict(check: str, values: list[dict], folder: str, ws: int) -> None:
     """Each rank left exactly one file, its own part; every rank left one."""
     where = _where(ws)
-    own = [os.path.join(folder, part_name(r)) for r in range(ws)]
+    own = [os.path.realpath(os.path.join(folder, part_name(r))) for r in range(ws)]  # real paths: see written_in
+    for obs in values:
+        obs["writes"] = [os.path.realpath(w) for w in obs["writes"]]
     for rank, obs in enumerate(values):
         left = [w for w in obs["writes"] if os.path.isfile(w) and w != own[rank]]
         if left:
@@ -77,7 +81,7 @@ def _writes_verdict(check: str, values: list[dict], folder: str, ws: int) -> Non
                 check, (f"rank {rank} wrote {part_name(owner)}, rank {owner}'s part" if owner is not None else
                         f"rank {rank} wrote a file besides its own part") + f" ({where})", ranks=[rank],
                 expected="each rank writes its own part-<rank>.pt in `folder`, nothing else, anywhere", got=f"rank {rank} wrote " + ", ".join(
-                    os.path.relpath(w, os.path.dirname(folder)) for w in left[:3]),
+                    os.path.relpath(w, os.path.dirname(os.path.realpath(folder))) for w in left[:3]),
                 hint="each rank saves only the share it keeps, under its own rank's name; the others save theirs")
     missing = [r for r in range(ws) if not (os.path.isfile(own[r]) and own[r] in values[r]["writes"])]
     if missing:
@@ -136,6 +140,20 @@ def _parts_verdict(check: str, parts: list[dict], values: list[dict], spec: tupl
             got=f"{len(twice)} of {len(owners)} parameters in several parts",
             hint="decide once, the same way on every rank, which rank keeps each parameter; each keeps only its own")
     merged = {k: v for part in parts for k, v in part.items()}
+    names = [n for n, _ in plain.named_parameters()]
+    missing = [n for n in names if n not in merged]
+    if missing and set(merged) <= set(names):  # the plain model's names, but not all of them: no owner for some
+        empty = [r for r, part in enumerate(parts) if not part]
+        raise CheckFailed(
+            check, (f"every part is empty: none of the {len(names)} parameters was exported" if len(empty) == ws else
+                    f"{len(missing)} parameters are in no part: the ranks did not agree on which rank keeps each")
+            + f" ({where})", ranks=empty or list(range(ws)), expected=f"all {len(names)} parameters, each in one part",
+            got=f"no part holds {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
+            + (f"; {', '.join(part_name(r) for r in empty)} {'is' if len(empty) == 1 else 'are'} empty" if empty else ""),
+            hint="decide the owner of each parameter the same way on every rank, from what every rank knows alike (the "
+            "full shapes and sizes, not this rank's own shard sizes, which differ where the world size does not "
+            "divide the rows); and give every rank the full tensors it keeps (with cpu_offload=True a full state dict "
+            "reaches rank 0 only)")
     try:
         plain.load_state_dict(merged, strict=True)
     except RuntimeError as exc:
@@ -164,7 +182,7 @@ def _parts_verdict(check: str, parts: list[dict], values: list[dict], spec: tupl
            "parameter, largest first, to the rank that holds the fewest bytes so far (the same choice on every rank)")
 
 
-def check_export_parts(export_parts, world_size: int = 2, seed: int = 0, width: int = 8, hiddens: tuple = HIDDENS,
+def check_export_parts(export_parts, world_size: int = 2, seed: int = 0, width: int = WIDTH, hiddens: tuple = HIDDENS,
                        steps: int = 2) -> None:
     """Every rank writes ``part-<rank>.pt`` in ``folder`` and nothing else; the parts hold every parameter once, as
     plain full tensors that load strictly into a plain Net with the trained weights, none over the balance bound;

@@ -300,6 +300,7 @@ def _save_harness(rank: int, save_checkpoint, path: str, spec: tuple, steps: int
     with checks.record_writes() as writes:  # which rank wrote which file of the checkpoint, however it wrote it
         save_checkpoint(model, optimizer, path)
     obs["writes"] = sorted({e["path"] for e in writes})
+    obs["moves"] = [(e["from"], e["path"]) for e in writes if e["how"] == "rename" and e.get("from")]
     return obs  # no collective of the grader's after the student's: a save on some ranks only hangs in DCP's own
 
 
@@ -322,18 +323,21 @@ def _observers():
 _OBSERVERS = _observers()
 
 
+def finetune_spec(spec: tuple) -> tuple:
+    """The new task's model: the saved one's width and depth, weights from another seed (its head wider)."""
+    width, depth, seed = spec[:3]
+    return (width, depth, seed + 100)
+
+
 def _finetune_harness(rank: int, load_for_finetune, path: str, spec: tuple, outputs: int) -> dict:
     """A freshly built sharded model for a new task (its head ``outputs`` wide, other weights than the saved model's),
     given to the student's ``load_for_finetune`` with the checkpoint at ``path``; this rank's rows of every parameter
-    before and after."""
+    after (what they were before, the grader knows: it builds the same model again from the spec)."""
     params = _OBSERVERS  # bound before the student's code runs: see _observers
     dev = _join()
-    width, depth, seed = spec[:3]
-    model = reference_shard(make_net((width, depth, seed + 100), outputs=outputs).to(dev))
-    obs = {"fresh": params(model)}
+    model = reference_shard(make_net(finetune_spec(spec), outputs=outputs).to(dev))  # the grader builds it again
     load_for_finetune(model, path)
-    obs["params"] = params(model)
-    return obs
+    return {"params": params(model)}
 
 
 def _export_harness(rank: int, export_parts, folder: str, spec: tuple, steps: int) -> dict:
