@@ -72,8 +72,8 @@ IDEAS: dict[str, list[list[str]]] = {
         ["no gradient sync until the last micro-batch", "weighting micro-batches of unequal sizes"],
         ["ranks with different numbers of batches (Join)", "what the shadow all-reduces do to the average"],
         ["loading onto this rank's device", "loading only after rank 0's save is done"],
-        ["bf16 autocast around the forward", "clipping by the global norm after the all-reduce",
-         "no_sync with accumulation under autocast"],
+        ["float16 autocast around the forward", "a loss scaled by a GradScaler, and a step it skips on every rank",
+         "clipping the unscaled global gradient after the all-reduce", "no_sync with accumulation under autocast"],
     ],
     "debug_training": [
         ["a new shuffle every epoch", "a metric reduced over the ranks", "one writer saving the module's weights",

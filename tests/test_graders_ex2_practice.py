@@ -447,7 +447,7 @@ def test_check_no_sync():
     ex2p.check_no_sync(accumulate_nullcontext)
     ex2p.check_no_sync(accumulate_not_divided)  # the weights are check_accumulation's business
     message = fails(ex2p.check_no_sync, accumulate_without_no_sync, "[rank 0]", "4 times in one accumulate_grads",
-                    "expected: 1 all-reduce per call", "forwards [1, 2, 3, 4] of 4", "with ddp_model.no_sync():")
+                    "expected: 1 all-reduce per call", "forwards [1, 2, 3, 4] of 4", "the DDP model's no_sync() context")
     assert "the weights are right" in message
     fails(ex2p.check_no_sync, accumulate_sync_first, "before the last micro-batch", "forwards [1] of 4")
     fails(ex2p.check_no_sync, accumulate_never_sync, "never all-reduced", "outside no_sync()")
@@ -795,119 +795,167 @@ def test_check_load_checkpoint_sees_loaders_bound_before_the_job():
 # --- part 5: amp_clip_grads (the given code steps after it) ----------------------------------------
 
 
-def _amp_loss(ddp_model, x, y, k):
-    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+def _amp_loss(ddp_model, x, y, k, dtype=torch.float16):
+    with torch.autocast(device_type=x.device.type, dtype=dtype):
         return F.mse_loss(ddp_model(x), y) / k
 
 
-def amp_clip_grads(ddp_model, micro_batches, max_norm):
+def amp_clip_grads(ddp_model, optimizer, scaler, micro_batches, max_norm):
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
-            _amp_loss(ddp_model, x, y, k).backward()
+            scaler.scale(_amp_loss(ddp_model, x, y, k)).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
 
 
-def amp_docs_style(ddp_model, micro_batches, max_norm):
-    """Right, the idiom of the AMP and DDP docs: torch.amp.autocast spelled out, one `with no_sync()` around the
-    first k - 1 micro-batches, clip_grad_norm_ with foreach."""
+def amp_recipe_style(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Right, PyTorch's AMP recipe: torch.amp.autocast with enabled=, one `with no_sync()` around the first k - 1
+    micro-batches, clip_grad_norm_ with foreach."""
     *first, last = micro_batches
     k = len(micro_batches)
     with ddp_model.no_sync():
         for x, y in first:
-            with torch.amp.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=torch.bfloat16):
+            with torch.amp.autocast(x.device.type, dtype=torch.float16, enabled=True):
                 loss = F.mse_loss(ddp_model(x), y)
-            (loss / k).backward()
-    with torch.amp.autocast(last[0].device.type, dtype=torch.bfloat16):
+            scaler.scale(loss / k).backward()
+    with torch.amp.autocast(last[0].device.type, dtype=torch.float16, enabled=True):
         loss = F.mse_loss(ddp_model(last[0]), last[1])
-    (loss / k).backward()
+    scaler.scale(loss / k).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=max_norm, foreach=True)
 
 
-class ClippedStepper:
-    """Right, a helper class: a hand-made global norm of the synced gradients (no communication: after DDP's
-    all-reduce they are the same on every rank), and the scale applied in place."""
+class ScaledClipper:
+    """Right, a helper class: the loss scaled by hand (scaler.get_scale()), a hand-made global norm of the true
+    gradients (the scaled ones divided by the scale), and the scaled gradients multiplied by its clip factor:
+    the given scaler.step unscales them."""
 
-    def __init__(self, ddp_model, max_norm):
-        self.model, self.max_norm = ddp_model, max_norm
+    def __init__(self, ddp_model, scaler, max_norm):
+        self.model, self.scaler, self.max_norm = ddp_model, scaler, max_norm
 
     def clip(self):
+        scale = self.scaler.get_scale()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / scale) for g in grads]))
         factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(factor)
 
 
-def amp_helper_class(ddp_model, micro_batches, max_norm):
+def amp_helper_class(ddp_model, optimizer, scaler, micro_batches, max_norm):
     k = len(micro_batches)
-    stepper = ClippedStepper(ddp_model, max_norm)
+    clipper = ScaledClipper(ddp_model, scaler, max_norm)
     for i, (x, y) in enumerate(micro_batches):
         context = ddp_model.no_sync() if i + 1 < k else contextlib.nullcontext()
         with context:
-            _amp_loss(ddp_model, x, y, k).backward()
-    stepper.clip()
+            (_amp_loss(ddp_model, x, y, k) * scaler.get_scale()).backward()
+    clipper.clip()
 
 
-def amp_backward_inside_autocast(ddp_model, micro_batches, max_norm):
-    """Right, a common spelling: backward() inside the autocast block too (its ops follow the forward's dtypes)."""
-    k = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
-                (F.mse_loss(ddp_model(x), y) / k).backward()
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
-
-
-def amp_one_backward(ddp_model, micro_batches, max_norm):
-    """Right, another way: every forward first (the first k - 1 under no_sync(), so only the last one arms DDP's
-    sync), then one backward of the summed losses."""
+def amp_one_backward(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Right, another way: every forward first (the first k - 1 under no_sync()), one scaled backward of the mean."""
     k = len(micro_batches)
     losses = []
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
                 losses.append(F.mse_loss(ddp_model(x), y))
-    torch.stack(losses).mean().backward()
+    scaler.scale(torch.stack(losses).mean()).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
 
 
-def amp_clip_inside_no_sync(ddp_model, micro_batches, max_norm):
-    """Mistake: clipped inside no_sync(), after the first k - 1 micro-batches: each rank's own norm."""
-    k = len(micro_batches)
-    *first, (x, y) = micro_batches
-    with ddp_model.no_sync():
-        for xi, yi in first:
-            _amp_loss(ddp_model, xi, yi, k).backward()
-        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
-    _amp_loss(ddp_model, x, y, k).backward()
-
-
-def amp_clip_each_micro_step(ddp_model, micro_batches, max_norm):
-    """Mistake: clipped after every backward, the micro-steps inside no_sync() too."""
+def amp_backward_inside_autocast(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Right, a common spelling: the scaled backward inside the autocast block too (its ops follow the forward's
+    dtypes)."""
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
-            _amp_loss(ddp_model, x, y, k).backward()
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
+                scaler.scale(F.mse_loss(ddp_model(x), y) / k).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+def _amp(ddp_model, optimizer, scaler, micro_batches, max_norm, *, dtype=torch.float16, scaled=True, no_sync=True,
+         unscale=True, clip="after", step=None, weight=1.0, unscale_at=None, then=None):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext():
+            loss = _amp_loss(ddp_model, x, y, k, dtype) * weight
+            (scaler.scale(loss) if scaled is True else loss * scaled if scaled else loss).backward()
+            if clip == "each" or (clip == "inside" and i == k - 2):
+                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+        if unscale_at == i:
+            scaler.unscale_(optimizer)
+    if clip == "after":
+        if unscale == "by hand":
+            for p in ddp_model.parameters():
+                p.grad.div_(scaler.get_scale())
+        elif unscale and unscale_at is None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+    if step == "optimizer":
+        optimizer.step()
+    elif step == "scaler":
+        scaler.step(optimizer)
+    if then is not None:
+        then(ddp_model, optimizer, scaler)
 
 
-def amp_local_norm(ddp_model, micro_batches, max_norm):
-    """Mistake: a hand-made per-rank norm, taken before the last (synchronising) backward, applied after it."""
+def amp_unscaled_by_hand(*args):
+    """Mistake: the scaled gradients divided by scaler.get_scale() by hand, then clipped: the given scaler.step,
+    which has not unscaled them itself, divides them again."""
+    _amp(*args, unscale="by hand")
+
+
+def amp_unscale_inside_no_sync(*args):
+    """Mistake: unscale_ after the first k - 1 micro-batches (inside no_sync()): the last one's gradients arrive
+    scaled on top, and each rank's scaler looked for inf/NaN before DDP's all-reduce spread them."""
+    _amp(*args, unscale_at=len(args[3]) - 2)
+
+
+def amp_fixed_scale(*args):
+    """Mistake: each loss times 1024 (the scaler's first scale) by hand: after the overflow the scaler's scale is
+    halved, and the given unscaling divides by the new one."""
+    _amp(*args, scaled=float(amp.INIT_SCALE))
+
+
+def amp_sum_not_mean(*args):
+    """Mistake: the micro-batches' losses not divided by k: the step is k x too large (a clip hides it)."""
+    _amp(*args, weight=float(len(args[3])))
+
+
+def amp_update_inside(*args):
+    """Mistake: scaler.update() inside as well: the scale halves twice after the overflow, and the given
+    scaler.step unscales again."""
+    _amp(*args, then=lambda model, optimizer, scaler: scaler.update())
+
+
+def amp_zero_grad_inside(*args):
+    """Mistake: optimizer.zero_grad() at the end of amp_clip_grads: the given step finds no gradients."""
+    _amp(*args, then=lambda model, optimizer, scaler: optimizer.zero_grad())
+
+
+def amp_local_norm(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Mistake: a hand-made per-rank norm of the true gradients, taken before the last (synchronising) backward,
+    applied after it."""
     k = len(micro_batches)
     *first, (x, y) = micro_batches
     with ddp_model.no_sync():
         for xi, yi in first:
-            _amp_loss(ddp_model, xi, yi, k).backward()
-    local = torch.sqrt(sum((p.grad ** 2).sum() for p in ddp_model.parameters()))
-    _amp_loss(ddp_model, x, y, k).backward()
+            scaler.scale(_amp_loss(ddp_model, xi, yi, k)).backward()
+    local = torch.sqrt(sum((p.grad ** 2).sum() for p in ddp_model.parameters())) / scaler.get_scale()
+    scaler.scale(_amp_loss(ddp_model, x, y, k)).backward()
+    scaler.unscale_(optimizer)
     for p in ddp_model.parameters():
         p.grad.mul_(min(1.0, max_norm / (float(local) + 1e-6)))
 
 
-def amp_norm_reduced_again(ddp_model, micro_batches, max_norm):
+def amp_norm_reduced_again(ddp_model, optimizer, scaler, micro_batches, max_norm):
     """Mistake: after DDP's sync the squared norm is all-reduced once more (it is already global): sqrt(ws) x."""
-    amp_clip_grads(ddp_model, micro_batches, float("inf"))  # forward, backward and sync; no clipping
+    _amp(ddp_model, optimizer, scaler, micro_batches, float("inf"))  # scaled, synced, unscaled; not clipped
     squares = sum((p.grad.float() ** 2).sum() for p in ddp_model.parameters())
     dist.all_reduce(squares)
     factor = min(1.0, max_norm / (float(squares.sqrt()) + 1e-6))
@@ -915,35 +963,61 @@ def amp_norm_reduced_again(ddp_model, micro_batches, max_norm):
         p.grad.mul_(factor)
 
 
-def amp_clip_then_scale(ddp_model, micro_batches, max_norm):
+def amp_clip_then_divide(*args):
     """Mistake: the micro-batches' losses summed (not divided by k), clipped, and only then divided by k."""
+    _amp(*args, weight=float(len(args[3])),
+         then=lambda model, optimizer, scaler: [p.grad.div_(len(args[3])) for p in model.parameters()])
+
+
+def amp_clipped_scaled(*args):
+    """Mistake: clip_grad_norm_ on the scaled gradients (no unscale_ first)."""
+    _amp(*args, unscale=False)
+
+
+def amp_clip_inside_no_sync(*args):
+    """Mistake: clipped inside no_sync(), after the first k - 1 micro-batches: each rank's own norm."""
+    _amp(*args, clip="inside")
+
+
+def amp_clip_each_micro_step(*args):
+    """Mistake: clipped after every backward, the micro-steps inside no_sync() too."""
+    _amp(*args, clip="each")
+
+
+def amp_bf16(*args):
+    """Mistake: bf16 autocast (lesson 2's demo), where float16 is asked for."""
+    _amp(*args, dtype=torch.bfloat16)
+
+
+def amp_not_scaled(*args):
+    """Mistake: no loss scaling (the scaler handed over, never used before its step)."""
+    _amp(*args, scaled=False, unscale=False)
+
+
+def amp_optimizer_step_inside(*args):
+    _amp(*args, step="optimizer")
+
+
+def amp_scaler_step_inside(*args):
+    _amp(*args, step="scaler")
+
+
+def amp_without_no_sync(*args):
+    _amp(*args, no_sync=False)
+
+
+def amp_weights_in_fp16(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Mistake: the model cast to float16 (no master weights); DDP then stops syncing (torch 2.13, no error)."""
+    ddp_model.half()
+    amp_clip_grads(ddp_model, optimizer, scaler, micro_batches, max_norm)
+
+
+def amp_without_autocast(ddp_model, optimizer, scaler, micro_batches, max_norm):
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
-            (_amp_loss(ddp_model, x, y, k) * k).backward()
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
-    for p in ddp_model.parameters():
-        p.grad.div_(k)
-
-
-def amp_weights_in_bf16(ddp_model, micro_batches, max_norm):
-    """Mistake: the model cast to bf16 (no master weights); DDP then stops syncing (torch 2.13, no error)."""
-    ddp_model.to(torch.bfloat16)
-    amp_clip_grads(ddp_model, micro_batches, max_norm)
-
-
-def amp_without_autocast(ddp_model, micro_batches, max_norm):
-    k = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == k - 1 else ddp_model.no_sync():
-            (F.mse_loss(ddp_model(x), y) / k).backward()
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
-
-
-def amp_without_no_sync(ddp_model, micro_batches, max_norm):
-    k = len(micro_batches)
-    for x, y in micro_batches:
-        _amp_loss(ddp_model, x, y, k).backward()
+            scaler.scale(F.mse_loss(ddp_model(x), y) / k).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
 
 
@@ -954,50 +1028,60 @@ def _closure_lists(ddp_model):
                 yield cell.cell_contents
 
 
-def amp_forged_sync(ddp_model, micro_batches, max_norm):
+def amp_forged_sync(*args):
     """Forgery: syncs every micro-batch, then keeps only the last of the grader's hook records."""
-    amp_without_no_sync(ddp_model, micro_batches, max_norm)
-    for records in _closure_lists(ddp_model):
+    amp_without_no_sync(*args)
+    for records in _closure_lists(args[0]):
         if records and isinstance(records[0], dict):
             records[:] = records[-1:]
 
 
-def amp_forged_clip(ddp_model, micro_batches, max_norm):
-    """Forgery: clips inside no_sync(), then rewrites the grader's record of what the all-reduce returned as the
-    gradients the step used divided by the clip factor they would have (as if clipped after the sync)."""
-    amp_clip_inside_no_sync(ddp_model, micro_batches, max_norm)
-    for records in _closure_lists(ddp_model):
+def amp_forged_clip(*args):
+    """Forgery: clips inside no_sync(), then rewrites the grader's record of what the all-reduce returned."""
+    amp_clip_inside_no_sync(*args)
+    for records in _closure_lists(args[0]):
         for record in records:
             if isinstance(record, dict) and "reduced" in record:
                 record["reduced"] = record["reduced"] * 3.0
 
 
-def amp_forged_dtypes(ddp_model, micro_batches, max_norm):
-    """Forgery: a float32 forward, then the linear layers' recorded output dtypes made to say bfloat16."""
-    amp_without_autocast(ddp_model, micro_batches, max_norm)
+def amp_forged_dtypes(ddp_model, *args):
+    """Forgery: a float32 forward, then the linear layers' recorded output dtypes made to say float16."""
+    amp_without_autocast(ddp_model, *args)
     for layer in ddp_model.module.modules():
         for hook in layer._forward_hooks.values():
             hook = getattr(hook, "fn", hook)  # the grader's wrapper (course.checks.hooks), unwrapped
             for cell in getattr(hook, "__closure__", None) or ():
                 if isinstance(cell.cell_contents, list):
-                    cell.cell_contents[:] = ["bfloat16"]
+                    cell.cell_contents[:] = ["float16"]
 
 
-def test_bf16_tolerance_is_derived_from_the_significand():
-    """8 significant bits: u = 2**-8; the reference's own spread between its micro-batches stays far inside it."""
-    assert amp.BF16_U == 2.0**-8 == torch.finfo(torch.bfloat16).eps / 2
-    state, scale = amp.amp_reference(2, 4, 3, 2, 0.1, 0.5, 0)
-    assert 0 < scale < 10 and amp.weight_tolerance(0.1, scale) == pytest.approx(0.1 * 8 * 2**-8 * scale + 1e-6)
-    free, _ = amp.amp_reference(2, 4, 3, 2, 0.1, amp.FREE, 0)
-    assert max((state[n] - free[n]).abs().max().item() for n in state) > 10 * amp.weight_tolerance(0.1, scale)
+def _scaling_call(seed, scale, lr=amp.SCALING_LR, world_size=2, k=4, size=3):
+    """One process's step of the scaling phase's second call (from make_net(seed)'s shrunk model) at ``scale``."""
+    from graders.ddp_in_practice.precision_harness import one_step, phase_batches, phase_net
+    state = phase_net("scaling", seed).state_dict()
+    per_rank = [phase_batches("scaling", 100 + seed, r, world_size, 1, k, size) for r in range(world_size)]
+    return state, one_step(state, per_rank, lr, amp.FREE, scale)
+
+
+def test_fp16_tolerance_is_derived_and_underflow_without_scaling_exceeds_it():
+    """11 significant bits: u = 2**-11; in the scaling phase an unscaled float16 step leaves the tolerance far
+    behind (its first layer's gradients underflow), over several seeds."""
+    assert amp.FP16_U == 2.0**-11 == torch.finfo(torch.float16).eps / 2
+    for seed in range(4):
+        _, (scaled, sizes) = _scaling_call(seed, 512.0)
+        _, (plain, _) = _scaling_call(seed, 1.0)
+        tol = amp.weight_tolerance(amp.SCALING_LR, sizes["0.weight"], scaled["0.weight"].abs().max().item())
+        assert (scaled["0.weight"] - plain["0.weight"]).abs().max().item() > 5 * tol
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_amp_checks_accept_right_answers_in_several_styles():
     for right, kwargs in [(amp_clip_grads, {}), (amp_clip_grads, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
-                          (amp_docs_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
-                          (amp_backward_inside_autocast, {}), (amp_one_backward, {})]:
+                          (amp_recipe_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_one_backward, {}), (amp_backward_inside_autocast, {}),
+                          (amp_clip_grads, dict(seed=2)), (amp_clip_grads, dict(seed=3))]:
         for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
             check(right, **kwargs)
 
@@ -1014,27 +1098,56 @@ def _only(wrong, failing, *words, **kwargs):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_amp_checks_name_each_mistake_and_only_it():
+    _only(amp_clipped_scaled, amp.check_clip, "the clip factor is that of the scaled gradients", "Unscaled Gradients")
     _only(amp_clip_inside_no_sync, amp.check_clip, "each rank clipped its own gradients before DDP's all-reduce",
           "inside no_sync()")
-    _only(amp_clip_each_micro_step, amp.check_clip, "clipped at every micro-step", "clip once per optimizer step",
-          world_size=3, k=3, max_norm=0.4, seed=1)
+    _only(amp_clip_each_micro_step, amp.check_clip, "the gradients were clipped at every micro-step, before DDP's "
+          "all-reduce", "clip once per optimizer step", world_size=3, k=3, max_norm=0.4, seed=1)
     _only(amp_local_norm, amp.check_clip, "the clip factor is not the one of the all-reduced gradient's norm",
           "its own factor")
-    fails(amp.check_clip, amp_norm_reduced_again, "the clip factor is that of the synced gradients' norm summed "
-          "over the ranks once more", "counts them 2 times")
-    fails(amp.check_clip, amp_clip_then_scale, "the clip factor is that of 4 x the gradient",
-          "scale the loss (or the gradients) first, then clip")
-    _only(amp_without_autocast, amp.check_amp_step, "did not compute in bfloat16", "torch.autocast")
+    _only(amp_norm_reduced_again, amp.check_clip, "the clip factor is that of the synced gradients' norm summed over "
+          "the ranks once more", "counts them 2 times")
+    _only(amp_clip_then_divide, amp.check_clip, "the clip factor is that of 4 x the gradient",
+          "then divided by 4")
+    _only(amp_bf16, amp.check_amp_step, "computed in bfloat16, not float16", "dtype=torch.float16")
+    _only(amp_not_scaled, amp.check_amp_step, "the loss was not scaled", "GradScaler")
+    _only(amp_optimizer_step_inside, amp.check_amp_step, "stepped 2 times in one call", "leave the step")
+    _only(amp_scaler_step_inside, amp.check_amp_step, "the step was taken inside amp_clip_grads", "leave the step")
+    _only(amp_without_autocast, amp.check_amp_step, "did not compute in float16", "torch.autocast")
     _only(amp_without_no_sync, amp.check_amp_sync, "all-reduced 4 times in one call", "no_sync()")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_weights_cast_to_bf16_lose_the_part_naming_the_cast():
-    """torch 2.13: a model cast after DDP wrapped it is not synchronised any more (no collective, no error), so
-    the cast costs the communication and the clipping too; every message names it."""
+def test_amp_checks_name_the_scalers_mistakes():
+    """A GradScaler used wrong: each mistake named by the check whose property it breaks, the clip's check passing
+    where the clip itself was right (the weights are check_amp_step's)."""
+    _only(amp_unscaled_by_hand, amp.check_amp_step, "the gradients were divided by the scale twice",
+          "carried 1024 x them", "Working with Unscaled Gradients")
+    _only(amp_update_inside, amp.check_amp_step, "the loss scale was halved twice after the overflow",
+          "expected: call 2 at scale 512", "got:      scale 256", "leave the scaler's update to the given code")
+    _only(amp_fixed_scale, amp.check_amp_step, "the step is 2 x the right one", "call 2 of the scaling phase",
+          "halved after an overflow")
+    _only(amp_sum_not_mean, amp.check_amp_step, "the step is 4 x too large", "divide each micro-batch's loss by 4")
+    fails(amp.check_amp_step, amp_unscale_inside_no_sync, "the ranks disagreed on skipping the step whose gradients "
+          "overflowed", "stepped on ranks [0], skipped on ranks [1]", "only after the last backward")
+    fails(amp.check_clip, amp_unscale_inside_no_sync, "the micro-batches' gradients reached DDP's all-reduce at "
+          "different scales: 1 to 3 unscaled, the last one 1024 x", "rank 0 sent 1 x g1 + 1 x g2 + 1 x g3 + 1024 x g4",
+          "unscale only after the last backward")
+    amp.check_amp_sync(amp_unscale_inside_no_sync)
+    for check in (amp.check_amp_step, amp.check_clip):
+        fails(check, amp_zero_grad_inside, "the optimizer stepped with no gradients: .grad was emptied before the "
+              "given step", "leave zero_grad to the given code")
+    amp.check_amp_sync(amp_zero_grad_inside)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weights_cast_to_fp16_lose_the_part_naming_the_cast():
+    """torch 2.13: a model cast after DDP wrapped it is not synchronised any more (no collective, no error), and the
+    scaler refuses float16 gradients; every message names the cast."""
     for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
-        fails(check, amp_weights_in_bf16, "cast to bfloat16", "stops DDP's gradient all-reduce")
+        fails(check, amp_weights_in_fp16, "cast to a 16-bit type", "stops DDP's gradient all-reduce")
 
 
 @pytest.mark.slow
@@ -1042,7 +1155,7 @@ def test_weights_cast_to_bf16_lose_the_part_naming_the_cast():
 def test_amp_checks_are_not_fooled_by_forged_records():
     fails(amp.check_amp_sync, amp_forged_sync, "all-reduced 4 times in one call")
     fails(amp.check_clip, amp_forged_clip, "each rank clipped its own gradients before DDP's all-reduce")
-    fails(amp.check_amp_step, amp_forged_dtypes, "do not carry bf16's rounding", "float32")
+    fails(amp.check_amp_step, amp_forged_dtypes, "do not carry float16's rounding", "float32")
 
 
 # --- the notebook: reference, untouched copy, wrong submissions ------------------------------------
@@ -1113,20 +1226,21 @@ WRONG = {
     "epoch not returned": ("ex2p_load_checkpoint", "    return checkpoint[\"epoch\"]\n", "",
                            "ex2p_test_load_checkpoint", ["did not return the saved epoch"]),
     "clipped inside no_sync (per rank, before the all-reduce)": (
-        "ex2p_amp_clip_grads", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
-                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
-                               "the global norm\n"),
-        ("            loss.backward()\n            if i == k - 2:\n"
+        "ex2p_amp_clip_grads", ("            scaler.scale(loss).backward()  # outside autocast; scaled gradients land "
+                               "in float32 .grad\n", "    scaler.unscale_(optimizer)  # the true gradients, so that the "
+                               "clip sees their norm\n    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), "
+                               "max_norm)  # after the sync: the global norm\n"),
+        ("            scaler.scale(loss).backward()\n            if i == k - 2:\n"
          "                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
         "ex2p_test_clip", ["each rank clipped its own gradients before DDP's all-reduce"]),
-    "clipped at every micro-step": (
-        "ex2p_amp_clip_grads", ("            loss.backward()  # outside autocast; the gradients land in float32 .grad\n",
-                               "    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)  # after the sync: "
-                               "the global norm\n"),
-        ("            loss.backward()\n        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)\n", ""),
-        "ex2p_test_clip", ["clipped at every micro-step"]),
-    "no autocast": ("ex2p_amp_clip_grads", "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)",
-                    "contextlib.nullcontext()", "ex2p_test_amp_step", ["did not compute in bfloat16"]),
+    "the scaled gradients clipped": (
+        "ex2p_amp_clip_grads", "    scaler.unscale_(optimizer)  # the true gradients, so that the clip sees their norm\n",
+        "", "ex2p_test_clip", ["the clip factor is that of the scaled gradients"]),
+    "bf16 autocast": ("ex2p_amp_clip_grads", "torch.autocast(device_type=x.device.type, dtype=torch.float16)",
+                      "torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)", "ex2p_test_amp_step",
+                      ["computed in bfloat16, not float16"]),
+    "no autocast": ("ex2p_amp_clip_grads", "torch.autocast(device_type=x.device.type, dtype=torch.float16)",
+                    "contextlib.nullcontext()", "ex2p_test_amp_step", ["did not compute in float16"]),
 }
 
 
@@ -1147,11 +1261,12 @@ def test_wrong_submissions_lose_exactly_their_tests(tmp_path, group):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_weights_cast_to_bf16_lose_part_5_saying_so(tmp_path):
-    """The cast stops DDP's all-reduce (torch 2.13): the part's three cells, each naming the cast."""
+def test_weights_cast_to_fp16_lose_part_5_saying_so(tmp_path):
+    """The cast stops DDP's all-reduce (torch 2.13) and the scaler refuses float16 gradients: the part's three cells,
+    each naming the cast."""
     nb = submissions.patch_answer(submissions.load(A, NB), "ex2p_amp_clip_grads", "    k = len(micro_batches)\n",
-                                  "    ddp_model.to(torch.bfloat16)\n    k = len(micro_batches)\n")
+                                  "    ddp_model.half()\n    k = len(micro_batches)\n")
     report = submissions.grade(submissions.write(nb, tmp_path, A, NB))
     submissions.assert_loses_exactly(report, A, ["ex2p_test_amp_step", "ex2p_test_clip", "ex2p_test_amp_sync"],
-                                     ["cast to bfloat16"], notebook=NB)
-    assert all("cast to bfloat16" in m for m in submissions.messages(report).values() if m.startswith("FAILED"))
+                                     ["cast to a 16-bit type"], notebook=NB)
+    assert all("cast to a 16-bit type" in m for m in submissions.messages(report).values() if m.startswith("FAILED"))

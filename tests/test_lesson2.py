@@ -383,3 +383,40 @@ def test_every_rank_gets_the_median_of_values_of_different_lengths(nb):
     assert statistics.median_low(values) == want
     for _, _, objects, tensors in found:
         assert abs(float(objects) - want) < 1e-4 and abs(float(tensors) - want) < 1e-4
+
+
+def test_float16_underflows_without_a_scale_and_survives_with_one(nb):
+    """On one process, the classifier's small gradients: float32 keeps every element, float16 autocast without
+    scaling loses some to exactly zero, and the GradScaler's scale keeps more of them (all, here)."""
+    text = output_of(nb, "def zero_gradients(autocast")
+    found = {name: (int(zeros), int(total)) for name, zeros, total in rows(
+        r"^(float32|float16 autocast, no scaling|float16 autocast, GradScaler): (\d+) of (\d+) gradient elements "
+        r"exactly zero", text)}
+    assert set(found) == {"float32", "float16 autocast, no scaling", "float16 autocast, GradScaler"}, text
+    plain, scaled = found["float16 autocast, no scaling"][0], found["float16 autocast, GradScaler"][0]
+    assert found["float32"][0] == 0 and plain > 0 and scaled < plain, found
+    assert len({total for _, total in found.values()}) == 1
+    assert rows(r"\(\.grad holds (\d+) x the gradient\)$", text) == ["65536"]
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(nb):
+    """Rank 1's batch overflows float16; DDP's all-reduce hands its NaN to rank 0 too, so every rank's scaler skips
+    the same step and halves its scale, and no rank's weights move."""
+    text = output_of(nb, "def overflow_on_one_rank(rank):")
+    assert world_sizes(text) == [2]
+    found = rows(r"^rank (\d+): loss (\S+); sent finite gradients: (\w+); got back finite: (\w+); step skipped: (\w+); "
+                 r"scale (\S+) -> (\S+); weights unchanged: (\w+)$", text)
+    assert [int(r[0]) for r in found] == [0, 1], text
+    sent = {int(rank): s for rank, _, s, *_ in found}
+    assert sent == {0: "True", 1: "False"}  # only rank 1's own gradients overflowed
+    for _, _, _, back, skipped, before, after, unchanged in found:
+        assert (back, skipped, unchanged) == ("False", "True", "True")
+        assert float(after) == float(before) / 2
+
+
+def test_clipping_with_a_scaler_points_to_pytorchs_examples_without_the_exercises_lines(nb):
+    """The lesson says why the clip must see unscaled gradients and where PyTorch shows how; the two calls that do
+    it are part 5 of the practice exercise, so no cell of the lesson writes them."""
+    prose = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    assert 'section "Working with Unscaled Gradients"' in prose and "bf16 needs no scaler" in prose
+    assert not [c.source[:80] for c in nb.cells if "unscale_" in c.source]

@@ -342,6 +342,23 @@ def test_lesson_2_says_bf16_needs_no_grad_scaler_on_any_device():
     assert "On a CPU, bf16 autocast needs no" not in two
 
 
+# --- claim 8b: float16's range, and what a GradScaler starts from ---------------------------------------------------
+
+
+def test_lesson_2_states_float16s_range_and_the_scalers_defaults():
+    half = torch.finfo(torch.float16)
+    assert half.max == 65504 and f"{half.smallest_normal:.1e}" == "6.1e-05" and f"{2.0**-24:.1e}" == "6.0e-08"
+    assert torch.tensor(2.0**-26, dtype=torch.float16) == 0 and torch.tensor(2.0**-24, dtype=torch.float16) > 0
+    scaler = torch.amp.GradScaler("cpu")
+    assert scaler.get_scale() == 2.0**16 and scaler.get_growth_interval() == 2000
+    assert scaler.get_backoff_factor() == 0.5 and scaler.get_growth_factor() == 2.0
+    two = prose("02")
+    assert "Its largest value is 65504; its smallest normal one is 6.1e-5, and a value under half its smallest " \
+           "subnormal (6.0e-8) rounds to zero" in two
+    assert "(the *scale*, 2^16 to start)" in two and "doubles it again after 2000 steps without an overflow" in two
+    assert "then halves the scale" in two
+
+
 # --- claim 9: the functional collectives are deprecated, not "legacy" -----------------------------------------------
 
 

@@ -388,20 +388,21 @@ def load_checkpoint(ckpt_path, ddp_model, device):
     ddp_model.module.load_state_dict(checkpoint["model"])
     return checkpoint["epoch"]
 ''',
-    # the AMP and DDP docs' idiom: torch.amp.autocast spelled out, one `with no_sync()` around the first k - 1
-    # micro-batches, clip_grad_norm_ with foreach (test_graders_ex2_practice.amp_docs_style)
+    # PyTorch's AMP recipe: torch.amp.autocast with enabled=, one `with no_sync()` around the first k - 1
+    # micro-batches, clip_grad_norm_ with foreach (test_graders_ex2_practice.amp_recipe_style)
     "ex2p_amp_clip_grads": '''
-def amp_clip_grads(ddp_model, micro_batches, max_norm):
+def amp_clip_grads(ddp_model, optimizer, scaler, micro_batches, max_norm):
     *first, last = micro_batches
     k = len(micro_batches)
     with ddp_model.no_sync():
         for x, y in first:
-            with torch.amp.autocast("cpu" if x.device.type == "cpu" else "cuda", dtype=torch.bfloat16):
+            with torch.amp.autocast(x.device.type, dtype=torch.float16, enabled=True):
                 loss = F.mse_loss(ddp_model(x), y)
-            (loss / k).backward()
-    with torch.amp.autocast(last[0].device.type, dtype=torch.bfloat16):
+            scaler.scale(loss / k).backward()
+    with torch.amp.autocast(last[0].device.type, dtype=torch.float16, enabled=True):
         loss = F.mse_loss(ddp_model(last[0]), last[1])
-    (loss / k).backward()
+    scaler.scale(loss / k).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=max_norm, foreach=True)
 ''',
 }

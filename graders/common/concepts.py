@@ -104,12 +104,13 @@ CONCEPTS: dict[str, dict[str, tuple[str, str, str]]] = {
                                "them", L2, "Two things that go wrong in backward"),
         "check_uneven": ("ranks with different numbers of batches must still call the same collectives; the "
                          "mean is over the ranks that trained", L2, "7. `DistributedSampler`: each rank its own shard"),
-        "check_amp_step": ("mixed precision computes in a low precision and keeps float32 master weights", L2,
-                           "12. Mixed precision and gradient clipping under DDP"),
+        "check_amp_step": ("float16 mixed precision computes in float16, keeps float32 master weights and scales "
+                           "the loss so that small gradients survive; an overflow anywhere skips the step on every "
+                           "rank", L2, "float16 needs a GradScaler"),
         "check_amp_sync": ("accumulation with mixed precision still all-reduces once per optimizer step", L2,
                            "12. Mixed precision and gradient clipping under DDP"),
-        "check_clip": ("clipping acts on the averaged gradient, after DDP's all-reduce, the same on every rank",
-                       L2, "12. Mixed precision and gradient clipping under DDP"),
+        "check_clip": ("clipping acts on the true (unscaled) averaged gradient, after DDP's all-reduce, the same on "
+                       "every rank", L2, "12. Mixed precision and gradient clipping under DDP"),
     },
     "debug_training": {
         "check_finishes": ("every rank must reach the same collectives; a rank that skips one leaves the others "

@@ -168,8 +168,8 @@ def check_no_sync(accumulate_grads, *, world_size=2, k=4, size=3, steps=2, lr=0.
                    f"{forwards} forwards and their backward passes")
             if count > 1:
                 problem = f"DDP all-reduced the gradients {count} times in one accumulate_grads ({where})"
-                hint = (f"run every micro-batch but the last ({m - 1} of {m} here; forward and backward) inside `with "
-                        f"ddp_model.no_sync():` and only the last outside it; {weights}")
+                hint = (f"run every micro-batch but the last ({m - 1} of {m} here; forward and backward) inside the "
+                        f"DDP model's no_sync() context, and only the last outside it; {weights}")
             elif count == 0 or not synced:
                 problem = f"DDP never all-reduced the gradients in one accumulate_grads ({where})"
                 hint = ("the last micro-batch's forward and backward must run outside no_sync(): DDP decides in "

@@ -700,67 +700,83 @@ class ShardSampler(Sampler):
 import graders.ddp_in_practice.precision as amp  # noqa: E402
 
 
-def amp_one_big_batch(ddp_model, micro_batches, max_norm):
-    """Part 5 with one big batch: every micro-batch's samples in one bf16 forward and one backward, then the clip."""
+def amp_one_big_batch(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Part 5 with one big batch: every micro-batch's samples in one float16 forward and one scaled backward, then
+    the true gradient clipped (the given code steps)."""
     x = torch.cat([x for x, _ in micro_batches])
     y = torch.cat([y for _, y in micro_batches])
-    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+    with torch.autocast(device_type=x.device.type, dtype=torch.float16):
         loss = F.mse_loss(ddp_model(x), y)
-    loss.backward()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_big_batch_in_the_mixed_precision_step_loses_the_step_cell():
-    """The gradients the step used carry the rounding of one bf16 forward of the whole batch, not of the
+    """The gradients the step used carry the rounding of one float16 forward of the whole batch, not of the
     micro-batches' own forwards (the grader recomputes both): the step's cell says so. One all-reduce, after the
-    only backward, and the clip to the global norm are what check_amp_sync and check_clip judge, and hold."""
+    only backward, and the clip of the true global gradient are what check_amp_sync and check_clip judge, and
+    hold."""
     fails(amp.check_amp_step, amp_one_big_batch, "the micro-batches went through the model as one batch")
     amp.check_clip(amp_one_big_batch)
     amp.check_amp_sync(amp_one_big_batch)
 
 
-def amp_clip_factor_worked_out_beforehand(ddp_model, micro_batches, max_norm):
+def amp_clip_factor_worked_out_beforehand(ddp_model, optimizer, scaler, micro_batches, max_norm):
     """The global gradient recomputed on this rank from every rank's micro-batches (the grader's public data function
-    and the call's arguments, read in the caller's frame), and its norm's clip factor applied to each loss before
-    DDP's all-reduce: the all-reduce then returns the clipped global gradient, and a clip after it is a no-op."""
-    clip_factor_beforehand(ddp_model, micro_batches, max_norm, sys._getframe(1))
+    and the call's arguments, read in the caller's frame: the harness's phase loop), and its norm's clip factor
+    applied to each scaled loss before DDP's all-reduce: the all-reduce then returns the clipped global gradient
+    (times the scale), and the given scaler.step unscales it; no clip after it."""
+    clip_factor_beforehand(ddp_model, scaler, micro_batches, max_norm, sys._getframe(1))
 
 
-def clip_factor_beforehand(ddp_model, micro_batches, max_norm, frame):
-    """The step of :func:`amp_clip_factor_worked_out_beforehand`, with the grader's ``frame`` (the caller's) given."""
+def clip_factor_beforehand(ddp_model, scaler, micro_batches, max_norm, frame, own_seed=False):
+    """The step of :func:`amp_clip_factor_worked_out_beforehand`, with the grader's ``frame`` (the caller's) given.
+    The data come from the grader's ``phase_batches``, with the seed every rank's caller holds alike (``seed``), or
+    (``own_seed``) with this rank's own data seed for every rank (the others' seeds are drawn on their ranks)."""
     import contextlib
     import copy
 
-    caller, grader = frame.f_locals, frame.f_globals
-    seed, k, size, step = caller["seed"], caller["k"], caller["size"], caller["step"]
+    caller, grader = frame.f_locals, frame.f_globals  # the harness's _amp_phase, precision_harness's globals
+    phase, k, size, step = caller["phase"], caller["k"], caller["size"], caller["step"]
+    seed = caller["data_seed"] if own_seed else caller["seed"]
     world_size = dist.get_world_size()
     twin = copy.deepcopy(ddp_model.module)
     for r in range(world_size):
-        for x, y in grader["amp_batches"](seed, r, step, k, size):
-            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        for x, y in grader["phase_batches"](phase, seed, r, world_size, step, k, size):
+            with torch.autocast(device_type="cpu", dtype=torch.float16):
                 loss = F.mse_loss(twin(x), y)
             (loss / k / world_size).backward()
     norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in twin.parameters()))
     factor = min(1.0, max_norm / (float(norm) + 1e-6))
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
                 loss = F.mse_loss(ddp_model(x), y)
-            (loss * factor / k).backward()
+            scaler.scale(loss * factor / k).backward()
+
+
+def amp_clip_factor_from_its_own_seed(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """:func:`amp_clip_factor_worked_out_beforehand` with this rank's own data seed (read in the caller's frame) for
+    every rank's data: right for its own micro-batches, wrong for the others', so each rank has its own factor."""
+    clip_factor_beforehand(ddp_model, scaler, micro_batches, max_norm, sys._getframe(1), own_seed=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_clip_factor_worked_out_before_the_all_reduce_loses_the_clip_cell():
-    """Numerically the clipped step, but the clip was not taken from the all-reduced gradient: what the rank sent in
+    """Numerically a clipped step, but the clip was not taken from the all-reduced gradient: what the rank sent in
     the first call is a multiple of what it sends when no clipping happens (the job's other phase, same weights and
-    data). The weights (no clipping) and the one all-reduce keep their cells."""
+    data), or (each rank its own factor) the all-reduce averaged gradients scaled by different factors. The
+    weights without clipping, the skipped overflow and the one all-reduce keep their cells."""
     fails(amp.check_clip, amp_clip_factor_worked_out_beforehand, "each rank scaled its gradients before DDP's "
           "all-reduce", "x that")
-    amp.check_amp_step(amp_clip_factor_worked_out_beforehand)
-    amp.check_amp_sync(amp_clip_factor_worked_out_beforehand)
+    fails(amp.check_clip, amp_clip_factor_from_its_own_seed, "they were scaled before it")
+    for forged in (amp_clip_factor_worked_out_beforehand, amp_clip_factor_from_its_own_seed):
+        amp.check_amp_step(forged)
+        amp.check_amp_sync(forged)
 
 
 def train_uneven_from_the_callers_counts(ddp_model, optimizer, batches, train_steps):
