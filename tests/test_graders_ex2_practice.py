@@ -932,6 +932,46 @@ def _amp(ddp_model, optimizer, scaler, micro_batches, max_norm, *, dtype=torch.f
         then(ddp_model, optimizer, scaler)
 
 
+def amp_divided_after(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Right, another style: each scaled loss's backward as it is, the accumulated gradients divided by k after
+    unscale_ (float16's backward then rounds other values than with the loss divided first)."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
+                loss = F.mse_loss(ddp_model(x), y)
+            scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    for p in ddp_model.parameters():
+        p.grad.div_(k)
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+def amp_zero_grad_each_micro_batch(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Mistake: .grad zeroed before every micro-batch: only the last one's gradients reach DDP's all-reduce."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        optimizer.zero_grad()
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            scaler.scale(_amp_loss(ddp_model, x, y, k, torch.float16)).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+def amp_unscaled_twice(ddp_model, optimizer, scaler, micro_batches, max_norm):
+    """Mistake: unscale_, then the gradients divided by the scale once more by hand, then the clip."""
+    _amp(ddp_model, optimizer, scaler, micro_batches, max_norm, clip=None)
+    scaler.unscale_(optimizer)
+    for p in ddp_model.parameters():
+        p.grad.div_(scaler.get_scale())
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+
+
+def amp_whole_step_inside(*args):
+    """Mistake: the step, the scaler's update and zero_grad inside amp_clip_grads (the given code does them)."""
+    _amp(*args, step="scaler", then=lambda model, optimizer, scaler: (scaler.update(), optimizer.zero_grad()))
+
+
 def amp_unscaled_by_hand(*args):
     """Mistake: the scaled gradients divided by scaler.get_scale() by hand, then clipped: the given scaler.step,
     which has not unscaled them itself, divides them again."""
@@ -1109,7 +1149,9 @@ def test_amp_checks_accept_right_answers_in_several_styles():
     for right, kwargs in [(amp_clip_grads, {}), (amp_clip_grads, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
                           (amp_recipe_style, {}), (amp_helper_class, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
                           (amp_one_backward, {}), (amp_backward_inside_autocast, {}),
-                          (amp_clip_grads, dict(seed=2)), (amp_clip_grads, dict(seed=3))]:
+                          (amp_clip_grads, dict(seed=2)), (amp_clip_grads, dict(seed=3)),
+                          (amp_divided_after, {}), (amp_divided_after, dict(world_size=3, k=3, max_norm=0.4, seed=1)),
+                          (amp_divided_after, dict(k=5, seed=4))]:
         for check in (amp.check_amp_step, amp.check_clip, amp.check_amp_sync):
             check(right, **kwargs)
 
@@ -1167,6 +1209,16 @@ def test_amp_checks_name_the_scalers_mistakes():
         fails(check, amp_zero_grad_inside, "the optimizer stepped with no gradients: .grad was emptied before the "
               "given step", "leave zero_grad to the given code")
     amp.check_amp_sync(amp_zero_grad_inside)
+    fails(amp.check_clip, amp_zero_grad_each_micro_batch, "DDP's all-reduce carried micro-batch 4 of 4 only",
+          "zero the gradients only after the step")
+    fails(amp.check_clip, amp_unscaled_twice, "the clip saw the gradients divided by the loss scale twice",
+          "unscale once")
+    fails(amp.check_amp_step, amp_unscaled_twice, "the gradients were divided by the scale twice")
+    fails(amp.check_amp_step, amp_whole_step_inside, "the given scaler.step found no gradients in .grad",
+          "leave the step, the scaler's update and zero_grad to the given code")
+    hidden = dict(world_size=3, k=3, max_norm=0.4, seed=1)  # k = 3: a division by k is inexact in float16
+    fails(amp.check_amp_step, amp_sum_not_mean, "the step is 3 x too large", **hidden)
+    _only(amp_clip_then_divide, amp.check_clip, "the clip factor is that of 3 x the gradient", **hidden)
 
 
 @pytest.mark.slow

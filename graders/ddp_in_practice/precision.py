@@ -28,7 +28,9 @@ import torch
 from course import checks
 from course.checks import CheckFailed, passed
 from graders.common.ddp_model import make_net
+from graders.ddp_in_practice.precision_evidence import _per_rank, judge_fp16, judge_sent
 from graders.ddp_in_practice.precision_harness import (
+    FP32_REL,
     FREE,
     INIT_SCALE,
     SCALING_LR,
@@ -37,24 +39,13 @@ from graders.ddp_in_practice.precision_harness import (
     clip_factor,
     flat_grads,
     local_grads,
-    micro_grads,
-    multiple,
     one_step,
-    per_micro_step_clip,
-    phase_batches,
-    residual,
     unflatten,
     unscaled_twice,
-    weights_of,
 )
 
 #: float16's unit roundoff: 11 significant bits (10 stored, 1 implicit), round to nearest: relative error <= 2**-11
 FP16_U = 2.0**-11
-#: the rounding what the ranks sent is judged with: bf16's (2**-8), the coarser 16-bit type (any forward dtype
-#: passes check_clip, whose business is the clip)
-SENT_U = 2.0**-8
-#: relative agreement of float32 computations of one value in another order (a clip factor, a scaled gradient)
-FP32_REL = 1e-4
 
 
 def weight_tolerance(lr: float, size: float, weight: float = 0.0) -> float:
@@ -102,11 +93,6 @@ def _phase(job, phase):
     return [o[phase] for o in job]
 
 
-def _per_rank(phase, seeds, call, k, size):
-    world_size = len(seeds)
-    return [phase_batches(phase, seeds[rank], rank, world_size, call, k, size) for rank in range(world_size)]
-
-
 def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, lr=0.1, max_norm=0.5, seed=0):
     """With a max_norm no gradient reaches (each call followed by the given scaler.step, scaler.update, zero_grad):
     the parameters stay float32 (master weights) and the linear layers ran in float16 (autocast); the ranks end
@@ -133,7 +119,7 @@ def check_amp_step(amp_clip_grads, *, world_size=2, k=4, size=3, lr=0.1, max_nor
                           "scaled: dtype=torch.float16 in the autocast context" if bf16 else
                           "run each micro-batch's forward (the model call and the loss) inside a torch.autocast "
                           "context for the batch's device type with dtype float16, its backward after the context")
-    _judge_fp16(check, obs, "free", k, size, seeds, where)
+    judge_fp16(check, obs, "free", k, size, seeds, where)
     for phase in ("free", "scaling"):
         states = [o["state"] for o in _phase(job, phase)]
         differ = [r for r in range(1, world_size)
@@ -167,6 +153,12 @@ def _judge_given(check, obs, where):
                 raise CheckFailed(check, f"the master weights are not float32 ({where})", ranks=[rank],
                                   expected="float32 parameters and gradients (the GradScaler unscales those only)",
                                   got=f"call {call + 1}, the given scaler.step(optimizer): {error}", hint=_CAST)
+            if error and "No inf checks were recorded" in error:  # unscale_ found no gradient in .grad
+                raise CheckFailed(check, f"the given scaler.step found no gradients in .grad ({where})", ranks=[rank],
+                                  expected=f"in call {call + 1}, amp_clip_grads ends with the clipped gradients in "
+                                  ".grad, for the given scaler.step(optimizer)", got=error,
+                                  hint="leave the step, the scaler's update and zero_grad to the given code: after any "
+                                  "of them inside amp_clip_grads, nothing is left for the given step")
             if error:
                 twice = "already been called" in error
                 raise CheckFailed(check, "the step was taken inside amp_clip_grads" if twice else
@@ -283,46 +275,6 @@ def _data_seeds(job: list[dict]) -> tuple[int, ...]:
     return tuple(int(o["data_seed"]) for o in job)
 
 
-def _judge_fp16(check, obs, phase, k, size, seeds, where):
-    """The gradients the optimizer used carry float16's rounding: nearer (by half at least) to the all-reduced gradient
-    of a float16-autocast forward than to a float32 forward's, recomputed here at the call's weights. This is the
-    effect of autocast, which the linear layers' recorded dtypes (in the student's reach) only report."""
-    world_size = len(obs)
-    shapes = dict(make_net(0).named_parameters())
-    order = list(shapes)
-    for call in range(len(obs[0]["calls"])):
-        c = obs[0]["calls"][call]
-        if not c["at_step"]:
-            continue  # a skipped step: _judge_weights's business
-        used = flat_grads(c["at_step"][-1]["grads"], order, shapes)
-        per_rank = _per_rank(phase, seeds, call, k, size)
-        fp16, fp32 = (sum(g for batches in per_rank for g in micro_grads(c["start"], batches, k, dtype=d))
-                      / world_size for d in (torch.float16, None))
-        near, far = residual(used, fp16), residual(used, fp32)
-        # each rank's micro-batches through the model as one batch: the same numbers but for fp16's rounding, whose
-        # pattern (the rounding of that one batch's forward) tells it from the micro-batches' own
-        whole = sum(micro_grads(c["start"], [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))],
-                                1)[0] for batches in per_rank) / world_size
-        together = residual(used, whole)
-        explained = 1e-2 * float(used.norm())  # a residual this small: the gradients are that forward's
-        if together < 0.5 * min(near, far) and together <= explained:
-            raise CheckFailed(check, f"the micro-batches went through the model as one batch ({where})",
-                              ranks=range(world_size), expected=f"in call {call + 1}, the gradients of the {k} "
-                              "micro-batches' forwards, each under float16 autocast on its own (as the grader "
-                              "recomputes them at the call's weights)",
-                              got=f"{together:.3g} from one forward of all of them, {near:.3g} from the micro-batches' "
-                              "own", hint="for each micro-batch: its forward and loss under autocast, its scaled loss "
-                              "/ k backward, the first k - 1 inside no_sync(): the micro-batches are there because "
-                              "the whole batch at once does not fit")
-        if near > 0.5 * far and far <= explained:  # a multiple of neither: the weights' business
-            raise CheckFailed(check, f"the gradients do not carry float16's rounding: the forward ran in float32 "
-                              f"({where})", ranks=range(world_size), expected=f"in call {call + 1}, the gradients "
-                              "of a forward under float16 autocast (as the grader recomputes them at the call's "
-                              "weights)", got=f"{near:.3g} from the float16 forward's gradients, {far:.3g} from a "
-                              "float32 forward's", hint="run each micro-batch's forward (the model call and the "
-                              "loss) inside a torch.autocast context for the batch's device type with dtype float16")
-
-
 def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, lr=0.1, max_norm=0.5, seed=0):
     """The gradients the optimizer used are the all-reduced gradient (what DDP's all-reduce returned) divided by the
     loss scale, times min(1, max_norm / (its norm + 1e-6)), on every rank (1e-4 relative: float32); what each rank
@@ -357,7 +309,7 @@ def check_clip(amp_clip_grads, *, world_size=2, k=4, size=3, lr=0.1, max_norm=0.
         for dtype in (torch.float16, torch.bfloat16, None):
             # where the clip is concerned, any forward dtype passes (the dtype is check_amp_step's)
             try:
-                found = _judge_sent(check, obs, call, local_grads(inputs, k, dtype), order, shapes, max_norm, where)
+                found = judge_sent(check, obs, call, local_grads(inputs, k, dtype), order, shapes, max_norm, where)
                 break
             except CheckFailed as error:
                 first = found or error
@@ -415,65 +367,6 @@ def _judge_early(check, obs, where):
                                   "gathered by hand, is not the synced gradient's")
 
 
-def _judge_sent(check, obs, call, local, order, shapes, max_norm, where) -> float:
-    """DDP's all-reduce returned a multiple of the mean of every rank's unclipped micro-batch gradients (however
-    often it synced): that multiple, the loss scale the gradients carry; if not, what each rank sent says who
-    scaled its gradients, and when. The bounds use bf16's rounding (2**-8, the coarser of the 16-bit types), so
-    that a forward in either type is judged on its clip alone."""
-    world_size = len(obs)
-    every = [g for rank in range(world_size) for g in local[rank]]
-    bound = 4 * SENT_U * torch.stack([g.abs() for g in every]).sum(0) / world_size
-    record = obs[0]["calls"][call]["synced"][-1]
-    reduced = unflatten(record["reduced"], record["params"], order, shapes)
-    found = multiple(reduced, torch.stack(every).sum(0) / world_size, bound)
-    if found is not None:
-        return found
-    problem = f"DDP's all-reduce did not average the ranks' unclipped gradients: they were scaled before it ({where})"
-    hint = ("clip once per optimizer step, after the last micro-batch's backward, when DDP's all-reduce has made the "
-            "gradients global")
-    ranks, factors = list(range(world_size)), []
-    for rank, o in enumerate(obs):
-        records, scale = o["calls"][call]["synced"], o["calls"][call]["scale"]
-        if len(records) != 1:
-            continue  # synced more than once (check_amp_sync's business): what it sent is not its own accumulation
-        sent = unflatten(records[0]["sent"], records[0]["params"], order, shapes)
-        grads = local[rank]
-        mine = 4 * SENT_U * torch.stack([g.abs() for g in grads]).sum(0)
-        factor = multiple(sent, torch.stack(grads).sum(0), mine)
-        if factor is not None:
-            factors.append(f"rank {rank} {factor:.4g} x")
-            continue
-        if not sent.isfinite().all():
-            problem, ranks, got = f"the gradients overflowed float16 before DDP's all-reduce ({where})", [rank], \
-                f"rank {rank} sent inf or NaN in call {call + 1}, whose data overflow nowhere"
-            hint = "scale each loss with the given scaler (its scale is a power of two these gradients fit)"
-            break
-        ranks, (w, rest) = [rank], weights_of(sent, grads)
-        got = f"rank {rank} sent " + (" + ".join(f"{a:.4g} x g{i + 1}" for i, a in enumerate(w)) + " (g: its micro-"
-                                      "batches' true gradients)" if rest < 1e-2 else "no multiple of its gradients")
-        if any(multiple(sent, per_micro_step_clip([g * s for g in grads], max_norm), mine) is not None
-               for s in (scale, 1.0)):
-            problem = f"the gradients were clipped at every micro-step, before DDP's all-reduce ({where})"
-            hint = (f"clip once per optimizer step, after the last of the {len(grads)} backward passes: a clip inside "
-                    "the micro-steps scales part of the accumulation by this rank's own factor")
-        elif rest < 1e-2 and abs(w[-1] - scale * w[0]) < 0.02 * abs(w[-1]) and max(w[:-1]) - min(w[:-1]) < 0.02 * w[0]:
-            problem = (f"the micro-batches' gradients reached DDP's all-reduce at different scales: 1 to "
-                       f"{len(grads) - 1} unscaled, the last one {w[-1] / w[0]:.4g} x ({where})")
-            hint = ("scale every micro-batch's loss with the given scaler, and unscale only after the last backward: "
-                    "DDP's all-reduce adds the last micro-batch's gradients to what .grad holds")
-        else:
-            problem = f"each rank clipped its own gradients before DDP's all-reduce ({where})"
-            hint = ("clip after the last micro-batch's backward, when DDP's all-reduce has made the gradients global: "
-                    "inside no_sync() (or at every micro-step) the gradients (and their norm) are this rank's only, "
-                    "so every rank scales by its own factor and their average is not the clipped global gradient")
-        break
-    else:
-        got = f"each rank its own multiple of its accumulated gradient: {', '.join(factors)}"
-    raise CheckFailed(check, problem, ranks=ranks, expected=f"in call {call + 1}, DDP's all-reduce carries each "
-                      "rank's unclipped accumulated gradient (the sum of its micro-batches' gradients), all alike "
-                      "scaled", got=got, hint=hint)
-
-
 def _judge_unscaled(check, free, clipped, order, shapes, max_norm, where):
     """In the first call, what each rank sent to DDP's all-reduce is the same with the check's max_norm as with one no
     gradient reaches (the job's two phases start from the same weights, with the same micro-batches): the clip comes
@@ -502,7 +395,7 @@ def _judge_clipped(check, obs, call, order, shapes, max_norm, carried, twice, wh
     """The step used c x the all-reduced gradient / the loss scale, c = min(1, max_norm / (its norm + eps)), on every
     rank. ``twice``: the free phase's step used the true gradient / the scale (a loss not scaled, or gradients
     unscaled in amp_clip_grads and again by the given scaler.step: check_amp_step's business); then the clip is
-    judged on the all-reduced gradient / ``carried`` (the multiple of the true one it carries, :func:`_judge_sent`)
+    judged on the all-reduced gradient / ``carried`` (the multiple of the true one it carries, :func:`~graders.ddp_in_practice.precision_evidence.judge_sent`)
     and the step expected to use the clipped gradient / the scale."""
     for rank, o in enumerate(obs):
         c = o["calls"][call]
@@ -523,6 +416,11 @@ def _judge_clipped(check, obs, call, order, shapes, max_norm, carried, twice, wh
         if not used.any():
             problem = f"the optimizer stepped with no gradients: .grad was emptied before the given step ({where})"
             hint = "leave zero_grad to the given code, which runs it after the step"
+        elif twice and abs(applied - 1) <= FP32_REL and norm > max_norm:
+            problem = (f"the clip saw the gradients divided by the loss scale twice (norm {norm / scale:.3g}, below "
+                       f"max_norm), so it clipped nothing ({where})")
+            hint = ("unscale once: the given scaler's unscale_ divides by the scale, and a division of your own on top "
+                    "of it leaves the clip (and the step) with gradients the scale times too small")
         elif abs(applied - 1) <= FP32_REL and norm > max_norm:
             problem = f"the gradients the optimizer used were not clipped after DDP's all-reduce ({where})"
             hint = ("after the last backward (outside no_sync()), clip the synced gradients of all the model's "

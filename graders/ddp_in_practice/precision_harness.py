@@ -31,6 +31,11 @@ SHRINK = 1e-5  # the scaling phase's output layer, this much smaller: the first 
 OVERFLOW = 1e5  # the scaling phase's call 1: one micro-batch of the last rank, x this (> 65504 in float16: inf)
 SCALING_LR = 10.0  # the scaling phase's learning rate: its first layer's ~1e-6 gradients move the weights visibly
 PHASES = ("free", "scaling", "clipped")
+#: the rounding what the ranks sent is judged with: bf16's (2**-8), the coarser 16-bit type (any forward dtype
+#: passes check_clip, whose business is the clip)
+SENT_U = 2.0**-8
+#: relative agreement of float32 computations of one value in another order (a clip factor, a scaled gradient)
+FP32_REL = 1e-4
 _SENDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce", "gather")
 
 
@@ -63,11 +68,13 @@ def phase_net(phase: str, seed: int) -> nn.Sequential:
     return model
 
 
-def micro_grads(state: dict, batches: list, k: int, dtype=torch.float16, scale: float = INIT_SCALE) -> list:
+def micro_grads(state: dict, batches: list, k: int, dtype=torch.float16, scale: float = INIT_SCALE,
+                divide_after: bool = False) -> list:
     """Each micro-batch's gradient (flat, parameter order) of its loss / k at the weights ``state``, with the
     forward under autocast in ``dtype`` (None: float32), float32 weights, the loss times ``scale`` and the gradient
     divided by it (a power of two: exact, but for what underflows or overflows): what one rank's backward adds to
-    ``.grad``, unscaled."""
+    ``.grad``, unscaled. ``divide_after``: the loss's backward first, its gradient divided by k after (in float16 the
+    backward then rounds other values)."""
     model = make_net(0)
     model.load_state_dict(state)
     found = []
@@ -75,8 +82,9 @@ def micro_grads(state: dict, batches: list, k: int, dtype=torch.float16, scale: 
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype or torch.float16, enabled=dtype is not None):
             out = model(x)
-        (F.mse_loss(out.float(), y) / k * scale).backward()
-        found.append(torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]) / scale)
+        (F.mse_loss(out.float(), y) / (1 if divide_after else k) * scale).backward()
+        found.append(torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]) / scale
+                     / (k if divide_after else 1))
     return found
 
 
