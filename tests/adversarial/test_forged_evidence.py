@@ -773,7 +773,9 @@ def test_clip_factor_worked_out_before_the_all_reduce_loses_the_clip_cell():
     weights without clipping, the skipped overflow and the one all-reduce keep their cells."""
     fails(amp.check_clip, amp_clip_factor_worked_out_beforehand, "each rank scaled its gradients before DDP's "
           "all-reduce", "x that")
-    fails(amp.check_clip, amp_clip_factor_from_its_own_seed, "they were scaled before it")
+    # its own factor on every rank: named by what the ranks sent (factors apart) or, where the ranks' factors came
+    # out alike in that job's data, by the first call's sent multiple (_judge_unscaled); either way a scaling
+    fails(amp.check_clip, amp_clip_factor_from_its_own_seed, "scaled", "before", "DDP's all-reduce")
     for forged in (amp_clip_factor_worked_out_beforehand, amp_clip_factor_from_its_own_seed):
         amp.check_amp_step(forged)
         amp.check_amp_sync(forged)
