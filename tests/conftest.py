@@ -61,6 +61,19 @@ def _signals_restored(request):
                       stacklevel=1)
 
 
+@pytest.fixture
+def linked_tempdir(tmp_path, monkeypatch):
+    """The temporary folder reached through a symbolic link, as macOS's /var/folders is (/private/var): what the
+    checks make there has two names, the one they give and its real path."""
+    import tempfile
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "linked").symlink_to(real)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "linked"))
+    return real
+
+
 def lesson_path(key: str) -> Path:
     """The one lesson notebook whose name starts with ``key`` ("01" or "01-data-vs-model-parallelism")."""
     matches = sorted(LESSONS.glob(f"{key}*.ipynb"))

@@ -588,14 +588,8 @@ def test_check_checkpoint_accepts_every_style():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_temporary_folder_behind_a_symbolic_link_is_the_same_folder(tmp_path, monkeypatch):
+def test_a_temporary_folder_behind_a_symbolic_link_is_the_same_folder(linked_tempdir):
     """Where the temporary folder is reached through a link (macOS), a save to the real path is the checkpoint's."""
-    import tempfile
-
-    real = tmp_path / "real"
-    real.mkdir()
-    (tmp_path / "linked").symlink_to(real)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "linked"))
     ckpt.check_checkpoint(save_resolved, load_for_finetune)
 
 

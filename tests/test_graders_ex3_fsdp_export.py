@@ -249,14 +249,8 @@ def test_check_export_parts_accepts_every_style():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_folder_behind_a_symbolic_link_is_the_same_folder(tmp_path, monkeypatch):
+def test_a_folder_behind_a_symbolic_link_is_the_same_folder(linked_tempdir):
     """Where the temporary folder is reached through a link (macOS), a part saved under its real path is the part."""
-    import tempfile
-
-    real = tmp_path / "real"
-    real.mkdir()
-    (tmp_path / "linked").symlink_to(real)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "linked"))
     export.check_export_parts(export_resolved)
 
 
