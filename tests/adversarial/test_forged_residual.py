@@ -69,20 +69,21 @@ class _OnUnpickle:
         return (_swap_the_graders_torch, ())
 
 
-def _amp_right(ddp_model, micro_batches, max_norm):
+def _amp_right(ddp_model, optimizer, scaler, micro_batches, max_norm):
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
                 loss = F.mse_loss(ddp_model(x), y)
-            (loss / k).backward()
+            scaler.scale(loss / k).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
 
 
-def amp_gathering_hidden_at_unpickling(ddp_model, micro_batches, max_norm, _hide=_OnUnpickle()):
+def amp_gathering_hidden_at_unpickling(ddp_model, optimizer, scaler, micro_batches, max_norm, _hide=_OnUnpickle()):
     """The step, then every rank's gradients all-gathered (a collective the part excludes), hidden from the
     flight recorder's count by the grader module's global swapped while this function was unpickled."""
-    _amp_right(ddp_model, micro_batches, max_norm)
+    _amp_right(ddp_model, optimizer, scaler, micro_batches, max_norm)
     flat = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
     dist.all_gather([torch.empty_like(flat) for _ in range(dist.get_world_size())], flat)
 
@@ -137,26 +138,27 @@ def _comm_hook_records(ddp_model):
 _UNSCALED: dict = {}  # call number -> what this rank sent in the job's phase where no clipping happens
 
 
-def _rewrite_sent(ddp_model, max_norm, step):
+def _rewrite_sent(ddp_model, frame):
     """Make the grader's record of what this rank sent say the unscaled values: those it really sent in the phase of
-    the job that clips nothing (same weights, same micro-batches), kept for the phase that clips."""
+    the job that clips nothing (same weights, same micro-batches), kept for the phase that clips (the phase and the
+    call read in the grader's ``frame``)."""
+    phase, step = frame.f_locals["phase"], frame.f_locals["step"]
     for records in _comm_hook_records(ddp_model):
         if not records:
             continue
-        if max_norm >= 1e5:
+        if phase == "free":
             _UNSCALED[step] = records[-1]["sent"].clone()
-        elif step in _UNSCALED:
+        elif phase == "clipped" and step in _UNSCALED:
             records[-1]["sent"] = _UNSCALED[step].clone()
 
 
-def amp_clip_beforehand_records_rewritten(ddp_model, micro_batches, max_norm):
+def amp_clip_beforehand_records_rewritten(ddp_model, optimizer, scaler, micro_batches, max_norm):
     """Each rank recomputes every rank's micro-batches (the grader's public data function and the call's arguments,
     read in the caller's frame), works out the clipped global step's factor, scales its losses by it before DDP's
     all-reduce, then rewrites the grader's record of what it sent to the unscaled values."""
     frame = sys._getframe(1)
-    clip_factor_beforehand(ddp_model, micro_batches, max_norm, frame)
-    step = frame.f_locals["step"]
-    _rewrite_sent(ddp_model, max_norm, step)
+    clip_factor_beforehand(ddp_model, scaler, micro_batches, max_norm, frame)
+    _rewrite_sent(ddp_model, frame)
 
 
 @pytest.mark.slow
@@ -172,7 +174,7 @@ def test_clip_factor_worked_out_beforehand_with_the_record_rewritten_loses_the_c
     amp.check_amp_sync(amp_clip_beforehand_records_rewritten)
 
 
-def amp_clip_factor_from_gathered_gradients(ddp_model, micro_batches, max_norm):
+def amp_clip_factor_from_gathered_gradients(ddp_model, optimizer, scaler, micro_batches, max_norm):
     """The global gradient learnt before DDP's all-reduce: a twin's gradients on this rank's micro-batches, all-gathered;
     the exact clip factor applied to the losses before the all-reduce; the grader's record rewritten."""
     import copy
@@ -180,7 +182,7 @@ def amp_clip_factor_from_gathered_gradients(ddp_model, micro_batches, max_norm):
     k, world_size = len(micro_batches), dist.get_world_size()
     twin = copy.deepcopy(ddp_model.module)
     for x, y in micro_batches:
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
             loss = F.mse_loss(twin(x), y)
         (loss / k / world_size).backward()
     flat = torch.cat([p.grad.float().reshape(-1) for p in twin.parameters()])
@@ -189,10 +191,10 @@ def amp_clip_factor_from_gathered_gradients(ddp_model, micro_batches, max_norm):
     factor = min(1.0, max_norm / (float(sum(parts).norm()) + 1e-6))
     for i, (x, y) in enumerate(micro_batches):
         with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
-            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=x.device.type, dtype=torch.float16):
                 loss = F.mse_loss(ddp_model(x), y)
-            (loss * factor / k).backward()
-    _rewrite_sent(ddp_model, max_norm, sys._getframe(1).f_locals["step"])
+            scaler.scale(loss * factor / k).backward()
+    _rewrite_sent(ddp_model, sys._getframe(1))
 
 
 @pytest.mark.slow
@@ -396,8 +398,8 @@ class _OnUnpickle:
 
 ''' + inspect.getsource(_amp_right) + '''
 
-def amp_clip_grads(ddp_model, micro_batches, max_norm, _hide=_OnUnpickle()):
-    _amp_right(ddp_model, micro_batches, max_norm)
+def amp_clip_grads(ddp_model, optimizer, scaler, micro_batches, max_norm, _hide=_OnUnpickle()):
+    _amp_right(ddp_model, optimizer, scaler, micro_batches, max_norm)
     flat = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
     dist.all_gather([torch.empty_like(flat) for _ in range(dist.get_world_size())], flat)
 ''')
