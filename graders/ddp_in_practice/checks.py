@@ -23,7 +23,7 @@ process says about itself:
   a checkpoint the grader writes as if saved from ``cuda:0``; torch's own restore step reports where
   each tensor went, and the model must hold the saved weights on its device, on every rank).
 
-Part 5 (bf16 autocast and gradient clipping) is judged in :mod:`graders.ddp_in_practice.precision`.
+Part 5 (float16 autocast with a GradScaler, and gradient clipping) is judged in :mod:`graders.ddp_in_practice.precision`.
 
 The harnesses take torch.distributed's functions before the student's code runs, and build the
 observers (the model's forward, the communication hook, the optimizer's step hook, the restore
