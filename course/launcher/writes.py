@@ -53,8 +53,9 @@ def _note(how: str, raw, source=None) -> None:
         if os.path.isdir(path):  # O_TMPFILE opens the folder; the file that stays is seen when it gets a name
             return
         event = {"path": path, "how": how}
-        if source is not None and _path(source) is not None:  # a rename's or link's source: what moved where
-            event["from"] = _path(source)
+        moved_from = _path(source) if source is not None else None  # a rename's or link's source: what moved where
+        if moved_from is not None:
+            event["from"] = moved_from
         events.append(event)
         before = _state["before"]
         if before is not None:

@@ -26,7 +26,7 @@ import torch
 from course import checks
 from course.checks import CheckFailed, Mistake, passed, rank_list, stranded
 from graders.fsdp_checkpoint.checks import _job_env, _where
-from graders.fsdp_checkpoint.dcp import _pieces_verdict, _read_harness, _read_verdict, nudge
+from graders.fsdp_checkpoint.dcp import _pieces_verdict, _read_harness, _read_verdict, _same, nudge
 from graders.fsdp_checkpoint.harness import (
     OUTPUTS,
     _finetune_harness,
@@ -147,10 +147,6 @@ def _checkpoint_files(check: str, path: str, ws: int) -> None:
                       hint="dcp.save writes every rank's own shard, so call it on every rank: " + hint)
 
 
-
-
-def _same(a, b) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
 def _finetune_verdict(check: str, loaded: list[dict], expected: dict[str, list[torch.Tensor]],

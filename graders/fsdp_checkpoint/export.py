@@ -70,10 +70,9 @@ def _writes_verdict(check: str, values: list[dict], folder: str, ws: int) -> Non
     """Each rank left exactly one file, its own part; every rank left one."""
     where = _where(ws)
     own = [os.path.realpath(os.path.join(folder, part_name(r))) for r in range(ws)]  # real paths: see written_in
-    for obs in values:
-        obs["writes"] = [os.path.realpath(w) for w in obs["writes"]]
-    for rank, obs in enumerate(values):
-        left = [w for w in obs["writes"] if os.path.isfile(w) and w != own[rank]]
+    writes = [[os.path.realpath(w) for w in obs["writes"]] for obs in values]
+    for rank in range(ws):
+        left = [w for w in writes[rank] if os.path.isfile(w) and w != own[rank]]
         if left:
             other = left[0]
             owner = own.index(other) if other in own else None
@@ -83,7 +82,7 @@ def _writes_verdict(check: str, values: list[dict], folder: str, ws: int) -> Non
                 expected="each rank writes its own part-<rank>.pt in `folder`, nothing else, anywhere", got=f"rank {rank} wrote " + ", ".join(
                     os.path.relpath(w, os.path.dirname(os.path.realpath(folder))) for w in left[:3]),
                 hint="each rank saves only the share it keeps, under its own rank's name; the others save theirs")
-    missing = [r for r in range(ws) if not (os.path.isfile(own[r]) and own[r] in values[r]["writes"])]
+    missing = [r for r in range(ws) if not (os.path.isfile(own[r]) and own[r] in writes[r])]
     if missing:
         present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         raise CheckFailed(
