@@ -141,7 +141,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (_rank(_file_of(item)), order[id(item)]))
 
 
+def _compile_sources() -> None:
+    """Byte-compile the project's own modules once, before any worker starts.
+
+    The suite starts hundreds of fresh interpreters that import course/ and graders/ (each sandboxed
+    ``grade``'s CLI, kernel and verifier; torchrun's agents and workers). An editable install is never
+    compiled by pip, and where ``PYTHONDONTWRITEBYTECODE`` is set (as on our machines) no import writes a
+    cache either, so each of them compiled every module it imported from source again. Python reads an
+    up-to-date cache whatever that variable says; a stale one is ignored (the source's mtime is in it)."""
+    import compileall
+
+    for folder in ("course", "graders", "tests"):
+        compileall.compile_dir(str(ROOT / folder), quiet=2, workers=2)
+
+
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or -n 0): once per run
+        _compile_sources()
     cpu_profile.register(config)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_Controller(), "ddp-course-xdist-controller")
