@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -114,6 +115,36 @@ def test_cli_interrupts_a_cell_past_its_timeout_and_grades_the_rest(tmp_path):
     report = json.loads(stdout)
     assert submissions.scores(report) == submissions.full_marks("ex1-parallelism"), submissions.messages(report)
     assert seconds < ANSWER_TIMEOUT + 120, f"grading took {seconds:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_cli_forks_its_kernel_from_one_zygote_unless_zygotes_are_off(tmp_path, zygote):
+    """`ddp-course grade` starts one zygote (torch and the check API imported once) and forks its kernel and
+    verifier from it, as an autograde worker does: the kernel's process is named by the zygote that ran it in place.
+    It was not, once: what grading sets in the environment (PYTHONWARNINGS, TORCH_CPP_LOG_LEVEL) was set after the
+    zygote started, so every process differed from it in what imports read and was exec'd, the zygote's imports
+    paid on top. With DDP_COURSE_ZYGOTE=0 both are exec'd: a fresh Python."""
+    exercises = Path(__file__).parent / "files" / "verify"
+    nb = nbformat.read(str(exercises / "ex0-verify" / "parallelism.ipynb"), as_version=4)
+    nb.cells.append(new_code_cell("print('kernel process:', open('/proc/self/comm').read().strip())"))
+    path = tmp_path / "ex0-verify" / "parallelism.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, str(path))
+    graded = tmp_path / "graded.ipynb"
+    env = {**os.environ, "DDP_COURSE_ZYGOTE": zygote}
+    proc = subprocess.run([sys.executable, "-m", "course.cli", "grade", "--json", "--exercises", str(exercises),
+                           "-o", str(graded), str(path)], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sum(t["score"] for t in json.loads(proc.stdout)["tests"]) == 3, proc.stdout  # the reference, graded
+    out = "".join(o.get("text", "") for o in nbformat.read(str(graded), as_version=4).cells[-1].get("outputs", []))
+    name = re.search(r"kernel process: (\S+)", out)
+    assert name, out
+    if zygote == "1":
+        assert name.group(1) == "ipykernel_launc", out  # the module the zygote ran in place (15 characters kept)
+    else:
+        assert name.group(1).startswith("python"), out
 
 
 def test_cli_says_why_a_kernel_died_before_it_started(tmp_path):

@@ -9,6 +9,7 @@ scores every test cell by nbgrader's rules, giving the reason for every lost poi
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -114,6 +115,29 @@ def print_report(report: GradeReport) -> None:
             console.print(_escape(t.message), highlight=False)
 
 
+@contextlib.contextmanager
+def one_zygote():
+    """Fork this grading's kernel and verifier from one zygote (:mod:`course.sandbox.zygote`), as an autograde
+    worker forks its submissions': torch, torch._dynamo, ipykernel and the check API imported once for both
+    instead of once in each, and while this process reads and restores the notebook. Nothing where zygotes are
+    off (``DDP_COURSE_ZYGOTE=0``: both are exec'd) or this process has one already; stopped at the end."""
+    from course.grading.kernel import ZYGOTE_PRELOAD
+    from course.grading.pipeline import quiet_libraries
+    from course.sandbox import zygote
+
+    if not zygote.enabled() or zygote.current() is not None:
+        yield
+        return
+    quiet_libraries()  # before the zygote imports: its processes get this environment
+    started = zygote.Zygote(ZYGOTE_PRELOAD)
+    zygote.use(started)
+    try:
+        yield
+    finally:
+        zygote.use(None)
+        started.close()
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -133,8 +157,9 @@ def command(notebook, as_json, exercises, test_timeout, timeout, output):
     exercises/. Exits 0 whenever grading ran, whatever the score.
     """
     try:
-        report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout),
-                                output=output)
+        with one_zygote():
+            report = grade_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout),
+                                    output=output)
     except CourseError as err:
         raise click.ClickException(str(err)) from None
     except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback

@@ -180,8 +180,11 @@ def command(notebook, as_json, exercises, test_timeout, timeout, hint_check):
 
     if not notebook.is_file():
         raise CourseError(f"{notebook}: no such notebook")
+    from course.grading.grade import one_zygote
+
     try:
-        report = check_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout))
+        with one_zygote():  # its kernel and verifier forked from one zygote, as `ddp-course grade` does
+            report = check_notebook(notebook, exercises=exercises, timeouts=Timeouts(test=test_timeout, other=timeout))
     except CourseError:
         raise
     except Exception as err:  # noqa: BLE001 - e.g. no kernel: one line, not a traceback

@@ -445,7 +445,9 @@ def _invalid_json(nb, ctx):
 # * grade alone: reading the notebook (notebook.read), locked cells restored from the source notebook
 #   (restore.restore), the work folder a copy of the submission's folder (copy_submission), the exercises
 #   folder it was given hidden, the kernel and the verifier exec'd afresh (jupyter_client's Popen), scoring by
-#   score_notebook (a cell that never ran scores 0 through Execution.ran);
+#   score_notebook (a cell that never ran scores 0 through Execution.ran). Played through grade_notebook, so
+#   exec'd: the `ddp-course grade` and `check` commands fork both from a zygote of their own (one_zygote),
+#   which is the autograde worker's code (Zygote, ZygoteProcess, the wrapper run in place), played there;
 # * autograde alone: nbgrader's autograde (reading and validating the notebook, restoring locked cells from
 #   the gradebook, SaveAutoGrades scoring from the outputs), the kernel and the verifier forked from the
 #   worker's zygote (which preloaded torch, course.checks and the launcher; the kernel's process is a

@@ -253,7 +253,10 @@ def file_digest(paths) -> dict[str, str]:
 
 
 def grade_one(path: Path, exercises: Path) -> Outcome:
-    """``ddp-course grade`` on ``path``: :func:`course.grading.grade.grade_notebook`, the CLI's own entry point."""
+    """``ddp-course grade`` on ``path``: :func:`course.grading.grade.grade_notebook`, the CLI's own entry point,
+    called here without the zygote the CLI starts around it (:func:`course.grading.grade.one_zygote`): its kernel
+    and verifier exec'd, as the API, ``DDP_COURSE_ZYGOTE=0`` and a machine where a zygote cannot start run them
+    (processes forked from a zygote are the autograde path's, played there)."""
     import tempfile
 
     from course.grading.grade import grade_notebook
