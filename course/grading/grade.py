@@ -119,23 +119,15 @@ def print_report(report: GradeReport) -> None:
 def one_zygote():
     """Fork this grading's kernel and verifier from one zygote (:mod:`course.sandbox.zygote`), as an autograde
     worker forks its submissions': torch, torch._dynamo, ipykernel and the check API imported once for both
-    instead of once in each, and while this process reads and restores the notebook. Nothing where zygotes are
-    off (``DDP_COURSE_ZYGOTE=0``: both are exec'd) or this process has one already; stopped at the end."""
+    instead of once in each. Started when the kernel is (a command that fails before pays nothing), stopped at the
+    end; nothing where zygotes are off (``DDP_COURSE_ZYGOTE=0``: both are exec'd) or this process has one."""
     from course.grading.kernel import ZYGOTE_PRELOAD
     from course.grading.pipeline import quiet_libraries
     from course.sandbox import zygote
 
-    if not zygote.enabled() or zygote.current() is not None:
+    quiet_libraries()  # before the zygote imports: its processes get this environment, else they are exec'd
+    with zygote.on_demand(ZYGOTE_PRELOAD):
         yield
-        return
-    quiet_libraries()  # before the zygote imports: its processes get this environment
-    started = zygote.Zygote(ZYGOTE_PRELOAD)
-    zygote.use(started)
-    try:
-        yield
-    finally:
-        zygote.use(None)
-        started.close()
 
 
 def _escape(text: str) -> str:

@@ -34,6 +34,7 @@ back on a socket of its own, which :class:`ZygoteProcess` (a ``Popen`` look-alik
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -307,14 +308,37 @@ def _fork_zygote(ours: socket.socket, theirs: socket.socket, preload: tuple[str,
 
 #: the zygote this process's sandboxes use (set by an autograde worker), or None: every process is exec'd
 _current: Zygote | None = None
+#: the preload of a zygote to start when a process is first asked of this process's (:func:`on_demand`)
+_on_demand: tuple[str, ...] | None = None
 
 
 def current() -> Zygote | None:
-    """This process's zygote, restarted if it died; None where none is in use."""
-    global _current
+    """This process's zygote, started now if one is to be started on demand, restarted if it died; None where
+    none is in use."""
+    global _current, _on_demand
+    if _current is None and _on_demand is not None:
+        _current, _on_demand = Zygote(_on_demand), None
     if _current is not None and not _current.alive():
         _current = Zygote(_current.preload)
     return _current
+
+
+@contextlib.contextmanager
+def on_demand(preload):
+    """Within it, this process's zygote (:func:`current`) is one that imports ``preload``, started when a process
+    is first asked of it (none where none is: a command that fails before it starts anything pays nothing), and
+    stopped at the end. Nothing where zygotes are off or this process has one already."""
+    global _current, _on_demand
+    if not enabled() or _current is not None or _on_demand is not None:
+        yield
+        return
+    _on_demand = tuple(preload)
+    try:
+        yield
+    finally:
+        started, _current, _on_demand = _current, None, None
+        if started is not None:
+            started.close()
 
 
 def use(zygote: Zygote | None) -> None:
