@@ -144,6 +144,39 @@ def test_current_restarts_a_dead_zygote_and_none_means_popen(monkeypatch):
         zygotes.use(None)
 
 
+def test_a_zygote_on_demand_starts_with_its_first_process_and_stops_at_the_end(monkeypatch):
+    """What `ddp-course grade` and `check` use: nothing started until a process is asked for (a command that
+    fails first pays no imports), one zygote for every process after, gone at the end; nothing at all where
+    zygotes are off or one is in use already."""
+    monkeypatch.setattr(zygotes, "_current", None)
+    monkeypatch.delenv("DDP_COURSE_ZYGOTE", raising=False)
+    with zygotes.on_demand(()):
+        assert zygotes._current is None  # nothing asked yet: nothing started
+    assert zygotes.current() is None
+    with zygotes.on_demand(()):
+        first = zygotes.current()
+        assert first is not None and first.alive() and zygotes.current() is first
+        assert zygotes.popen(["/bin/true"]).wait(10) == 0
+    assert zygotes.current() is None
+    deadline = time.monotonic() + 10
+    while first.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not first.alive()
+    monkeypatch.setenv("DDP_COURSE_ZYGOTE", "0")
+    with zygotes.on_demand(()):
+        assert zygotes.current() is None
+    monkeypatch.delenv("DDP_COURSE_ZYGOTE")
+    mine = zygotes.Zygote(preload=())
+    try:
+        zygotes.use(mine)
+        with zygotes.on_demand(()):
+            assert zygotes.current() is mine
+        assert zygotes.current() is mine  # not the context's to stop
+    finally:
+        zygotes.use(None)
+        mine.close()
+
+
 def test_a_reporting_zygote_says_its_pid_then_each_childs_pid_rank_and_secret(probe_dir):
     """With report_fd (torchrun's agents give one: course.launcher.torchrun.agent), the zygote says who it is, then
     the pid and RANK of each process it forks ('-' without one) and the secret it drew for that process alone
