@@ -1,35 +1,29 @@
 """A warm zygote: starts a submission's sandboxed processes by fork, with torch and the rest already imported.
 
-Each graded submission starts a kernel and a verifier, each a fresh Python that
-imports torch (and the verifier torch._dynamo, for the ranks' forkserver): about
-5 of the 8.7 CPU seconds a graded ex1 submission cost. An autograde worker grades
-one submission after another, so it keeps one zygote (:class:`Zygote`): a Python
-started once per worker, as the worker's own user, that imports all of that once
-(the ``preload`` it is given) and then only forks. Nothing of a submission ever runs in it.
+Each graded submission starts a kernel and a verifier, each a fresh Python that imports torch (and the verifier
+torch._dynamo, for the ranks' forkserver): about 5 of the 8.7 CPU seconds a graded ex1 submission cost. An
+autograde worker grades one submission after another, so it keeps one zygote (:class:`Zygote`): a Python started
+once per worker, as the worker's own user, that imports all of that once (the ``preload`` it is given) and then
+only forks; ``ddp-course grade`` and ``check`` start one on demand (:func:`on_demand`) for their two processes.
+Nothing of a submission ever runs in it.
 
-``zygote.popen(argv, env=..., cwd=...)`` is ``subprocess.Popen(argv, env=..., cwd=...,
-start_new_session=True)``, only faster: the zygote forks, the child takes the
-caller's stdin/stdout/stderr and becomes ``argv``. When ``argv`` runs a module of this
-Python (``sys.executable [-s] [-P] -m MODULE ...``, the sandbox wrapper included,
-then the kernel or the verifier it starts) the child runs the module in place, as
-a fresh interpreter would (:func:`_run_module`); anything else, or a module whose
-environment differs from the zygote's in what is read at import time
-(:data:`IMPORT_TIME_ENV`), is really exec'd. The sandbox is the same either way:
-the wrapper's namespaces, mounts, rlimits, cgroup, uid and no-new-privileges are
-applied in the child before the submission's code runs, exactly as before its
-exec (:mod:`course.sandbox.wrapper`).
+``zygote.popen(argv, env=..., cwd=...)`` is ``subprocess.Popen(argv, env=..., cwd=..., start_new_session=True)``,
+only faster: the zygote forks, the child takes the caller's stdin/stdout/stderr and becomes ``argv``. When
+``argv`` runs a module of this Python (``sys.executable [-s] [-P] -m MODULE ...``, the sandbox wrapper included,
+then the kernel or the verifier it starts) the child runs the module in place, as a fresh interpreter would
+(:func:`_run_module`); anything else, or a module whose environment differs from the zygote's in what is read at
+import time (:data:`IMPORT_TIME_ENV`), is really exec'd. The sandbox is the same either way: the wrapper's
+namespaces, mounts, rlimits, cgroup, uid and no-new-privileges are applied in the child before the submission's
+code runs, exactly as before its exec (:mod:`course.sandbox.wrapper`).
 
-What a forked process shares with its zygote and a fresh one would not: the
-modules already imported (their code and state as imported, never touched by a
-submission), the hash seed (Python's; re-seeded: ``random``, numpy's global
-generator, multiprocessing's authkey). What it does not get: the zygote's
-descriptors (all closed but the three it is given) and anything of another
-submission (the zygote holds none).
+What a forked process shares with its zygote and a fresh one would not: the modules already imported (their
+code and state as imported, never touched by a submission), the hash seed (Python's; re-seeded: ``random``,
+numpy's global generator, multiprocessing's authkey). What it does not get: the zygote's descriptors (all
+closed but the three it is given) and anything of another submission (the zygote holds none).
 
-The caller talks to the zygote over a socketpair (requests, with the descriptors
-attached); each child's pid and, when the zygote reaps it, its exit status come
-back on a socket of its own, which :class:`ZygoteProcess` (a ``Popen`` look-alike:
-``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``) reads.
+The caller talks to the zygote over a socketpair (requests, with the descriptors attached); each child's pid
+and, when the zygote reaps it, its exit status come back on a socket of its own, which :class:`ZygoteProcess` (a
+``Popen`` look-alike: ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``) reads.
 """
 
 from __future__ import annotations
@@ -306,15 +300,14 @@ def _fork_zygote(ours: socket.socket, theirs: socket.socket, preload: tuple[str,
     return _Forked(pid)
 
 
-#: the zygote this process's sandboxes use (set by an autograde worker), or None: every process is exec'd
+#: the zygote this process's sandboxes use (set by an autograde worker), or None: every process is exec'd;
+#: ``_on_demand``: the preload of one to start when a process is first asked of it (:func:`on_demand`)
 _current: Zygote | None = None
-#: the preload of a zygote to start when a process is first asked of this process's (:func:`on_demand`)
 _on_demand: tuple[str, ...] | None = None
 
 
 def current() -> Zygote | None:
-    """This process's zygote, started now if one is to be started on demand, restarted if it died; None where
-    none is in use."""
+    """This process's zygote (started now if one is due on demand, restarted if it died); None where none is."""
     global _current, _on_demand
     if _current is None and _on_demand is not None:
         _current, _on_demand = Zygote(_on_demand), None
@@ -325,20 +318,19 @@ def current() -> Zygote | None:
 
 @contextlib.contextmanager
 def on_demand(preload):
-    """Within it, this process's zygote (:func:`current`) is one that imports ``preload``, started when a process
-    is first asked of it (none where none is: a command that fails before it starts anything pays nothing), and
-    stopped at the end. Nothing where zygotes are off or this process has one already."""
+    """Within it, this process's zygote imports ``preload``, started with the first process asked of it (a command
+    that fails before pays nothing), stopped at the end; nothing where zygotes are off or one is in use."""
     global _current, _on_demand
-    if not enabled() or _current is not None or _on_demand is not None:
+    if enabled() and _current is None and _on_demand is None:
+        _on_demand = tuple(preload)
+        try:
+            yield
+        finally:
+            started, _current, _on_demand = _current, None, None
+            if started is not None:
+                started.close()
+    else:
         yield
-        return
-    _on_demand = tuple(preload)
-    try:
-        yield
-    finally:
-        started, _current, _on_demand = _current, None, None
-        if started is not None:
-            started.close()
 
 
 def use(zygote: Zygote | None) -> None:
