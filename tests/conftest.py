@@ -152,7 +152,8 @@ def _compile_sources() -> None:
     import compileall
 
     for folder in ("course", "graders", "tests"):
-        compileall.compile_dir(str(ROOT / folder), quiet=2, workers=2)
+        if os.access(ROOT / folder, os.W_OK):  # not the rootless replay's user: it reads the caches root wrote
+            compileall.compile_dir(str(ROOT / folder), quiet=2, workers=2)
 
 
 def pytest_configure(config):
