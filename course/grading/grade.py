@@ -119,13 +119,12 @@ def print_report(report: GradeReport) -> None:
 def one_zygote():
     """Fork this grading's kernel and verifier from one zygote (:mod:`course.sandbox.zygote`), as an autograde
     worker forks its submissions': torch, torch._dynamo, ipykernel and the check API imported once for both
-    instead of once in each. Started when the kernel is (a command that fails before pays nothing), stopped at the
-    end; nothing where zygotes are off (``DDP_COURSE_ZYGOTE=0``: both are exec'd) or this process has one."""
+    instead of once in each. Started when the kernel is (a command that fails before pays nothing; and by then
+    the grading's config has set the environment its processes get, which the zygote must import with, else they
+    are exec'd), stopped at the end; nothing where zygotes are off (``DDP_COURSE_ZYGOTE=0``) or one is in use."""
     from course.grading.kernel import ZYGOTE_PRELOAD
-    from course.grading.pipeline import quiet_libraries
     from course.sandbox import zygote
 
-    quiet_libraries()  # before the zygote imports: its processes get this environment, else they are exec'd
     with zygote.on_demand(ZYGOTE_PRELOAD):
         yield
 

@@ -115,19 +115,12 @@ def configure(
     if hide:
         c.SandboxKernelManager.hide = [str(p) for p in hide]
         c.VerifyTests.hide = [str(p) for p in hide]
-    quiet_libraries()
-    return c
-
-
-def quiet_libraries() -> None:
-    """Keep library warnings off the stderr of the kernels and verifiers this process starts.
-
-    nbgrader gives a test cell 0 points if it wrote anything on stderr, and torch warns a lot
-    (deprecations, gloo hostname lookups): kernels inherit this environment, so library
-    warnings stay quiet. Any other stderr still fails the cell. Set before a zygote starts too: what its
-    modules read at import must be what its processes get (:data:`course.sandbox.zygote.IMPORT_TIME_ENV`)."""
+    # nbgrader gives a test cell 0 points if it wrote anything on stderr, and torch warns a lot
+    # (deprecations, gloo hostname lookups): kernels inherit this environment, so library
+    # warnings stay quiet. Any other stderr still fails the cell.
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return c
 
 
 def run(nb, submission_dir: str | Path, config: Config) -> Execution:
