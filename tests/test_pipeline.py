@@ -106,7 +106,7 @@ def autograded(course: Path, student: str) -> dict[str, tuple[float, str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_grade_and_autograde_give_every_test_cell_the_same_score_and_message(tmp_path):
-    from course.grading.grade import grade_notebook
+    from course.grading.grade import grade_notebook, one_zygote
     from course.grading.notebook import Timeouts
 
     paths = _students(tmp_path)
@@ -117,8 +117,11 @@ def test_grade_and_autograde_give_every_test_cell_the_same_score_and_message(tmp
     _cli("autograde", A, "--jobs", "2", cwd=course)
 
     full = submissions.full_marks(A)
-    for student, path in paths.items():
-        report = grade_notebook(path, exercises=course / "source", timeouts=Timeouts(other=CELL_TIMEOUT))
+    reports = {}
+    with one_zygote():  # each kernel and verifier forked, as `ddp-course grade` does (the API's exec'd path: the attacks)
+        for student, path in paths.items():
+            reports[student] = grade_notebook(path, exercises=course / "source", timeouts=Timeouts(other=CELL_TIMEOUT))
+    for student, report in reports.items():
         by_grade = {t.id: (t.score, normalise(t.message)) for t in report.tests}
         assert by_grade == autograded(course, student), student
         scores = {gid: score for gid, (score, _) in by_grade.items()}
