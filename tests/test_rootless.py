@@ -61,6 +61,9 @@ def test_the_adversarial_suite_holds_without_root():
            "DDP_COURSE_ADVERSARIAL_BASE": "tiny",
            # and on the grade path alone: both paths grade in the same sandbox, which is what this run tests
            "DDP_COURSE_ADVERSARIAL_PATHS": "grade",
+           # its kernels and verifiers forked from a zygote, as `ddp-course grade` and `autograde` start them for an
+           # instructor without root (the root run plays the exec'd grade path and the forked autograde path)
+           "DDP_COURSE_ADVERSARIAL_FORK": "1",
            # only the attacks whose outcome running without root can change (the sandbox's isolation, limits and
            # kills); the others (nbgrader's and restore's handling of the notebook, patches that stay in the
            # kernel's memory, the output cap in the grader) end the same whatever the sandbox: the root run plays them

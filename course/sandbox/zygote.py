@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 #: what every zygote imports once (each process it forks runs the wrapper first); its user adds what its
@@ -99,10 +100,8 @@ class ZygoteProcess:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -304,16 +303,18 @@ def _fork_zygote(ours: socket.socket, theirs: socket.socket, preload: tuple[str,
 #: ``_on_demand``: the preload of one to start when a process is first asked of it (:func:`on_demand`)
 _current: Zygote | None = None
 _on_demand: tuple[str, ...] | None = None
+_starting = threading.Lock()
 
 
 def current() -> Zygote | None:
     """This process's zygote (started now if one is due on demand, restarted if it died); None where none is."""
     global _current, _on_demand
-    if _current is None and _on_demand is not None:
-        _current, _on_demand = Zygote(_on_demand), None
-    if _current is not None and not _current.alive():
-        _current = Zygote(_current.preload)
-    return _current
+    with _starting:  # threads that ask at once (a caller grading notebooks side by side) start one zygote
+        if _current is None and _on_demand is not None:
+            _current, _on_demand = Zygote(_on_demand), None
+        if _current is not None and not _current.alive():
+            _current = Zygote(_current.preload)
+        return _current
 
 
 @contextlib.contextmanager

@@ -214,6 +214,7 @@ for path in sorted(paths):
     else:
         print("{READ_MARK} public", path)
 print("{READ_MARK} secrets read:", secrets)
+print("{READ_MARK} kernel process", open("/proc/self/comm").read().strip())  # forked from a zygote, or exec'd
 ''')
 
 

@@ -252,11 +252,22 @@ def file_digest(paths) -> dict[str, str]:
 # --------------------------------------------------------------------------- the grade path
 
 
+def forked_from_a_zygote():
+    """Where ``DDP_COURSE_ADVERSARIAL_FORK=1`` (the rootless replay, tests/test_rootless.py): the grade path's kernels
+    and verifiers forked from one zygote, as ``ddp-course grade`` (:func:`course.grading.grade.one_zygote`) and
+    ``autograde`` run them for an instructor without root; else nothing (the root run: exec'd, below)."""
+    import contextlib
+
+    from course.grading.grade import one_zygote
+
+    return one_zygote() if os.environ.get("DDP_COURSE_ADVERSARIAL_FORK") == "1" else contextlib.nullcontext()
+
+
 def grade_one(path: Path, exercises: Path) -> Outcome:
     """``ddp-course grade`` on ``path``: :func:`course.grading.grade.grade_notebook`, the CLI's own entry point,
-    called here without the zygote the CLI starts around it (:func:`course.grading.grade.one_zygote`): its kernel
-    and verifier exec'd, as the API, ``DDP_COURSE_ZYGOTE=0`` and a machine where a zygote cannot start run them
-    (processes forked from a zygote are the autograde path's, played there)."""
+    called here without the zygote the CLI starts around it (:func:`course.grading.grade.one_zygote`) unless
+    :func:`forked_from_a_zygote`: its kernel and verifier exec'd, as the API, ``DDP_COURSE_ZYGOTE=0`` and a machine
+    where a zygote cannot start run them (processes forked from a zygote are the autograde path's, played there)."""
     import tempfile
 
     from course.grading.grade import grade_notebook
@@ -320,7 +331,7 @@ def grade_batch(tmp_path_factory) -> Batch:
     old_env = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
     try:
-        with ThreadPoolExecutor(PARALLEL) as pool:
+        with forked_from_a_zygote(), ThreadPoolExecutor(PARALLEL) as pool:
             futures = {name: pool.submit(grade_one, path, exercises) for name, path in paths.items()}
             outcomes = {}
             for name, future in futures.items():

@@ -152,6 +152,18 @@ def test_no_network_beyond_the_sandbox_loopback(request, path):
                                                "aimed at the host's loopback (outside the sandbox) only"))
 
 
+@pytest.mark.parametrize("path", paths_playing("read_sources"))
+def test_each_path_plays_the_kernel_it_runs(request, path):
+    """The root run's grade path execs its kernels (the grading API; ``DDP_COURSE_ZYGOTE=0``); autograde forks them
+    from a zygote, and so does the rootless replay's grade path (``DDP_COURSE_ADVERSARIAL_FORK=1``: ``ddp-course
+    grade`` and ``autograde`` without root): a kernel the zygote ran in place keeps the module's name."""
+    text = request.getfixturevalue(f"{path}_batch").outcomes["read_sources"].outputs
+    name = re.search(rf"{attacks.READ_MARK} kernel process (\S+)", text)
+    assert name, text[-3000:]
+    forked = path == "autograde" or os.environ.get("DDP_COURSE_ADVERSARIAL_FORK") == "1"
+    assert (name.group(1) == "ipykernel_launc") if forked else name.group(1).startswith("python"), (path, name.group(1))
+
+
 @pytest.mark.parametrize("path", paths_playing("output_flood"))
 def test_flood_is_cut_and_kept_small(request, path):
     run = request.getfixturevalue(f"{path}_batch")
