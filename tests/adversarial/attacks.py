@@ -457,7 +457,9 @@ def _invalid_json(nb, ctx):
 #   the gradebook, feedback.
 # What running without root changes (the rootless sandbox): a user namespace instead of a uid of its own (the
 # sandbox runs as the grader's own uid), no cgroups (RLIMIT_AS for memory, RLIMIT_NPROC and a pid namespace
-# for processes), mounts made inside the user namespace, processes killed with the namespace's init.
+# for processes), mounts made inside the user namespace, processes killed with the namespace's init. The replay
+# plays the grade path with its kernel and verifier forked from a zygote (runs.forked_from_a_zygote), as
+# `ddp-course grade` and autograde run them for an instructor without root; the root run plays both kinds.
 #
 # attack            paths      rootless  why
 # honest            both       yes   the control: every path, and the rootless sandbox, must give it every point
