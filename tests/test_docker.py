@@ -78,6 +78,7 @@ def engine():
 
 
 def _image(name: str) -> str:
+    requirements_gate.await_docker_images()  # CI builds them beside the tests
     if docker("image", "inspect", name, check=False).returncode != 0:
         unavailable(f"image {name} is not built (docker/ci/build.sh builds it)")
     return name

@@ -47,6 +47,7 @@ def free_port() -> int:
 def hub_image():
     if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
         unavailable("no Docker engine (docker/ci/install-engine.sh)")
+    requirements_gate.await_docker_images()  # CI builds them beside the tests
     if docker("image", "inspect", HUB_IMAGE, check=False).returncode:
         unavailable(f"no image {HUB_IMAGE}: build it with docker/ci/build.sh")
     return HUB_IMAGE
