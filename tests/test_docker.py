@@ -77,8 +77,9 @@ def engine():
         unavailable("no Docker engine answers (CI: docker/ci/install-engine.sh)")
 
 
-def _image(name: str) -> str:
-    requirements_gate.await_docker_images()  # CI builds them beside the tests
+def image_built(name: str) -> str:
+    """``name``, once built (CI builds the images beside the tests); unavailable where it is not."""
+    requirements_gate.await_docker_images()
     if docker("image", "inspect", name, check=False).returncode != 0:
         unavailable(f"image {name} is not built (docker/ci/build.sh builds it)")
     return name
@@ -86,12 +87,12 @@ def _image(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def lab_image(engine):
-    return _image(LAB_IMAGE)
+    return image_built(LAB_IMAGE)
 
 
 @pytest.fixture(scope="session")
 def grader_image(engine):
-    return _image(GRADER_IMAGE)
+    return image_built(GRADER_IMAGE)
 
 
 def source_notebooks() -> list[Path]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requirements_gate
 from serving import hub_login, wait_for_http
+from test_docker import image_built
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_IMAGE = os.environ.get("DDP_COURSE_HUB_IMAGE", "ddp-course:hub")
@@ -47,10 +48,7 @@ def free_port() -> int:
 def hub_image():
     if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
         unavailable("no Docker engine (docker/ci/install-engine.sh)")
-    requirements_gate.await_docker_images()  # CI builds them beside the tests
-    if docker("image", "inspect", HUB_IMAGE, check=False).returncode:
-        unavailable(f"no image {HUB_IMAGE}: build it with docker/ci/build.sh")
-    return HUB_IMAGE
+    return image_built(HUB_IMAGE)
 
 
 def login(url: str, user: str, password: str) -> float:
